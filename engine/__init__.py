@@ -1,0 +1,37 @@
+"""An embeddable LLM inference engine: continuous batching, paged KV, O(1) per-token host path.
+
+Public names load lazily, so `import engine.params` stays light.
+"""
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "Engine": "api",
+    "RequestStream": "api",
+    "EngineDead": "errors",
+    "EngineError": "errors",
+    "EngineOverloaded": "errors",
+    "Completion": "outputs",
+    "StreamEvent": "outputs",
+    "TokenLogprob": "outputs",
+    "Usage": "outputs",
+    "SamplingParams": "params",
+    "Tokenizer": "tokenizer",
+    "load_tokenizer": "tokenizer",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(list(globals()) + __all__)
