@@ -1,0 +1,27 @@
+# Header for cext/chunk.pyx: the SSE chunk serializer.
+cimport cython
+
+
+@cython.final
+cdef class ChunkWriter:
+    cdef char* buf              # reused output buffer: prefix, then one chunk's variable part
+    cdef Py_ssize_t cap         # bytes allocated in buf
+    cdef Py_ssize_t pos         # bytes written so far
+    cdef Py_ssize_t prefix_len  # the constant head of every choice chunk, kept in buf[:prefix_len]
+    cdef bytes head             # 'data: {"id":...,"model":...,"choices":[' (for the usage chunk)
+    cdef bint is_chat
+    cdef bint include_usage
+    cdef bint is_first          # the first chat chunk carries delta.role
+    cdef long long text_offset  # completions logprobs: character offset of the next token
+
+    cdef int _reserve(self, Py_ssize_t num_bytes) except -1
+    cdef int _raw(self, const char* data, Py_ssize_t num_bytes) except -1
+    cdef int _str(self, str text) except -1
+    cdef int _int(self, long long value) except -1
+    cdef int _float(self, double value) except -1
+    cdef int _byte_list(self, object values) except -1
+    cdef int _chat_logprobs(self, list logprobs) except -1
+    cdef int _text_logprobs(self, list logprobs) except -1
+    cdef bytes _take(self)
+    cpdef bytes event(self, str text, object logprobs, object finish_reason)
+    cpdef bytes usage(self, long long prompt_tokens, long long completion_tokens)

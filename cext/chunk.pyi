@@ -1,0 +1,16 @@
+"""Type stub for the compiled cext.chunk (see chunk.pyx for the escaping rules)."""
+from typing import Sequence
+
+from engine.outputs import TokenLogprob
+
+DONE: bytes
+
+def clamp_logprob(value: float) -> float: ...
+def dumps_str(text: str) -> bytes: ...
+
+class ChunkWriter:
+    def __init__(
+        self, request_id: str, model: str, created: int, is_chat: bool, include_usage: bool = False
+    ) -> None: ...
+    def event(self, text: str, logprobs: Sequence[TokenLogprob] | None, finish_reason: str | None) -> bytes: ...
+    def usage(self, prompt_tokens: int, completion_tokens: int) -> bytes: ...

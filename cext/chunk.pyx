@@ -1,0 +1,331 @@
+"""SSE chunk serializer: OpenAI streaming chunks written into one reused buffer.
+
+A ``ChunkWriter`` belongs to one request. Its constructor renders the constant head of
+every chunk (``data: {"id":..,"object":..,"created":..,"model":..,"choices":[{"index":0,``)
+once into its buffer; each ``event()`` then rewinds to the end of that head and writes
+only the escaped delta text, the optional logprobs and the finish_reason, and returns
+the whole SSE event (``data: {...}\\n\\n``) as one ``bytes``.
+
+String escaping (the output is UTF-8 JSON that ``json.loads`` reads back exactly):
+``"`` and ``\\`` are backslash-escaped; control characters below U+0020 become
+``\\n \\r \\t \\b \\f`` or ``\\u00XX``; every other code point is written as raw UTF-8
+(non-ASCII and emoji included). Lone surrogates (a Python ``str`` may hold U+D800..U+DFFF,
+even a "pair" stored as two code points) cannot be encoded as UTF-8: each becomes
+U+FFFD, so every chunk is valid UTF-8 that any JSON parser reads the same way. The
+engine never produces them (its text comes from a UTF-8 decode with replacement).
+
+Logprobs: values below -9999.0, -inf and NaN are written as -9999.0 (as vLLM does), so
+the output stays strict JSON (no ``-Infinity``); +inf is written as 0.0.
+"""
+from cpython.conversion cimport Py_DTSF_ADD_DOT_0, PyOS_double_to_string
+from cpython.bytes cimport PyBytes_FromStringAndSize
+from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
+from cpython.unicode cimport PyUnicode_DATA, PyUnicode_GET_LENGTH, PyUnicode_KIND
+from libc.stdint cimport uint8_t, uint16_t, uint32_t
+from libc.string cimport memcpy, strlen
+
+DONE = b"data: [DONE]\n\n"
+
+cdef char ESCAPE[128]   # 0: copy as is; otherwise the letter after the backslash
+cdef const char* HEX = b"0123456789abcdef"
+
+
+cdef void _init_escape_table() noexcept:
+    cdef int i
+    for i in range(128):
+        ESCAPE[i] = 0
+    for i in range(32):
+        ESCAPE[i] = 117  # 'u'
+    ESCAPE[8] = 98    # \b
+    ESCAPE[9] = 116   # \t
+    ESCAPE[10] = 110  # \n
+    ESCAPE[12] = 102  # \f
+    ESCAPE[13] = 114  # \r
+    ESCAPE[34] = 34   # \"
+    ESCAPE[92] = 92   # \\
+
+
+_init_escape_table()
+
+
+cdef inline char* _put_code_point(char* out, uint32_t c) noexcept nogil:
+    cdef char e
+    if c < 0x80:
+        e = ESCAPE[c]
+        if e == 0:
+            out[0] = <char>c
+            return out + 1
+        out[0] = 92  # backslash
+        if e != 117:
+            out[1] = e
+            return out + 2
+        out[1] = 117
+        out[2] = 48
+        out[3] = 48
+        out[4] = HEX[c >> 4]
+        out[5] = HEX[c & 15]
+        return out + 6
+    if c < 0x800:
+        out[0] = <char>(0xC0 | (c >> 6))
+        out[1] = <char>(0x80 | (c & 0x3F))
+        return out + 2
+    if 0xD800 <= c < 0xE000:
+        c = 0xFFFD  # lone surrogate: not encodable as UTF-8
+    if c < 0x10000:
+        out[0] = <char>(0xE0 | (c >> 12))
+        out[1] = <char>(0x80 | ((c >> 6) & 0x3F))
+        out[2] = <char>(0x80 | (c & 0x3F))
+        return out + 3
+    out[0] = <char>(0xF0 | (c >> 18))
+    out[1] = <char>(0x80 | ((c >> 12) & 0x3F))
+    out[2] = <char>(0x80 | ((c >> 6) & 0x3F))
+    out[3] = <char>(0x80 | (c & 0x3F))
+    return out + 4
+
+
+cdef inline double _clamp_logprob(double value) noexcept nogil:
+    if not (value >= -9999.0):  # NaN, -inf, very negative
+        return -9999.0
+    if value > 1.7976931348623157e308:  # +inf
+        return 0.0
+    return value
+
+
+def clamp_logprob(double value) -> float:
+    """The value ``ChunkWriter`` writes for a logprob (for reference builders and tests)."""
+    return _clamp_logprob(value)
+
+
+cdef class ChunkWriter:
+    """Serializes one request's stream. Not thread-safe: one writer per request."""
+
+    def __cinit__(self, str request_id, str model, long long created, bint is_chat,
+                  bint include_usage=False):
+        self.cap = 1024
+        self.buf = <char*>PyMem_Malloc(self.cap)
+        if self.buf == NULL:
+            raise MemoryError()
+        self.pos = 0
+        self.is_chat = is_chat
+        self.include_usage = include_usage
+        self.is_first = True
+        self.text_offset = 0
+        self._raw(b'data: {"id":', 12)
+        self._str(request_id)
+        if is_chat:
+            self._raw(b',"object":"chat.completion.chunk","created":', 44)
+        else:
+            self._raw(b',"object":"text_completion","created":', 38)
+        self._int(created)
+        self._raw(b',"model":', 9)
+        self._str(model)
+        self._raw(b',"choices":[', 12)
+        self.head = PyBytes_FromStringAndSize(self.buf, self.pos)
+        if is_chat:
+            self._raw(b'{"index":0,"delta":{', 20)
+        else:
+            self._raw(b'{"index":0,', 11)
+        self.prefix_len = self.pos
+
+    def __dealloc__(self):
+        PyMem_Free(self.buf)
+
+    cdef int _reserve(self, Py_ssize_t num_bytes) except -1:
+        cdef Py_ssize_t need = self.pos + num_bytes
+        cdef Py_ssize_t new_cap
+        cdef char* grown
+        if need <= self.cap:
+            return 0
+        new_cap = max(need, 2 * self.cap)
+        grown = <char*>PyMem_Realloc(self.buf, new_cap)
+        if grown == NULL:
+            raise MemoryError()
+        self.buf = grown
+        self.cap = new_cap
+        return 0
+
+    cdef int _raw(self, const char* data, Py_ssize_t num_bytes) except -1:
+        self._reserve(num_bytes)
+        memcpy(self.buf + self.pos, data, num_bytes)
+        self.pos += num_bytes
+        return 0
+
+    cdef int _str(self, str text) except -1:
+        """Writes text as a quoted JSON string."""
+        cdef Py_ssize_t n = PyUnicode_GET_LENGTH(text)
+        cdef Py_ssize_t i
+        cdef int kind = PyUnicode_KIND(text)
+        cdef void* data = PyUnicode_DATA(text)
+        cdef char* out
+        self._reserve(6 * n + 2)  # worst case: every character a \u00XX escape
+        out = self.buf + self.pos
+        out[0] = 34
+        out += 1
+        if kind == 1:
+            for i in range(n):
+                out = _put_code_point(out, (<uint8_t*>data)[i])
+        elif kind == 2:
+            for i in range(n):
+                out = _put_code_point(out, (<uint16_t*>data)[i])
+        else:
+            for i in range(n):
+                out = _put_code_point(out, (<uint32_t*>data)[i])
+        out[0] = 34
+        self.pos = (out + 1) - self.buf
+        return 0
+
+    cdef int _int(self, long long value) except -1:
+        cdef char tmp[24]
+        cdef int n = 0
+        cdef bint negative = value < 0
+        cdef unsigned long long v = <unsigned long long>(-value) if negative else <unsigned long long>value
+        while True:
+            tmp[23 - n] = <char>(48 + v % 10)
+            n += 1
+            v //= 10
+            if v == 0:
+                break
+        if negative:
+            tmp[23 - n] = 45
+            n += 1
+        return self._raw(tmp + 24 - n, n)
+
+    cdef int _float(self, double value) except -1:
+        cdef char* text = PyOS_double_to_string(_clamp_logprob(value), b'r', 0, Py_DTSF_ADD_DOT_0, NULL)
+        try:
+            self._raw(text, strlen(text))
+        finally:
+            PyMem_Free(text)
+        return 0
+
+    cdef int _byte_list(self, object values) except -1:
+        cdef bint is_first = True
+        self._raw(b"[", 1)
+        for v in values:
+            if not is_first:
+                self._raw(b",", 1)
+            is_first = False
+            self._int(v)
+        self._raw(b"]", 1)
+        return 0
+
+    cdef int _chat_logprobs(self, list logprobs) except -1:
+        """{"content":[{"token","logprob","bytes","top_logprobs":[{"token","logprob","bytes"}]}]}"""
+        cdef Py_ssize_t i, j
+        self._raw(b'{"content":[', 12)
+        for i in range(len(logprobs)):
+            lp = logprobs[i]
+            if i:
+                self._raw(b",", 1)
+            self._raw(b'{"token":', 9)
+            self._str(lp.token)
+            self._raw(b',"logprob":', 11)
+            self._float(lp.logprob)
+            self._raw(b',"bytes":', 9)
+            self._byte_list(lp.bytes)
+            self._raw(b',"top_logprobs":[', 17)
+            top = lp.top
+            for j in range(len(top)):
+                entry = top[j]
+                if j:
+                    self._raw(b",", 1)
+                self._raw(b'{"token":', 9)
+                self._str(entry[1])
+                self._raw(b',"logprob":', 11)
+                self._float(entry[3])
+                self._raw(b',"bytes":', 9)
+                self._byte_list(entry[2])
+                self._raw(b"}", 1)
+            self._raw(b"]}", 2)
+        self._raw(b"]}", 2)
+        return 0
+
+    cdef int _text_logprobs(self, list logprobs) except -1:
+        """The legacy completions format: tokens, token_logprobs, top_logprobs, text_offset."""
+        cdef Py_ssize_t i, j, n = len(logprobs)
+        self._raw(b'{"tokens":[', 11)
+        for i in range(n):
+            if i:
+                self._raw(b",", 1)
+            self._str(logprobs[i].token)
+        self._raw(b'],"token_logprobs":[', 20)
+        for i in range(n):
+            if i:
+                self._raw(b",", 1)
+            self._float(logprobs[i].logprob)
+        self._raw(b'],"top_logprobs":[', 18)
+        for i in range(n):
+            if i:
+                self._raw(b",", 1)
+            self._raw(b"{", 1)
+            top = logprobs[i].top
+            for j in range(len(top)):
+                entry = top[j]
+                if j:
+                    self._raw(b",", 1)
+                self._str(entry[1])
+                self._raw(b":", 1)
+                self._float(entry[3])
+            self._raw(b"}", 1)
+        self._raw(b'],"text_offset":[', 17)
+        for i in range(n):
+            if i:
+                self._raw(b",", 1)
+            self._int(self.text_offset)
+            self.text_offset += PyUnicode_GET_LENGTH(logprobs[i].token)
+        self._raw(b"]}", 2)
+        return 0
+
+    cdef bytes _take(self):
+        return PyBytes_FromStringAndSize(self.buf, self.pos)
+
+    cpdef bytes event(self, str text, object logprobs, object finish_reason):
+        """One SSE event for one StreamEvent: its text, logprobs (list or None), finish_reason."""
+        self.pos = self.prefix_len
+        if self.is_chat:
+            if self.is_first:
+                self._raw(b'"role":"assistant",', 19)
+                self.is_first = False
+            self._raw(b'"content":', 10)
+            self._str(text)
+            self._raw(b'},"logprobs":', 13)
+        else:
+            self._raw(b'"text":', 7)
+            self._str(text)
+            self._raw(b',"logprobs":', 12)
+        if logprobs is None:
+            self._raw(b"null", 4)
+        elif self.is_chat:
+            self._chat_logprobs(logprobs)
+        else:
+            self._text_logprobs(logprobs)
+        self._raw(b',"finish_reason":', 17)
+        if finish_reason is None:
+            self._raw(b"null", 4)
+        else:
+            self._str(finish_reason)
+        if self.include_usage:
+            self._raw(b'}],"usage":null}\n\n', 18)
+        else:
+            self._raw(b"}]}\n\n", 5)
+        return self._take()
+
+    cpdef bytes usage(self, long long prompt_tokens, long long completion_tokens):
+        """The final usage chunk of stream_options.include_usage (choices is empty)."""
+        self.pos = self.prefix_len
+        self._raw(b'],"usage":{"prompt_tokens":', 27)
+        self._int(prompt_tokens)
+        self._raw(b',"completion_tokens":', 21)
+        self._int(completion_tokens)
+        self._raw(b',"total_tokens":', 16)
+        self._int(prompt_tokens + completion_tokens)
+        self._raw(b"}}\n\n", 4)
+        return self.head + PyBytes_FromStringAndSize(self.buf + self.prefix_len, self.pos - self.prefix_len)
+
+
+def dumps_str(str text) -> bytes:
+    """``text`` as a quoted JSON string, escaped exactly as ChunkWriter escapes delta text."""
+    cdef ChunkWriter writer = ChunkWriter("", "", 0, True)
+    writer.pos = 0
+    writer._str(text)
+    return writer._take()
