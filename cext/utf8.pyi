@@ -1,0 +1,31 @@
+"""Type stubs for cext/utf8.pyx (UTF-8 boundary tracking for incremental detokenization)."""
+import numpy as np
+
+FLAG_BYTE: int      # kinds flag: a byte-fallback token <0xNN>
+FLAG_SPECIAL: int   # kinds flag: dropped when skipping special tokens
+FLAG_UNKNOWN: int   # kinds flag: an id decode drops
+BYTES: int          # mode: byte-level BPE, concatenated bytes rendered like errors="replace"
+PIECES: int         # mode: SentencePiece text pieces plus byte-fallback runs
+
+class TokenTable:
+    blob: bytes
+    offsets: np.ndarray  # int64 [num_ids + 1]
+    kinds: np.ndarray    # uint8 [num_ids]
+    texts: list[str | None]
+    num_ids: int
+    def __init__(self, blob: bytes, offsets: np.ndarray, kinds: np.ndarray, texts: list[str | None]) -> None: ...
+    def piece(self, token_id: int) -> bytes: ...
+
+class Utf8Tracker:
+    table: TokenTable | None
+    mode: int
+    skip_special: bool
+    num_strip: int
+    num_held_bytes: int
+    def __init__(
+        self, table: TokenTable | None = None, mode: int = ..., skip_special: bool = True, num_strip: int = 0
+    ) -> None: ...
+    def add(self, token_id: int) -> str: ...
+    def push(self, data: bytes | bytearray | memoryview) -> str: ...
+    def push_byte(self, value: int) -> str: ...
+    def finish(self) -> str: ...
