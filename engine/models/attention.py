@@ -1,0 +1,129 @@
+"""Paged attention over a flat KV cache, planned once per forward and reused by every layer.
+
+The cache of one layer is K and V tensors ``[num_slots, num_kv_heads, head_dim]`` with
+``num_slots = num_blocks * block_size``; slot = block_id * block_size + offset.
+
+Decode rows (the first ``num_decode_seqs`` sequences, one row each) are attended in one
+SDPA call: their keys are gathered through the block tables into a padded
+``[B, KH, L, D]`` with a length mask. Prefill chunks run one SDPA call per sequence.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from engine.batch import ForwardBatch
+
+
+class PagedKVCache:
+    """K and V for every layer: ``k[layer]`` / ``v[layer]`` are ``[num_slots, KH, D]``."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype):
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks: must be > 0, got {num_blocks}")
+        if block_size <= 0:
+            raise ValueError(f"block_size: must be > 0, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        # Zeros, not empty: masked padding slots are still read, and must not hold NaN.
+        shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype)  # [L, S, KH, D]
+        self.v = torch.zeros(shape, dtype=dtype)  # [L, S, KH, D]
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+
+@dataclass(slots=True)
+class PrefillSeq:
+    row_start: int
+    row_end: int
+    kv_slots: torch.Tensor | None  # [C] slots of the whole context, None: attend the new rows only (causal)
+    mask: torch.Tensor | None  # [T, C] bool, True = attend; None with kv_slots None: is_causal
+
+
+@dataclass(slots=True)
+class AttentionPlan:
+    slot_mapping: torch.Tensor  # [T]
+    num_decode_seqs: int
+    decode_slots: torch.Tensor | None  # [B, L] slots to gather for the decode rows
+    decode_mask: torch.Tensor | None  # [B, 1, 1, L] bool
+    prefills: list[PrefillSeq] = field(default_factory=list)
+
+
+def _context_slots(block_table: torch.Tensor, num_tokens: int, block_size: int,
+                   offsets: torch.Tensor) -> torch.Tensor:
+    """block_table [..., max_blocks] -> slots [..., num_tokens] of positions 0..num_tokens-1."""
+    num_blocks = -(-num_tokens // block_size)
+    table = block_table[..., :num_blocks].clamp(min=0)  # -1 padding -> block 0 (masked out)
+    slots = table.unsqueeze(-1) * block_size + offsets  # [..., nb, bs]
+    return slots.flatten(-2)[..., :num_tokens]
+
+
+def plan_attention(batch: ForwardBatch, sliding_window: int | None = None) -> AttentionPlan:
+    bs = batch.block_size
+    offsets = torch.arange(bs, dtype=torch.int64)
+    context_lens = batch.context_lens_list
+    starts = batch.query_starts_list
+    num_decode = batch.num_decode_seqs
+    decode_slots = decode_mask = None
+    if num_decode:
+        max_len = max(context_lens[:num_decode])
+        decode_slots = _context_slots(batch.block_tables[:num_decode], max_len, bs, offsets)  # [B, L]
+        key_pos = torch.arange(max_len, dtype=torch.int64)  # [L]
+        lens = batch.context_lens[:num_decode, None]  # [B, 1]
+        decode_mask = key_pos < lens  # [B, L]
+        if sliding_window is not None and max_len > sliding_window:
+            decode_mask &= key_pos >= lens - sliding_window
+        decode_mask = decode_mask[:, None, None, :]  # [B, 1, 1, L]
+    prefills = []
+    for b in range(num_decode, batch.num_seqs):
+        row_start, row_end = starts[b], starts[b + 1]
+        num_rows, num_ctx = row_end - row_start, context_lens[b]
+        if num_rows == 0:
+            continue
+        if num_ctx == num_rows and (sliding_window is None or num_rows <= sliding_window):
+            prefills.append(PrefillSeq(row_start, row_end, None, None))
+            continue
+        kv_slots = _context_slots(batch.block_tables[b], num_ctx, bs, offsets)  # [C]
+        key_pos = torch.arange(num_ctx, dtype=torch.int64)  # [C]
+        query_pos = batch.positions[row_start:row_end, None]  # [T, 1]
+        mask = key_pos <= query_pos  # [T, C]
+        if sliding_window is not None:
+            mask &= key_pos > query_pos - sliding_window
+        prefills.append(PrefillSeq(row_start, row_end, kv_slots, mask))
+    return AttentionPlan(batch.slot_mapping, num_decode, decode_slots, decode_mask, prefills)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
+    """q [T, H, D], k/v [T, KH, D] (already written to the cache) -> [T, H * D]."""
+    num_rows, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    groups = num_heads // num_kv_heads
+    pieces = []
+    nd = plan.num_decode_seqs
+    if nd:
+        qd = q[:nd].view(nd, num_kv_heads, groups, head_dim)  # [B, KH, G, D]
+        kd = k_cache[plan.decode_slots].transpose(1, 2)  # [B, KH, L, D]
+        vd = v_cache[plan.decode_slots].transpose(1, 2)  # [B, KH, L, D]
+        out = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=plan.decode_mask)  # [B, KH, G, D]
+        pieces.append(out.reshape(nd, num_heads * head_dim))
+    for seq in plan.prefills:
+        qs = q[seq.row_start:seq.row_end].transpose(0, 1)  # [H, T, D]
+        if seq.kv_slots is None:
+            ks = k[seq.row_start:seq.row_end].transpose(0, 1)  # [KH, T, D]
+            vs = v[seq.row_start:seq.row_end].transpose(0, 1)  # [KH, T, D]
+            out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=groups > 1)
+        else:
+            ks = k_cache[seq.kv_slots].transpose(0, 1)  # [KH, C, D]
+            vs = v_cache[seq.kv_slots].transpose(0, 1)  # [KH, C, D]
+            out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=seq.mask, enable_gqa=groups > 1)
+        pieces.append(out.transpose(0, 1).reshape(seq.row_end - seq.row_start, num_heads * head_dim))  # [T, H*D]
+    if len(pieces) == 1:
+        return pieces[0]
+    return torch.cat(pieces, dim=0)

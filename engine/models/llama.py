@@ -1,0 +1,151 @@
+"""One decoder for Llama / SmolLM2 (tied embeddings, GQA), Qwen2 (q/k/v bias) and Mistral.
+
+RMSNorm, RoPE, SwiGLU; fused ``wqkv`` and ``w_gate_up`` projections; float32 or bfloat16.
+Implements the model interface of ``engine.batch``: ``forward(batch, kv_cache)`` writes
+each new row's K/V at ``batch.slot_mapping`` and attends through the paged cache.
+
+Weights come in as a state dict with Hugging Face names (``model.layers.0.self_attn.q_proj.weight``,
+...); the loaders translate GGUF names and layouts to these.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.batch import ForwardBatch
+from engine.config import ModelConfig
+from engine.models.attention import PagedKVCache, paged_attention, plan_attention
+from engine.models.rope import RotaryTable, apply_rope
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    if dtype in DTYPES:
+        return DTYPES[dtype]
+    raise ValueError(f"dtype: unsupported {dtype!r}, expected one of {tuple(DTYPES)}")
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor | None]):
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.eps = config.rms_norm_eps
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.attn_norm = nn.Parameter(weights["attn_norm"], requires_grad=False)  # [E]
+        self.wqkv = nn.Parameter(weights["wqkv"], requires_grad=False)  # [(H + 2 KH) D, E]
+        self.bqkv = None if weights["bqkv"] is None else nn.Parameter(weights["bqkv"], requires_grad=False)
+        self.wo = nn.Parameter(weights["wo"], requires_grad=False)  # [E, H D]
+        self.bo = None if weights["bo"] is None else nn.Parameter(weights["bo"], requires_grad=False)
+        self.ffn_norm = nn.Parameter(weights["ffn_norm"], requires_grad=False)  # [E]
+        self.w_gate_up = nn.Parameter(weights["w_gate_up"], requires_grad=False)  # [2 I, E]
+        self.w_down = nn.Parameter(weights["w_down"], requires_grad=False)  # [E, I]
+        self.norm_shape = (config.hidden_size,)
+        self.intermediate_size = config.intermediate_size
+
+    def forward(self, x, cos, sin, k_cache, v_cache, plan):
+        num_rows = x.shape[0]  # x [T, E]
+        h = F.rms_norm(x, self.norm_shape, self.attn_norm, self.eps)  # [T, E]
+        qkv = F.linear(h, self.wqkv, self.bqkv)  # [T, (H + 2 KH) D]
+        qk = qkv[:, : self.q_size + self.kv_size].view(num_rows, self.num_heads + self.num_kv_heads, self.head_dim)
+        qk = apply_rope(qk, cos, sin)  # [T, H + KH, D]
+        q = qk[:, : self.num_heads]  # [T, H, D]
+        k = qk[:, self.num_heads:]  # [T, KH, D]
+        v = qkv[:, self.q_size + self.kv_size:].view(num_rows, self.num_kv_heads, self.head_dim)  # [T, KH, D]
+        k_cache.index_copy_(0, plan.slot_mapping, k)
+        v_cache.index_copy_(0, plan.slot_mapping, v)
+        attn = paged_attention(q, k, v, k_cache, v_cache, plan)  # [T, H D]
+        x = x + F.linear(attn, self.wo, self.bo)  # [T, E]
+        h = F.rms_norm(x, self.norm_shape, self.ffn_norm, self.eps)
+        gate_up = F.linear(h, self.w_gate_up)  # [T, 2 I]
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)  # [T, I] each
+        return x + F.linear(F.silu(gate) * up, self.w_down)  # [T, E]
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype: str | torch.dtype = "float32",
+                 rope_freq_factors: torch.Tensor | None = None):
+        super().__init__()
+        self.config = config
+        self.dtype = resolve_dtype(dtype)
+        self.vocab_size = config.vocab_size
+        weights = _WeightReader(state_dict, self.dtype)
+        E, V = config.hidden_size, config.vocab_size
+        self.embed = nn.Parameter(weights.take("model.embed_tokens.weight", (V, E)), requires_grad=False)  # [V, E]
+        self.layers = nn.ModuleList(DecoderLayer(config, _layer_weights(config, weights, i))
+                                    for i in range(config.num_layers))
+        self.norm = nn.Parameter(weights.take("model.norm.weight", (E,)), requires_grad=False)  # [E]
+        if config.tie_word_embeddings:
+            self.lm_head = self.embed
+        else:
+            self.lm_head = nn.Parameter(weights.take("lm_head.weight", (V, E)), requires_grad=False)  # [V, E]
+        self.rope = RotaryTable(config, self.dtype, rope_freq_factors)
+
+    def make_kv_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
+        c = self.config
+        return PagedKVCache(c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim, self.dtype)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv_cache: PagedKVCache) -> torch.Tensor:
+        """-> logits [len(batch.logit_rows), vocab_size] float32."""
+        self.rope.ensure(max(batch.context_lens_list))
+        plan = plan_attention(batch, self.config.sliding_window)
+        cos, sin = self.rope.lookup(batch.positions)  # [T, 1, D]
+        x = F.embedding(batch.input_ids, self.embed)  # [T, E]
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, kv_cache.k[i], kv_cache.v[i], plan)
+        x = x.index_select(0, batch.logit_rows)  # [S, E]
+        x = F.rms_norm(x, (self.config.hidden_size,), self.norm, self.config.rms_norm_eps)
+        return F.linear(x, self.lm_head).float()  # [S, V]
+
+
+class _WeightReader:
+    """Takes tensors out of a state dict by name, checking shape and casting to the model dtype."""
+
+    def __init__(self, state_dict: dict[str, torch.Tensor], dtype: torch.dtype):
+        self.state_dict = state_dict
+        self.dtype = dtype
+
+    def take(self, name: str, shape: tuple[int, ...], optional: bool = False) -> torch.Tensor | None:
+        tensor = self.state_dict.get(name)
+        if tensor is None:
+            if optional:
+                return None
+            raise ValueError(f"missing weight {name!r} (expected shape {list(shape)})")
+        if tuple(tensor.shape) != tuple(shape):
+            raise ValueError(f"weight {name!r}: shape {list(tensor.shape)}, expected {list(shape)}")
+        return tensor.to(self.dtype).contiguous()
+
+
+def _layer_weights(config: ModelConfig, weights: _WeightReader, i: int) -> dict[str, torch.Tensor | None]:
+    E, I = config.hidden_size, config.intermediate_size
+    q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    p = f"model.layers.{i}."
+    take = weights.take
+    wq = take(p + "self_attn.q_proj.weight", (q_size, E))
+    wk = take(p + "self_attn.k_proj.weight", (kv_size, E))
+    wv = take(p + "self_attn.v_proj.weight", (kv_size, E))
+    biases = [take(p + f"self_attn.{n}_proj.bias", (size,), optional=not config.attention_bias)
+              for n, size in (("q", q_size), ("k", kv_size), ("v", kv_size))]
+    if any(b is not None for b in biases):
+        biases = [torch.zeros(size, dtype=weights.dtype) if b is None else b
+                  for b, size in zip(biases, (q_size, kv_size, kv_size))]
+        bqkv = torch.cat(biases)  # [(H + 2 KH) D]
+    else:
+        bqkv = None
+    return {
+        "attn_norm": take(p + "input_layernorm.weight", (E,)),
+        "wqkv": torch.cat((wq, wk, wv)),  # [(H + 2 KH) D, E]
+        "bqkv": bqkv,
+        "wo": take(p + "self_attn.o_proj.weight", (E, q_size)),
+        "bo": take(p + "self_attn.o_proj.bias", (E,), optional=True),
+        "ffn_norm": take(p + "post_attention_layernorm.weight", (E,)),
+        "w_gate_up": torch.cat((take(p + "mlp.gate_proj.weight", (I, E)), take(p + "mlp.up_proj.weight", (I, E)))),
+        "w_down": take(p + "mlp.down_proj.weight", (E, I)),
+    }

@@ -1,0 +1,116 @@
+"""Rotary position embeddings: inverse frequencies (with the scaling types Llama,
+Qwen2 and Mistral configs use) and a precomputed cos/sin table indexed by position."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from engine.config import ModelConfig
+
+
+def rope_inv_freq(config: ModelConfig, freq_factors: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
+    """-> (inv_freq [D/2] float64, attention_factor applied to cos and sin)."""
+    dim = config.head_dim
+    base = config.rope_theta
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))  # [D/2]
+    attention_factor = 1.0
+    scaling = config.rope_scaling
+    if scaling is not None:
+        rope_type = scaling["rope_type"]
+        factor = float(scaling["factor"])
+        if rope_type == "linear":
+            inv_freq = inv_freq / factor
+        elif rope_type == "llama3":
+            inv_freq = _llama3_inv_freq(inv_freq, scaling, factor)
+        elif rope_type == "yarn":
+            inv_freq, attention_factor = _yarn_inv_freq(config, scaling, factor)
+        else:  # ModelConfig validation keeps this unreachable
+            raise ValueError(f"rope_scaling: unsupported rope_type {rope_type!r}")
+    if freq_factors is not None:  # GGUF rope_freqs.weight (llama3 scaling baked into the file)
+        inv_freq = inv_freq / freq_factors.to(torch.float64)
+    return inv_freq, attention_factor
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict, factor: float) -> torch.Tensor:
+    low_freq_factor = float(scaling["low_freq_factor"])
+    high_freq_factor = float(scaling["high_freq_factor"])
+    old_context_len = float(scaling["original_max_position_embeddings"])
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def _yarn_inv_freq(config: ModelConfig, scaling: dict, factor: float) -> tuple[torch.Tensor, float]:
+    dim = config.head_dim
+    base = config.rope_theta
+    original_max = scaling.get("original_max_position_embeddings") or config.max_position_embeddings
+
+    def get_mscale(scale: float, mscale: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = get_mscale(factor)
+    beta_fast = scaling.get("beta_fast") or 32
+    beta_slow = scaling.get("beta_slow") or 1
+
+    def correction_dim(num_rotations: float) -> float:
+        return (dim * math.log(original_max / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)  # [D/2]
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    extrapolation_factor = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * ramp + (1.0 / pos_freqs) * extrapolation_factor
+    return inv_freq, float(attention_factor)
+
+
+class RotaryTable:
+    """cos/sin for every position up to ``num_positions``, grown on demand.
+
+    The head layout is "rotate half" (Hugging Face): dims [0, D/2) pair with [D/2, D).
+    """
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, freq_factors: torch.Tensor | None = None):
+        self.inv_freq, self.attention_factor = rope_inv_freq(config, freq_factors)  # [D/2]
+        self.dtype = dtype
+        self.num_positions = 0
+        self.cos = self.sin = None
+        self.ensure(min(config.max_position_embeddings, 8192))
+
+    def ensure(self, num_positions: int) -> None:
+        if num_positions <= self.num_positions:
+            return
+        num_positions = max(num_positions, 2 * self.num_positions)
+        t = torch.arange(num_positions, dtype=torch.float64)
+        freqs = torch.outer(t, self.inv_freq)  # [P, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
+        self.cos = (emb.cos() * self.attention_factor).to(self.dtype)
+        self.sin = (emb.sin() * self.attention_factor).to(self.dtype)
+        self.num_positions = num_positions
+
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] -> cos, sin [T, 1, D] (broadcast over heads)."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, N, D], cos/sin [T, 1, D] -> [T, N, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)  # [T, N, D]
+    return torch.addcmul(x * cos, rotated, sin)
