@@ -1,0 +1,158 @@
+"""webapp.protocol: request parsing/validation and the plain response builders."""
+import json
+
+import pytest
+
+from engine.outputs import TokenLogprob
+from webapp import errors, protocol
+from webapp.errors import APIError
+
+
+def chat(**fields):
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    body.update(fields)
+    return protocol.parse_chat(body)
+
+
+def completion(**fields):
+    body = {"model": "m", "prompt": "hi"}
+    body.update(fields)
+    return protocol.parse_completion(body)
+
+
+def error_of(fn, *args, **kwargs) -> APIError:
+    with pytest.raises(APIError) as info:
+        fn(*args, **kwargs)
+    assert info.value.status == 400
+    return info.value
+
+
+def test_chat_fields_map_to_sampling_params():
+    req = chat(max_tokens=7, temperature=0, top_p=0.5, top_k=3, seed=11, stop="\n", logprobs=True,
+               top_logprobs=2, stream=True, stream_options={"include_usage": True}, ignore_eos=True,
+               stop_token_ids=[2], include_stop_str_in_output=True, user="ignored", frequency_penalty=0,
+               some_future_field={"x": 1})
+    p = req.params
+    assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed) == (7, 0, 0.5, 3, 11)
+    assert p.stop == ("\n",) and p.stop_token_ids == (2,) and p.ignore_eos and p.include_stop_str_in_output
+    assert p.logprobs and p.top_logprobs == 2
+    assert req.is_stream and req.include_usage and not req.is_max_tokens_default
+    assert req.messages == [{"role": "user", "content": "hi"}]
+
+
+def test_defaults_and_aliases():
+    req = chat()
+    assert req.is_max_tokens_default and not req.is_stream and not req.include_usage
+    assert chat(max_completion_tokens=5, max_tokens=9).params.max_tokens == 5
+    assert chat(top_k=-1).params.top_k == 0  # vLLM's "disabled"
+    assert not chat(stream_options={"include_usage": True}).include_usage  # only with stream
+    assert chat(n=1, stop=None, seed=None).params.stop == ()
+
+
+def test_content_parts_are_joined():
+    req = protocol.parse_chat({"messages": [
+        {"role": "system", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {"role": "assistant", "content": None}, {"role": "user", "content": "q"}]})
+    assert [m["content"] for m in req.messages] == ["ab", "", "q"]
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"messages": []}, "messages"),
+    ({"messages": "hi"}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0]"),
+    ({"messages": [{"role": "user", "content": "a\ud800"}]}, "messages[0].content"),
+    ({"max_tokens": -1}, "max_tokens"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": 10**12}, "max_tokens"),
+    ({"max_tokens": "5"}, "max_tokens"),
+    ({"max_tokens": 5.0}, "max_tokens"),
+    ({"max_tokens": True}, "max_tokens"),
+    ({"temperature": -1}, "temperature"),
+    ({"temperature": "hot"}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"top_k": -2}, "top_k"),
+    ({"n": 2}, "n"),
+    ({"stop": 5}, "stop"),
+    ({"stop": ["a", 1]}, "stop"),
+    ({"stop": [""]}, "stop"),
+    ({"logprobs": "yes"}, "logprobs"),
+    ({"top_logprobs": 50}, "top_logprobs"),
+    ({"stream": "true"}, "stream"),
+    ({"stream_options": []}, "stream_options"),
+    ({"seed": 1.5}, "seed"),
+    ({"model": 3}, "model"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids"),
+])
+def test_chat_bad_input(fields, param):
+    err = error_of(chat, **fields)
+    assert err.param == param
+    assert err.to_dict()["error"]["type"] == "invalid_request_error"
+    assert err.message
+
+
+def test_completion_prompt_forms():
+    assert completion(prompt="x").prompt == "x"
+    assert completion(prompt=[1, 2, 3]).prompt == [1, 2, 3]
+    assert completion(prompt=["x"]).prompt == "x"
+    assert completion(prompt=[[4, 5]]).prompt == [4, 5]
+    req = completion(logprobs=3)
+    assert req.params.logprobs and req.params.top_logprobs == 3
+    assert completion(logprobs=0).params.logprobs
+    assert not completion().params.logprobs
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"prompt": ""}, None), ({"prompt": []}, "prompt"), ({"prompt": None}, "prompt"), ({"prompt": 5}, "prompt"),
+    ({"prompt": ["a", "b"]}, "prompt"), ({"prompt": [1, -2]}, "prompt"), ({"prompt": [1, True]}, "prompt"),
+    ({"echo": True}, "echo"), ({"suffix": "x"}, "suffix"), ({"best_of": 3}, "best_of"),
+    ({"logprobs": True}, "logprobs"),
+])
+def test_completion_bad_input(fields, param):
+    if fields == {"prompt": ""}:  # an empty string is a valid request (the engine adds BOS or rejects)
+        assert completion(**fields).prompt == ""
+        return
+    assert error_of(completion, **fields).param == param
+
+
+@pytest.mark.parametrize("raw", [b"", b"{", b"[1, 2]", b'"x"', b"\xff\xfe{}", b'{"a": NaN}', b"nul",
+                                 b'{"messages": [' * 100000])
+def test_decode_body_rejects(raw):
+    assert error_of(protocol.decode_body, raw).status == 400
+
+
+def test_decode_body_accepts_utf8():
+    assert protocol.decode_body('{"prompt": "é😀"}'.encode()) == {"prompt": "é😀"}
+
+
+def test_error_shapes():
+    err = errors.overloaded()
+    assert err.status == 429 and err.headers["Retry-After"] == "1"
+    body = json.loads(err.body())
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert errors.context_length_exceeded("x").to_dict()["error"]["code"] == "context_length_exceeded"
+    assert errors.engine_dead().status == 503 and errors.unauthorized().status == 401
+    assert errors.from_http_status(413, "big").to_dict()["error"]["code"] == "request_too_large"
+
+
+def test_response_builders():
+    lp = TokenLogprob(3, "ab", [97, 98], -0.25, [(3, "ab", [97, 98], -0.25), (4, "c", [99], float("-inf"))])
+
+    class Done:
+        text, logprobs, finish_reason = "ab", [lp], "stop"
+
+        class usage:
+            prompt_tokens, completion_tokens = 5, 1
+
+    chat_body = protocol.chat_response("chatcmpl-1", "m", 9, Done)
+    assert chat_body["choices"][0]["message"] == {"role": "assistant", "content": "ab"}
+    assert chat_body["choices"][0]["logprobs"]["content"][0]["top_logprobs"][1] == {
+        "token": "c", "logprob": -9999.0, "bytes": [99]}
+    assert chat_body["usage"] == {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6}
+    text_body = protocol.text_response("cmpl-1", "m", 9, Done)
+    assert text_body["choices"][0]["logprobs"] == {
+        "tokens": ["ab"], "token_logprobs": [-0.25], "top_logprobs": [{"ab": -0.25, "c": -9999.0}],
+        "text_offset": [0]}
+    json.dumps(chat_body, allow_nan=False)

@@ -1,0 +1,209 @@
+"""The OpenAI-compatible HTTP server: ``create_app(engine)`` and ``serve(engine)``.
+
+A request's path: the handler thread parses and validates the body (webapp.protocol),
+applies the chat template and tokenizes (the tokenizer releases the GIL), submits the
+ids with ``engine.stream`` and, for ``stream: true``, returns a generator response that
+writes each event as one SSE chunk (webapp.sse, cext.chunk) the moment it arrives.
+"""
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import time
+
+from flask import Flask, Response, request, send_from_directory
+from werkzeug.exceptions import HTTPException
+
+from cext.chunk import ChunkWriter
+
+from . import errors, protocol, sse
+from .errors import APIError
+from .metrics import RequestRecord, ServerMetrics
+
+log = logging.getLogger("webapp")
+
+DEFAULT_MAX_BODY_BYTES = 4 << 20
+STATIC_DIR = os.path.join(os.path.dirname(__file__), "static")
+_JSON = "application/json"
+
+
+def _json(obj, status: int = 200) -> Response:
+    import json
+
+    return Response(json.dumps(obj, allow_nan=False), status=status, mimetype=_JSON)
+
+
+def _error_response(err: APIError) -> Response:
+    response = Response(err.body(), status=err.status, mimetype=_JSON)
+    for name, value in err.headers.items():
+        response.headers[name] = value
+    return response
+
+
+def create_app(engine, model_name: str | None = None, api_key: str | None = None,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
+    """A Flask app serving ``engine``. ``api_key`` set: /v1/* needs ``Authorization: Bearer <key>``."""
+    app = Flask(__name__, static_folder=None)
+    app.config["MAX_CONTENT_LENGTH"] = max_body_bytes
+    model_name = model_name or getattr(engine, "model_name", None) or "default"
+    metrics = ServerMetrics(engine, model_name)
+    app.extensions["llm_engine"] = engine
+    app.extensions["llm_metrics"] = metrics
+    tokenizer = engine.tokenizer
+    max_model_len = getattr(engine, "max_model_len", None)
+    expected_auth = f"Bearer {api_key}".encode() if api_key else None
+
+    @app.errorhandler(APIError)
+    def _api_error(err: APIError):
+        return _error_response(err)
+
+    @app.errorhandler(HTTPException)
+    def _http_error(err: HTTPException):
+        return _error_response(errors.from_http_status(err.code or 500, err.description or err.name))
+
+    @app.errorhandler(Exception)
+    def _unexpected(err: Exception):
+        log.exception("unhandled error in %s %s", request.method, request.path)
+        return _error_response(errors.internal_error())
+
+    @app.before_request
+    def _check_api_key():
+        if expected_auth is not None and request.path.startswith("/v1/"):
+            got = request.headers.get("Authorization", "").encode()
+            if not hmac.compare_digest(got, expected_auth):
+                raise errors.unauthorized()
+
+    @app.get("/")
+    def index():
+        return send_from_directory(STATIC_DIR, "index.html")
+
+    @app.get("/static/<path:name>")
+    def static_file(name: str):
+        return send_from_directory(STATIC_DIR, name)
+
+    @app.get("/health")
+    def health():
+        if not engine.is_alive():
+            raise errors.engine_dead()
+        return _json({"status": "ok"})
+
+    @app.get("/metrics")
+    def metrics_endpoint():
+        return Response(metrics.render(), mimetype="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    def models():
+        card = {"id": model_name, "object": "model", "created": 0, "owned_by": "llm-engine"}
+        if max_model_len:
+            card["max_model_len"] = max_model_len
+        return _json({"object": "list", "data": [card]})
+
+    @app.post("/v1/chat/completions")
+    def chat_completions():
+        return _generate(protocol.parse_chat(_read_body()), "chat")
+
+    @app.post("/v1/completions")
+    def completions():
+        return _generate(protocol.parse_completion(_read_body()), "completions")
+
+    def _read_body() -> dict:
+        return protocol.decode_body(request.get_data(cache=False))
+
+    def _prompt_ids(req: protocol.ParsedRequest) -> list[int]:
+        """Template and tokenize on this handler thread."""
+        if req.is_chat:
+            try:
+                text = tokenizer.apply_chat_template(req.messages, add_generation_prompt=True)
+            except Exception as e:  # template errors (e.g. roles that must alternate)
+                raise errors.bad_request(f"messages could not be formatted by the chat template: {e}",
+                                         "messages") from None
+            return tokenizer.encode(text, add_special_tokens=False)
+        if isinstance(req.prompt, str):
+            return tokenizer.encode(req.prompt, add_special_tokens=True)
+        return req.prompt
+
+    def _submit(req: protocol.ParsedRequest, prompt_ids: list[int]):
+        import engine as engine_pkg
+
+        params = req.params
+        if req.is_max_tokens_default and max_model_len:
+            params.max_tokens = max(1, max_model_len - len(prompt_ids))
+        try:
+            return engine.stream(prompt_ids, params)
+        except engine_pkg.EngineOverloaded:
+            raise errors.overloaded() from None
+        except engine_pkg.EngineDead:
+            raise errors.engine_dead() from None
+        except ValueError as e:
+            message = str(e)
+            if "max_model_len" in message:
+                raise errors.context_length_exceeded(
+                    f"This model's maximum context length is {max_model_len} tokens: {message}") from None
+            param = "messages" if req.is_chat and "prompt" in message else protocol.error_param_for(e)
+            raise errors.bad_request(message, param or ("messages" if req.is_chat else "prompt")) from None
+
+    def _generate(req: protocol.ParsedRequest, endpoint: str):
+        record = RequestRecord(endpoint, 0)  # the clock starts before templating
+        try:
+            prompt_ids = _prompt_ids(req)
+            record.num_prompt_tokens = len(prompt_ids)
+            stream = _submit(req, prompt_ids)
+        except APIError as err:
+            metrics.count(endpoint, f"http_{err.status}")
+            raise
+        request_id = ("chatcmpl-" if req.is_chat else "cmpl-") + stream.request_id
+        created = int(time.time())
+        is_disconnected = request.environ.get("waitress.client_disconnected") or sse._never
+        if req.is_stream:
+            writer = ChunkWriter(request_id, model_name, created, req.is_chat, req.include_usage)
+            body = sse.stream_chunks(stream, writer, record, metrics, req.include_usage, is_disconnected)
+            headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+            return Response(body, mimetype="text/event-stream", headers=headers)
+        done = sse.collect(stream, record, metrics, is_disconnected)
+        if done is None:
+            return Response(status=499)
+        build = protocol.chat_response if req.is_chat else protocol.text_response
+        return _json(build(request_id, model_name, created, done))
+
+    return app
+
+
+def make_server(engine, host: str = "127.0.0.1", port: int = 0, threads: int = 64,
+                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, **app_options):
+    """A waitress server bound now (port 0: a free one); ``.run()`` serves, ``.close()`` stops.
+
+    ``server.effective_port`` is the bound port. ``threads`` bounds concurrent HTTP requests
+    (each streaming request holds one thread); beyond it requests queue in the server, and
+    beyond the engine's waiting queue they get 429. Why waitress: benchmarks/serving.py.
+    """
+    import waitress.server
+
+    app = create_app(engine, max_body_bytes=max_body_bytes, **app_options)
+    return waitress.server.create_server(
+        app,
+        host=host,
+        port=port,
+        threads=threads,
+        send_bytes=1,  # flush every SSE chunk from the handler thread, no coalescing
+        channel_request_lookahead=1,  # keep reading the socket: notice disconnects mid-stream
+        max_request_body_size=max_body_bytes,
+        connection_limit=max(100, 4 * threads),
+        ident="llm-engine",
+    )
+
+
+def serve(engine, host: str = "127.0.0.1", port: int = 8000, **options) -> None:
+    """Serve ``engine`` on host:port with the production WSGI server (waitress); blocks.
+
+    options: api_key, model_name, threads, max_body_bytes.
+    """
+    server = make_server(engine, host, port, **options)
+    log.warning("serving on http://%s:%s", host, server.effective_port)
+    try:
+        server.run()
+    finally:
+        server.close()
+
+
+__all__ = ["create_app", "serve", "make_server"]

@@ -1,0 +1,50 @@
+"""python -m webapp [--model PATH] [--host 127.0.0.1] [--port 8000] [--api-key KEY] [engine options]"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m webapp", description="OpenAI-compatible LLM server")
+    parser.add_argument("--model", default=None, help=".gguf file or Hugging Face directory (default: embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--served-model-name", default=None, help="model id reported by /v1/models")
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=os.environ.get("LLM_API_KEY"),
+                        help="require 'Authorization: Bearer KEY' on /v1/* (or set LLM_API_KEY)")
+    parser.add_argument("--threads", type=int, default=64, help="HTTP worker threads (concurrent requests)")
+    engine_group = parser.add_argument_group("engine options")
+    engine_group.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    for name in ("max-model-len", "max-num-seqs", "max-num-batched-tokens", "kv-cache-tokens", "max-waiting"):
+        engine_group.add_argument(f"--{name}", type=int, default=None)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+    import engine
+
+    from . import serve
+
+    options = {
+        key: getattr(args, key)
+        for key in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "kv_cache_tokens", "max_waiting")
+        if getattr(args, key) is not None
+    }
+    eng = engine.Engine.from_pretrained(args.model, dtype=args.dtype, **options)
+    if args.served_model_name:
+        name = args.served_model_name
+    elif args.model:
+        name = os.path.splitext(os.path.basename(os.path.normpath(args.model)))[0]
+    else:
+        name = "SmolLM2-135M-Instruct"
+    try:
+        serve(eng, host=args.host, port=args.port, api_key=args.api_key, model_name=name, threads=args.threads)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        eng.close()
+
+
+if __name__ == "__main__":
+    main()
