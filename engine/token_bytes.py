@@ -1,0 +1,231 @@
+"""Per-token bytes of a tokenizer, read off its decoder: the table behind fast detokenization.
+
+`tokenizers`' ``decode(ids, skip_special_tokens)`` maps every id to its token string (an
+added or special token to its content, a special one dropped when skipping), then runs
+the decoder over the whole list at once. For the decoders below that rendering is a
+concatenation of per-token pieces, so one table built per tokenizer is enough:
+
+- ``ByteLevel`` (byte-level BPE): each token's chars map back to bytes (a token with a
+  char outside the byte alphabet keeps its UTF-8 bytes); the bytes of all tokens are
+  decoded together like ``errors="replace"``.                       -> mode BYTES
+- ``Sequence`` of ``Replace`` (string patterns), then ``ByteFallback``, ``Fuse``,
+  ``Strip(" ", n, 0)`` (SentencePiece): a ``<0xNN>`` token is one byte of a byte run,
+  any other token is its replaced text; ``Strip`` removes leading spaces of the whole
+  output.                                                            -> mode PIECES
+- ``Metaspace``: "▁" becomes a space, except in the first token, where it is dropped
+  (prepend_scheme "first"/"always").                                 -> mode PIECES
+
+Any other decoder (or none) takes the generic path: re-decoding a short window.
+
+Logprob pieces. ``TokenPieces.bytes_of(id)`` is the token's raw bytes as the decoder
+produces them (a byte-fallback ``<0xE4>`` is ``b"\\xe4"``, byte-level ``Ġhi`` is ``b" hi"``,
+SentencePiece ``▁hi`` is ``b" hi"``; leading-space stripping of the whole output is not
+applied to a piece). ``text_of(id)`` renders those bytes with
+``bytes.decode("utf-8", errors="replace")``: a piece that is not valid UTF-8 on its own
+(part of a multi-byte character) shows U+FFFD for each maximal invalid subpart, e.g.
+``b"\\xe4\\xbd"`` -> ``"\\ufffd"``, while ``TokenLogprob.bytes`` keeps the raw bytes so a client
+can join them. A generic-path tokenizer has no raw table: its piece is ``decode([id])``.
+"""
+from __future__ import annotations
+
+import json
+import re
+import weakref
+
+import numpy as np
+
+from cext.utf8 import BYTES, FLAG_BYTE, FLAG_SPECIAL, FLAG_UNKNOWN, PIECES, TokenTable
+
+# `tokenizers`' ByteFallback accepts a 6-byte token "<0x" + u8::from_str_radix(2 chars, 16) + ">".
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2}|\+[0-9A-Fa-f])>")
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's bytes -> printable chars map, inverted: char -> byte."""
+    byte_values = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    chars = list(byte_values)
+    num_extra = 0
+    for b in range(256):
+        if b not in byte_values:
+            byte_values.append(b)
+            chars.append(256 + num_extra)
+            num_extra += 1
+    return {chr(c): b for b, c in zip(byte_values, chars)}
+
+
+_BYTE_LEVEL = _byte_level_alphabet()
+_TO_LATIN1 = str.maketrans({c: chr(b) for c, b in _BYTE_LEVEL.items()})
+_NOT_BYTE_LEVEL = re.compile("[^" + re.escape("".join(_BYTE_LEVEL)) + "]")
+
+
+def byte_level_bytes(token: str) -> bytes:
+    """Bytes of a token under the ByteLevel decoder."""
+    if _NOT_BYTE_LEVEL.search(token):
+        return token.encode("utf-8")
+    return token.translate(_TO_LATIN1).encode("latin-1")
+
+
+class DecoderPlan:
+    """How a decoder renders a token list; ``mode`` is None for the generic path."""
+
+    __slots__ = ("mode", "replaces", "is_byte_fallback", "num_strip", "first_token_drops")
+
+    def __init__(self, mode=None, replaces=(), is_byte_fallback=False, num_strip=0, first_token_drops=None):
+        self.mode = mode
+        self.replaces = tuple(replaces)             # (pattern, content) applied to every token, in order
+        self.is_byte_fallback = is_byte_fallback
+        self.num_strip = num_strip                  # leading spaces removed from the whole output
+        self.first_token_drops = first_token_drops  # Metaspace: the char dropped from the first token
+
+
+def plan_decoder(decoder_json: dict | None) -> DecoderPlan:
+    """Read a decoder's serialized form; anything not known to concatenate goes generic."""
+    if decoder_json is None:
+        return DecoderPlan()
+    kind = decoder_json.get("type")
+    if kind == "ByteLevel":
+        return DecoderPlan(BYTES)
+    if kind == "Metaspace":
+        replacement = decoder_json.get("replacement", "\u2581")
+        scheme = decoder_json.get("prepend_scheme", "always" if decoder_json.get("add_prefix_space", True) else "never")
+        if len(replacement) != 1 or scheme not in ("always", "first", "never"):
+            return DecoderPlan()
+        return DecoderPlan(PIECES, [(replacement, " ")], first_token_drops=None if scheme == "never" else replacement)
+    if kind != "Sequence":
+        return DecoderPlan()
+    steps = _flatten(decoder_json)
+    if [s.get("type") for s in steps] == ["ByteLevel"]:
+        return DecoderPlan(BYTES)
+    replaces, is_byte_fallback, is_fused, num_strip = [], False, False, 0
+    for step in steps:
+        kind = step.get("type")
+        pattern = step.get("pattern") or {}
+        if kind == "Replace" and not is_byte_fallback and not is_fused and "String" in pattern:
+            if pattern["String"] == "":
+                return DecoderPlan()
+            replaces.append((pattern["String"], step.get("content", "")))
+        elif kind == "ByteFallback" and not is_byte_fallback and not is_fused:
+            is_byte_fallback = True
+        elif kind == "Fuse" and not num_strip:
+            is_fused = True
+        elif kind == "Strip" and is_fused and not num_strip and step.get("content") == " " and step.get("stop") == 0:
+            num_strip = int(step.get("start", 0))
+        else:
+            return DecoderPlan()
+    return DecoderPlan(PIECES, replaces, is_byte_fallback, num_strip)
+
+
+def _flatten(sequence: dict) -> list[dict]:
+    steps = []
+    for step in sequence.get("decoders") or []:
+        steps.extend(_flatten(step) if step.get("type") == "Sequence" else [step])
+    return steps
+
+
+class TokenPieces:
+    """A tokenizer's per-id pieces; ``TokenPieces(tokenizer)`` is built once per tokenizer and cached.
+
+    ``tokenizer`` is an engine Tokenizer or a raw ``tokenizers.Tokenizer``. Adding tokens
+    to the tokenizer or changing its decoder afterwards rebuilds the table.
+    """
+
+    _cache: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+    def __new__(cls, tokenizer):
+        backend = getattr(tokenizer, "backend", tokenizer)
+        if not hasattr(backend, "decode") or not hasattr(backend, "id_to_token"):
+            raise ValueError(f"tokenizer must be a Tokenizer or tokenizers.Tokenizer, got {type(tokenizer).__name__}")
+        decoder_state = backend.decoder.__getstate__() if backend.decoder is not None else None
+        signature = (backend.get_vocab_size(with_added_tokens=True), decoder_state)
+        cached = cls._cache.get(backend)
+        if cached is not None and cached._signature == signature:
+            return cached
+        self = super().__new__(cls)
+        self._build(backend, signature)
+        cls._cache[backend] = self
+        return self
+
+    def _build(self, backend, signature) -> None:
+        self.backend = backend
+        self._signature = signature
+        decoder_state = signature[1]
+        self.plan = plan_decoder(json.loads(decoder_state) if decoder_state is not None else None)
+        added = backend.get_added_tokens_decoder()
+        self.special_token_ids = frozenset(i for i, t in added.items() if t.special)
+        self.num_ids = max([signature[0], *(i + 1 for i in added)])
+        self._generic_pieces: dict[int, bytes] = {}
+        self.table = self._build_table() if self.plan.mode is not None else None
+
+    @property
+    def is_fast(self) -> bool:
+        return self.table is not None
+
+    def _build_table(self) -> TokenTable:
+        plan, id_to_token = self.plan, self.backend.id_to_token
+        kinds = np.zeros(self.num_ids, dtype=np.uint8)                # [num_ids]
+        offsets = np.zeros(self.num_ids + 1, dtype=np.int64)          # [num_ids + 1]
+        pieces, texts = [], []
+        for token_id in range(self.num_ids):
+            token = id_to_token(token_id)
+            kind = FLAG_SPECIAL if token_id in self.special_token_ids else 0
+            if token is None:
+                piece, kind = b"", FLAG_UNKNOWN
+            elif plan.mode == BYTES:
+                piece = byte_level_bytes(token)
+            else:
+                for pattern, content in plan.replaces:
+                    token = token.replace(pattern, content)
+                match = _BYTE_TOKEN.fullmatch(token) if plan.is_byte_fallback else None
+                if match is not None:
+                    piece, kind = bytes([int(match.group(1), 16)]), kind | FLAG_BYTE
+                else:
+                    piece = token.encode("utf-8")
+            pieces.append(piece)
+            texts.append(None if kind & FLAG_BYTE else _strict_text(piece))
+            offsets[token_id + 1] = offsets[token_id] + len(piece)
+            kinds[token_id] = kind
+        return TokenTable(b"".join(pieces), offsets, kinds, texts)
+
+    def is_dropped(self, token_id: int, skip_special_tokens: bool) -> bool:
+        """Whether decode leaves this id out entirely."""
+        if token_id < 0 or token_id >= self.num_ids:
+            return True
+        if self.table is None:
+            return self.backend.id_to_token(token_id) is None or (
+                skip_special_tokens and token_id in self.special_token_ids
+            )
+        kind = int(self.table.kinds[token_id])
+        return bool(kind & FLAG_UNKNOWN or (skip_special_tokens and kind & FLAG_SPECIAL))
+
+    def first_piece(self, token_id: int) -> bytes:
+        """The piece of a token rendered first in the output (Metaspace drops its marker there)."""
+        token = self.backend.id_to_token(token_id) or ""
+        return token.replace(self.plan.first_token_drops, "").encode("utf-8")
+
+    def bytes_of(self, token_id: int) -> bytes:
+        """The token's raw bytes as the decoder produces them (b"" for an unknown id)."""
+        if self.table is not None:
+            return self.table.piece(token_id)
+        piece = self._generic_pieces.get(token_id)
+        if piece is None:
+            if 0 <= token_id < self.num_ids:
+                piece = self.backend.decode([token_id], skip_special_tokens=False).encode("utf-8")
+            else:
+                piece = b""
+            self._generic_pieces[token_id] = piece
+        return piece
+
+    def text_of(self, token_id: int) -> str:
+        """``bytes_of(token_id).decode("utf-8", errors="replace")``."""
+        if self.table is not None and 0 <= token_id < self.num_ids:
+            text = self.table.texts[token_id]
+            if text is not None:
+                return text
+        return self.bytes_of(token_id).decode("utf-8", errors="replace")
+
+
+def _strict_text(piece: bytes) -> str | None:
+    try:
+        return piece.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
