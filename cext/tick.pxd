@@ -1,0 +1,58 @@
+# The scheduler tick: per-slot sequence state in numpy arrays and the batch builder.
+from libc.stdint cimport int8_t, int32_t, int64_t
+
+
+cdef class TickState:
+    cdef readonly int max_num_seqs
+    cdef readonly int max_model_len
+    cdef readonly int block_size
+    cdef readonly int max_blocks_per_seq
+
+    # Per-slot state, as numpy arrays for Python and typed memoryviews for the loops.
+    cdef readonly object tokens              # [max_num_seqs, max_model_len] int32
+    cdef readonly object num_tokens          # [max_num_seqs] int32
+    cdef readonly object num_computed        # [max_num_seqs] int32
+    cdef readonly object num_prompt_tokens   # [max_num_seqs] int32
+    cdef readonly object next_logprob_pos    # [max_num_seqs] int32, -1: no prompt logprobs wanted
+    cdef readonly object block_tables        # [max_num_seqs, max_blocks_per_seq] int32, -1 padded
+    cdef readonly object num_blocks          # [max_num_seqs] int32
+    cdef readonly object epochs              # [max_num_seqs] int64, bumped on every bind
+    cdef int32_t[:, ::1] _tokens
+    cdef int32_t[::1] _num_tokens
+    cdef int32_t[::1] _num_computed
+    cdef int32_t[::1] _num_prompt_tokens
+    cdef int32_t[::1] _next_logprob_pos
+    cdef int32_t[:, ::1] _block_tables
+    cdef int32_t[::1] _num_blocks
+    cdef int64_t[::1] _epochs
+
+    # The batch being planned: entry i runs num_new[i] tokens of slot slots[i].
+    cdef readonly int num_entries
+    cdef readonly int num_batch_tokens
+    cdef readonly object entry_slots         # [max_num_seqs] int32
+    cdef readonly object entry_num_new       # [max_num_seqs] int32
+    cdef readonly object entry_num_new_blocks  # [max_num_seqs] int32
+    cdef int32_t[::1] _entry_slots
+    cdef int32_t[::1] _entry_num_new
+    cdef int32_t[::1] _entry_num_new_blocks
+
+    # Build results (valid until the next build).
+    cdef readonly object sample_entries      # [max_num_seqs] int32, entry index of each sampled seq
+    cdef readonly object sample_logit_idx    # [max_num_seqs] int32, its row in forward()'s logits
+    cdef readonly object span_entries        # [max_num_seqs] int32, prompt logprob spans
+    cdef readonly object span_firsts         # [max_num_seqs] int32
+    cdef readonly object span_counts         # [max_num_seqs] int32
+    cdef readonly object span_positions      # [max_num_seqs] int32
+    cdef int32_t[::1] _sample_entries
+    cdef int32_t[::1] _sample_logit_idx
+    cdef int32_t[::1] _span_entries
+    cdef int32_t[::1] _span_firsts
+    cdef int32_t[::1] _span_counts
+    cdef int32_t[::1] _span_positions
+
+    cpdef tuple plan(self, const int32_t[::1] running, int num_running, int budget)
+    cpdef int add_entry(self, int slot, int num_new) except -1
+    cpdef tuple build(self)
+    cpdef int commit(self, const int32_t[::1] slots, const int32_t[::1] num_new, const int64_t[::1] epochs,
+                     const int32_t[::1] sample_entries, const int64_t[::1] sampled_ids) except -1
+    cdef inline int _blocks_for(self, int num_tokens) noexcept nogil

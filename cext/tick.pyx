@@ -1,0 +1,221 @@
+"""The scheduler tick: plan which slots run how many tokens, build the flat batch, commit samples.
+
+Sequences that run are bound to slots of a ``TickState``; their tokens, counters and block
+tables live in numpy arrays the loops below read through typed memoryviews, so one tick
+touches no per-sequence Python object. The policy (which sequences, how many tokens) is
+``plan``: every running decode first (one token each), then prefill chunks of the running
+sequences in admission order until the token budget is spent. The scheduler then admits
+waiting sequences with ``add_entry`` and calls ``build`` for the model's arrays.
+"""
+cimport cython
+from libc.stdint cimport int8_t, int32_t, int64_t
+
+import numpy as np
+
+
+@cython.final
+cdef class TickState:
+    def __init__(self, int max_num_seqs, int max_model_len, int block_size):
+        if max_num_seqs < 1 or max_model_len < 1 or block_size < 1:
+            raise ValueError("max_num_seqs, max_model_len and block_size must be >= 1")
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.max_blocks_per_seq = (max_model_len + block_size - 1) // block_size
+        self.tokens = np.zeros((max_num_seqs, max_model_len), dtype=np.int32)
+        self.num_tokens = np.zeros(max_num_seqs, dtype=np.int32)
+        self.num_computed = np.zeros(max_num_seqs, dtype=np.int32)
+        self.num_prompt_tokens = np.zeros(max_num_seqs, dtype=np.int32)
+        self.next_logprob_pos = np.full(max_num_seqs, -1, dtype=np.int32)
+        self.block_tables = np.full((max_num_seqs, self.max_blocks_per_seq), -1, dtype=np.int32)
+        self.num_blocks = np.zeros(max_num_seqs, dtype=np.int32)
+        self.epochs = np.zeros(max_num_seqs, dtype=np.int64)
+        self._tokens = self.tokens
+        self._num_tokens = self.num_tokens
+        self._num_computed = self.num_computed
+        self._num_prompt_tokens = self.num_prompt_tokens
+        self._next_logprob_pos = self.next_logprob_pos
+        self._block_tables = self.block_tables
+        self._num_blocks = self.num_blocks
+        self._epochs = self.epochs
+
+        self.num_entries = 0
+        self.num_batch_tokens = 0
+        self.entry_slots = np.zeros(max_num_seqs, dtype=np.int32)
+        self.entry_num_new = np.zeros(max_num_seqs, dtype=np.int32)
+        self.entry_num_new_blocks = np.zeros(max_num_seqs, dtype=np.int32)
+        self._entry_slots = self.entry_slots
+        self._entry_num_new = self.entry_num_new
+        self._entry_num_new_blocks = self.entry_num_new_blocks
+
+        self.sample_entries = np.zeros(max_num_seqs, dtype=np.int32)
+        self.sample_logit_idx = np.zeros(max_num_seqs, dtype=np.int32)
+        self.span_entries = np.zeros(max_num_seqs, dtype=np.int32)
+        self.span_firsts = np.zeros(max_num_seqs, dtype=np.int32)
+        self.span_counts = np.zeros(max_num_seqs, dtype=np.int32)
+        self.span_positions = np.zeros(max_num_seqs, dtype=np.int32)
+        self._sample_entries = self.sample_entries
+        self._sample_logit_idx = self.sample_logit_idx
+        self._span_entries = self.span_entries
+        self._span_firsts = self.span_firsts
+        self._span_counts = self.span_counts
+        self._span_positions = self.span_positions
+
+    cdef inline int _blocks_for(self, int num_tokens) noexcept nogil:
+        return (num_tokens + self.block_size - 1) // self.block_size
+
+    cpdef tuple plan(self, const int32_t[::1] running, int num_running, int budget):
+        """Plan the running slots (admission order): decodes first, then prefill chunks.
+
+        Returns (num_decodes, budget_left, num_new_blocks): the blocks the planned
+        entries need beyond those they hold.
+        """
+        cdef int i, s, rem, k, need, n = 0, num_decodes, total_need = 0, num_tokens = 0
+        if num_running > self.max_num_seqs or num_running > running.shape[0]:
+            raise ValueError("num_running exceeds the slots")
+        with nogil:
+            for i in range(num_running):
+                s = running[i]
+                if self._num_tokens[s] - self._num_computed[s] == 1:
+                    need = self._blocks_for(self._num_tokens[s]) - self._num_blocks[s]
+                    if need < 0:
+                        need = 0
+                    self._entry_slots[n] = s
+                    self._entry_num_new[n] = 1
+                    self._entry_num_new_blocks[n] = need
+                    total_need += need
+                    n += 1
+            num_decodes = n
+            budget -= n
+            num_tokens = n
+            for i in range(num_running):
+                if budget <= 0:
+                    break
+                s = running[i]
+                rem = self._num_tokens[s] - self._num_computed[s]
+                if rem > 1:
+                    k = rem if rem < budget else budget
+                    need = self._blocks_for(self._num_computed[s] + k) - self._num_blocks[s]
+                    if need < 0:
+                        need = 0
+                    self._entry_slots[n] = s
+                    self._entry_num_new[n] = k
+                    self._entry_num_new_blocks[n] = need
+                    total_need += need
+                    budget -= k
+                    num_tokens += k
+                    n += 1
+        self.num_entries = n
+        self.num_batch_tokens = num_tokens
+        return num_decodes, budget, total_need
+
+    cpdef int add_entry(self, int slot, int num_new) except -1:
+        """Append an entry (a newly admitted sequence's first chunk) to the plan."""
+        cdef int n = self.num_entries
+        if n >= self.max_num_seqs:
+            raise ValueError("more entries than slots")
+        if num_new < 1 or self._num_computed[slot] + num_new > self._num_tokens[slot]:
+            raise ValueError(f"num_new={num_new} does not fit slot {slot}")
+        self._entry_slots[n] = slot
+        self._entry_num_new[n] = num_new
+        self._entry_num_new_blocks[n] = 0
+        self.num_entries = n + 1
+        self.num_batch_tokens += num_new
+        return 0
+
+    cpdef tuple build(self):
+        """Write the planned entries' model inputs into one flat int64 array.
+
+        Returns (flat, num_rows, width, num_logit_rows, num_samples, num_spans). ``flat``
+        holds, back to back: input_ids [T], positions [T], slot_mapping [T],
+        query_starts [B+1], context_lens [B], prompt_lens [B], block_tables [B*W],
+        logit_rows [num_logit_rows] (B = num_entries, T = num_rows, W = width).
+        """
+        cdef int B = self.num_entries, T = self.num_batch_tokens
+        cdef int i, j, s, n, c, ctx, nb, k, p, lo, hi, q, pos, t = 0, nl = 0, ns = 0, nsp = 0, width = 1
+        cdef int bs = self.block_size
+        for i in range(B):
+            s = self._entry_slots[i]
+            nb = self._blocks_for(self._num_computed[s] + self._entry_num_new[i])
+            if nb > self._num_blocks[s]:
+                raise RuntimeError(f"slot {s} needs {nb} blocks but holds {self._num_blocks[s]}")
+            if nb > width:
+                width = nb
+        cdef int64_t o_pos = T, o_slot = 2 * T, o_qs = 3 * T
+        cdef int64_t o_ctx = o_qs + B + 1, o_plen = o_ctx + B, o_bt = o_plen + B
+        cdef int64_t o_logits = o_bt + <int64_t> B * width
+        flat = np.empty(o_logits + T, dtype=np.int64)
+        cdef int64_t[::1] out = flat
+        with nogil:
+            for i in range(B):
+                s = self._entry_slots[i]
+                n = self._entry_num_new[i]
+                c = self._num_computed[s]
+                out[o_qs + i] = t
+                for j in range(n):
+                    pos = c + j
+                    out[t] = self._tokens[s, pos]
+                    out[o_pos + t] = pos
+                    out[o_slot + t] = <int64_t> self._block_tables[s, pos // bs] * bs + pos % bs
+                    t += 1
+                ctx = c + n
+                out[o_ctx + i] = ctx
+                out[o_plen + i] = self._num_prompt_tokens[s]
+                nb = self._blocks_for(ctx)
+                for k in range(nb):
+                    out[o_bt + <int64_t> i * width + k] = self._block_tables[s, k]
+                for k in range(nb, width):
+                    out[o_bt + <int64_t> i * width + k] = -1
+                p = self._next_logprob_pos[s]
+                if p >= 0:
+                    lo = c if c > p else p
+                    hi = ctx if ctx < self._num_prompt_tokens[s] - 1 else self._num_prompt_tokens[s] - 1
+                    if lo < hi:
+                        self._span_entries[nsp] = i
+                        self._span_firsts[nsp] = nl
+                        self._span_counts[nsp] = hi - lo
+                        self._span_positions[nsp] = lo
+                        nsp += 1
+                        for q in range(lo, hi):
+                            out[o_logits + nl] = out[o_qs + i] + (q - c)
+                            nl += 1
+                if ctx == self._num_tokens[s]:
+                    self._sample_entries[ns] = i
+                    self._sample_logit_idx[ns] = nl
+                    ns += 1
+                    out[o_logits + nl] = t - 1
+                    nl += 1
+            out[o_qs + B] = t
+        return flat, T, width, nl, ns, nsp
+
+    cpdef int commit(self, const int32_t[::1] slots, const int32_t[::1] num_new, const int64_t[::1] epochs,
+                     const int32_t[::1] sample_entries, const int64_t[::1] sampled_ids) except -1:
+        """Advance num_computed of every entry and append each sampled id.
+
+        Entries whose slot was rebound since the plan (epoch changed: aborted or finished in
+        between) are skipped. Returns the number of ids appended.
+        """
+        cdef int B = slots.shape[0], S = sample_entries.shape[0], i, k, s, n, num_appended = 0
+        if num_new.shape[0] != B or epochs.shape[0] != B:
+            raise ValueError("slots, num_new and epochs differ in length")
+        if sampled_ids.shape[0] != S:
+            raise ValueError(f"expected {S} sampled ids, got {sampled_ids.shape[0]}")
+        for k in range(S):
+            i = sample_entries[k]
+            s = slots[i]
+            if self._epochs[s] == epochs[i] and self._num_tokens[s] >= self.max_model_len:
+                raise ValueError(f"slot {s} is full (max_model_len={self.max_model_len})")
+        with nogil:
+            for i in range(B):
+                s = slots[i]
+                if self._epochs[s] == epochs[i]:
+                    self._num_computed[s] += num_new[i]
+            for k in range(S):
+                i = sample_entries[k]
+                s = slots[i]
+                if self._epochs[s] == epochs[i]:
+                    n = self._num_tokens[s]
+                    self._tokens[s, n] = <int32_t> sampled_ids[k]
+                    self._num_tokens[s] = n + 1
+                    num_appended += 1
+        return num_appended

@@ -1,0 +1,335 @@
+"""Continuous batching over a paged KV cache.
+
+Each tick (``schedule``) takes every running decode first (one token each), then fills
+the rest of ``max_num_batched_tokens`` with prefill chunks: partially prefilled sequences
+first, then waiting ones admitted FIFO while ``num_running < max_num_seqs`` and the
+blocks for all their tokens are free. A long prompt is so spread over many ticks. When
+a decode needs a block and none is free (after evicting unreferenced prefix-cache blocks,
+least recently used first), the newest running sequence is preempted: its blocks are
+freed and it waits at the head of the queue to recompute prompt + generated tokens.
+
+The per-sequence loops run in Cython (``cext.tick``); this file holds the Python-level
+decisions that happen once per admission, preemption or new block.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from cext.tick import TickState
+from engine.batch import ForwardBatch
+from engine.block_manager import BlockManager, prefix_block_hashes
+from engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(kw_only=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    num_blocks: int
+    max_model_len: int
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "num_blocks", "max_model_len", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                f"({self.max_num_seqs}) so every running decode fits in one tick"
+            )
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be a boolean, got {self.enable_prefix_caching!r}")
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    batch: ForwardBatch
+    seqs: list[Sequence]  # batch order: decodes first (batch.num_decode_seqs), then prefill chunks
+    sample_seqs: list[Sequence]  # sequences that get a new token this tick
+    sample_logit_index: list[int]  # row of forward()'s logits for each of sample_seqs
+    prompt_logprob_spans: list[tuple[Sequence, int, int, int]]  # (seq, first logit, count, first position)
+    preempted: list[Sequence]
+    num_new_tokens: np.ndarray = field(repr=False)  # [B] int32, query tokens per seq
+    slots: np.ndarray = field(repr=False)  # [B] int32
+    epochs: np.ndarray = field(repr=False)  # [B] int64
+    sample_entries: np.ndarray = field(repr=False)  # [S] int32, index into seqs of each sample_seqs
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.block_size = config.block_size
+        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.state = TickState(config.max_num_seqs, config.max_model_len, config.block_size)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admission order, oldest first
+        self._running_slots = np.zeros(config.max_num_seqs, dtype=np.int32)  # slots of self.running
+        self._free_slots = list(range(config.max_num_seqs - 1, -1, -1))
+        self._slot_seqs: list[Sequence | None] = [None] * config.max_num_seqs
+        self._seqs: dict[str, Sequence] = {}
+        self._unpublished: list[Sequence] = []  # running seqs with prompt blocks not yet in the prefix cache
+        self.num_preemptions = 0
+
+    # -- queries --
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_manager.num_free_blocks
+
+    def kv_usage(self) -> float:
+        return self.block_manager.num_used_blocks / self.block_manager.num_blocks
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def get(self, request_id: str) -> Sequence | None:
+        return self._seqs.get(request_id)
+
+    # -- requests --
+
+    def add(self, seq: Sequence) -> None:
+        cfg = self.config
+        total = seq.num_prompt_tokens + seq.max_tokens
+        if total > cfg.max_model_len:
+            raise ValueError(
+                f"prompt ({seq.num_prompt_tokens} tokens) + max_tokens ({seq.max_tokens}) = {total} "
+                f"exceeds max_model_len={cfg.max_model_len}"
+            )
+        num_blocks = -(-total // self.block_size)
+        if num_blocks > cfg.num_blocks:
+            raise ValueError(
+                f"prompt ({seq.num_prompt_tokens} tokens) + max_tokens ({seq.max_tokens}) needs {num_blocks} "
+                f"KV blocks but the cache holds {cfg.num_blocks} (kv_cache_tokens={cfg.num_blocks * self.block_size})"
+            )
+        if seq.request_id in self._seqs:
+            raise ValueError(f"request_id {seq.request_id!r} is already scheduled")
+        if seq.status is not SequenceStatus.WAITING:
+            raise ValueError(f"sequence {seq.request_id!r} is {seq.status.name}, not WAITING")
+        self._seqs[seq.request_id] = seq
+        self.waiting.append(seq)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            return None
+        if seq.status is SequenceStatus.RUNNING:
+            self._release(seq)
+        else:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        del self._seqs[request_id]
+        return seq
+
+    def finish(self, seq: Sequence) -> None:
+        if seq.status is SequenceStatus.FINISHED:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self._release(seq)
+        else:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        self._seqs.pop(seq.request_id, None)
+
+    # -- the tick --
+
+    def schedule(self) -> SchedulerOutput | None:
+        if not self.running and not self.waiting:
+            return None
+        state = self.state
+        bm = self.block_manager
+        preempted: list[Sequence] = []
+        while True:
+            num_decodes, budget, num_new_blocks = state.plan(
+                self._running_slots, len(self.running), self.config.max_num_batched_tokens
+            )
+            if num_new_blocks <= bm.num_free_blocks:
+                break
+            victim = self.running[-1]
+            self._preempt(victim)
+            preempted.append(victim)
+        if num_new_blocks:
+            self._grow_tables(state.num_entries)
+        if not preempted:
+            budget = self._admit(budget)
+        if state.num_entries == 0:
+            return None
+        return self._build_output(num_decodes, preempted)
+
+    def update(self, out: SchedulerOutput, sampled_token_ids) -> None:
+        if isinstance(sampled_token_ids, torch.Tensor):
+            sampled_token_ids = sampled_token_ids.tolist()
+        ids = np.asarray(sampled_token_ids, dtype=np.int64).reshape(-1)
+        self.state.commit(out.slots, out.num_new_tokens, out.epochs, out.sample_entries, ids)
+        running = SequenceStatus.RUNNING
+        for seq, token_id in zip(out.sample_seqs, sampled_token_ids):
+            if seq.status is running:
+                seq.output_token_ids.append(int(token_id))
+        for seq, _first, count, pos in out.prompt_logprob_spans:
+            if seq.status is running:
+                nxt = pos + count
+                seq.next_prompt_logprob_pos = nxt if nxt < seq.num_prompt_tokens - 1 else -1
+                self.state.next_logprob_pos[seq.slot] = seq.next_prompt_logprob_pos
+        if self._unpublished:
+            self._publish_blocks()
+
+    # -- internals --
+
+    def _grow_tables(self, num_entries: int) -> None:
+        """Give each planned entry the blocks it lacks (about one decode in block_size per tick)."""
+        state = self.state
+        needs = state.entry_num_new_blocks[:num_entries]
+        for i in np.flatnonzero(needs).tolist():
+            slot = int(state.entry_slots[i])
+            k = int(needs[i])
+            nb = int(state.num_blocks[slot])
+            state.block_tables[slot, nb : nb + k] = self.block_manager.allocate(k)
+            state.num_blocks[slot] = nb + k
+
+    def _admit(self, budget: int) -> int:
+        cfg = self.config
+        bm = self.block_manager
+        state = self.state
+        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+            seq = self.waiting[0]
+            num_tokens = seq.num_tokens
+            hit_ids: list[int] = []
+            if cfg.enable_prefix_caching:
+                if seq.block_hashes is None:
+                    seq.block_hashes = prefix_block_hashes(
+                        seq.token_array, seq.num_prompt_tokens // self.block_size, self.block_size
+                    )
+                if seq.next_prompt_logprob_pos < 0:  # prompt logprobs need every prompt row computed
+                    max_hits = min(len(seq.block_hashes), (num_tokens - 1) // self.block_size)
+                    hit_ids = bm.match_prefix(seq.block_hashes[:max_hits])
+            num_new_blocks = -(-num_tokens // self.block_size) - len(hit_ids)
+            if num_new_blocks + bm.num_unreferenced(hit_ids) > bm.num_free_blocks:
+                break
+            self.waiting.popleft()
+            bm.take(hit_ids)
+            block_ids = hit_ids + bm.allocate(num_new_blocks)
+            slot = self._free_slots.pop()
+            num_cached = len(hit_ids) * self.block_size
+            seq.bind(state, slot, num_cached)
+            state.epochs[slot] += 1
+            state.block_tables[slot, : len(block_ids)] = block_ids
+            state.num_blocks[slot] = len(block_ids)
+            seq.num_cached_tokens = num_cached
+            seq.status = SequenceStatus.RUNNING
+            self._running_slots[len(self.running)] = slot
+            self.running.append(seq)
+            self._slot_seqs[slot] = seq
+            if cfg.enable_prefix_caching and len(seq.block_hashes) > len(hit_ids):
+                seq.num_registered_blocks = len(hit_ids)
+                self._unpublished.append(seq)
+            chunk = min(num_tokens - num_cached, budget)
+            state.add_entry(slot, chunk)
+            budget -= chunk
+        return budget
+
+    def _build_output(self, num_decodes: int, preempted: list[Sequence]) -> SchedulerOutput:
+        state = self.state
+        B = state.num_entries
+        flat, T, W, num_logit_rows, num_samples, num_spans = state.build()
+        slots = state.entry_slots[:B].copy()
+        slot_seqs = self._slot_seqs
+        seqs = [slot_seqs[s] for s in slots.tolist()]
+        sample_entries = state.sample_entries[:num_samples].copy()
+        if num_samples == B:
+            sample_seqs = list(seqs)
+        else:
+            sample_seqs = [seqs[i] for i in sample_entries.tolist()]
+        spans = []
+        if num_spans:
+            for i, first, count, pos in zip(
+                state.span_entries[:num_spans].tolist(),
+                state.span_firsts[:num_spans].tolist(),
+                state.span_counts[:num_spans].tolist(),
+                state.span_positions[:num_spans].tolist(),
+            ):
+                spans.append((seqs[i], first, count, pos))
+        t = torch.from_numpy(flat)
+        o_qs = 3 * T
+        o_ctx = o_qs + B + 1
+        o_bt = o_ctx + 2 * B
+        o_logits = o_bt + B * W
+        batch = ForwardBatch(
+            input_ids=t[:T],
+            positions=t[T : 2 * T],
+            slot_mapping=t[2 * T : o_qs],
+            query_starts=t[o_qs:o_ctx],
+            context_lens=t[o_ctx : o_ctx + B],
+            block_tables=t[o_bt:o_logits].view(B, W),
+            logit_rows=t[o_logits : o_logits + num_logit_rows],
+            prompt_lens=t[o_ctx + B : o_bt],
+            query_starts_list=flat[o_qs:o_ctx].tolist(),
+            context_lens_list=flat[o_ctx : o_ctx + B].tolist(),
+            num_decode_seqs=num_decodes,
+            block_size=self.block_size,
+        )
+        return SchedulerOutput(
+            batch=batch,
+            seqs=seqs,
+            sample_seqs=sample_seqs,
+            sample_logit_index=state.sample_logit_idx[:num_samples].tolist(),
+            prompt_logprob_spans=spans,
+            preempted=preempted,
+            num_new_tokens=state.entry_num_new[:B].copy(),
+            slots=slots,
+            epochs=state.epochs[slots],
+            sample_entries=sample_entries,
+        )
+
+    def _publish_blocks(self) -> None:
+        """Put prompt blocks whose K/V are now computed into the prefix cache."""
+        bm = self.block_manager
+        state = self.state
+        keep = []
+        for seq in self._unpublished:
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            slot = seq.slot
+            num_done = min(int(state.num_computed[slot]), seq.num_prompt_tokens) // self.block_size
+            for k in range(seq.num_registered_blocks, num_done):
+                bm.register(int(state.block_tables[slot, k]), seq.block_hashes[k])
+            seq.num_registered_blocks = max(seq.num_registered_blocks, num_done)
+            if seq.num_registered_blocks < len(seq.block_hashes):
+                keep.append(seq)
+        self._unpublished = keep
+
+    def _release(self, seq: Sequence) -> None:
+        """Free a running sequence's blocks and slot and copy its tokens out."""
+        state = self.state
+        slot = seq.slot
+        nb = int(state.num_blocks[slot])
+        self.block_manager.free(state.block_tables[slot, :nb].tolist())
+        state.block_tables[slot, :nb] = -1
+        state.num_blocks[slot] = 0
+        state.epochs[slot] += 1
+        seq.unbind()
+        self.running.remove(seq)
+        n = len(self.running)
+        self._running_slots[:n] = [s.slot for s in self.running]
+        self._slot_seqs[slot] = None
+        self._free_slots.append(slot)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self._release(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
