@@ -1,0 +1,231 @@
+"""The vocabulary embedded in a GGUF file, turned into a `tokenizers.Tokenizer`.
+
+Only the key/value header is read (never the tensors), with a small reader of our own:
+`gguf.GGUFReader` maps and indexes every tensor first, which costs seconds.
+
+Two vocabulary types, as llama.cpp names them in `tokenizer.ggml.model`:
+  "gpt2"  byte-level BPE: tokens + merges, pre-tokenizer regexes chosen by `tokenizer.ggml.pre`
+          (engine/gguf_vocab_bpe.py);
+  "llama" SentencePiece BPE: tokens + scores, U+2581 for spaces, `<0xNN>` byte fallback
+          (engine/gguf_vocab_spm.py).
+Token types (`tokenizer.ggml.token_type`) follow llama.cpp: control and unknown tokens become
+special added tokens (parsed in text, dropped by decode(skip_special_tokens=True)),
+user-defined tokens become non-special added tokens (parsed in text, always rendered).
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+import numpy as np
+from tokenizers import AddedToken, Tokenizer as HFTokenizer
+
+GGUF_MAGIC = b"GGUF"
+
+
+class TokenType(IntEnum):
+    """llama.cpp's `llama_token_type` as stored in `tokenizer.ggml.token_type`."""
+    UNDEFINED = 0
+    NORMAL = 1
+    UNKNOWN = 2
+    CONTROL = 3
+    USER_DEFINED = 4
+    UNUSED = 5
+    BYTE = 6
+
+
+# Texts llama.cpp treats as end-of-generation (llama-vocab.cpp, `special_eog_ids`).
+EOG_TEXTS = frozenset({
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>",
+    "<EOT>", "_<EOT>", "<|end_of_text|>", "<end_of_utterance>", "<｜end▁of▁sentence｜>",
+})
+
+# GGUF value types -> struct format of one scalar.
+_SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_NUMPY_DTYPES = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32,
+                 6: np.float32, 7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
+_TYPE_STRING = 8
+_TYPE_ARRAY = 9
+
+
+class _HeaderReader:
+    """Sequential little-endian reads over the mapped file; errors name the file."""
+
+    def __init__(self, buffer, path: str):
+        self.buffer = buffer
+        self.path = path
+        self.offset = 0
+
+    def take(self, num_bytes: int) -> memoryview:
+        end = self.offset + num_bytes
+        if end > len(self.buffer):
+            raise ValueError(f"{self.path}: GGUF header is truncated at byte {self.offset}")
+        view = memoryview(self.buffer)[self.offset:end]
+        self.offset = end
+        return view
+
+    def scalar(self, type_id: int):
+        fmt = "<" + _SCALAR_FORMATS[type_id]
+        return struct.unpack(fmt, self.take(struct.calcsize(fmt)))[0]
+
+    def string(self) -> str:
+        (num_bytes,) = struct.unpack("<Q", self.take(8))
+        return bytes(self.take(num_bytes)).decode("utf-8", errors="replace")
+
+    def value(self, type_id: int):
+        if type_id == _TYPE_STRING:
+            return self.string()
+        if type_id in _SCALAR_FORMATS:
+            return self.scalar(type_id)
+        if type_id == _TYPE_ARRAY:
+            item_type, num_items = struct.unpack("<IQ", self.take(12))
+            if item_type == _TYPE_STRING:
+                return [self.string() for _ in range(num_items)]
+            if item_type in _NUMPY_DTYPES:
+                dtype = np.dtype(_NUMPY_DTYPES[item_type]).newbyteorder("<")
+                data = self.take(num_items * dtype.itemsize)
+                return np.frombuffer(data, dtype=dtype).tolist()
+            return [self.value(item_type) for _ in range(num_items)]
+        raise ValueError(f"{self.path}: unknown GGUF value type {type_id} at byte {self.offset}")
+
+
+def read_gguf_metadata(path: str | os.PathLike) -> dict[str, object]:
+    """All key/value pairs of a GGUF file's header (arrays as lists), without the tensors."""
+    path = os.fspath(path)
+    with open(path, "rb") as f:
+        try:
+            buffer = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except ValueError:  # empty file
+            raise ValueError(f"{path}: not a GGUF file (empty)") from None
+    try:
+        reader = _HeaderReader(buffer, path)
+        if bytes(reader.take(4)) != GGUF_MAGIC if len(buffer) >= 4 else True:
+            raise ValueError(f"{path}: not a GGUF file (bad magic)")
+        version = reader.scalar(4)
+        if version < 2:
+            raise ValueError(f"{path}: GGUF version {version} is not supported (need 2 or later)")
+        _num_tensors, num_kv = struct.unpack("<QQ", reader.take(16))
+        metadata: dict[str, object] = {}
+        for _ in range(num_kv):
+            key = reader.string()
+            (type_id,) = struct.unpack("<I", reader.take(4))
+            metadata[key] = reader.value(type_id)
+        return metadata
+    finally:
+        buffer.close()
+
+
+@dataclass
+class GGUFVocab:
+    """A GGUF vocabulary converted: the backend plus what the Tokenizer wrapper needs."""
+    backend: HFTokenizer
+    vocab_size: int
+    bos_token_id: int | None
+    eos_token_ids: list[int]
+    add_bos: bool
+    chat_template: str | None
+    special_token_ids: frozenset[int] = field(default_factory=frozenset)
+
+
+def token_types(metadata: dict, num_tokens: int) -> list[int]:
+    types = metadata.get("tokenizer.ggml.token_type")
+    if types is None:
+        return [TokenType.NORMAL] * num_tokens
+    if len(types) < num_tokens:
+        raise ValueError(f"tokenizer.ggml.token_type has {len(types)} entries for {num_tokens} tokens")
+    return list(types[:num_tokens])
+
+
+def unique_token_texts(tokens: list[str]) -> list[str]:
+    """llama.cpp renames empty tokens "[EMPTY_<id>]"; duplicates keep the last id as theirs does."""
+    return [text if text else f"[EMPTY_{i}]" for i, text in enumerate(tokens)]
+
+
+def add_typed_tokens(backend: HFTokenizer, tokens: list[str], types: list[int]) -> frozenset[int]:
+    """Register control/unknown (special) and user-defined (not special) tokens; return the special ids."""
+    added = []
+    special_ids = set()
+    for token_id, (text, token_type) in enumerate(zip(tokens, types)):
+        if token_type in (TokenType.CONTROL, TokenType.UNKNOWN):
+            added.append(AddedToken(text, special=True, normalized=False))
+            special_ids.add(token_id)
+        elif token_type == TokenType.USER_DEFINED:
+            added.append(AddedToken(text, special=False, normalized=False))
+    if added:
+        backend.add_tokens(added)
+    return frozenset(special_ids)
+
+
+def _optional_id(metadata: dict, key: str, num_tokens: int) -> int | None:
+    value = metadata.get(key)
+    if value is None or not 0 <= int(value) < num_tokens:
+        return None
+    return int(value)
+
+
+def special_ids(metadata: dict, tokens: list[str], types: list[int], default_add_bos: bool):
+    """(bos_token_id, eos_token_ids, add_bos) as llama.cpp derives them from the header."""
+    num_tokens = len(tokens)
+    bos_id = _optional_id(metadata, "tokenizer.ggml.bos_token_id", num_tokens)
+    eos_ids: list[int] = []
+    for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+        token_id = _optional_id(metadata, key, num_tokens)
+        if token_id is not None and token_id not in eos_ids:
+            eos_ids.append(token_id)
+    for token_id, text in enumerate(tokens):
+        if text in EOG_TEXTS and token_id not in eos_ids and types[token_id] != TokenType.NORMAL:
+            eos_ids.append(token_id)
+    add_bos = metadata.get("tokenizer.ggml.add_bos_token")
+    add_bos = default_add_bos if add_bos is None else bool(add_bos)
+    if bos_id is None:
+        add_bos = False
+    return bos_id, eos_ids, add_bos
+
+
+def load_gguf_vocab(path: str | os.PathLike) -> GGUFVocab:
+    """Read a GGUF file's vocabulary into a GGUFVocab. Errors name the file and the key."""
+    path = os.fspath(path)
+    metadata = read_gguf_metadata(path)
+    try:
+        return vocab_from_metadata(metadata)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+
+
+def vocab_from_metadata(metadata: dict) -> GGUFVocab:
+    model_type = metadata.get("tokenizer.ggml.model")
+    if model_type is None:
+        raise ValueError("no embedded vocabulary (tokenizer.ggml.model is missing)")
+    tokens = metadata.get("tokenizer.ggml.tokens")
+    if not isinstance(tokens, list) or not tokens:
+        raise ValueError("tokenizer.ggml.tokens is missing or empty")
+    tokens = unique_token_texts(tokens)
+    types = token_types(metadata, len(tokens))
+    if model_type == "gpt2":
+        from .gguf_vocab_bpe import build_bpe_backend
+        backend = build_bpe_backend(metadata, tokens)
+        default_add_bos = False
+    elif model_type == "llama":
+        from .gguf_vocab_spm import build_spm_backend
+        backend = build_spm_backend(metadata, tokens, types)
+        default_add_bos = True
+    else:
+        raise ValueError(
+            f"tokenizer.ggml.model {model_type!r} is not supported (supported: 'gpt2' byte-level BPE, "
+            "'llama' SentencePiece BPE)"
+        )
+    special_token_ids = add_typed_tokens(backend, tokens, types)
+    bos_id, eos_ids, add_bos = special_ids(metadata, tokens, types, default_add_bos)
+    template = metadata.get("tokenizer.chat_template")
+    return GGUFVocab(
+        backend=backend,
+        vocab_size=len(tokens),
+        bos_token_id=bos_id,
+        eos_token_ids=eos_ids,
+        add_bos=add_bos,
+        chat_template=template if isinstance(template, str) and template else None,
+        special_token_ids=special_token_ids,
+    )

@@ -1,0 +1,63 @@
+"""GGUF "llama" vocabularies: SentencePiece BPE as llama.cpp runs it (`llm_tokenizer_spm`).
+
+llama.cpp replaces spaces with U+2581, prefixes a space to every text fragment that starts the
+input or follows a special token (`add_space_prefix`), splits into UTF-8 characters and then keeps
+merging the adjacent pair whose concatenation is the vocabulary token of highest score. Characters
+no merge covers and that are not tokens come out as byte tokens `<0xNN>`.
+
+In `tokenizers` terms: a BPE model whose merges are every (left, right) split of a token into two
+tokens, ranked by the merged token's score (best first), with byte_fallback; normalizers Prepend
+"▁" (applied per fragment between added tokens, which is llama.cpp's rule) and Replace " " -> "▁";
+decoders that undo both.
+"""
+from __future__ import annotations
+
+from tokenizers import Tokenizer as HFTokenizer, decoders, models, normalizers
+
+SPACE_MARKER = "\u2581"
+_BYTE_TOKEN_TYPE = 6
+
+
+def spm_merges(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple[str, str]]:
+    """Every split of a token into two tokens, ordered by the merged token's score, best first.
+
+    Ties keep the lower token id first. Byte tokens `<0xNN>` are never merge results.
+    """
+    token_ids = {text: token_id for token_id, text in enumerate(tokens)}
+    ranked = []  # (-score, merged id, split position, left, right)
+    for token_id, text in enumerate(tokens):
+        if types[token_id] == _BYTE_TOKEN_TYPE or len(text) < 2:
+            continue
+        for split in range(1, len(text)):
+            left, right = text[:split], text[split:]
+            if left in token_ids and right in token_ids:
+                ranked.append((-scores[token_id], token_id, split, left, right))
+    ranked.sort()
+    return [(left, right) for _, _, _, left, right in ranked]
+
+
+def build_spm_backend(metadata: dict, tokens: list[str], types: list[int]) -> HFTokenizer:
+    scores = metadata.get("tokenizer.ggml.scores")
+    if scores is None:
+        scores = [0.0] * len(tokens)
+    elif len(scores) < len(tokens):
+        raise ValueError(f"tokenizer.ggml.scores has {len(scores)} entries for {len(tokens)} tokens")
+    add_space_prefix = metadata.get("tokenizer.ggml.add_space_prefix")
+    add_space_prefix = True if add_space_prefix is None else bool(add_space_prefix)
+    unk_id = metadata.get("tokenizer.ggml.unknown_token_id")
+    unk_token = tokens[int(unk_id)] if unk_id is not None and 0 <= int(unk_id) < len(tokens) else None
+
+    vocab = {text: token_id for token_id, text in enumerate(tokens)}
+    model = models.BPE(vocab=vocab, merges=spm_merges(tokens, scores, types), unk_token=unk_token,
+                       fuse_unk=False, byte_fallback=True)
+    backend = HFTokenizer(model)
+    replace = normalizers.Replace(" ", SPACE_MARKER)
+    if add_space_prefix:
+        backend.normalizer = normalizers.Sequence([normalizers.Prepend(SPACE_MARKER), replace])
+    else:
+        backend.normalizer = replace
+    steps = [decoders.Replace(SPACE_MARKER, " "), decoders.ByteFallback(), decoders.Fuse()]
+    if add_space_prefix:
+        steps.append(decoders.Strip(" ", 1, 0))
+    backend.decoder = decoders.Sequence(steps)
+    return backend
