@@ -1,0 +1,231 @@
+"""Invariant 1 (byte-exact incremental detokenization) against `tokenizers`' own decode."""
+import functools
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests import vocabs
+from engine.detokenizer import IncrementalDetokenizer, TokenPieces
+
+REAL_VOCABS = {"smollm2": vocabs.smollm2, "qwen": vocabs.qwen, "llama_spm": vocabs.llama_spm}
+SYNTHETIC = ["spm", "spm_strip2", "metaspace", "metaspace_never", "wordpiece", "none", "strip_per_token"]
+ALL_VOCABS = dict(REAL_VOCABS, synthetic_byte_level=vocabs.synthetic_byte_level)
+ALL_VOCABS.update({f"synthetic_{name}": functools.partial(vocabs.synthetic_spm, name) for name in SYNTHETIC})
+
+
+def detokenize(tok, ids, skip_special_tokens):
+    d = IncrementalDetokenizer(tok, skip_special_tokens=skip_special_tokens)
+    return [d.add(i) for i in ids] + [d.finish()]
+
+
+@functools.cache
+def id_pools(name):
+    """Ids to over-represent: byte tokens and pieces that are not valid UTF-8 alone, specials, real text."""
+    tok = ALL_VOCABS[name]()
+    pieces = TokenPieces(tok)
+    fragments = [i for i in range(pieces.num_ids) if not _is_valid(pieces.bytes_of(i))]
+    specials = sorted(pieces.special_token_ids) or [0]
+    backend = vocabs.backend_of(tok)
+    text_ids = backend.encode(vocabs.MIXED_TEXT, add_special_tokens=False).ids
+    return pieces.num_ids, fragments or [0], specials, text_ids
+
+
+def _is_valid(piece):
+    try:
+        piece.decode("utf-8")
+        return True
+    except UnicodeDecodeError:
+        return False
+
+
+@st.composite
+def id_sequences(draw, name):
+    num_ids, fragments, specials, text_ids = id_pools(name)
+    ids = []
+    for _ in range(draw(st.integers(0, 10))):
+        choice = draw(st.integers(0, 9))
+        if choice < 3:
+            ids.append(draw(st.integers(0, num_ids - 1)))
+        elif choice < 6:  # a run of byte / partial-character tokens
+            ids.extend(draw(st.lists(st.sampled_from(fragments), min_size=1, max_size=6)))
+        elif choice < 8:
+            ids.append(draw(st.sampled_from(specials)))
+        else:  # a slice of real multilingual text
+            start = draw(st.integers(0, len(text_ids) - 1))
+            ids.extend(text_ids[start : start + draw(st.integers(1, 12))])
+    return ids
+
+
+def make_invariant_test(name, max_examples):
+    @settings(max_examples=max_examples, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(data=st.data())
+    def test(data):
+        tok = ALL_VOCABS[name]()
+        ids = data.draw(id_sequences(name))
+        backend = vocabs.backend_of(tok)
+        for skip in (True, False):
+            assert "".join(detokenize(tok, ids, skip)) == backend.decode(ids, skip_special_tokens=skip)
+
+    return test
+
+
+for _name in ALL_VOCABS:
+    globals()[f"test_invariant_{_name}"] = make_invariant_test(_name, 250 if _name in REAL_VOCABS else 80)
+
+
+@pytest.mark.parametrize("name", list(ALL_VOCABS))
+def test_path_is_chosen_from_the_decoder(name):
+    is_generic = name in ("synthetic_wordpiece", "synthetic_none", "synthetic_strip_per_token")
+    assert IncrementalDetokenizer(ALL_VOCABS[name]()).is_fast is not is_generic
+
+
+NAMED_TEXTS = {
+    "korean": "안녕하세요, 반갑습니다. 한국어 텍스트입니다.",
+    "cjk": "你好，世界。東京は晴れです。中文和日本語。",
+    "emoji_zwj_flags": "👨‍👩‍👧‍👦 👩🏽‍💻 🏳️‍🌈 🇰🇷🇯🇵🇺🇸 ❤️‍🔥",
+    "combining_marks": "e\u0301 a\u0308 n\u0303 Z\u0357\u0350\u034ca\u0352l\u0357g\u0350o \u1100\u1161\u11a8",
+    "mixed": vocabs.MIXED_TEXT,
+}
+
+
+@pytest.mark.parametrize("text_name", list(NAMED_TEXTS))
+@pytest.mark.parametrize("name", list(REAL_VOCABS))
+def test_named_texts_round_trip(name, text_name):
+    tok = REAL_VOCABS[name]()
+    backend = vocabs.backend_of(tok)
+    text = NAMED_TEXTS[text_name]
+    ids = backend.encode(text, add_special_tokens=False).ids
+    expected = backend.decode(ids)
+    assert "".join(detokenize(tok, ids, True)) == expected
+    assert expected.strip() == text.strip()
+
+
+@pytest.mark.parametrize("name", ["smollm2", "qwen"])
+def test_byte_level_releases_all_but_an_incomplete_character(name):
+    """On real text, after every token all text is out except a character still missing bytes."""
+    tok = REAL_VOCABS[name]()
+    pieces = TokenPieces(tok)
+    ids = vocabs.backend_of(tok).encode(vocabs.MIXED_TEXT, add_special_tokens=False).ids
+    d = IncrementalDetokenizer(tok)
+    released, seen = "", b""
+    num_held_steps = 0
+    for token_id in ids:
+        released += d.add(token_id)
+        seen += pieces.bytes_of(token_id)
+        complete = next(seen[: len(seen) - k] for k in range(4) if _is_valid(seen[: len(seen) - k]))
+        assert released == complete.decode("utf-8")
+        num_held_steps += len(complete) < len(seen)
+    assert num_held_steps > 0  # the text does split characters across tokens
+    assert d.finish() == ""
+
+
+def test_byte_fallback_only_text_is_held_until_the_run_ends():
+    tok = vocabs.llama_spm()
+    backend = vocabs.backend_of(tok)
+    ids = backend.encode("🙂🙂", add_special_tokens=False).ids  # no piece in the vocabulary: 8 byte tokens
+    assert len(ids) >= 8
+    d = IncrementalDetokenizer(tok)
+    assert [d.add(i) for i in ids] == [""] * len(ids)
+    assert d.finish() == backend.decode(ids)
+    word = backend.encode(" ok", add_special_tokens=False).ids
+    d = IncrementalDetokenizer(tok)
+    out = [d.add(i) for i in ids + word]
+    assert out[len(ids)].startswith(backend.decode(ids)) and "".join(out) + d.finish() == backend.decode(ids + word)
+
+
+@pytest.mark.parametrize("name", list(REAL_VOCABS))
+def test_stream_ending_mid_character(name):
+    tok = REAL_VOCABS[name]()
+    backend = vocabs.backend_of(tok)
+    if name == "llama_spm":
+        tail, expected_tail = ["<0xE4>", "<0xBD>"], "\ufffd\ufffd"  # an unfinished run: every byte token
+    else:
+        tail, expected_tail = [vocabs.byte_level_str("你".encode()[:2])], "\ufffd"  # one maximal subpart
+    ids = backend.encode("ok", add_special_tokens=False).ids + [backend.token_to_id(t) for t in tail]
+    out = detokenize(tok, ids, True)
+    assert out[-1] == expected_tail  # held until finish(), then rendered as decode renders it
+    assert "".join(out) == backend.decode(ids) == "ok" + expected_tail
+
+
+def test_special_tokens_both_ways():
+    tok = vocabs.qwen()
+    backend = vocabs.backend_of(tok)
+    ids = [151644] + backend.encode("hi 你", add_special_tokens=False).ids + [151645]
+    assert "".join(detokenize(tok, ids, True)) == "hi 你"
+    assert "".join(detokenize(tok, ids, False)) == "<|im_start|>hi 你<|im_end|>"
+
+
+def test_strip_only_at_start_of_whole_output():
+    tok = vocabs.synthetic_spm("spm")
+    backend = vocabs.backend_of(tok)
+    vocab = backend.get_vocab()
+    ids = [vocab["<s>"], vocab["\u2581hello"], vocab["<x>"], vocab["\u2581world"]]
+    assert "".join(detokenize(tok, ids, True)) == "hello<x> world" == backend.decode(ids)
+    assert "".join(detokenize(tok, ids, False)) == "<s> hello<x> world" == backend.decode(ids, skip_special_tokens=False)
+
+
+class WrappedTokenizer:
+    """Stands in for engine.tokenizer.Tokenizer: the detokenizer reads only `.backend`."""
+
+    def __init__(self, backend):
+        self.backend = backend
+
+
+def test_accepts_wrapper_and_caches_pieces():
+    backend = vocabs.backend_of(vocabs.smollm2())
+    pieces = TokenPieces(backend)
+    assert TokenPieces(WrappedTokenizer(backend)) is pieces
+    d = IncrementalDetokenizer(WrappedTokenizer(backend), skip_special_tokens=False)
+    assert d.add(1) == "<|im_start|>"
+
+
+def test_table_is_rebuilt_when_tokens_are_added():
+    tok = vocabs.synthetic_byte_level()
+    backend = vocabs.backend_of(tok).from_str(vocabs.backend_of(tok).to_str())  # a private copy
+    before = TokenPieces(backend)
+    backend.add_tokens(["<new>"])
+    new_id = backend.token_to_id("<new>")
+    after = TokenPieces(backend)
+    assert after is not before and after.bytes_of(new_id) == b"<new>"
+    assert "".join(detokenize(backend, [new_id], True)) == "<new>"
+
+
+def test_token_pieces_bytes_and_text():
+    qwen = TokenPieces(vocabs.qwen())
+    backend = vocabs.backend_of(vocabs.qwen())
+    ni = backend.token_to_id("\u0120hi")  # byte-level "Ġhi"
+    assert qwen.bytes_of(ni) == b" hi" and qwen.text_of(ni) == " hi"
+    partial = backend.token_to_id(vocabs.byte_level_str("你".encode()[:2]))
+    assert qwen.bytes_of(partial) == b"\xe4\xbd" and qwen.text_of(partial) == "\ufffd"
+    assert qwen.bytes_of(151644) == b"<|im_start|>"
+    spm = TokenPieces(vocabs.llama_spm())
+    spm_backend = vocabs.backend_of(vocabs.llama_spm())
+    assert spm.bytes_of(spm_backend.token_to_id("<0xE4>")) == b"\xe4"
+    assert spm.text_of(spm_backend.token_to_id("<0xE4>")) == "\ufffd"
+    assert spm.bytes_of(spm_backend.token_to_id("\u2581the")) == b" the"
+    assert qwen.bytes_of(10**7) == b"" and qwen.text_of(-5) == ""
+    generic = TokenPieces(vocabs.synthetic_spm("wordpiece"))
+    assert generic.bytes_of(generic.backend.token_to_id("hello")) == b"hello"
+
+
+def test_skip_special_tokens_must_be_bool():
+    with pytest.raises(ValueError, match="skip_special_tokens"):
+        IncrementalDetokenizer(vocabs.smollm2(), skip_special_tokens="yes")
+    with pytest.raises(ValueError, match="tokenizer"):
+        TokenPieces(object())
+
+
+def test_long_random_streams_match_decode():
+    """Longer streams than hypothesis draws, all vocabularies, both skip settings."""
+    rng = random.Random(1234)
+    for name in ALL_VOCABS:
+        tok = ALL_VOCABS[name]()
+        backend = vocabs.backend_of(tok)
+        num_ids, fragments, specials, text_ids = id_pools(name)
+        for _ in range(3):
+            ids = [rng.choice((rng.randrange(num_ids), rng.choice(fragments), rng.choice(specials), rng.choice(text_ids)))
+                   for _ in range(400)]
+            for skip in (True, False):
+                assert "".join(detokenize(tok, ids, skip)) == backend.decode(ids, skip_special_tokens=skip), name
