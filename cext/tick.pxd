@@ -51,6 +51,7 @@ cdef class TickState:
     cdef int32_t[::1] _span_positions
 
     cpdef tuple plan(self, const int32_t[::1] running, int num_running, int budget)
+    cpdef int grow(self, const int32_t[::1] block_ids) except -1
     cpdef int add_entry(self, int slot, int num_new) except -1
     cpdef tuple build(self)
     cpdef int commit(self, const int32_t[::1] slots, const int32_t[::1] num_new, const int64_t[::1] epochs,

@@ -109,6 +109,30 @@ cdef class TickState:
         self.num_batch_tokens = num_tokens
         return num_decodes, budget, total_need
 
+    cpdef int grow(self, const int32_t[::1] block_ids) except -1:
+        """Append new blocks to the planned entries that need them, in entry order."""
+        cdef int i, k, s, nb, j = 0, total = 0
+        for i in range(self.num_entries):
+            total += self._entry_num_new_blocks[i]
+        if total != block_ids.shape[0]:
+            raise ValueError(f"the plan needs {total} blocks, got {block_ids.shape[0]}")
+        for i in range(self.num_entries):
+            k = self._entry_num_new_blocks[i]
+            if k == 0:
+                continue
+            s = self._entry_slots[i]
+            nb = self._num_blocks[s]
+            if nb + k > self.max_blocks_per_seq:
+                raise ValueError(f"slot {s} would hold more than {self.max_blocks_per_seq} blocks")
+            while k > 0:
+                self._block_tables[s, nb] = block_ids[j]
+                nb += 1
+                j += 1
+                k -= 1
+            self._num_blocks[s] = nb
+            self._entry_num_new_blocks[i] = 0
+        return 0
+
     cpdef int add_entry(self, int slot, int num_new) except -1:
         """Append an entry (a newly admitted sequence's first chunk) to the plan."""
         cdef int n = self.num_entries

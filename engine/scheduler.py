@@ -162,8 +162,8 @@ class Scheduler:
             victim = self.running[-1]
             self._preempt(victim)
             preempted.append(victim)
-        if num_new_blocks:
-            self._grow_tables(state.num_entries)
+        if num_new_blocks:  # about one decode in block_size needs a block each tick
+            state.grow(np.array(bm.allocate(num_new_blocks), dtype=np.int32))
         if not preempted:
             budget = self._admit(budget)
         if state.num_entries == 0:
@@ -172,13 +172,11 @@ class Scheduler:
 
     def update(self, out: SchedulerOutput, sampled_token_ids) -> None:
         if isinstance(sampled_token_ids, torch.Tensor):
-            sampled_token_ids = sampled_token_ids.tolist()
-        ids = np.asarray(sampled_token_ids, dtype=np.int64).reshape(-1)
+            ids = sampled_token_ids.numpy().astype(np.int64, copy=False).reshape(-1)
+        else:
+            ids = np.asarray(sampled_token_ids, dtype=np.int64).reshape(-1)
         self.state.commit(out.slots, out.num_new_tokens, out.epochs, out.sample_entries, ids)
         running = SequenceStatus.RUNNING
-        for seq, token_id in zip(out.sample_seqs, sampled_token_ids):
-            if seq.status is running:
-                seq.output_token_ids.append(int(token_id))
         for seq, _first, count, pos in out.prompt_logprob_spans:
             if seq.status is running:
                 nxt = pos + count
@@ -188,17 +186,6 @@ class Scheduler:
             self._publish_blocks()
 
     # -- internals --
-
-    def _grow_tables(self, num_entries: int) -> None:
-        """Give each planned entry the blocks it lacks (about one decode in block_size per tick)."""
-        state = self.state
-        needs = state.entry_num_new_blocks[:num_entries]
-        for i in np.flatnonzero(needs).tolist():
-            slot = int(state.entry_slots[i])
-            k = int(needs[i])
-            nb = int(state.num_blocks[slot])
-            state.block_tables[slot, nb : nb + k] = self.block_manager.allocate(k)
-            state.num_blocks[slot] = nb + k
 
     def _admit(self, budget: int) -> int:
         cfg = self.config
@@ -262,20 +249,20 @@ class Scheduler:
                 state.span_positions[:num_spans].tolist(),
             ):
                 spans.append((seqs[i], first, count, pos))
-        t = torch.from_numpy(flat)
         o_qs = 3 * T
         o_ctx = o_qs + B + 1
         o_bt = o_ctx + 2 * B
         o_logits = o_bt + B * W
+        tensor = torch.from_numpy
         batch = ForwardBatch(
-            input_ids=t[:T],
-            positions=t[T : 2 * T],
-            slot_mapping=t[2 * T : o_qs],
-            query_starts=t[o_qs:o_ctx],
-            context_lens=t[o_ctx : o_ctx + B],
-            block_tables=t[o_bt:o_logits].view(B, W),
-            logit_rows=t[o_logits : o_logits + num_logit_rows],
-            prompt_lens=t[o_ctx + B : o_bt],
+            input_ids=tensor(flat[:T]),
+            positions=tensor(flat[T : 2 * T]),
+            slot_mapping=tensor(flat[2 * T : o_qs]),
+            query_starts=tensor(flat[o_qs:o_ctx]),
+            context_lens=tensor(flat[o_ctx : o_ctx + B]),
+            block_tables=tensor(flat[o_bt:o_logits].reshape(B, W)),
+            logit_rows=tensor(flat[o_logits : o_logits + num_logit_rows]),
+            prompt_lens=tensor(flat[o_ctx + B : o_bt]),
             query_starts_list=flat[o_qs:o_ctx].tolist(),
             context_lens_list=flat[o_ctx : o_ctx + B].tolist(),
             num_decode_seqs=num_decodes,

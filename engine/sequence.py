@@ -26,7 +26,6 @@ class Sequence:
         "max_tokens",
         "num_prompt_logprobs",
         "status",
-        "output_token_ids",
         "next_prompt_logprob_pos",
         "block_hashes",
         "num_registered_blocks",
@@ -54,7 +53,6 @@ class Sequence:
         self.max_tokens = max_tokens
         self.num_prompt_logprobs = num_prompt_logprobs
         self.status = SequenceStatus.WAITING
-        self.output_token_ids: list[int] = []
         # Next prompt position whose logits predict a prompt token (-1: none wanted or all done).
         self.next_prompt_logprob_pos = 0 if num_prompt_logprobs is not None and n > 1 else -1
         self.block_hashes: list[int] | None = None  # chained hashes of full prompt blocks
@@ -103,6 +101,11 @@ class Sequence:
         return self._buf[: self.num_tokens]
 
     @property
+    def output_token_ids(self) -> list[int]:
+        """Generated ids (a new list on each call)."""
+        return self._buf[self.num_prompt_tokens : self.num_tokens].tolist()
+
+    @property
     def prompt_token_ids(self) -> list[int]:
         return self._buf[: self.num_prompt_tokens].tolist()
 
@@ -129,7 +132,6 @@ class Sequence:
             self._num_tokens = n + 1
         else:
             self._state.num_tokens[self._slot] = n + 1
-        self.output_token_ids.append(token_id)
 
     # -- binding to a scheduler slot (the scheduler's business) --
 
@@ -152,7 +154,7 @@ class Sequence:
         if state is None:
             return
         n = int(state.num_tokens[self._slot])
-        buf = np.empty(self.num_prompt_tokens + self.max_tokens, dtype=np.int32)
+        buf = np.empty(max(n, self.num_prompt_tokens + self.max_tokens), dtype=np.int32)
         buf[:n] = self._buf[:n]
         self._buf = buf
         self._num_tokens = n
