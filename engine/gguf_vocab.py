@@ -17,7 +17,7 @@ from __future__ import annotations
 import mmap
 import os
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import IntEnum
 
 import numpy as np
@@ -127,7 +127,6 @@ class GGUFVocab:
     eos_token_ids: list[int]
     add_bos: bool
     chat_template: str | None
-    special_token_ids: frozenset[int] = field(default_factory=frozenset)
 
 
 def token_types(metadata: dict, num_tokens: int) -> list[int]:
@@ -144,19 +143,16 @@ def unique_token_texts(tokens: list[str]) -> list[str]:
     return [text if text else f"[EMPTY_{i}]" for i, text in enumerate(tokens)]
 
 
-def add_typed_tokens(backend: HFTokenizer, tokens: list[str], types: list[int]) -> frozenset[int]:
-    """Register control/unknown (special) and user-defined (not special) tokens; return the special ids."""
+def add_typed_tokens(backend: HFTokenizer, tokens: list[str], types: list[int]) -> None:
+    """Register control/unknown tokens as special added tokens, user-defined ones as plain added tokens."""
     added = []
-    special_ids = set()
-    for token_id, (text, token_type) in enumerate(zip(tokens, types)):
+    for text, token_type in zip(tokens, types):
         if token_type in (TokenType.CONTROL, TokenType.UNKNOWN):
             added.append(AddedToken(text, special=True, normalized=False))
-            special_ids.add(token_id)
         elif token_type == TokenType.USER_DEFINED:
             added.append(AddedToken(text, special=False, normalized=False))
     if added:
         backend.add_tokens(added)
-    return frozenset(special_ids)
 
 
 def _optional_id(metadata: dict, key: str, num_tokens: int) -> int | None:
@@ -217,7 +213,7 @@ def vocab_from_metadata(metadata: dict) -> GGUFVocab:
             f"tokenizer.ggml.model {model_type!r} is not supported (supported: 'gpt2' byte-level BPE, "
             "'llama' SentencePiece BPE)"
         )
-    special_token_ids = add_typed_tokens(backend, tokens, types)
+    add_typed_tokens(backend, tokens, types)
     bos_id, eos_ids, add_bos = special_ids(metadata, tokens, types, default_add_bos)
     template = metadata.get("tokenizer.chat_template")
     return GGUFVocab(
@@ -227,5 +223,4 @@ def vocab_from_metadata(metadata: dict) -> GGUFVocab:
         eos_token_ids=eos_ids,
         add_bos=add_bos,
         chat_template=template if isinstance(template, str) and template else None,
-        special_token_ids=special_token_ids,
     )

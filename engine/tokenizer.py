@@ -16,7 +16,7 @@ import json
 import os
 from pathlib import Path
 
-from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import AddedToken, Tokenizer as HFTokenizer
 
 from .chat_template import render_chat_template
 
@@ -204,9 +204,35 @@ def _chat_template_from(config: dict, directory: Path | None) -> str | None:
     return template if isinstance(template, str) and template else None
 
 
+def _add_config_tokens(backend: HFTokenizer, config: dict) -> None:
+    """Added tokens tokenizer_config.json declares that tokenizer.json lacks (transformers adds them too)."""
+    known = {added.content for added in backend.get_added_tokens_decoder().values()}
+    decoder = config.get("added_tokens_decoder")
+    entries = sorted(decoder.items(), key=lambda item: int(item[0])) if isinstance(decoder, dict) else []
+    missing = []
+    for _, entry in entries:
+        content = _token_content(entry)
+        if content and content not in known:
+            missing.append(AddedToken(
+                content, special=bool(entry.get("special", True)), normalized=bool(entry.get("normalized", False)),
+                lstrip=bool(entry.get("lstrip", False)), rstrip=bool(entry.get("rstrip", False)),
+                single_word=bool(entry.get("single_word", False)),
+            ))
+            known.add(content)
+    for value in config.get("additional_special_tokens") or ():
+        content = _token_content(value)
+        if content and content not in known:
+            missing.append(AddedToken(content, special=True, normalized=False))
+            known.add(content)
+    if missing:
+        backend.add_tokens(missing)
+
+
 def _from_backend(backend: HFTokenizer, config: dict, directory: Path | None) -> Tokenizer:
     from .gguf_vocab import EOG_TEXTS
 
+    if config:
+        _add_config_tokens(backend, config)
     vocab_size = backend.get_vocab_size(with_added_tokens=True)
     bos_text = _token_content(config.get("bos_token"))
     bos_id = backend.token_to_id(bos_text) if bos_text else None
@@ -235,21 +261,29 @@ def _from_backend(backend: HFTokenizer, config: dict, directory: Path | None) ->
             eos_ids.append(token_id)
     eos_ids = [i for i in dict.fromkeys(eos_ids) if 0 <= i < vocab_size]
 
+    prepended_id = _post_processor_prefix(backend)
+    if bos_id is None:
+        bos_id = prepended_id
     add_bos = config.get("add_bos_token")
     if not isinstance(add_bos, bool):
-        add_bos = _post_processor_adds_bos(backend, bos_id)
-    if bos_id is None:
-        add_bos = False
+        add_bos = prepended_id is not None and prepended_id == bos_id
+    if bos_id is None or not 0 <= bos_id < vocab_size:
+        bos_id, add_bos = None, False
     return Tokenizer(
         backend, bos_token_id=bos_id, eos_token_ids=eos_ids, add_bos=add_bos,
         chat_template=_chat_template_from(config, directory), vocab_size=vocab_size,
     )
 
 
-def _post_processor_adds_bos(backend: HFTokenizer, bos_id: int | None) -> bool:
-    """Whether the tokenizer.json post-processor puts BOS in front (Llama 3 style)."""
-    if bos_id is None or backend.post_processor is None:
-        return False
-    with_special = backend.encode("a", add_special_tokens=True).ids
-    without = backend.encode("a", add_special_tokens=False).ids
-    return len(with_special) > len(without) and with_special[0] == bos_id
+def _post_processor_prefix(backend: HFTokenizer) -> int | None:
+    """The special token a tokenizer.json post-processor puts in front (Llama 3's BOS), if any."""
+    if backend.post_processor is None:
+        return None
+    try:
+        with_special = backend.encode("a", add_special_tokens=True).ids
+        without = backend.encode("a", add_special_tokens=False).ids
+    except Exception:  # a post-processor that cannot run on a single sequence
+        return None
+    if len(with_special) > len(without) and with_special[1:len(without) + 1] == without:
+        return with_special[0]
+    return None

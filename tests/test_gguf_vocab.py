@@ -1,0 +1,198 @@
+"""GGUF vocabularies -> tokenizers: llama.cpp's own tokenizer test vectors, and synthetic files."""
+from __future__ import annotations
+
+import functools
+import os
+
+import gguf
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from engine.gguf_vocab import load_gguf_vocab, read_gguf_metadata
+from engine.gguf_vocab_bpe import PRE_NAMES, split_merge
+from engine.gguf_vocab_spm import spm_merges
+from engine.tokenizer import load_tokenizer
+from tokenizer_fixtures import (
+    CONTROL, NORMAL, USER_DEFINED, default_model_path, read_vocab_tests, vocab_data_file, tiny_bpe_gguf,
+    tiny_spm_gguf, write_gguf,
+)
+
+# Every BPE/SPM vocabulary of llama.cpp's test data with .inp/.out vectors, and what we expect.
+REQUIRED = ["gpt-2", "llama-spm", "qwen2"]
+ALSO_PASSING = ["command-r", "deepseek-coder", "deepseek-llm", "falcon", "llama-bpe", "mpt", "phi-3",
+                "qwen35", "refact", "starcoder"]
+UNSUPPORTED = {"bert-bge": "tokenizer.ggml.model 'bert' is not supported",
+               "gemma-4": "tokenizer.ggml.model 'gemma4' is not supported"}
+
+
+@functools.lru_cache(maxsize=None)
+def vocab_tokenizer(name: str):
+    return load_tokenizer(vocab_data_file(f"ggml-vocab-{name}.gguf"))
+
+
+@pytest.mark.parametrize("name", REQUIRED + ALSO_PASSING)
+def test_llamacpp_vectors(name):
+    tok = vocab_tokenizer(name)
+    mismatches = []
+    for text, expected in read_vocab_tests(name):
+        ids = tok.encode(text, add_special_tokens=False)
+        if ids != expected:
+            mismatches.append((text, ids, expected))
+    assert not mismatches, f"{len(mismatches)} texts differ, first: {mismatches[0]!r}"
+
+
+@pytest.mark.parametrize("name", sorted(UNSUPPORTED))
+def test_unsupported_vocab_types_fail_clearly(name):
+    path = vocab_data_file(f"ggml-vocab-{name}.gguf")
+    with pytest.raises(ValueError, match=UNSUPPORTED[name]) as info:
+        load_tokenizer(path)
+    assert str(path) in str(info.value)
+
+
+def test_all_vocab_vectors_are_classified():
+    names = {p.name[len("ggml-vocab-"):-len(".gguf.inp")] for p in vocab_data_file("VERSION").parent.glob("*.inp")}
+    assert names == set(REQUIRED) | set(ALSO_PASSING) | set(UNSUPPORTED)
+
+
+# deepseek-coder is left out: its user-defined tokens "õ", "÷", ... are raw text that the byte-level
+# decoder maps to single bytes, so "õ" encodes to one token that decodes to U+FFFD (as in HF).
+@pytest.mark.parametrize("name", ["gpt-2", "qwen2", "llama-bpe", "command-r"])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(text=st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=80))
+def test_byte_level_round_trip(name, text):
+    tok = vocab_tokenizer(name)
+    assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
+
+
+def test_byte_fallback_for_characters_outside_the_vocabulary():
+    tok = vocab_tokenizer("llama-spm")
+    ids = tok.encode("\U0001d11e", add_special_tokens=False)  # MUSICAL SYMBOL G CLEF, 4 UTF-8 bytes
+    assert [tok.id_to_token(i) for i in ids] == ["▁", "<0xF0>", "<0x9D>", "<0x84>", "<0x9E>"]
+    assert tok.decode(ids) == "\U0001d11e"
+
+
+def test_spm_space_prefix_after_special_tokens():
+    tok = vocab_tokenizer("llama-spm")
+    ids = tok.encode("Hello</s>Hello", add_special_tokens=True)
+    assert ids[0] == tok.bos_token_id == 1 and tok.add_bos
+    hello = tok.encode("Hello", add_special_tokens=False)
+    assert ids == [1] + hello + [2] + hello  # llama.cpp prefixes a space after a special token too
+
+
+# ------------------------------------------------------------------ header reader
+
+
+def test_metadata_reader_matches_gguf_package():
+    path = vocab_data_file("ggml-vocab-gpt-2.gguf")
+    ours = read_gguf_metadata(path)
+    reader = gguf.GGUFReader(os.fspath(path))
+    assert set(ours) == {key for key in reader.fields if not key.startswith("GGUF.")}
+    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
+                "tokenizer.ggml.pre", "tokenizer.ggml.bos_token_id"):
+        assert ours[key] == reader.fields[key].contents(), key
+
+
+def test_metadata_reader_rejects_non_gguf_and_truncated(tmp_path):
+    not_gguf = tmp_path / "x.gguf"
+    not_gguf.write_bytes(b"PK\x03\x04 definitely a zip")
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        read_gguf_metadata(not_gguf)
+    whole = vocab_data_file("ggml-vocab-gpt-2.gguf").read_bytes()
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(whole[:5000])
+    with pytest.raises(ValueError, match="truncated"):
+        read_gguf_metadata(truncated)
+
+
+# ------------------------------------------------------------------ synthetic vocabularies
+
+
+def test_tiny_bpe_token_types_and_special_parsing(tmp_path):
+    tok = load_tokenizer(tiny_bpe_gguf(tmp_path / "bpe.gguf"))
+    assert tok.vocab_size == 2 + 256 + 9
+    hello, world = tok.token_to_id("hello"), tok.token_to_id("Ġworld")
+    assert tok.encode("hello world", add_special_tokens=False) == [hello, world]
+    # control and user-defined tokens are parsed out of the text
+    assert tok.encode("hello<|end|><tool>", add_special_tokens=False) == [hello, 0, 1]
+    # control tokens are special (dropped by decode), user-defined ones are not
+    assert tok.special_token_ids == frozenset({0})
+    assert tok.decode([hello, 0, 1]) == "hello<tool>"
+    assert tok.decode([hello, 0, 1], skip_special_tokens=False) == "hello<|end|><tool>"
+    assert tok.bos_token_id == 0 and tok.eos_token_ids == [0] and not tok.add_bos
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == "user:hi<|end|>"
+
+
+def test_tiny_bpe_add_bos_flag(tmp_path):
+    tok = load_tokenizer(tiny_bpe_gguf(tmp_path / "bpe.gguf", add_bos=True))
+    assert tok.add_bos
+    assert tok.encode("hello") == [0, tok.token_to_id("hello")]
+    assert tok.encode("hello", add_special_tokens=False) == [tok.token_to_id("hello")]
+
+
+def test_unknown_pre_tokenizer_is_named(tmp_path):
+    path = tiny_bpe_gguf(tmp_path / "bpe.gguf", pre="klingon-bpe")
+    with pytest.raises(ValueError, match=r"tokenizer.ggml.pre 'klingon-bpe' is not a supported pre-tokenizer"):
+        load_tokenizer(path)
+
+
+@pytest.mark.parametrize("pre", sorted(PRE_NAMES))
+def test_every_known_pre_tokenizer_builds(tmp_path, pre):
+    tok = load_tokenizer(tiny_bpe_gguf(tmp_path / "bpe.gguf", pre=pre))
+    assert tok.decode(tok.encode("hello world 123 ¿qué?\n", add_special_tokens=False)) == "hello world 123 ¿qué?\n"
+
+
+def test_missing_pre_uses_llamacpp_default(tmp_path):
+    tok = load_tokenizer(tiny_bpe_gguf(tmp_path / "bpe.gguf", pre=None))
+    assert tok.decode(tok.encode("hello, world!", add_special_tokens=False)) == "hello, world!"
+
+
+def test_missing_merges_and_tokens_are_named(tmp_path):
+    with pytest.raises(ValueError, match="tokenizer.ggml.merges is missing"):
+        load_tokenizer(write_gguf(tmp_path / "a.gguf", model="gpt2", pre="gpt-2", tokens=["a", "b"]))
+    with pytest.raises(ValueError, match="tokenizer.ggml.tokens is missing"):
+        load_tokenizer(write_gguf(tmp_path / "b.gguf", model="gpt2", pre="gpt-2"))
+    with pytest.raises(ValueError, match="no embedded vocabulary"):
+        load_tokenizer(write_gguf(tmp_path / "c.gguf", chat_template="x"))
+
+
+def test_merge_lines_split_at_first_inner_space():
+    assert split_merge("Ġ t") == ("Ġ", "t")
+    assert split_merge("  a") == (" ", "a")  # a merge whose left part is a space, as llama.cpp reads it
+    with pytest.raises(ValueError, match="no space"):
+        split_merge("ab")
+
+
+def test_tiny_spm_merges_follow_scores(tmp_path):
+    tok = load_tokenizer(tiny_spm_gguf(tmp_path / "spm.gguf"))
+    ids = tok.encode("abc", add_special_tokens=False)
+    # "▁a" (-5) beats "ab" (-6), then "▁ab" (-7), then "▁abc" (-8): one token.
+    assert [tok.id_to_token(i) for i in ids] == ["▁abc"]
+    assert [tok.id_to_token(i) for i in tok.encode("ba", add_special_tokens=False)] == ["▁", "b", "a"]
+    assert tok.encode("d", add_special_tokens=False) == [tok.token_to_id("▁"), 3 + 0x64]  # byte fallback
+    assert tok.add_bos and tok.encode("a")[0] == 1
+    assert tok.special_token_ids == frozenset({0, 1, 2})
+    assert tok.decode(tok.encode("ab abc d")) == "ab abc d"
+
+
+def test_tiny_spm_without_space_prefix(tmp_path):
+    tok = load_tokenizer(tiny_spm_gguf(tmp_path / "spm.gguf", add_space_prefix=False, add_bos=False))
+    assert [tok.id_to_token(i) for i in tok.encode("ab")] == ["ab"]
+    assert tok.decode(tok.encode(" ab")) == " ab"
+
+
+def test_spm_merges_ranked_by_merged_score():
+    tokens = ["a", "b", "c", "ab", "bc", "abc"]
+    scores = [0.0, 0.0, 0.0, -2.0, -1.0, -3.0]
+    merges = spm_merges(tokens, scores, [NORMAL] * 6)
+    assert merges == [("b", "c"), ("a", "b"), ("a", "bc"), ("ab", "c")]
+
+
+def test_default_model_vocabulary():
+    vocab = load_gguf_vocab(default_model_path())
+    assert vocab.vocab_size == 49152
+    assert vocab.bos_token_id == 1 and not vocab.add_bos
+    assert vocab.eos_token_ids[0] == 2  # <|im_end|>, then <|endoftext|> as llama.cpp's EOG list says
+    assert set(vocab.eos_token_ids) == {2, 0}
+    assert vocab.chat_template.startswith("{% for message in messages %}")
+    assert [vocab.backend.id_to_token(i) for i in (0, 1, 2)] == ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    assert USER_DEFINED != CONTROL  # (the fixture constants are llama.cpp's token types)
