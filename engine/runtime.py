@@ -1,0 +1,224 @@
+"""The engine thread: one loop that owns the model and runs ticks.
+
+schedule -> forward -> sample -> update -> one loop over the sampled sequences that
+detokenizes, checks stops and puts one StreamEvent per request on its queue. Callers
+reach the thread only through two deques (new requests, aborts) and a wake-up event;
+results leave through each request's own SimpleQueue, so a token costs one queue put
+(one lock) on the way out.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import traceback
+
+import torch
+
+from . import sampling
+from .detokenizer import TokenPieces
+from .errors import EngineDead, EngineError
+from .outputs import StreamEvent, TokenLogprob
+from .request import Request
+from .scheduler import Scheduler
+
+log = logging.getLogger("engine")
+
+_FINISHED = object()  # queue sentinel after the last event
+
+
+class EngineCore:
+    def __init__(self, model, tokenizer, scheduler: Scheduler, kv_cache, max_model_len: int):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.scheduler = scheduler
+        self.kv_cache = kv_cache
+        self.max_model_len = max_model_len
+        self.pieces = TokenPieces(tokenizer)
+        self.requests: dict[str, Request] = {}
+        self._new: collections.deque[Request] = collections.deque()
+        self._aborts: collections.deque[str] = collections.deque()
+        self._wake = threading.Event()
+        self._stopping = False
+        self.error: BaseException | None = None
+        self.num_generated_tokens = 0
+        self.num_ticks = 0
+        self._thread = threading.Thread(target=self._run, name="engine-core", daemon=True)
+        self._thread.start()
+
+    # ----- caller side (any thread) -----
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and not self._stopping
+
+    def submit(self, request: Request) -> None:
+        if not self.is_alive():
+            raise EngineDead(self._dead_message())
+        self._new.append(request)
+        self._wake.set()
+
+    def abort(self, request_id: str) -> None:
+        self._aborts.append(request_id)
+        self._wake.set()
+
+    def close(self, timeout: float = 10.0) -> None:
+        self._stopping = True
+        self._wake.set()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    def _dead_message(self) -> str:
+        if self.error is not None:
+            return f"engine thread died: {type(self.error).__name__}: {self.error}"
+        return "engine is closed"
+
+    # ----- engine thread -----
+    def _run(self) -> None:
+        try:
+            torch.set_grad_enabled(False)
+            while not self._stopping:
+                self._drain_inputs()
+                if not self.scheduler.has_work():
+                    self._wake.wait()
+                    self._wake.clear()
+                    continue
+                self._tick()
+        except BaseException as exc:  # the thread itself failed: nobody may hang
+            self.error = exc
+            log.error("engine thread died:\n%s", traceback.format_exc())
+        finally:
+            self._stopping = True
+            self._fail_all(EngineDead(self._dead_message()))
+
+    def _drain_inputs(self) -> None:
+        while self._new:
+            req = self._new.popleft()
+            try:
+                self.scheduler.add(req.seq)
+            except ValueError as exc:
+                req.outputs.put(exc)
+                continue
+            self.requests[req.request_id] = req
+        while self._aborts:
+            request_id = self._aborts.popleft()
+            req = self.requests.pop(request_id, None)
+            if req is None:
+                continue
+            self.scheduler.abort(request_id)
+            self._finish(req, "abort", text="")
+
+    def _tick(self) -> None:
+        out = self.scheduler.schedule()
+        if out is None:
+            self._wake.wait(0.001)
+            return
+        self.num_ticks += 1
+        try:
+            logits = self.model.forward(out.batch, self.kv_cache)  # [S, V]
+        except Exception as exc:  # a failed forward fails the requests in it, not the engine
+            log.exception("forward failed")
+            for seq in out.seqs:
+                self._fail(seq.request_id, exc)
+            return
+        sample_seqs = out.sample_seqs
+        reqs = [self.requests[s.request_id] for s in sample_seqs]
+        if out.prompt_logprob_spans:
+            self._prompt_logprobs(out.prompt_logprob_spans, logits)
+        if sample_seqs:
+            index = torch.tensor(out.sample_logit_index, dtype=torch.int64)
+            rows = logits.index_select(0, index) if len(index) != logits.shape[0] else logits
+            token_ids, row_logprobs = sampling.sample(
+                rows, [r.params for r in reqs], [r.generator for r in reqs]
+            )
+        else:
+            token_ids, row_logprobs = [], []
+        self.scheduler.update(out, token_ids)
+        self.num_generated_tokens += len(token_ids)
+        for req, token_id, lp in zip(reqs, token_ids, row_logprobs):
+            try:
+                self._process_token(req, token_id, lp)
+            except Exception as exc:
+                log.exception("output processing failed for %s", req.request_id)
+                self._fail(req.request_id, exc)
+
+    def _process_token(self, req: Request, token_id: int, lp) -> None:
+        params = req.params
+        seq = req.seq
+        logprobs = [self._token_logprob(token_id, lp)] if lp is not None else None
+        finish_reason = None
+        is_stop_string = False
+        if token_id in req.stop_ids and seq.num_generated > params.min_tokens:
+            text = ""
+            finish_reason = "stop"
+        else:
+            text = req.detok.add(token_id)
+            if req.stops is not None:
+                text, stopped = req.stops.push(text)
+                if stopped:
+                    finish_reason = "stop"
+                    is_stop_string = True
+        if finish_reason is None and (
+            seq.num_generated >= params.max_tokens or seq.num_tokens >= self.max_model_len
+        ):
+            finish_reason = "length"
+        if finish_reason is not None and not is_stop_string:
+            # Release what the detokenizer and stop matcher still hold, exactly as decode renders it.
+            tail = req.detok.finish()
+            if req.stops is not None:
+                tail, stopped = req.stops.push(tail)
+                if stopped:
+                    finish_reason = "stop"
+                else:
+                    tail += req.stops.flush()
+            text += tail
+        event = StreamEvent(req.request_id, text, [token_id], logprobs, finish_reason)
+        if finish_reason is not None:
+            self.scheduler.finish(seq)
+            self.requests.pop(req.request_id, None)
+            req.is_finished = True
+            req.outputs.put(event)
+            req.outputs.put(_FINISHED)
+        else:
+            req.outputs.put(event)
+
+    def _token_logprob(self, token_id: int, lp) -> TokenLogprob:
+        pieces = self.pieces
+        top = [
+            (tid, pieces.text_of(tid), list(pieces.bytes_of(tid)), val)
+            for tid, val in zip(lp.top_ids, lp.top_logprobs)
+        ]
+        return TokenLogprob(token_id, pieces.text_of(token_id), list(pieces.bytes_of(token_id)), lp.logprob, top)
+
+    def _prompt_logprobs(self, spans, logits: torch.Tensor) -> None:
+        for seq, first, count, first_pos in spans:
+            req = self.requests.get(seq.request_id)
+            if req is None or count == 0:
+                continue
+            prompt = req.seq.token_ids
+            targets = [int(prompt[first_pos + 1 + j]) for j in range(count)]
+            rows = sampling.prompt_logprobs(logits[first : first + count], targets, req.params.prompt_logprobs)
+            for target, row in zip(targets, rows):
+                req.prompt_logprobs.append(self._token_logprob(target, row))
+
+    def _finish(self, req: Request, reason: str, text: str) -> None:
+        req.is_finished = True
+        req.outputs.put(StreamEvent(req.request_id, text, [], None, reason))
+        req.outputs.put(_FINISHED)
+
+    def _fail(self, request_id: str, exc: BaseException) -> None:
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return
+        self.scheduler.abort(request_id)
+        req.is_finished = True
+        req.outputs.put(EngineError(f"request {request_id} failed: {type(exc).__name__}: {exc}"))
+
+    def _fail_all(self, exc: BaseException) -> None:
+        pending = list(self.requests.values()) + list(self._new)
+        self.requests.clear()
+        self._new.clear()
+        for req in pending:
+            req.is_finished = True
+            req.outputs.put(exc)
+
+
+FINISHED = _FINISHED
