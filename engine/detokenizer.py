@@ -44,6 +44,7 @@ class IncrementalDetokenizer:
             raise ValueError(f"skip_special_tokens must be a boolean, got {skip_special_tokens!r}")
         self.skip_special_tokens = skip_special_tokens
         self.pieces = pieces = TokenPieces(tokenizer)
+        self._has_first = False
         if pieces.is_fast:
             plan = pieces.plan
             self._impl = Utf8Tracker(pieces.table, plan.mode, skip_special_tokens, plan.num_strip)
@@ -65,8 +66,11 @@ class IncrementalDetokenizer:
 
     def _add_first(self, token_id: int) -> str:
         # Metaspace renders the first kept token without its space marker.
+        if self._has_first:
+            return self._impl.add(token_id)  # a caller kept the bound method from before the first token
         if self.pieces.is_dropped(token_id, self.skip_special_tokens):
             return ""
+        self._has_first = True
         self.add = self._impl.add
         return self._impl.push(self.pieces.first_piece(token_id))
 

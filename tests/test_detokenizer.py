@@ -229,3 +229,13 @@ def test_long_random_streams_match_decode():
                    for _ in range(400)]
             for skip in (True, False):
                 assert "".join(detokenize(tok, ids, skip)) == backend.decode(ids, skip_special_tokens=skip), name
+
+
+def test_add_bound_before_the_first_token_still_renders_metaspace_right():
+    tok = vocabs.synthetic_spm("metaspace")
+    backend = vocabs.backend_of(tok)
+    vocab = backend.get_vocab()
+    ids = [vocab["<s>"], vocab["\u2581hello"], vocab["\u2581world"], vocab["\u2581\u2581"]]
+    d = IncrementalDetokenizer(tok)
+    add = d.add  # engines often keep the bound method
+    assert "".join(add(i) for i in ids) + d.finish() == backend.decode(ids) == "hello world  "

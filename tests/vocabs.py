@@ -215,7 +215,8 @@ def synthetic_byte_level():
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken("<|s|>", special=True), AddedToken("日本", special=True)])
-    tok.add_tokens([AddedToken("Ġx", special=False), AddedToken("a b", special=False), AddedToken(chars[0xA0] + "ä", special=False)])
+    tok.add_tokens([AddedToken("Ġx", special=False), AddedToken("a b", special=False), AddedToken(chars[0xA0] + "ä", special=False),
+                    AddedToken("Ġ x", special=False), AddedToken("Ġ日", special=False)])
     return tok
 
 
