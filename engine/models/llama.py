@@ -19,6 +19,7 @@ from engine.models.attention import PagedKVCache, paged_attention, plan_attentio
 from engine.models.rope import RotaryTable, apply_rope
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+REFINE_TOP_K = 64  # bfloat16: logits recomputed in float32 for this many best tokens per row
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -75,6 +76,7 @@ class LlamaModel(nn.Module):
         self.config = config
         self.dtype = resolve_dtype(dtype)
         self.vocab_size = config.vocab_size
+        self.max_model_len = config.max_position_embeddings
         weights = _WeightReader(state_dict, self.dtype)
         E, V = config.hidden_size, config.vocab_size
         self.embed = nn.Parameter(weights.take("model.embed_tokens.weight", (V, E)), requires_grad=False)  # [V, E]
@@ -102,7 +104,23 @@ class LlamaModel(nn.Module):
             x = layer(x, cos, sin, kv_cache.k[i], kv_cache.v[i], plan)
         x = x.index_select(0, batch.logit_rows)  # [S, E]
         x = F.rms_norm(x, (self.config.hidden_size,), self.norm, self.config.rms_norm_eps)
-        return F.linear(x, self.lm_head).float()  # [S, V]
+        return self.compute_logits(x)
+
+    def compute_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x [S, E] (final-normed) -> logits [S, V] float32.
+
+        In bfloat16 the head's output is rounded to 8 mantissa bits (0.06 at a logit of 15),
+        enough to tie or swap near-equal candidates. The top REFINE_TOP_K logits of each row
+        are therefore recomputed with a float32 product of the same bf16 weights and
+        activations; the tail keeps the bf16 values (its probability mass is negligible).
+        """
+        logits = F.linear(x, self.lm_head).float()  # [S, V]
+        if self.dtype == torch.float32:
+            return logits
+        top_ids = logits.topk(min(REFINE_TOP_K, self.vocab_size), dim=-1).indices  # [S, k]
+        rows = self.lm_head[top_ids].float()  # [S, k, E]
+        exact = torch.bmm(rows, x.float().unsqueeze(-1)).squeeze(-1)  # [S, k]
+        return logits.scatter_(1, top_ids, exact)
 
 
 class _WeightReader:
