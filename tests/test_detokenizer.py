@@ -10,8 +10,9 @@ from tests import vocabs
 from engine.detokenizer import IncrementalDetokenizer, TokenPieces
 
 REAL_VOCABS = {"smollm2": vocabs.smollm2, "qwen": vocabs.qwen, "llama_spm": vocabs.llama_spm}
+MORE_VOCABS = {"qwen2_gguf": vocabs.qwen2_gguf}
 SYNTHETIC = ["spm", "spm_strip2", "metaspace", "metaspace_never", "wordpiece", "none", "strip_per_token"]
-ALL_VOCABS = dict(REAL_VOCABS, synthetic_byte_level=vocabs.synthetic_byte_level)
+ALL_VOCABS = dict(REAL_VOCABS, **MORE_VOCABS, synthetic_byte_level=vocabs.synthetic_byte_level)
 ALL_VOCABS.update({f"synthetic_{name}": functools.partial(vocabs.synthetic_spm, name) for name in SYNTHETIC})
 
 
@@ -72,7 +73,7 @@ def make_invariant_test(name, max_examples):
 
 
 for _name in ALL_VOCABS:
-    globals()[f"test_invariant_{_name}"] = make_invariant_test(_name, 250 if _name in REAL_VOCABS else 80)
+    globals()[f"test_invariant_{_name}"] = make_invariant_test(_name, 250 if _name in REAL_VOCABS else 100)
 
 
 @pytest.mark.parametrize("name", list(ALL_VOCABS))
@@ -239,3 +240,16 @@ def test_add_bound_before_the_first_token_still_renders_metaspace_right():
     d = IncrementalDetokenizer(tok)
     add = d.add  # engines often keep the bound method
     assert "".join(add(i) for i in ids) + d.finish() == backend.decode(ids) == "hello world  "
+
+
+def test_qwen_vocab_from_tiktoken_encodes_like_llama_cpp():
+    """tests/vocabs.py's merges-from-ranks rebuild of qwen.tiktoken tokenizes llama.cpp's test texts exactly."""
+    texts = (vocabs.TESTDATA / "ggml-vocab-qwen2.gguf.inp").read_text().split("\n__ggml_vocab_test__\n")
+    expected = (vocabs.TESTDATA / "ggml-vocab-qwen2.gguf.out").read_text().split("\n")
+    backend = vocabs.backend_of(vocabs.qwen())
+    assert len(texts) > 30
+    for text, ids in zip(texts, expected):
+        assert backend.encode(text, add_special_tokens=False).ids == [int(i) for i in ids.split()], text
+    gguf = vocabs.backend_of(vocabs.qwen2_gguf())
+    for token_id in range(0, 151643, 997):  # the same vocabulary: same pieces
+        assert TokenPieces(gguf).bytes_of(token_id) == TokenPieces(backend).bytes_of(token_id)

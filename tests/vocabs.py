@@ -108,6 +108,19 @@ def spm_decoder():
     )
 
 
+QWEN2_GGUF = TESTDATA / "ggml-vocab-qwen2.gguf"
+
+
+@functools.cache
+def qwen2_gguf():
+    """llama.cpp's ggml-vocab-qwen2.gguf through the engine's loader (Qwen's vocabulary again)."""
+    from engine.tokenizer import load_tokenizer
+
+    if not QWEN2_GGUF.exists():
+        raise FileNotFoundError(f"{QWEN2_GGUF} is missing: run `make testdata`")
+    return load_tokenizer(str(QWEN2_GGUF))
+
+
 QWEN_TIKTOKEN = _site_file("dashscope", "resources", "qwen.tiktoken")
 QWEN_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
