@@ -53,3 +53,4 @@ cdef class Utf8Tracker:
     cpdef str push(self, const unsigned char[::1] data)
     cpdef str push_byte(self, int value)
     cpdef str finish(self)
+    cpdef str peek(self)

@@ -181,6 +181,20 @@ cdef class Utf8Tracker:
         self.need = 0
         return self._emit(REPLACEMENT)  # an incomplete sequence is one maximal invalid subpart
 
+    cpdef str peek(self):
+        """What finish() would return now, without changing any state."""
+        cdef str text
+        cdef Py_ssize_t i = 0, n
+        if self.mode == MODE_BYTES:
+            return REPLACEMENT if self.num_pending else ""  # U+FFFD is not a space: no strip
+        if self.is_run_invalid or self.num_run == 0:
+            return ""
+        text = REPLACEMENT * self.num_run if self.need else decode_replace(self.run, self.num_run)
+        n = len(text)
+        while i < n and i < self.num_strip and text[i] == " ":
+            i += 1
+        return text[i:]
+
     cdef str _push(self, const unsigned char* data, Py_ssize_t num_bytes):
         cdef str head
         if self.mode == MODE_BYTES:

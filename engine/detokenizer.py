@@ -53,6 +53,7 @@ class IncrementalDetokenizer:
             self._impl = _WindowDecoder(pieces.backend, skip_special_tokens)
             self.add = self._impl.add
         self.finish = self._impl.finish
+        self.peek = self._impl.peek
 
     @property
     def is_fast(self) -> bool:
@@ -63,6 +64,10 @@ class IncrementalDetokenizer:
 
     def finish(self) -> str:  # replaced per instance in __init__
         return self._impl.finish()
+
+    def peek(self) -> str:  # replaced per instance in __init__
+        """What finish() would return now, without changing state ("" when nothing is held)."""
+        return self._impl.peek()
 
     def _add_first(self, token_id: int) -> str:
         # Metaspace renders the first kept token without its space marker.
@@ -112,7 +117,11 @@ class _WindowDecoder:
         self._prefix_text = self._decode(self._ids, skip_special_tokens=self._skip)
 
     def finish(self) -> str:
-        text = self._decode(self._ids, skip_special_tokens=self._skip)
-        new_text = text[len(self._prefix_text):]
+        new_text = self.peek()
         self._slide()
         return new_text
+
+    def peek(self) -> str:
+        if len(self._ids) == self._num_prefix:
+            return ""
+        return self._decode(self._ids, skip_special_tokens=self._skip)[len(self._prefix_text):]

@@ -7,6 +7,11 @@ completes, the text is cut before the earliest occurrence of any stop (kept if
 ``include_stop_str``); when two stops start at the same place, the shorter one (the one
 that completed first) wins. Each push scans only the held tail plus the new text, so its
 cost does not grow with the length of the output.
+
+`push_token_text` is the per-token step for an engine: besides ``push``, it stops at the
+token that completes a stop string even while the detokenizer still holds that text (a
+SentencePiece byte-fallback run is held until it ends, yet ``decode`` of the ids so far
+already shows the character).
 """
 from __future__ import annotations
 
@@ -58,6 +63,14 @@ class StopMatcher:
         self._held = buffer[len(buffer) - num_held :]
         return buffer[: len(buffer) - num_held], False
 
+    def completes_with(self, tentative: str) -> bool:
+        """Whether a stop string would complete if ``tentative`` were pushed (no state change)."""
+        if self.is_stopped or not self.stops or not tentative:
+            return False
+        held = self._held
+        buffer = held + tentative
+        return any(buffer.find(stop, max(0, len(held) - len(stop) + 1)) >= 0 for stop in self.stops)
+
     def _held_suffix_len(self, buffer: str) -> int:
         """Length of the longest suffix of buffer that is a proper prefix of a stop string."""
         for k in range(min(len(buffer), self._max_prefix_len), 0, -1):
@@ -69,3 +82,13 @@ class StopMatcher:
         """The held-back tail, at the end of a request that did not stop."""
         held, self._held = self._held, ""
         return "" if self.is_stopped else held
+
+
+def push_token_text(stops: StopMatcher, detokenizer, text: str) -> tuple[str, bool]:
+    """``stops.push(text)`` for the text ``detokenizer.add`` just returned, stopping at this token
+    if what the detokenizer still holds (rendered as if the output ended here) completes a stop."""
+    released, is_stopped = stops.push(text)
+    if not is_stopped and stops.completes_with(detokenizer.peek()):
+        tail, is_stopped = stops.push(detokenizer.finish())
+        released += tail
+    return released, is_stopped

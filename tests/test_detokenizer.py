@@ -68,6 +68,11 @@ def make_invariant_test(name, max_examples):
         backend = vocabs.backend_of(tok)
         for skip in (True, False):
             assert "".join(detokenize(tok, ids, skip)) == backend.decode(ids, skip_special_tokens=skip)
+            # At every step: released text + what is held (peek) == decode of the ids so far.
+            d, released = IncrementalDetokenizer(tok, skip_special_tokens=skip), ""
+            for k, token_id in enumerate(ids, 1):
+                released += d.add(token_id)
+                assert released + d.peek() == backend.decode(ids[:k], skip_special_tokens=skip)
 
     return test
 

@@ -50,6 +50,7 @@ def test_bytes_mode_matches_python_codec(pieces):
         # Released as soon as it can no longer change: all but an incomplete last character.
         assert released == seen[: len(seen) - num_incomplete(seen)].decode("utf-8", errors="replace")
         assert tracker.num_held_bytes == num_incomplete(seen)
+        assert tracker.peek() == ("\ufffd" if num_incomplete(seen) else "")
     released += tracker.finish()
     assert released == seen.decode("utf-8", errors="replace")
     # Python's own incremental decoder agrees on the whole (it may hold invalid bytes longer).
@@ -108,12 +109,19 @@ items_strategy = st.lists(
 @settings(max_examples=600, deadline=None)
 @given(items_strategy)
 def test_pieces_mode_matches_byte_fallback_model(items):
-    tracker = Utf8Tracker(mode=PIECES)
+    tracker = Utf8Tracker(mode=PIECES, num_strip=1)
     out = []
-    for kind, value in items:
+    for k, (kind, value) in enumerate(items):
         out.append(tracker.push_byte(value) if kind == "b" else tracker.push(value))
+        # peek() is what finish() would add if the output ended here.
+        assert "".join(out) + tracker.peek() == pieces_reference(items[: k + 1])[len(_leading_space(items[: k + 1])):]
     out.append(tracker.finish())
-    assert "".join(out) == pieces_reference(items)
+    reference = pieces_reference(items)
+    assert "".join(out) == reference[len(_leading_space(items)):]
+
+
+def _leading_space(items):
+    return " " if pieces_reference(items).startswith(" ") else ""
 
 
 def test_pieces_mode_releases_an_invalid_run_at_once():
