@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import re
 import weakref
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -65,17 +66,15 @@ def byte_level_bytes(token: str) -> bytes:
     return token.translate(_TO_LATIN1).encode("latin-1")
 
 
+@dataclass(frozen=True, slots=True)
 class DecoderPlan:
     """How a decoder renders a token list; ``mode`` is None for the generic path."""
 
-    __slots__ = ("mode", "replaces", "is_byte_fallback", "num_strip", "first_token_drops")
-
-    def __init__(self, mode=None, replaces=(), is_byte_fallback=False, num_strip=0, first_token_drops=None):
-        self.mode = mode
-        self.replaces = tuple(replaces)             # (pattern, content) applied to every token, in order
-        self.is_byte_fallback = is_byte_fallback
-        self.num_strip = num_strip                  # leading spaces removed from the whole output
-        self.first_token_drops = first_token_drops  # Metaspace: the char dropped from the first token
+    mode: int | None = None              # cext.utf8.BYTES | cext.utf8.PIECES | None (generic)
+    replaces: tuple = ()                 # (pattern, content) applied to every token, in order
+    is_byte_fallback: bool = False
+    num_strip: int = 0                   # leading spaces removed from the whole output
+    first_token_drops: str | None = None  # Metaspace: the char dropped from the first token
 
 
 def plan_decoder(decoder_json: dict | None) -> DecoderPlan:
@@ -90,7 +89,7 @@ def plan_decoder(decoder_json: dict | None) -> DecoderPlan:
         scheme = decoder_json.get("prepend_scheme", "always" if decoder_json.get("add_prefix_space", True) else "never")
         if len(replacement) != 1 or scheme not in ("always", "first", "never"):
             return DecoderPlan()
-        return DecoderPlan(PIECES, [(replacement, " ")], first_token_drops=None if scheme == "never" else replacement)
+        return DecoderPlan(PIECES, ((replacement, " "),), first_token_drops=None if scheme == "never" else replacement)
     if kind != "Sequence":
         return DecoderPlan()
     steps = _flatten(decoder_json)
@@ -112,7 +111,7 @@ def plan_decoder(decoder_json: dict | None) -> DecoderPlan:
             num_strip = int(step.get("start", 0))
         else:
             return DecoderPlan()
-    return DecoderPlan(PIECES, replaces, is_byte_fallback, num_strip)
+    return DecoderPlan(PIECES, tuple(replaces), is_byte_fallback, num_strip)
 
 
 def _flatten(sequence: dict) -> list[dict]:
@@ -146,7 +145,7 @@ class TokenPieces:
         return self
 
     def _build(self, backend, signature) -> None:
-        self.backend = backend
+        self._backend_ref = weakref.ref(backend)  # the cache's value must not keep its key alive
         self._signature = signature
         decoder_state = signature[1]
         self.plan = plan_decoder(json.loads(decoder_state) if decoder_state is not None else None)
@@ -155,6 +154,10 @@ class TokenPieces:
         self.num_ids = max([signature[0], *(i + 1 for i in added)])
         self._generic_pieces: dict[int, bytes] = {}
         self.table = self._build_table() if self.plan.mode is not None else None
+
+    @property
+    def backend(self):
+        return self._backend_ref()
 
     @property
     def is_fast(self) -> bool:

@@ -258,3 +258,16 @@ def test_qwen_vocab_from_tiktoken_encodes_like_llama_cpp():
     gguf = vocabs.backend_of(vocabs.qwen2_gguf())
     for token_id in range(0, 151643, 997):  # the same vocabulary: same pieces
         assert TokenPieces(gguf).bytes_of(token_id) == TokenPieces(backend).bytes_of(token_id)
+
+
+def test_pieces_cache_does_not_keep_a_tokenizer_alive():
+    import gc
+    import weakref
+
+    backend = vocabs.backend_of(vocabs.synthetic_byte_level())
+    copy = backend.from_str(backend.to_str())
+    TokenPieces(copy)
+    ref = weakref.ref(copy)
+    del copy
+    gc.collect()
+    assert ref() is None
