@@ -185,9 +185,9 @@ def make_server(engine, host: str = "127.0.0.1", port: int = 0, threads: int = 6
         host=host,
         port=port,
         threads=threads,
-        send_bytes=1,  # flush every SSE chunk from the handler thread, no coalescing
         channel_request_lookahead=1,  # keep reading the socket: notice disconnects mid-stream
-        max_request_body_size=max_body_bytes,
+        # waitress 3 defaults to send_bytes=1: each SSE chunk is sent from the handler thread at once
+        max_request_body_size=2 * max_body_bytes,  # a backstop: Flask answers 413 in JSON first
         connection_limit=max(100, 4 * threads),
         ident="llm-engine",
     )

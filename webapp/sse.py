@@ -2,7 +2,7 @@
 
 The per-token path of a streamed request is: ``next(stream)`` (the engine's one queue
 get) -> ``ChunkWriter.event`` (escape into the request's reused buffer) -> ``yield`` to
-the WSGI server, which writes it to the socket at once (waitress with ``send_bytes=1``).
+the WSGI server, which writes it to the socket at once (waitress: its default send_bytes=1 flushes every write).
 No lock is taken here; metrics are folded in once, when the request ends.
 
 Disconnects: the WSGI server raises inside its write, then closes this generator; the

@@ -1,0 +1,273 @@
+"""The HTTP server live on 127.0.0.1 (waitress, a free port) over a ScriptedModel engine."""
+import json
+import socket
+import threading
+
+import pytest
+
+from tests.server_fixtures import SCRIPT_TEXT, LiveServer, parse_sse, scripted_engine, wait_until
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+MESSAGES = [{"role": "user", "content": "Say something."}]
+
+
+@pytest.fixture(scope="module")
+def server():
+    eng = scripted_engine(max_model_len=256)
+    with LiveServer(eng, max_body_bytes=64 * 1024) as live:
+        yield live
+    eng.close()
+
+
+def chat_body(**fields):
+    return {"model": "x", "messages": MESSAGES, "temperature": 0, **fields}
+
+
+def streamed_text(events) -> str:
+    assert events[-1] == "[DONE]"
+    parts = []
+    for e in events[:-1]:
+        for choice in e["choices"]:
+            parts.append(choice["delta"]["content"] if "delta" in choice else choice["text"])
+    return "".join(parts)
+
+
+def test_health_models_metrics(server):
+    assert server.request("GET", "/health")[0] == 200
+    status, models = 200, json.loads(server.request("GET", "/v1/models")[2])
+    assert models["object"] == "list" and models["data"][0]["id"] == "default"
+    server.post_json(CHAT, chat_body(max_tokens=3))
+    status, headers, raw = server.request("GET", "/metrics")
+    text = raw.decode()
+    assert status == 200 and headers["content-type"].startswith("text/plain")
+    for name in ("llm_requests_total", "llm_generation_tokens_total", "llm_time_to_first_token_seconds_bucket",
+                 "llm_inter_token_latency_seconds_bucket", "llm_num_requests_running",
+                 "llm_num_requests_waiting", "llm_kv_cache_usage_ratio"):
+        assert name in text
+    assert 'llm_requests_total{endpoint="chat",status="ok"}' in text
+
+
+def test_chat_stream_equals_non_stream(server):
+    status, full = server.post_json(CHAT, chat_body(logprobs=True, top_logprobs=2))
+    assert status == 200
+    choice = full["choices"][0]
+    assert choice["message"]["content"] == SCRIPT_TEXT and choice["finish_reason"] == "stop"
+    status, events = server.stream_events(CHAT, chat_body(logprobs=True, top_logprobs=2, stream=True,
+                                                           stream_options={"include_usage": True}))
+    assert status == 200
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert all("role" not in e["choices"][0]["delta"] for e in events[1:-2])
+    assert streamed_text(events) == SCRIPT_TEXT
+    streamed_lps = [c for e in events[:-2] for c in e["choices"][0]["logprobs"]["content"]]
+    assert streamed_lps == choice["logprobs"]["content"]
+    assert all(len(c["top_logprobs"]) == 2 for c in streamed_lps)
+    assert events[-3]["choices"][0]["finish_reason"] == "stop"
+    assert events[-2]["choices"] == [] and events[-2]["usage"] == full["usage"]
+    assert full["usage"]["completion_tokens"] == len(streamed_lps)
+
+
+def test_completions_stream_equals_non_stream(server):
+    body = {"prompt": "Once upon a time", "temperature": 0, "max_tokens": 6, "logprobs": 1}
+    status, full = server.post_json(COMPLETIONS, body)
+    assert status == 200 and full["object"] == "text_completion"
+    assert full["choices"][0]["finish_reason"] == "length" and full["usage"]["completion_tokens"] == 6
+    status, events = server.stream_events(COMPLETIONS, {**body, "stream": True})
+    assert streamed_text(events) == full["choices"][0]["text"]
+    tokens = [t for e in events[:-1] for t in e["choices"][0]["logprobs"]["tokens"]]
+    assert tokens == full["choices"][0]["logprobs"]["tokens"]
+    offsets = [t for e in events[:-1] for t in e["choices"][0]["logprobs"]["text_offset"]]
+    assert offsets == full["choices"][0]["logprobs"]["text_offset"]
+
+
+def test_stop_string(server):
+    status, full = server.post_json(CHAT, chat_body(stop=["Quoted", "zzz"]))
+    assert full["choices"][0]["message"]["content"] == SCRIPT_TEXT[: SCRIPT_TEXT.index("Quoted")]
+    assert full["choices"][0]["finish_reason"] == "stop"
+    status, events = server.stream_events(CHAT, chat_body(stop="Quoted", stream=True))
+    assert streamed_text(events) == SCRIPT_TEXT[: SCRIPT_TEXT.index("Quoted")]
+
+
+BAD_INPUT = [
+    # (body, expected status, expected error code or param)
+    (b"{", 400, None),
+    (b"\xff\xfe not utf-8", 400, None),
+    (b'[{"role": "user"}]', 400, None),
+    ({"messages": []}, 400, "messages"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": 7}]}, 400, "messages[0].content"),
+    (chat_body(max_tokens=-5), 400, "max_tokens"),
+    (chat_body(max_tokens="ten"), 400, "max_tokens"),
+    (chat_body(temperature=-1), 400, "temperature"),
+    (chat_body(n=3), 400, "n"),
+    (chat_body(max_tokens=10**9), 400, "context_length_exceeded"),
+    (chat_body(messages=[{"role": "user", "content": "word " * 300}], max_tokens=10), 400,
+     "context_length_exceeded"),
+    (b'{"messages": [{"role": "user", "content": "' + b"a" * 70_000 + b'"}]}', 413, "request_too_large"),
+]
+
+
+@pytest.mark.parametrize("body, status, detail", BAD_INPUT)
+def test_bad_input_gets_openai_error_and_server_keeps_serving(server, body, status, detail):
+    got, headers, raw = server.request("POST", CHAT, body)
+    assert got == status
+    error = json.loads(raw)["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert "Traceback" not in error["message"]
+    if detail is not None:
+        assert detail in (error["param"], error["code"])
+    ok, full = server.post_json(CHAT, chat_body(max_tokens=2))
+    assert ok == 200 and full["usage"]["completion_tokens"] == 2
+
+
+def test_wrong_method_and_path_are_json_errors(server):
+    status, _, raw = server.request("GET", CHAT)
+    assert status == 405 and json.loads(raw)["error"]["code"] == "method_not_allowed"
+    status, _, raw = server.request("GET", "/v1/nothing")
+    assert status == 404 and json.loads(raw)["error"]["type"] == "invalid_request_error"
+
+
+def test_concurrent_streams(server):
+    results = [None] * 8
+
+    def run(k):
+        results[k] = server.stream_events(CHAT, chat_body(stream=True))
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for status, events in results:
+        assert status == 200 and streamed_text(events) == SCRIPT_TEXT
+
+
+def _open_stream(port: int, body: dict) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+    payload = json.dumps(body).encode()
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n" % len(payload) + payload)
+    return sock
+
+
+def _read_until(sock: socket.socket, marker: bytes, data: bytes = b"") -> bytes:
+    while marker not in data:
+        piece = sock.recv(65536)
+        if not piece:
+            break
+        data += piece
+    return data
+
+
+def test_first_chunk_arrives_before_generation_ends():
+    eng = scripted_engine(gated=True)
+    model = eng.model
+    model.hold(1)  # one tick: the prefill, which samples the first token; then generation waits
+    try:
+        with LiveServer(eng) as live:
+            sock = _open_stream(live.port, chat_body(stream=True))
+            head = _read_until(sock, b"data: ")
+            head = _read_until(sock, b"\n\n", head[head.index(b"data: "):])
+            assert b'"content":"Hello"' in head  # the first token, delivered ...
+            assert eng.stats()["num_running"] == 1  # ... while the request is still generating
+            model.open()
+            rest = _read_until(sock, b"data: [DONE]", head)
+            assert b'"finish_reason":"stop"' in rest
+            sock.close()
+    finally:
+        model.open()
+        eng.close()
+
+
+def test_client_disconnect_aborts_request_and_frees_kv():
+    eng = scripted_engine(gated=True, with_eos=False)
+    model = eng.model
+    model.hold(2)
+    try:
+        with LiveServer(eng) as live:
+            sock = _open_stream(live.port, chat_body(stream=True, max_tokens=500, ignore_eos=True))
+            _read_until(sock, b"\n\n", _read_until(sock, b"data: "))
+            assert eng.stats()["num_running"] == 1 and eng.stats()["kv_usage"] > 0
+            sock.close()
+            num_before = model.num_forwards
+            for _ in range(20):  # let the engine run one tick at a time until the abort lands
+                if wait_until(lambda: eng.stats()["num_running"] == 0, timeout=0.5):
+                    break
+                model.allow(1)
+            stats = eng.stats()
+            assert stats["num_running"] == 0 and stats["num_waiting"] == 0
+            assert stats["kv_usage"] == 0.0
+            assert model.num_forwards - num_before < 20  # aborted, not generated to max_tokens
+            metrics = live.request("GET", "/metrics")[2].decode()
+            assert 'llm_requests_total{endpoint="chat",status="abort"} 1.0' in metrics
+    finally:
+        model.open()
+        eng.close()
+
+
+def test_full_waiting_queue_answers_429():
+    eng = scripted_engine(gated=True, max_num_seqs=1, max_waiting=1)
+    model = eng.model
+    model.hold(0)
+    results = {}
+    try:
+        with LiveServer(eng) as live:
+            def run(name):
+                results[name] = live.post_json(CHAT, chat_body(max_tokens=3))
+
+            first = threading.Thread(target=run, args=("running",))
+            first.start()
+            assert wait_until(lambda: eng.stats()["num_running"] == 1)
+            second = threading.Thread(target=run, args=("waiting",))
+            second.start()
+            assert wait_until(lambda: eng.stats()["num_waiting"] == 1)
+            status, headers, raw = live.request("POST", CHAT, chat_body(max_tokens=3))
+            assert status == 429 and int(headers["retry-after"]) >= 1
+            assert json.loads(raw)["error"]["type"] == "rate_limit_error"
+            model.open()
+            first.join(30)
+            second.join(30)
+            assert results["running"][0] == 200 and results["waiting"][0] == 200
+    finally:
+        model.open()
+        eng.close()
+
+
+def test_api_key_required_on_v1_only():
+    eng = scripted_engine()
+    try:
+        with LiveServer(eng, api_key="sekret") as live:
+            assert live.request("GET", "/v1/models")[0] == 401
+            status, _, raw = live.request("GET", "/v1/models", headers={"Authorization": "Bearer wrong"})
+            assert status == 401 and json.loads(raw)["error"]["code"] == "invalid_api_key"
+            assert live.request("POST", CHAT, chat_body())[0] == 401
+            assert live.request("GET", "/v1/models", headers={"Authorization": "Bearer sekret"})[0] == 200
+            status, full = live.post_json(CHAT, chat_body(max_tokens=2), headers={"Authorization": "Bearer sekret"})
+            assert status == 200
+            assert live.request("GET", "/health")[0] == 200
+            assert live.request("GET", "/")[0] == 200
+    finally:
+        eng.close()
+
+
+def test_dead_engine_gives_503():
+    eng = scripted_engine()
+    with LiveServer(eng) as live:
+        assert live.request("GET", "/health")[0] == 200
+        eng.close()
+        status, _, raw = live.request("GET", "/health")
+        assert status == 503 and json.loads(raw)["error"]["type"] == "server_error"
+        assert live.request("POST", CHAT, chat_body())[0] == 503
+        assert live.request("GET", "/metrics")[0] == 200
+
+
+def test_chat_page_is_served(server):
+    status, headers, raw = server.request("GET", "/")
+    assert status == 200 and headers["content-type"].startswith("text/html") and b"/static/app.js" in raw
+    status, headers, raw = server.request("GET", "/static/app.js")
+    assert status == 200 and b"/v1/chat/completions" in raw
+
+
+def test_parse_sse_helper_rejects_garbage():
+    with pytest.raises(AssertionError):
+        parse_sse(b"event: x\n\n")
