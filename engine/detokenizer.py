@@ -16,8 +16,12 @@ Two paths, chosen per tokenizer from its decoder (see engine/token_bytes.py):
 - generic (any other decoder): re-decode a window of the last few ids (prefix/read
   offsets, as vLLM and `tokenizers.decoders.DecodeStream` do); O(window) per token.
 
-Token pieces for logprobs: `TokenPieces` (re-exported here; its module docstring says how
-a piece that is not valid UTF-8 on its own renders).
+Token pieces for logprobs: ``TokenPieces(tokenizer)`` (built once per tokenizer, cached).
+``bytes_of(id)`` is the token's raw bytes as the decoder produces them (``TokenLogprob.bytes``);
+``text_of(id)`` (``TokenLogprob.token``) renders them with ``errors="replace"``, so a piece
+that is not valid UTF-8 on its own (part of a multi-byte character, a byte-fallback
+``<0xE4>``) shows U+FFFD for each maximal invalid subpart: ``b"\\xe4\\xbd"`` -> ``"\\ufffd"``.
+Clients join ``bytes`` to recover the character. Details in engine/token_bytes.py.
 """
 from __future__ import annotations
 
