@@ -271,3 +271,29 @@ def test_pieces_cache_does_not_keep_a_tokenizer_alive():
     del copy
     gc.collect()
     assert ref() is None
+
+
+LLAMA_CPP_VOCABS = [
+    "aquila", "baichuan", "command-r", "deepseek-coder", "deepseek-llm", "falcon", "gpt-2", "gpt-neox",
+    "llama-bpe", "llama-spm", "mpt", "phi-3", "qwen2", "qwen35", "refact", "starcoder",
+]
+
+
+@pytest.mark.parametrize("vocab_name", LLAMA_CPP_VOCABS)
+def test_every_llama_cpp_vocab_the_engine_loads(vocab_name):
+    """Invariant 1 for each llama.cpp test vocabulary through engine.tokenizer.load_tokenizer."""
+    from engine.tokenizer import load_tokenizer
+
+    path = vocabs.TESTDATA / f"ggml-vocab-{vocab_name}.gguf"
+    assert path.exists(), f"{path} is missing: run `make testdata`"
+    tok = load_tokenizer(str(path))
+    pieces = TokenPieces(tok)
+    assert pieces.is_fast  # byte-level BPE or SentencePiece byte fallback: all on the table path
+    fragments = [i for i in range(pieces.num_ids) if pieces.table.texts[i] is None] or [0]
+    specials = sorted(pieces.special_token_ids) or [0]
+    rng = random.Random(vocab_name)
+    for _ in range(40):
+        pools = (range(pieces.num_ids), fragments, specials)
+        ids = [rng.choice(rng.choice(pools)) for _ in range(rng.randint(1, 40))]
+        for skip in (True, False):
+            assert "".join(detokenize(tok, ids, skip)) == tok.decode(ids, skip_special_tokens=skip)
