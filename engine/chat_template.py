@@ -129,6 +129,8 @@ def render_chat_template(
         raise ChatTemplateError("this model has no chat template; send a plain prompt instead")
     checked = validate_messages(messages)
     compiled = _compile(template)
+    kwargs.setdefault("tools", None)  # as transformers passes them: templates test `tools is not none`
+    kwargs.setdefault("documents", None)
     try:
         return compiled.render(
             messages=checked, add_generation_prompt=bool(add_generation_prompt),
