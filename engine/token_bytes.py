@@ -153,6 +153,8 @@ class TokenPieces:
         self.special_token_ids = frozenset(i for i, t in added.items() if t.special)
         self.num_ids = max([signature[0], *(i + 1 for i in added)])
         self._generic_pieces: dict[int, bytes] = {}
+        self._pieces: list[bytes] | None = None  # [num_ids], fast path only
+        self._texts: list[str] | None = None     # [num_ids], fast path only
         self.table = self._build_table() if self.plan.mode is not None else None
 
     @property
@@ -165,8 +167,7 @@ class TokenPieces:
 
     def _build_table(self) -> TokenTable:
         plan, id_to_token = self.plan, self.backend.id_to_token
-        kinds = np.zeros(self.num_ids, dtype=np.uint8)                # [num_ids]
-        offsets = np.zeros(self.num_ids + 1, dtype=np.int64)          # [num_ids + 1]
+        kinds = np.zeros(self.num_ids, dtype=np.uint8)  # [num_ids]
         pieces, texts = [], []
         for token_id in range(self.num_ids):
             token = id_to_token(token_id)
@@ -185,8 +186,12 @@ class TokenPieces:
                     piece = token.encode("utf-8")
             pieces.append(piece)
             texts.append(None if kind & FLAG_BYTE else _strict_text(piece))
-            offsets[token_id + 1] = offsets[token_id] + len(piece)
             kinds[token_id] = kind
+        offsets = np.zeros(self.num_ids + 1, dtype=np.int64)  # [num_ids + 1]
+        np.cumsum([len(p) for p in pieces], out=offsets[1:])
+        # Logprob lookups: one list index each.
+        self._pieces = pieces
+        self._texts = [t if t is not None else p.decode("utf-8", errors="replace") for t, p in zip(texts, pieces)]
         return TokenTable(b"".join(pieces), offsets, kinds, texts)
 
     def is_dropped(self, token_id: int, skip_special_tokens: bool) -> bool:
@@ -207,23 +212,20 @@ class TokenPieces:
 
     def bytes_of(self, token_id: int) -> bytes:
         """The token's raw bytes as the decoder produces them (b"" for an unknown id)."""
-        if self.table is not None:
-            return self.table.piece(token_id)
+        if not 0 <= token_id < self.num_ids:
+            return b""
+        if self._pieces is not None:
+            return self._pieces[token_id]
         piece = self._generic_pieces.get(token_id)
         if piece is None:
-            if 0 <= token_id < self.num_ids:
-                piece = self.backend.decode([token_id], skip_special_tokens=False).encode("utf-8")
-            else:
-                piece = b""
+            piece = self.backend.decode([token_id], skip_special_tokens=False).encode("utf-8")
             self._generic_pieces[token_id] = piece
         return piece
 
     def text_of(self, token_id: int) -> str:
         """``bytes_of(token_id).decode("utf-8", errors="replace")``."""
-        if self.table is not None and 0 <= token_id < self.num_ids:
-            text = self.table.texts[token_id]
-            if text is not None:
-                return text
+        if self._texts is not None and 0 <= token_id < self.num_ids:
+            return self._texts[token_id]
         return self.bytes_of(token_id).decode("utf-8", errors="replace")
 
 
