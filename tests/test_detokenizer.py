@@ -30,7 +30,19 @@ def id_pools(name):
     specials = sorted(pieces.special_token_ids) or [0]
     backend = vocabs.backend_of(tok)
     text_ids = backend.encode(vocabs.MIXED_TEXT, add_special_tokens=False).ids
-    return pieces.num_ids, fragments or [0], specials, text_ids
+    return pieces.num_ids, fragments or [0], specials, text_ids, char_byte_runs(backend)
+
+
+def char_byte_runs(backend):
+    """Characters spelled one byte token each (<0xNN> or a byte-level single byte), when the vocab has them."""
+    runs = []
+    for char in "aé你한😀🇰‍":
+        for spell in (lambda b: f"<0x{b:02X}>", lambda b: vocabs.byte_level_str(bytes([b]))):
+            ids = [backend.token_to_id(spell(b)) for b in char.encode()]
+            if None not in ids:
+                runs.append(ids)
+                break
+    return runs or [[0]]
 
 
 def _is_valid(piece):
@@ -43,15 +55,18 @@ def _is_valid(piece):
 
 @st.composite
 def id_sequences(draw, name):
-    num_ids, fragments, specials, text_ids = id_pools(name)
+    num_ids, fragments, specials, text_ids, runs = id_pools(name)
     ids = []
     for _ in range(draw(st.integers(0, 10))):
-        choice = draw(st.integers(0, 9))
+        choice = draw(st.integers(0, 10))
         if choice < 3:
             ids.append(draw(st.integers(0, num_ids - 1)))
-        elif choice < 6:  # a run of byte / partial-character tokens
+        elif choice < 5:  # a run of byte / partial-character tokens
             ids.extend(draw(st.lists(st.sampled_from(fragments), min_size=1, max_size=6)))
-        elif choice < 8:
+        elif choice < 7:  # whole characters spelled in byte tokens, maybe cut short
+            run = [i for r in draw(st.lists(st.sampled_from(runs), min_size=1, max_size=3)) for i in r]
+            ids.extend(run[: draw(st.integers(1, len(run)))])
+        elif choice < 9:
             ids.append(draw(st.sampled_from(specials)))
         else:  # a slice of real multilingual text
             start = draw(st.integers(0, len(text_ids) - 1))
@@ -229,7 +244,7 @@ def test_long_random_streams_match_decode():
     for name in ALL_VOCABS:
         tok = ALL_VOCABS[name]()
         backend = vocabs.backend_of(tok)
-        num_ids, fragments, specials, text_ids = id_pools(name)
+        num_ids, fragments, specials, text_ids, _ = id_pools(name)
         for _ in range(3):
             ids = [rng.choice((rng.randrange(num_ids), rng.choice(fragments), rng.choice(specials), rng.choice(text_ids)))
                    for _ in range(400)]
