@@ -85,7 +85,11 @@ class Tokenizer:
         return [self._with_bos(e.ids, add_special_tokens) for e in encodings]
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
-        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        """Text of `ids`; ids outside the vocabulary render as nothing (as in `tokenizers`)."""
+        try:
+            return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        except (OverflowError, TypeError):
+            raise ValueError("ids must be a sequence of non-negative integers") from None
 
     def id_to_token(self, token_id: int) -> str | None:
         return self.backend.id_to_token(token_id)

@@ -28,11 +28,10 @@ def download_sdist(sdist_dir: Path) -> Path:
     sdist_dir.mkdir(parents=True, exist_ok=True)
     found = sorted(sdist_dir.glob(f"llama_cpp_python-{VERSION}.tar.gz"))
     if not found:
-        subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
-             "--no-binary", ":all:", "--dest", str(sdist_dir), f"{PACKAGE}=={VERSION}"],
-            check=True,
-        )
+        command = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
+                   "--no-binary", ":all:", "--dest", str(sdist_dir), f"{PACKAGE}=={VERSION}"]
+        if subprocess.run(command).returncode != 0:
+            raise SystemExit(f"`{' '.join(command[2:])}` failed: the package registry must be reachable")
         found = sorted(sdist_dir.glob("llama_cpp_python-*.tar.gz"))
     if not found:
         raise SystemExit(f"pip download of {PACKAGE}=={VERSION} produced no sdist in {sdist_dir}")

@@ -5,11 +5,12 @@ import functools
 import json
 
 import pytest
+from hypothesis import given, settings, strategies as st
 from tokenizers import Tokenizer as HFTokenizer, processors
 
 import engine
 from engine.tokenizer import Tokenizer, load_tokenizer
-from tokenizer_fixtures import DATA, default_model_path, tiny_bpe_gguf
+from tokenizer_fixtures import DATA, bytes_to_unicode, default_model_path, tiny_bpe_gguf
 
 REFERENCE = json.loads((DATA / "smollm2_llamacpp_greedy.json").read_text(encoding="utf-8"))
 SYSTEM_PREFIX = "<|im_start|>system\n"
@@ -76,6 +77,35 @@ def test_encode_batch_and_encode_agree():
     texts = [case["prompt"] for case in REFERENCE] + ["", " ", "héllo wörld 12345"]
     assert tok.encode_batch(texts) == [tok.encode(t) for t in texts]
     assert tok.encode("") == []
+
+
+def representable(char: str) -> bool:
+    """SmolLM2's vocabulary lacks 21 of the 256 byte symbols (e.g. U+0004, and 0xF1-0xF7, lead bytes
+    of U+40000 and up); like llama.cpp, encode drops those bytes, so such text cannot round-trip."""
+    byte_symbols = bytes_to_unicode()
+    return all(smollm2().token_to_id(byte_symbols[b]) is not None for b in char.encode("utf-8"))
+
+
+@settings(max_examples=100, deadline=None)
+@given(text=st.text(alphabet=st.characters(blacklist_categories=("Cs",)).filter(representable), max_size=100))
+def test_default_model_round_trip(text):
+    tok = smollm2()
+    assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
+
+
+def test_default_model_drops_unrepresentable_bytes_like_llamacpp():
+    tok = smollm2()
+    assert not representable("\x04") and not representable("\U00040000")
+    assert tok.encode("\x04", add_special_tokens=False) == []
+    assert tok.encode("a\x04b", add_special_tokens=False) == [tok.token_to_id("a"), tok.token_to_id("b")]
+
+
+def test_decode_edge_ids():
+    tok = smollm2()
+    assert tok.decode([]) == ""
+    assert tok.decode([504, 10**7]) == tok.decode([504])  # unknown ids render as nothing
+    with pytest.raises(ValueError, match="non-negative integers"):
+        tok.decode([-1])
 
 
 def test_encode_rejects_non_strings():
