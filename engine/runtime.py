@@ -21,6 +21,7 @@ from .errors import EngineDead, EngineError
 from .outputs import StreamEvent, TokenLogprob
 from .request import Request
 from .scheduler import Scheduler
+from .stops import push_token_text
 
 log = logging.getLogger("engine")
 
@@ -152,7 +153,9 @@ class EngineCore:
         else:
             text = req.detok.add(token_id)
             if req.stops is not None:
-                text, stopped = req.stops.push(text)
+                # Also looks at what the detokenizer still holds (a byte-fallback run) so the
+                # request stops at the very token that completes a stop string.
+                text, stopped = push_token_text(req.stops, req.detok, text)
                 if stopped:
                     finish_reason = "stop"
                     is_stop_string = True

@@ -70,7 +70,7 @@ def sample(
     if lp_rows:
         index = torch.tensor(lp_rows, dtype=torch.int64)
         chosen = torch.tensor([token_ids[r] for r in lp_rows], dtype=torch.int64)
-        sub = logprobs.index_select(0, index)  # [L, V]
+        sub = logprobs if len(lp_rows) == num_rows else logprobs.index_select(0, index)  # [L, V]
         chosen_lp = sub.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
         max_k = max(params[r].top_logprobs for r in lp_rows)
         if max_k:

@@ -1,6 +1,7 @@
 """ScriptedModel: the engine's model interface with no compute, for tests and host-cost benchmarks."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .batch import ForwardBatch
@@ -34,7 +35,8 @@ class ScriptedModel:
     def forward(self, batch: ForwardBatch, kv_cache: object) -> torch.Tensor:
         rows = batch.logit_rows  # [S]
         num_rows = rows.shape[0]
-        logits = torch.zeros(num_rows, self.vocab_size, dtype=torch.float32)
+        # numpy allocates without waking torch's thread pool: this model measures host cost.
+        logits = torch.from_numpy(np.zeros((num_rows, self.vocab_size), dtype=np.float32))
         if num_rows == 0:
             return logits
         seq_of_row = torch.searchsorted(batch.query_starts[1:], rows, right=True)  # [S]
