@@ -41,6 +41,7 @@ class TokenType(IntEnum):
 EOG_TEXTS = frozenset({
     "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>",
     "<EOT>", "_<EOT>", "<|end_of_text|>", "<end_of_utterance>", "<｜end▁of▁sentence｜>",
+    "<eos>", "<turn|>", "<|tool_response>",
 })
 
 # GGUF value types -> struct format of one scalar.
@@ -204,6 +205,10 @@ def vocab_from_metadata(metadata: dict) -> GGUFVocab:
         from .gguf_vocab_bpe import build_bpe_backend
         backend = build_bpe_backend(metadata, tokens)
         default_add_bos = False
+    elif model_type == "gemma4":
+        from .gguf_vocab_bpe import build_gemma4_backend
+        backend = build_gemma4_backend(metadata, tokens)
+        default_add_bos = True
     elif model_type == "llama":
         from .gguf_vocab_spm import build_spm_backend
         backend = build_spm_backend(metadata, tokens, types)
@@ -211,10 +216,12 @@ def vocab_from_metadata(metadata: dict) -> GGUFVocab:
     else:
         raise ValueError(
             f"tokenizer.ggml.model {model_type!r} is not supported (supported: 'gpt2' byte-level BPE, "
-            "'llama' SentencePiece BPE)"
+            "'llama' SentencePiece BPE, 'gemma4' SentencePiece-style BPE)"
         )
     add_typed_tokens(backend, tokens, types)
     bos_id, eos_ids, add_bos = special_ids(metadata, tokens, types, default_add_bos)
+    if model_type == "gemma4" and bos_id is not None:
+        add_bos = True  # llama.cpp overrides the file's flag for Gemma 4
     template = metadata.get("tokenizer.chat_template")
     return GGUFVocab(
         backend=backend,

@@ -8,7 +8,7 @@ followed by a regex-free ByteLevel step.
 """
 from __future__ import annotations
 
-from tokenizers import Regex, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+from tokenizers import Regex, Tokenizer as HFTokenizer, decoders, models, normalizers, pre_tokenizers
 
 # Shared regexes, spelled as llama.cpp spells them. `$` there is the end of a fragment
 # (ECMAScript, no multiline); in oniguruma `$` is the end of a line, so we write `\z`.
@@ -121,4 +121,20 @@ def build_bpe_backend(metadata: dict, tokens: list[str]) -> HFTokenizer:
     backend = HFTokenizer(model)
     backend.pre_tokenizer = pre_tokenizer
     backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def build_gemma4_backend(metadata: dict, tokens: list[str]) -> HFTokenizer:
+    """GGUF "gemma4": SentencePiece-style BPE. Spaces become U+2581, text splits only into runs of
+    newlines and runs of everything else, merges run on raw UTF-8 characters, and characters no
+    token covers come out as `<0xNN>` byte tokens (llama-vocab.cpp, LLAMA_VOCAB_PRE_TYPE_GEMMA4)."""
+    merges = metadata.get("tokenizer.ggml.merges")
+    if not isinstance(merges, list):
+        raise ValueError("tokenizer.ggml.merges is missing (a 'gemma4' vocabulary needs its merges)")
+    vocab = {text: token_id for token_id, text in enumerate(tokens)}
+    model = models.BPE(vocab=vocab, merges=[split_merge(m) for m in merges], fuse_unk=False, byte_fallback=True)
+    backend = HFTokenizer(model)
+    backend.normalizer = normalizers.Replace(" ", "\u2581")
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[^\n]+|[\n]+"), behavior="isolated")
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
     return backend

@@ -160,3 +160,37 @@ def test_matches_transformers(template):
         ours = render(template, messages, add_generation_prompt=add_generation_prompt, bos_token="<s>",
                       eos_token="</s>", tools=None)
         assert ours == expected
+
+
+# ------------------------------------------------------------------ real templates vs transformers
+
+CONVERSATIONS = [
+    [user("What is 2+2?")],
+    [{"role": "system", "content": "Be brief."}, user("Hi"), {"role": "assistant", "content": "Hello!"},
+     user("Café ☕ — naïve?")],
+]
+
+
+def gguf_template(name: str) -> str:
+    from engine.gguf_vocab import read_gguf_metadata
+    from tokenizer_fixtures import default_model_path, vocab_data_file
+
+    path = default_model_path() if name == "smollm2" else vocab_data_file(f"ggml-vocab-{name}.gguf")
+    return read_gguf_metadata(path)["tokenizer.chat_template"]
+
+
+@pytest.mark.parametrize("name", ["smollm2", "command-r", "gemma-4", "phi-3", "qwen2", "qwen35"])
+def test_model_file_templates_match_transformers(name):
+    import transformers  # test-only oracle (requirements-test.txt)
+    from tokenizers import Tokenizer, models
+
+    template = gguf_template(name)
+    oracle = transformers.PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE()), bos_token="<B>",
+                                                  eos_token="<E>")
+    for messages in CONVERSATIONS:
+        for add_generation_prompt in (True, False):
+            expected = oracle.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
+            ours = render(template, messages, add_generation_prompt=add_generation_prompt, bos_token="<B>",
+                          eos_token="<E>")
+            assert ours == expected

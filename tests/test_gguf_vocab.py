@@ -19,10 +19,9 @@ from tokenizer_fixtures import (
 
 # Every BPE/SPM vocabulary of llama.cpp's test data with .inp/.out vectors, and what we expect.
 REQUIRED = ["gpt-2", "llama-spm", "qwen2"]
-ALSO_PASSING = ["command-r", "deepseek-coder", "deepseek-llm", "falcon", "llama-bpe", "mpt", "phi-3",
+ALSO_PASSING = ["command-r", "deepseek-coder", "deepseek-llm", "falcon", "gemma-4", "llama-bpe", "mpt", "phi-3",
                 "qwen35", "refact", "starcoder"]
-UNSUPPORTED = {"bert-bge": "tokenizer.ggml.model 'bert' is not supported",
-               "gemma-4": "tokenizer.ggml.model 'gemma4' is not supported"}
+UNSUPPORTED = {"bert-bge": "tokenizer.ggml.model 'bert' is not supported"}
 
 
 @functools.lru_cache(maxsize=None)
@@ -185,6 +184,14 @@ def test_spm_merges_ranked_by_merged_score():
     scores = [0.0, 0.0, 0.0, -2.0, -1.0, -3.0]
     merges = spm_merges(tokens, scores, [NORMAL] * 6)
     assert merges == [("b", "c"), ("a", "b"), ("a", "bc"), ("ab", "c")]
+
+
+def test_gemma4_flags():
+    tok = vocab_tokenizer("gemma-4")
+    assert tok.add_bos and tok.bos_token_id == 2
+    assert {1, 106} <= set(tok.eos_token_ids)  # <eos>, <turn|>
+    ids = tok.encode("Hi  there\n\n\tok", add_special_tokens=False)
+    assert tok.decode(ids) == "Hi  there\n\n\tok"
 
 
 def test_default_model_vocabulary():
