@@ -3,11 +3,13 @@
 Only the key/value header is read (never the tensors), with a small reader of our own:
 `gguf.GGUFReader` maps and indexes every tensor first, which costs seconds.
 
-Two vocabulary types, as llama.cpp names them in `tokenizer.ggml.model`:
-  "gpt2"  byte-level BPE: tokens + merges, pre-tokenizer regexes chosen by `tokenizer.ggml.pre`
-          (engine/gguf_vocab_bpe.py);
-  "llama" SentencePiece BPE: tokens + scores, U+2581 for spaces, `<0xNN>` byte fallback
-          (engine/gguf_vocab_spm.py).
+Vocabulary types, as llama.cpp names them in `tokenizer.ggml.model`:
+  "gpt2"   byte-level BPE: tokens + merges, pre-tokenizer regexes chosen by `tokenizer.ggml.pre`
+           (engine/gguf_vocab_bpe.py);
+  "llama"  SentencePiece BPE: tokens + scores, U+2581 for spaces, `<0xNN>` byte fallback
+           (engine/gguf_vocab_spm.py);
+  "gemma4" SentencePiece-style BPE: tokens + merges on raw UTF-8, U+2581 for spaces
+           (engine/gguf_vocab_bpe.py).
 Token types (`tokenizer.ggml.token_type`) follow llama.cpp: control and unknown tokens become
 special added tokens (parsed in text, dropped by decode(skip_special_tokens=True)),
 user-defined tokens become non-special added tokens (parsed in text, always rendered).
