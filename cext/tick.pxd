@@ -50,7 +50,9 @@ cdef class TickState:
     cdef int32_t[::1] _span_counts
     cdef int32_t[::1] _span_positions
 
-    cpdef tuple plan(self, const int32_t[::1] running, int num_running, int budget)
+    cpdef tuple plan(self, const int32_t[::1] running, int num_running, int budget, int max_prefill_tokens,
+                     int max_chunk)
+    cpdef int top_up(self, int first, int last, int left) except -1
     cpdef int grow(self, const int32_t[::1] block_ids) except -1
     cpdef int add_entry(self, int slot, int num_new) except -1
     cpdef tuple build(self)

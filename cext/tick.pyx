@@ -5,7 +5,8 @@ tables live in numpy arrays the loops below read through typed memoryviews, so o
 touches no per-sequence Python object. The policy (which sequences, how many tokens) is
 ``plan``: every running decode first (one token each), then prefill chunks of the running
 sequences in admission order until the token budget is spent. The scheduler then admits
-waiting sequences with ``add_entry`` and calls ``build`` for the model's arrays.
+waiting sequences with ``add_entry``, hands what budget is left back to chunks cut short
+(``top_up``) and calls ``build`` for the model's arrays.
 """
 cimport cython
 from libc.stdint cimport int8_t, int32_t, int64_t
@@ -64,13 +65,15 @@ cdef class TickState:
     cdef inline int _blocks_for(self, int num_tokens) noexcept nogil:
         return (num_tokens + self.block_size - 1) // self.block_size
 
-    cpdef tuple plan(self, const int32_t[::1] running, int num_running, int budget):
+    cpdef tuple plan(self, const int32_t[::1] running, int num_running, int budget, int max_prefill_tokens,
+                     int max_chunk):
         """Plan the running slots (admission order): decodes first, then prefill chunks.
 
-        Returns (num_decodes, budget_left, num_new_blocks): the blocks the planned
-        entries need beyond those they hold.
+        Decodes take one token each; prefill chunks share ``min(budget - num_decodes,
+        max_prefill_tokens)`` tokens, at most ``max_chunk`` each. Returns (num_decodes,
+        prefill_tokens_left, num_new_blocks): the blocks the entries need beyond those they hold.
         """
-        cdef int i, s, rem, k, need, n = 0, num_decodes, total_need = 0, num_tokens = 0
+        cdef int i, s, rem, k, need, n = 0, num_decodes, left, total_need = 0, num_tokens = 0
         if num_running > self.max_num_seqs or num_running > running.shape[0]:
             raise ValueError("num_running exceeds the slots")
         with nogil:
@@ -86,15 +89,19 @@ cdef class TickState:
                     total_need += need
                     n += 1
             num_decodes = n
-            budget -= n
             num_tokens = n
+            left = budget - n
+            if left > max_prefill_tokens:
+                left = max_prefill_tokens
             for i in range(num_running):
-                if budget <= 0:
+                if left <= 0:
                     break
                 s = running[i]
                 rem = self._num_tokens[s] - self._num_computed[s]
                 if rem > 1:
-                    k = rem if rem < budget else budget
+                    k = rem if rem < left else left
+                    if k > max_chunk:
+                        k = max_chunk
                     need = self._blocks_for(self._num_computed[s] + k) - self._num_blocks[s]
                     if need < 0:
                         need = 0
@@ -102,12 +109,33 @@ cdef class TickState:
                     self._entry_num_new[n] = k
                     self._entry_num_new_blocks[n] = need
                     total_need += need
-                    budget -= k
+                    left -= k
                     num_tokens += k
                     n += 1
         self.num_entries = n
         self.num_batch_tokens = num_tokens
-        return num_decodes, budget, total_need
+        return num_decodes, left, total_need
+
+    cpdef int top_up(self, int first, int last, int left) except -1:
+        """Give ``left`` more tokens to entries first..last-1 (prefill chunks cut short), in order.
+
+        Only for sequences whose blocks already cover all their tokens. Returns what is left.
+        """
+        cdef int i, s, rem, k
+        for i in range(first, last):
+            if left <= 0:
+                break
+            s = self._entry_slots[i]
+            rem = self._num_tokens[s] - self._num_computed[s] - self._entry_num_new[i]
+            if rem <= 0:
+                continue
+            if self._blocks_for(self._num_tokens[s]) > self._num_blocks[s]:
+                raise ValueError(f"slot {s} lacks blocks for a top-up")
+            k = rem if rem < left else left
+            self._entry_num_new[i] += k
+            self.num_batch_tokens += k
+            left -= k
+        return left
 
     cpdef int grow(self, const int32_t[::1] block_ids) except -1:
         """Append new blocks to the planned entries that need them, in entry order."""

@@ -2,8 +2,11 @@
 
 Each tick (``schedule``) takes every running decode first (one token each), then fills
 the rest of ``max_num_batched_tokens`` with prefill chunks: partially prefilled sequences
-first, then waiting ones admitted FIFO while ``num_running < max_num_seqs`` and the
-blocks for all their tokens are free. A long prompt is so spread over many ticks. When
+first (each at most half the prefill budget while a request waits for a slot), then
+waiting ones admitted FIFO while ``num_running < max_num_seqs`` and the blocks for all
+their tokens are free; budget still left goes back to the chunks that were cut. A long
+prompt is so spread over many ticks. With ``target_tick_seconds`` the prefill tokens of a
+tick follow a running estimate of their cost so that a tick takes about that long. When
 a decode needs a block and none is free (after evicting unreferenced prefix-cache blocks,
 least recently used first), the newest running sequence is preempted: its blocks are
 freed and it waits at the head of the queue to recompute prompt + generated tokens.
@@ -13,6 +16,7 @@ decisions that happen once per admission, preemption or new block.
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -25,6 +29,12 @@ from engine.block_manager import BlockManager, prefix_block_hashes
 from engine.sequence import Sequence, SequenceStatus
 
 
+DEFAULT_TARGET_TICK_SECONDS = 0.35
+MIN_PREFILL_TOKENS = 16  # prefill progress per tick even when decodes alone exceed the time target
+INITIAL_PREFILL_TOKENS = 64  # prefill tokens of a tick before any tick has been timed
+TIMING_SMOOTHING = 0.5  # weight of the newest tick in the running cost estimates
+
+
 @dataclass(kw_only=True)
 class SchedulerConfig:
     max_num_seqs: int
@@ -33,6 +43,10 @@ class SchedulerConfig:
     max_model_len: int
     block_size: int = 16
     enable_prefix_caching: bool = True
+    # Adapt the prefill tokens of a tick so that a tick (forward + sampling) takes about this
+    # long, within max_num_batched_tokens; None: always fill max_num_batched_tokens. It bounds the
+    # decode streams' inter-token gap and the wait of a new request while a long prompt prefills.
+    target_tick_seconds: float | None = DEFAULT_TARGET_TICK_SECONDS
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "num_blocks", "max_model_len", "block_size"):
@@ -44,6 +58,12 @@ class SchedulerConfig:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
                 f"({self.max_num_seqs}) so every running decode fits in one tick"
             )
+        if self.target_tick_seconds is not None and (
+            isinstance(self.target_tick_seconds, bool)
+            or not isinstance(self.target_tick_seconds, (int, float))
+            or not self.target_tick_seconds > 0
+        ):
+            raise ValueError(f"target_tick_seconds must be None or a number > 0, got {self.target_tick_seconds!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be a boolean, got {self.enable_prefix_caching!r}")
 
@@ -63,8 +83,12 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig, clock=time.perf_counter) -> None:
         self.config = config
+        self.clock = clock
+        self.sec_per_prefill_token: float | None = None  # estimated, when target_tick_seconds is set
+        self.sec_per_decode_tick = 0.0  # estimated time of a tick without prefill tokens
+        self._scheduled_at = 0.0
         self.block_size = config.block_size
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.state = TickState(config.max_num_seqs, config.max_model_len, config.block_size)
@@ -152,10 +176,16 @@ class Scheduler:
             return None
         state = self.state
         bm = self.block_manager
+        cfg = self.config
         preempted: list[Sequence] = []
+        prefill_budget = self.prefill_budget()
         while True:
-            num_decodes, budget, num_new_blocks = state.plan(
-                self._running_slots, len(self.running), self.config.max_num_batched_tokens
+            max_chunk = prefill_budget
+            if self.waiting and len(self.running) < cfg.max_num_seqs:
+                # Leave room for a waiting request: a short one then starts within a tick.
+                max_chunk = max(1, min(prefill_budget, cfg.max_num_batched_tokens - len(self.running)) // 2)
+            num_decodes, left, num_new_blocks = state.plan(
+                self._running_slots, len(self.running), cfg.max_num_batched_tokens, prefill_budget, max_chunk
             )
             if num_new_blocks <= bm.num_free_blocks:
                 break
@@ -164,13 +194,45 @@ class Scheduler:
             preempted.append(victim)
         if num_new_blocks:  # about one decode in block_size needs a block each tick
             state.grow(np.array(bm.allocate(num_new_blocks), dtype=np.int32))
+        num_planned = state.num_entries
         if not preempted:
-            budget = self._admit(budget)
+            left = self._admit(left)
+        if left > 0 and num_planned > num_decodes:
+            state.top_up(num_decodes, num_planned, left)
         if state.num_entries == 0:
             return None
-        return self._build_output(num_decodes, preempted)
+        out = self._build_output(num_decodes, preempted)
+        self._scheduled_at = self.clock()
+        return out
+
+    def prefill_budget(self) -> int:
+        """Prefill tokens for the next tick: the whole budget, or what fits the time target."""
+        cfg = self.config
+        if cfg.target_tick_seconds is None:
+            return cfg.max_num_batched_tokens
+        if self.sec_per_prefill_token is None:
+            return min(cfg.max_num_batched_tokens, INITIAL_PREFILL_TOKENS)
+        spare = cfg.target_tick_seconds - self.sec_per_decode_tick
+        num = int(spare / self.sec_per_prefill_token) if spare > 0 else 0
+        return max(MIN_PREFILL_TOKENS, min(cfg.max_num_batched_tokens, num))
+
+    def _observe_tick(self, out: SchedulerOutput) -> None:
+        """Update the cost estimates with the time from schedule() to update() (forward + sampling)."""
+        elapsed = self.clock() - self._scheduled_at
+        num_prefill = out.batch.num_tokens - out.batch.num_decode_seqs
+        a = TIMING_SMOOTHING
+        if num_prefill == 0:
+            self.sec_per_decode_tick += a * (elapsed - self.sec_per_decode_tick)
+        elif num_prefill >= MIN_PREFILL_TOKENS // 2:
+            per_token = max(elapsed - self.sec_per_decode_tick, 0.25 * elapsed) / num_prefill
+            if self.sec_per_prefill_token is None:
+                self.sec_per_prefill_token = per_token
+            else:
+                self.sec_per_prefill_token += a * (per_token - self.sec_per_prefill_token)
 
     def update(self, out: SchedulerOutput, sampled_token_ids) -> None:
+        if self.config.target_tick_seconds is not None:
+            self._observe_tick(out)
         if isinstance(sampled_token_ids, torch.Tensor):
             ids = sampled_token_ids.numpy().astype(np.int64, copy=False).reshape(-1)
         else:

@@ -6,8 +6,9 @@ real scheduler puts in its ForwardBatch), so a test can drive both with the same
 compare tick by tick, block ids included.
 
 Policy: running decodes first (one token each), then prefill chunks of running sequences
-in admission order, then waiting ones admitted FIFO while there is a slot, budget and the
-blocks for all their tokens. A decode that needs a block when none is free preempts the
+in admission order (each at most half the prefill budget while a request waits for a free
+slot), then waiting ones admitted FIFO while there is a slot, budget and the blocks for
+all their tokens; budget still left goes back to the chunks that were cut. A decode that needs a block when none is free preempts the
 newest running sequence (no admissions in that tick). Full prompt blocks are hashed by
 (parent hash, tokens); an admission reuses the longest cached prefix (never its last
 token; not when prompt logprobs are still owed). Unreferenced cached blocks are evicted
@@ -93,9 +94,15 @@ class ReferenceScheduler:
         return None
 
     # -- the tick --
-    def schedule(self):
+    def schedule(self, prefill_budget=None):
+        prefill_budget = self.budget if prefill_budget is None else prefill_budget
+        max_chunk = prefill_budget
         preempted = []
         while True:
+            if self.waiting and len(self.running) < self.max_num_seqs:
+                max_chunk = max(1, min(prefill_budget, self.budget - len(self.running)) // 2)
+            else:
+                max_chunk = prefill_budget
             decodes = [s for s in self.running if len(s.tokens) - s.computed == 1]
             need = sum(max(0, -(-len(s.tokens) // self.bs) - len(s.blocks)) for s in decodes)
             if need <= self.num_free():
@@ -109,12 +116,13 @@ class ReferenceScheduler:
             while len(s.blocks) < -(-len(s.tokens) // self.bs):
                 s.blocks.append(self.alloc())
         entries = [(s, 1) for s in decodes]
-        left = self.budget - len(decodes)
+        left = min(self.budget - len(decodes), prefill_budget)
         for s in self.running:
             rem = len(s.tokens) - s.computed
             if rem > 1 and left > 0:
-                entries.append((s, min(rem, left)))
-                left -= min(rem, left)
+                entries.append((s, min(rem, left, max_chunk)))
+                left -= min(rem, left, max_chunk)
+        num_planned = len(entries)
         while not preempted and self.waiting and left > 0 and len(self.running) < self.max_num_seqs:
             s = self.waiting[0]
             hits = []
@@ -139,6 +147,11 @@ class ReferenceScheduler:
             k = min(len(s.tokens) - s.computed, left)
             entries.append((s, k))
             left -= k
+        for i in range(len(decodes), num_planned):  # budget left: give it back to cut chunks
+            s, k = entries[i]
+            more = min(len(s.tokens) - s.computed - k, left)
+            entries[i] = (s, k + more)
+            left -= more
         return self._tick(entries, len(decodes), preempted)
 
     def _tick(self, entries, num_decodes, preempted):

@@ -76,7 +76,7 @@ requests = st.lists(
 )
 
 
-def run_workload(reqs, max_num_seqs, budget, num_blocks, block_size, caching, eos=None, compare=True):
+def run_workload(reqs, max_num_seqs, budget, num_blocks, block_size, caching, eos=None, prefill_budgets=None):
     cfg = SchedulerConfig(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=budget,
@@ -84,6 +84,7 @@ def run_workload(reqs, max_num_seqs, budget, num_blocks, block_size, caching, eo
         max_model_len=64,
         block_size=block_size,
         enable_prefix_caching=caching,
+        target_tick_seconds=None,
     )
     sched = Scheduler(cfg)
     ref = ReferenceScheduler(max_num_seqs, budget, num_blocks, block_size, caching)
@@ -124,8 +125,12 @@ def run_workload(reqs, max_num_seqs, budget, num_blocks, block_size, caching, eo
                 assert sched.abort(rid) is seq and seq.status is SequenceStatus.FINISHED
                 assert ref.remove(rid) is not None
                 aborted.add(rid)
+        prefill_budget = None
+        if prefill_budgets:  # stand-in for the time-target budget, shared with the reference
+            prefill_budget = prefill_budgets[tick % len(prefill_budgets)]
+            sched.prefill_budget = lambda: prefill_budget
         out = sched.schedule()
-        ref_tick = ref.schedule()
+        ref_tick = ref.schedule(prefill_budget)
         tick += 1
         if out is None:
             assert ref_tick is None
@@ -140,23 +145,22 @@ def run_workload(reqs, max_num_seqs, budget, num_blocks, block_size, caching, eo
                 first_admitted.append(s.request_id)
         for s in out.preempted:
             assert s.status is SequenceStatus.WAITING and s.block_ids == [] and s.num_computed_tokens == 0
-        if compare:
-            got = dict(
-                request_ids=[s.request_id for s in out.seqs],
-                input_ids=b.input_ids.tolist(),
-                positions=b.positions.tolist(),
-                slot_mapping=b.slot_mapping.tolist(),
-                query_starts=b.query_starts_list,
-                context_lens=b.context_lens_list,
-                block_tables=b.block_tables.tolist(),
-                logit_rows=b.logit_rows.tolist(),
-                sample_ids=[s.request_id for s in out.sample_seqs],
-                sample_logit_index=out.sample_logit_index,
-                spans=[(s.request_id, f, c, p) for s, f, c, p in out.prompt_logprob_spans],
-                preempted=[s.request_id for s in out.preempted],
-                num_decode_seqs=b.num_decode_seqs,
-            )
-            assert got == ref_tick, f"tick {tick}"
+        got = dict(
+            request_ids=[s.request_id for s in out.seqs],
+            input_ids=b.input_ids.tolist(),
+            positions=b.positions.tolist(),
+            slot_mapping=b.slot_mapping.tolist(),
+            query_starts=b.query_starts_list,
+            context_lens=b.context_lens_list,
+            block_tables=b.block_tables.tolist(),
+            logit_rows=b.logit_rows.tolist(),
+            sample_ids=[s.request_id for s in out.sample_seqs],
+            sample_logit_index=out.sample_logit_index,
+            spans=[(s.request_id, f, c, p) for s, f, c, p in out.prompt_logprob_spans],
+            preempted=[s.request_id for s in out.preempted],
+            num_decode_seqs=b.num_decode_seqs,
+        )
+        assert got == ref_tick, f"tick {tick}"
         kv.forward(out)
         rows = b.logit_rows.tolist()
         for seq, first, count, pos in out.prompt_logprob_spans:
@@ -203,9 +207,10 @@ def run_workload(reqs, max_num_seqs, budget, num_blocks, block_size, caching, eo
     block_size=st.sampled_from([1, 2, 4, 16]),
     caching=st.booleans(),
     eos=st.one_of(st.none(), st.integers(0, VOCAB - 1)),
+    prefill_budgets=st.one_of(st.none(), st.lists(st.integers(1, 30), min_size=1, max_size=5)),
 )
-def test_random_workloads(reqs, max_num_seqs, extra_budget, num_blocks, block_size, caching, eos):
-    run_workload(reqs, max_num_seqs, max_num_seqs + extra_budget, num_blocks, block_size, caching, eos)
+def test_random_workloads(reqs, max_num_seqs, extra_budget, num_blocks, block_size, caching, eos, prefill_budgets):
+    run_workload(reqs, max_num_seqs, max_num_seqs + extra_budget, num_blocks, block_size, caching, eos, prefill_budgets)
 
 
 def test_tiny_cache_preempts_and_finishes():
@@ -222,7 +227,9 @@ def test_prefix_cache_hits_skip_computation():
 
 
 def test_prefix_hit_counts_and_prompt_logprobs_do_not_reuse():
-    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, num_blocks=32, max_model_len=64, block_size=4)
+    cfg = SchedulerConfig(
+        max_num_seqs=4, max_num_batched_tokens=64, num_blocks=32, max_model_len=64, block_size=4, target_tick_seconds=None
+    )
     sched = Scheduler(cfg)
     prompt = list(range(1, 19))  # 18 tokens: 4 full blocks
     first = Sequence("a", prompt, 2)
@@ -245,7 +252,9 @@ def test_prefix_hit_counts_and_prompt_logprobs_do_not_reuse():
 
 
 def test_long_prompt_spreads_over_ticks():
-    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, num_blocks=64, max_model_len=256, block_size=4)
+    cfg = SchedulerConfig(
+        max_num_seqs=4, max_num_batched_tokens=16, num_blocks=64, max_model_len=256, block_size=4, target_tick_seconds=None
+    )
     sched = Scheduler(cfg)
     decoders = [Sequence(f"d{i}", [1, 2], 50) for i in range(3)]
     for s in decoders:
@@ -306,3 +315,78 @@ def test_abort_everywhere_and_interface():
     c = Sequence("c", [1, 2, 3], 2)
     c.append(8)
     assert c.token_ids == [1, 2, 3, 8] and c.num_generated == 1 and c.output_token_ids == [8]
+
+
+def test_short_request_starts_during_a_long_prefill():
+    cfg = SchedulerConfig(
+        max_num_seqs=4, max_num_batched_tokens=64, num_blocks=64, max_model_len=512, block_size=4, target_tick_seconds=None
+    )
+    sched = Scheduler(cfg)
+    long = Sequence("long", list(range(200)), 2)
+    sched.add(long)
+    out = sched.schedule()
+    assert out.batch.num_tokens == 64  # alone: the whole budget
+    sched.update(out, [])
+    short = Sequence("short", [5, 6, 7, 8, 9], 2)
+    sched.add(short)
+    out = sched.schedule()  # the long chunk leaves half the budget to the waiting request
+    assert [s.request_id for s in out.seqs] == ["long", "short"]
+    assert out.batch.query_starts_list == [0, 59, 64] and out.sample_seqs == [short]  # unused reserve returned
+    sched.update(out, [1])
+    out = sched.schedule()  # nobody waits: the long prefill takes the budget back
+    assert out.batch.query_starts_list == [0, 1, 64] and out.seqs == [short, long]
+    sched.update(out, [1])
+    # Nothing admissible (no free slot): the reserve goes back to the chunk (top-up).
+    full = Scheduler(
+        SchedulerConfig(
+            max_num_seqs=1, max_num_batched_tokens=64, num_blocks=64, max_model_len=512, block_size=4,
+            target_tick_seconds=None,
+        )
+    )
+    full.add(Sequence("a", list(range(200)), 2))
+    full.add(Sequence("b", [1, 2], 2))
+    assert full.schedule().batch.num_tokens == 64
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_prefill_budget_adapts_to_the_time_target():
+    clock = FakeClock()
+    cfg = SchedulerConfig(
+        max_num_seqs=8, max_num_batched_tokens=4096, num_blocks=1024, max_model_len=4096, block_size=16,
+        target_tick_seconds=0.5,
+    )
+    sched = Scheduler(cfg, clock=clock)
+    for i in range(4):
+        sched.add(Sequence(f"d{i}", [1, 2, 3], 1000))
+    sched.add(Sequence("long", list(range(3000)), 2))
+
+    def cost(out):  # the simulated forward: 0.1 s per tick + 2 ms per prefill token
+        b = out.batch
+        return 0.1 + 0.002 * (b.num_tokens - b.num_decode_seqs)
+
+    assert sched.prefill_budget() == 64  # nothing timed yet
+    ticks = []
+    while sched.get("long").num_generated == 0:
+        out = sched.schedule()
+        clock.now += cost(out)
+        ticks.append(cost(out))
+        sched.update(out, [1] * len(out.sample_seqs))
+    # The estimate converges: after a few ticks every tick fits the target (0.1 + 0.002 * 200 = 0.5).
+    assert max(ticks[4:]) <= 0.5 + 1e-9 and max(ticks[4:]) >= 0.45
+    assert 170 <= sched.prefill_budget() <= 200
+    # Decode-only ticks teach the fixed cost; the prefill budget then uses it.
+    before = sched.prefill_budget()
+    for _ in range(6):
+        out = sched.schedule()
+        clock.now += cost(out)
+        sched.update(out, [1] * len(out.sample_seqs))
+    assert 0.09 < sched.sec_per_decode_tick <= 0.1 and sched.prefill_budget() < before
+    with pytest.raises(ValueError, match="target_tick_seconds"):
+        SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=8, num_blocks=4, max_model_len=16, target_tick_seconds=0)
