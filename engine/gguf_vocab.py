@@ -104,10 +104,13 @@ def read_gguf_metadata(path: str | os.PathLike) -> dict[str, object]:
         except ValueError:  # empty file
             raise ValueError(f"{path}: not a GGUF file (empty)") from None
     try:
-        reader = _HeaderReader(buffer, path)
-        if bytes(reader.take(4)) != GGUF_MAGIC if len(buffer) >= 4 else True:
+        if len(buffer) < 4 or bytes(buffer[:4]) != GGUF_MAGIC:
             raise ValueError(f"{path}: not a GGUF file (bad magic)")
+        reader = _HeaderReader(buffer, path)
+        reader.offset = 4
         version = reader.scalar(4)
+        if version > 0xFFFF:
+            raise ValueError(f"{path}: big-endian GGUF files are not supported")
         if version < 2:
             raise ValueError(f"{path}: GGUF version {version} is not supported (need 2 or later)")
         _num_tensors, num_kv = struct.unpack("<QQ", reader.take(16))
@@ -118,7 +121,10 @@ def read_gguf_metadata(path: str | os.PathLike) -> dict[str, object]:
             metadata[key] = reader.value(type_id)
         return metadata
     finally:
-        buffer.close()
+        try:
+            buffer.close()
+        except BufferError:  # a view is still referenced (an error's traceback); GC closes it
+            pass
 
 
 @dataclass

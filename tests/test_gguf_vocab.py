@@ -96,6 +96,10 @@ def test_metadata_reader_rejects_non_gguf_and_truncated(tmp_path):
     not_gguf.write_bytes(b"PK\x03\x04 definitely a zip")
     with pytest.raises(ValueError, match="not a GGUF file"):
         read_gguf_metadata(not_gguf)
+    empty = tmp_path / "empty.gguf"
+    empty.write_bytes(b"")
+    with pytest.raises(ValueError, match="empty.gguf: not a GGUF file"):
+        read_gguf_metadata(empty)
     whole = vocab_data_file("ggml-vocab-gpt-2.gguf").read_bytes()
     truncated = tmp_path / "truncated.gguf"
     truncated.write_bytes(whole[:5000])
