@@ -100,6 +100,7 @@ class Scheduler:
         self._seqs: dict[str, Sequence] = {}
         self._unpublished: list[Sequence] = []  # running seqs with prompt blocks not yet in the prefix cache
         self.num_preemptions = 0
+        self.num_prefix_cache_hit_tokens = 0  # prompt tokens taken from the prefix cache at admission
 
     # -- queries --
 
@@ -278,6 +279,7 @@ class Scheduler:
             state.block_tables[slot, : len(block_ids)] = block_ids
             state.num_blocks[slot] = len(block_ids)
             seq.num_cached_tokens = num_cached
+            self.num_prefix_cache_hit_tokens += num_cached
             seq.status = SequenceStatus.RUNNING
             self._running_slots[len(self.running)] = slot
             self.running.append(seq)
