@@ -1,0 +1,78 @@
+"""Small helpers shared by the benchmark scripts: repeated timing, median/min-max
+summaries, a plain-text table and JSON results under benchmarks/results/.
+
+Benchmarks never assert on time: they print and record numbers.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def measure(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> list[float]:
+    """Wall-clock seconds of ``repeats`` calls of fn, after ``warmup`` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def summarize(values: Sequence[float]) -> dict[str, float]:
+    """-> {"median", "min", "max", "n"} of a non-empty sequence."""
+    if not values:
+        raise ValueError("values: empty, nothing to summarize")
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def fmt_stats(stats: dict[str, float], spec: str = ".1f") -> str:
+    """'123.4 (110.2-130.5)': median with min-max."""
+    return f"{stats['median']:{spec}} ({stats['min']:{spec}}-{stats['max']:{spec}})"
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    lines = ["  ".join(c.rjust(w) if j else c.ljust(w) for j, (c, w) in enumerate(zip(row, widths))) for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], title: str | None = None) -> None:
+    if title:
+        print(title)
+    print(format_table(headers, rows))
+    print()
+
+
+def environment() -> dict[str, Any]:
+    """What the numbers depend on: versions, threads, the machine's load while running."""
+    import torch
+
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_num_threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "load_average": os.getloadavg(),
+    }
+
+
+def write_json(name: str, data: dict[str, Any], directory: Path | None = None) -> Path:
+    """Write ``data`` to benchmarks/results/<name>.json (created if needed); returns the path."""
+    directory = RESULTS_DIR if directory is None else Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{name}.json"
+    path.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    return path
