@@ -402,3 +402,25 @@ def test_stop_token_ids_and_eos_end_generation(harness, data):
     check_events(h, events, completions, expected_ids, expected_text, reason, params)
     if params.logprobs:
         assert [lp.token_id for e in events for lp in e.logprobs] == expected_ids
+
+
+# ------------------------------------------------------------------ a stop that ends in held text
+
+
+@pytest.mark.parametrize("name", sorted(BYTE_LEVEL_VOCABS))
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_cut_is_earliest_even_when_it_ends_in_held_text(name, include):
+    """Token " \\xe6" releases " " and holds the lead byte \\xe6 (decode shows U+FFFD). After "a",
+    decode of the ids is "a \\ufffd": the stop "a \\ufffd" starts at 0, the stop " " at 1. The
+    cut is before the earliest, whatever else the same token completes; adding a stop string
+    that occurs later must never make the output longer."""
+    tok = engine.load_tokenizer(VOCABS[name]())
+    script = [tok.token_to_id("a"), tok.token_to_id(vocabs.byte_level_str(b" \xe6")), tok.token_to_id("b")]
+    assert tok.decode(script[:2]) == "a \ufffd" and tok.decode(script) == "a \ufffdb"
+    expected = "a \ufffd" if include else ""
+    with engine.Engine(ScriptedModel(script, tok.vocab_size), tok, max_model_len=64) as eng:
+        for stops in (["a \ufffd"], ["a \ufffd", " "], [" ", "a \ufffd"]):
+            params = SamplingParams(max_tokens=3, temperature=0, stop=stops, include_stop_str_in_output=include)
+            events = list(eng.stream("q", params))
+            assert ("".join(e.text for e in events), [t for e in events for t in e.token_ids]) == (expected, script[:2]), stops
+            assert events[-1].finish_reason == "stop"
