@@ -271,3 +271,32 @@ def test_chat_page_is_served(server):
 def test_parse_sse_helper_rejects_garbage():
     with pytest.raises(AssertionError):
         parse_sse(b"event: x\n\n")
+
+
+def test_failed_tick_is_reported_in_band_and_server_keeps_serving():
+    eng = scripted_engine(gated=True)
+    model = eng.model
+    real_forward = model.forward
+
+    num_calls = [0]
+
+    def failing_forward(batch, kv_cache):
+        num_calls[0] += 1
+        if num_calls[0] == 3:  # one failed tick: it fails the requests in it, not the engine
+            raise RuntimeError("simulated kernel failure")
+        return real_forward(batch, kv_cache)
+
+    model.forward = failing_forward
+    try:
+        with LiveServer(eng) as live:
+            status, events = live.stream_events(CHAT, chat_body(stream=True))
+            assert status == 200 and events[-1] == "[DONE]"
+            assert events[-2]["error"]["type"] == "server_error"
+            assert "simulated kernel failure" in events[-2]["error"]["message"]
+            assert "Traceback" not in json.dumps(events[-2])
+            assert all("choices" in e for e in events[:-2]) and len(events) > 2
+            assert live.request("GET", "/health")[0] == 200  # everyone else keeps being served
+            status, full = live.post_json(CHAT, chat_body())
+            assert status == 200 and full["choices"][0]["message"]["content"] == SCRIPT_TEXT
+    finally:
+        eng.close()

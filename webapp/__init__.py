@@ -135,6 +135,8 @@ def create_app(engine, model_name: str | None = None, api_key: str | None = None
             raise errors.overloaded() from None
         except engine_pkg.EngineDead:
             raise errors.engine_dead() from None
+        except engine_pkg.EngineError as e:
+            raise APIError(500, str(e), type="server_error", code="engine_error") from None
         except ValueError as e:
             message = str(e)
             if "max_model_len" in message:
@@ -160,7 +162,14 @@ def create_app(engine, model_name: str | None = None, api_key: str | None = None
             body = sse.stream_chunks(stream, writer, record, metrics, req.include_usage, is_disconnected)
             headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
             return Response(body, mimetype="text/event-stream", headers=headers)
-        done = sse.collect(stream, record, metrics, is_disconnected)
+        import engine as engine_pkg
+
+        try:
+            done = sse.collect(stream, record, metrics, is_disconnected)
+        except engine_pkg.EngineDead:
+            raise errors.engine_dead() from None
+        except engine_pkg.EngineError as e:
+            raise APIError(500, str(e), type="server_error", code="engine_error") from None
         if done is None:
             return Response(status=499)
         build = protocol.chat_response if req.is_chat else protocol.text_response

@@ -14,9 +14,29 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
+import logging
+
 from cext.chunk import DONE, ChunkWriter
 
+from .errors import APIError, engine_dead, internal_error
 from .metrics import RequestRecord, ServerMetrics
+
+log = logging.getLogger("webapp")
+
+
+def error_event(exc: BaseException) -> bytes:
+    """An SSE error event for a failure after the 200 headers went out (the openai client raises it)."""
+    import engine
+
+    if isinstance(exc, APIError):
+        err = exc
+    elif isinstance(exc, engine.EngineDead):
+        err = engine_dead()
+    elif isinstance(exc, engine.EngineError):  # its message names the request and the cause, no traceback
+        err = APIError(500, str(exc), type="server_error", code="engine_error")
+    else:
+        err = internal_error()
+    return b"data: " + err.body() + b"\n\n"
 
 
 def _never() -> bool:
@@ -43,9 +63,11 @@ def stream_chunks(
             yield writer.usage(record.num_prompt_tokens, record.num_generated)
         yield DONE
         status = "ok"
-    except Exception:
+    except Exception as exc:  # the engine failed mid-stream: tell the client in-band, then end
         status = "error"
-        raise
+        log.exception("stream failed")
+        yield error_event(exc)
+        yield DONE
     finally:
         stream.close()  # aborts the request if it is still running
         metrics.finish(record, status)
