@@ -300,3 +300,32 @@ def test_failed_tick_is_reported_in_band_and_server_keeps_serving():
             assert status == 200 and full["choices"][0]["message"]["content"] == SCRIPT_TEXT
     finally:
         eng.close()
+
+
+def test_cli_builds_engine_and_serves_on_localhost_by_default(monkeypatch):
+    import engine
+    import webapp
+    from webapp.__main__ import main
+
+    calls = {}
+
+    class FakeEngine:
+        def close(self):
+            calls["closed"] = True
+
+    def fake_from_pretrained(model=None, **options):
+        calls["model"], calls["options"] = model, options
+        return FakeEngine()
+
+    def fake_serve(eng, **kwargs):
+        calls["serve"] = kwargs
+
+    monkeypatch.setattr(engine.Engine, "from_pretrained", staticmethod(fake_from_pretrained))
+    monkeypatch.setattr(webapp, "serve", fake_serve)
+    main(["--max-model-len", "2048", "--max-num-seqs", "4", "--kv-cache-tokens", "8192", "--api-key", "k",
+          "--dtype", "bfloat16"])
+    assert calls["model"] is None
+    assert calls["options"] == {"dtype": "bfloat16", "max_model_len": 2048, "max_num_seqs": 4, "kv_cache_tokens": 8192}
+    assert calls["serve"]["host"] == "127.0.0.1" and calls["serve"]["port"] == 8000
+    assert calls["serve"]["api_key"] == "k" and calls["serve"]["model_name"] == "SmolLM2-135M-Instruct"
+    assert calls["closed"]
