@@ -184,7 +184,14 @@ def make_server(engine, host: str = "127.0.0.1", port: int = 0, threads: int = 6
 
     ``server.effective_port`` is the bound port. ``threads`` bounds concurrent HTTP requests
     (each streaming request holds one thread); beyond it requests queue in the server, and
-    beyond the engine's waiting queue they get 429. Why waitress: benchmarks/serving.py.
+    beyond the engine's waiting queue they get 429.
+
+    Why waitress (measured in benchmarks/serving.py, section "wsgi"): it costs ~10-20 us per
+    SSE chunk, on par with cheroot (which was slower at 8 streams in our runs), is already
+    pinned, serves from threads in this process (one engine, one continuous batch; gunicorn's
+    pre-fork workers would each need their own engine and split the batch), sends every write at
+    once (waitress 3 defaults to send_bytes=1), and with channel_request_lookahead it keeps
+    reading the socket, so a client that leaves is noticed at the next chunk.
     """
     import waitress.server
 
