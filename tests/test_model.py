@@ -225,7 +225,7 @@ def test_default_model_chunked_decode_and_batch_match_one_shot():
     assert model.config.architecture == "llama" and model.config.tie_word_embeddings
     assert model.vocab_size == 49152 and model.config.num_kv_heads == 3
     rng = random.Random(5)
-    ids = rng.choices(range(49152), k=30)
+    ids = rng.choices(range(49152), k=22)
     # Logits reach |15|: GEMMs of 1, 7 and 30 rows round differently at the float32 ulp level.
     check_chunked_and_decode(model, ids, [7, 9], seed=6, atol=1e-4, rtol=1e-5)
     prompts = [rng.choices(range(49152), k=n) for n in (12, 20, 9)]

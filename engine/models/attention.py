@@ -43,7 +43,7 @@ class PrefillSeq:
     row_start: int
     row_end: int
     kv_slots: torch.Tensor | None  # [C] slots of the whole context, None: attend the new rows only (causal)
-    mask: torch.Tensor | None  # [T, C] bool, True = attend; None with kv_slots None: is_causal
+    mask: torch.Tensor | None  # [T, C] additive (0 or -inf); None with kv_slots None: is_causal
 
 
 @dataclass(slots=True)
@@ -51,7 +51,7 @@ class AttentionPlan:
     slot_mapping: torch.Tensor  # [T]
     num_decode_seqs: int
     decode_slots: torch.Tensor | None  # [B, L] slots to gather for the decode rows
-    decode_mask: torch.Tensor | None  # [B, 1, 1, L] bool
+    decode_mask: torch.Tensor | None  # [B, 1, 1, L] additive (0 or -inf) in the model dtype
     prefills: list[PrefillSeq] = field(default_factory=list)
 
 
@@ -64,7 +64,13 @@ def _context_slots(block_table: torch.Tensor, num_tokens: int, block_size: int,
     return slots.flatten(-2)[..., :num_tokens]
 
 
-def plan_attention(batch: ForwardBatch, sliding_window: int | None = None) -> AttentionPlan:
+def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """bool mask (True = attend) -> 0 / -inf in dtype, built once per forward instead of per layer."""
+    return torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
+
+
+def plan_attention(batch: ForwardBatch, sliding_window: int | None = None,
+                   dtype: torch.dtype = torch.float32) -> AttentionPlan:
     bs = batch.block_size
     offsets = torch.arange(bs, dtype=torch.int64)
     context_lens = batch.context_lens_list
@@ -79,7 +85,7 @@ def plan_attention(batch: ForwardBatch, sliding_window: int | None = None) -> At
         decode_mask = key_pos < lens  # [B, L]
         if sliding_window is not None and max_len > sliding_window:
             decode_mask &= key_pos >= lens - sliding_window
-        decode_mask = decode_mask[:, None, None, :]  # [B, 1, 1, L]
+        decode_mask = _additive(decode_mask[:, None, None, :], dtype)  # [B, 1, 1, L]
     prefills = []
     for b in range(num_decode, batch.num_seqs):
         row_start, row_end = starts[b], starts[b + 1]
@@ -95,7 +101,7 @@ def plan_attention(batch: ForwardBatch, sliding_window: int | None = None) -> At
         mask = key_pos <= query_pos  # [T, C]
         if sliding_window is not None:
             mask &= key_pos > query_pos - sliding_window
-        prefills.append(PrefillSeq(row_start, row_end, kv_slots, mask))
+        prefills.append(PrefillSeq(row_start, row_end, kv_slots, _additive(mask, dtype)))
     return AttentionPlan(batch.slot_mapping, num_decode, decode_slots, decode_mask, prefills)
 
 

@@ -97,7 +97,7 @@ class LlamaModel(nn.Module):
     def forward(self, batch: ForwardBatch, kv_cache: PagedKVCache) -> torch.Tensor:
         """-> logits [len(batch.logit_rows), vocab_size] float32."""
         self.rope.ensure(max(batch.context_lens_list))
-        plan = plan_attention(batch, self.config.sliding_window)
+        plan = plan_attention(batch, self.config.sliding_window, self.dtype)
         cos, sin = self.rope.lookup(batch.positions)  # [T, 1, D]
         x = F.embedding(batch.input_ids, self.embed)  # [T, E]
         for i, layer in enumerate(self.layers):
