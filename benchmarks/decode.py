@@ -43,6 +43,23 @@ def decode_batch(input_ids: torch.Tensor, position: int, block_tables: torch.Ten
     )
 
 
+def prefill_batch(prompts: torch.Tensor, block_tables: torch.Tensor, block_size: int) -> ForwardBatch:
+    """prompts [B, P]: every sequence prefills its whole prompt from position 0; last-row logits."""
+    num_seqs, prompt_len = prompts.shape
+    positions = torch.arange(prompt_len, dtype=torch.int64).repeat(num_seqs)  # [B*P]
+    seq_of_row = torch.arange(num_seqs, dtype=torch.int64).repeat_interleave(prompt_len)  # [B*P]
+    slots = block_tables[seq_of_row, positions // block_size] * block_size + positions % block_size
+    starts = [b * prompt_len for b in range(num_seqs + 1)]
+    lens = torch.full((num_seqs,), prompt_len, dtype=torch.int64)
+    return ForwardBatch(
+        input_ids=prompts.flatten(), positions=positions, slot_mapping=slots,
+        query_starts=torch.tensor(starts, dtype=torch.int64), context_lens=lens, block_tables=block_tables,
+        logit_rows=torch.tensor(starts[1:], dtype=torch.int64) - 1, prompt_lens=lens,
+        query_starts_list=starts, context_lens_list=[prompt_len] * num_seqs,
+        num_decode_seqs=0, block_size=block_size,
+    )
+
+
 def raw_decode_tok_s(model, batch_size: int, num_steps: int = 32, prompt_len: int = 16,
                      block_size: int = BLOCK_SIZE, seed: int = 0) -> float:
     """Greedy-decode ``num_steps`` tokens for ``batch_size`` sequences after a prompt of
@@ -52,12 +69,8 @@ def raw_decode_tok_s(model, batch_size: int, num_steps: int = 32, prompt_len: in
     blocks_per_seq = -(-(prompt_len + num_steps) // block_size)
     cache = model.make_kv_cache(batch_size * blocks_per_seq, block_size)
     block_tables = torch.arange(batch_size * blocks_per_seq, dtype=torch.int64).view(batch_size, blocks_per_seq)
-    last_logits = []
-    for b in range(batch_size):
-        prompt = [rng.randrange(model.vocab_size) for _ in range(prompt_len)]
-        batch = single_sequence_batch(prompt, 0, block_tables[b].tolist(), block_size)
-        last_logits.append(model.forward(batch, cache))
-    next_ids = torch.cat(last_logits).argmax(dim=-1)  # [B]
+    prompts = torch.tensor([[rng.randrange(model.vocab_size) for _ in range(prompt_len)] for _ in range(batch_size)])
+    next_ids = model.forward(prefill_batch(prompts, block_tables, block_size), cache).argmax(dim=-1)  # [B]
     start = time.perf_counter()
     for step in range(num_steps):
         batch = decode_batch(next_ids, prompt_len + step, block_tables, block_size)
