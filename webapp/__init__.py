@@ -15,6 +15,7 @@ import time
 from flask import Flask, Response, request, send_from_directory
 from werkzeug.exceptions import HTTPException
 
+import engine as engine_pkg
 from cext.chunk import ChunkWriter
 
 from . import errors, protocol, sse
@@ -124,8 +125,6 @@ def create_app(engine, model_name: str | None = None, api_key: str | None = None
         return req.prompt
 
     def _submit(req: protocol.ParsedRequest, prompt_ids: list[int]):
-        import engine as engine_pkg
-
         params = req.params
         if req.is_max_tokens_default and max_model_len:
             params.max_tokens = max(1, max_model_len - len(prompt_ids))
@@ -162,8 +161,6 @@ def create_app(engine, model_name: str | None = None, api_key: str | None = None
             body = sse.stream_chunks(stream, writer, record, metrics, req.include_usage, is_disconnected)
             headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
             return Response(body, mimetype="text/event-stream", headers=headers)
-        import engine as engine_pkg
-
         try:
             done = sse.collect(stream, record, metrics, is_disconnected)
         except engine_pkg.EngineDead:

@@ -72,6 +72,7 @@ async function send(text) {
       throw new Error(message);
     }
     await readEvents(response, (chunk) => {
+      if (chunk.error) throw new Error(chunk.error.message);  // failure after the stream began
       const choice = chunk.choices && chunk.choices[0];
       if (!choice) return;
       const piece = (choice.delta && choice.delta.content) || "";
