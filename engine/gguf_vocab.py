@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import re
 import struct
 from dataclasses import dataclass
 from enum import IntEnum
@@ -136,6 +137,7 @@ class GGUFVocab:
     eos_token_ids: list[int]
     add_bos: bool
     chat_template: str | None
+    strip: AsciiStrip | None = None  # text preparation for LSTRIP/RSTRIP tokens, when the model has any
 
 
 def token_types(metadata: dict, num_tokens: int) -> list[int]:
@@ -152,14 +154,61 @@ def unique_token_texts(tokens: list[str]) -> list[str]:
     return [text if text else f"[EMPTY_{i}]" for i, text in enumerate(tokens)]
 
 
+def strip_attributes(metadata: dict, tokens: list[str], types: list[int]) -> tuple[set[int], set[int]]:
+    """(lstrip ids, rstrip ids): llama.cpp sets these per model name, not from the file
+    (llama-vocab.cpp, "set attributes by model/tokenizer/architecture name")."""
+    name = str(metadata.get("general.name") or "").lower()
+    pre = str(metadata.get("tokenizer.ggml.pre") or "")
+    arch = str(metadata.get("general.architecture") or "")
+    ids = {text: token_id for token_id, text in enumerate(tokens)}
+    lstrip_ids: set[int] = set()
+    rstrip_ids: set[int] = set()
+    if any(p in pre for p in ("jina-v2-de", "jina-v2-es", "jina-v2-code")) or \
+            any(a in arch for a in ("nomic-bert-moe", "jina-bert-v3")):
+        lstrip_ids.update(ids[t] for t in ("<mask>",) if t in ids)
+    elif "phi-3" in name or "phi3" in name:
+        special_types = (TokenType.CONTROL, TokenType.USER_DEFINED, TokenType.UNKNOWN)
+        rstrip_ids.update(i for i, t in enumerate(types) if t in special_types)
+        rstrip_ids.update(ids[t] for t in ("</s>",) if t in ids)
+        rstrip_ids.difference_update(ids[t] for t in ("<unk>", "<s>", "<|endoftext|>") if t in ids)
+    elif "modern-bert" in name:
+        lstrip_ids.update(ids[t] for t in ("[MASK]",) if t in ids)
+    return lstrip_ids, rstrip_ids
+
+
+class AsciiStrip:
+    """llama.cpp's LSTRIP/RSTRIP token attributes: the ASCII whitespace (C `isspace`) right before an
+    LSTRIP token's text or right after an RSTRIP token's text is dropped before tokenizing.
+
+    Done on the text rather than with `tokenizers`' AddedToken lstrip/rstrip, which strip any
+    Unicode whitespace (U+00A0, U+3000, ...) and so would differ from llama.cpp."""
+
+    _SPACE = "[ \t\n\v\f\r]+"
+
+    def __init__(self, lstrip_texts: list[str], rstrip_texts: list[str]):
+        def alternation(texts):
+            return "|".join(re.escape(t) for t in sorted(set(texts), key=len, reverse=True))
+
+        self.texts = tuple(set(lstrip_texts) | set(rstrip_texts))
+        self.after = re.compile(f"({alternation(rstrip_texts)}){self._SPACE}") if rstrip_texts else None
+        self.before = re.compile(f"{self._SPACE}(?=(?:{alternation(lstrip_texts)}))") if lstrip_texts else None
+
+    def __call__(self, text: str) -> str:
+        if not any(t in text for t in self.texts):
+            return text
+        if self.after is not None:
+            text = self.after.sub(r"\1", text)
+        if self.before is not None:
+            text = self.before.sub("", text)
+        return text
+
+
 def add_typed_tokens(backend: HFTokenizer, tokens: list[str], types: list[int]) -> None:
     """Register control/unknown tokens as special added tokens, user-defined ones as plain added tokens."""
     added = []
     for text, token_type in zip(tokens, types):
-        if token_type in (TokenType.CONTROL, TokenType.UNKNOWN):
-            added.append(AddedToken(text, special=True, normalized=False))
-        elif token_type == TokenType.USER_DEFINED:
-            added.append(AddedToken(text, special=False, normalized=False))
+        if token_type in (TokenType.CONTROL, TokenType.UNKNOWN, TokenType.USER_DEFINED):
+            added.append(AddedToken(text, special=token_type != TokenType.USER_DEFINED, normalized=False))
     if added:
         backend.add_tokens(added)
 
@@ -227,6 +276,7 @@ def vocab_from_metadata(metadata: dict) -> GGUFVocab:
             "'llama' SentencePiece BPE, 'gemma4' SentencePiece-style BPE)"
         )
     add_typed_tokens(backend, tokens, types)
+    lstrip_ids, rstrip_ids = strip_attributes(metadata, tokens, types)
     bos_id, eos_ids, add_bos = special_ids(metadata, tokens, types, default_add_bos)
     if model_type == "gemma4" and bos_id is not None:
         add_bos = True  # llama.cpp overrides the file's flag for Gemma 4
@@ -238,4 +288,6 @@ def vocab_from_metadata(metadata: dict) -> GGUFVocab:
         eos_token_ids=eos_ids,
         add_bos=add_bos,
         chat_template=template if isinstance(template, str) and template else None,
+        strip=AsciiStrip([tokens[i] for i in lstrip_ids], [tokens[i] for i in rstrip_ids])
+        if lstrip_ids or rstrip_ids else None,
     )

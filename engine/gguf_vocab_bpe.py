@@ -21,7 +21,10 @@ _QWEN2 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\
 _QWEN35 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
            r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 # Written with escapes: several of these code points have canonical equivalents an editor may
-# normalize away (U+1F7D vs U+03CE, U+212A KELVIN SIGN vs "K").
+# normalize away (U+1F7D vs U+03CE, U+212A KELVIN SIGN vs "K"). llama.cpp matches these
+# category-free regexes with std::wregex after replacing every non-ASCII whitespace character by
+# U+000B, so such a character matches `\s` but never an explicit range (U+3000 is inside
+# "\u3000-\u3002" and "\u0800-\u4e00"); `&&[^\s]` takes whitespace out of those classes.
 _DEEPSEEK_LLM_LETTERS = (
     "\\s?[A-Za-z\u00b5\u00c0-\u00d6\u00d8-\u00f6\u00f8-\u01ba\u01bc-\u01bf\u01c4-\u0293\u0295-"
     "\u02af\u0370-\u0373\u0376\u0377\u037b-\u037d\u037f\u0386\u0388-\u038a\u038c\u038e-\u03a1"
@@ -36,8 +39,8 @@ _DEEPSEEK_LLM_LETTERS = (
     "\U000104b0-\U000104d3\U000104d8-\U000104fb\U00010c80-\U00010cb2\U00010cc0-\U00010cf2"
     "\U000118a0-\U000118df\U0001e900-\U0001e943]+"
 )
-_DEEPSEEK_LLM_PUNCT = "\\s?[!-/:-~\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3000-\u3002]+"
-_CJK_HANGUL = "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+"
+_DEEPSEEK_LLM_PUNCT = "\\s?[!-/:-~\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3000-\u3002&&[^\\s]]+"
+_CJK_HANGUL = "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff&&[^\\s]]+"
 
 
 # llama.cpp pre-tokenizer types: the regexes applied in order.

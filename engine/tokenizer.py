@@ -35,6 +35,7 @@ class Tokenizer:
         add_bos: bool = False,
         chat_template: str | None = None,
         vocab_size: int | None = None,
+        prepare_text=None,
     ):
         if not isinstance(backend, HFTokenizer):
             raise ValueError(f"backend must be a tokenizers.Tokenizer, got {type(backend).__name__}")
@@ -49,6 +50,9 @@ class Tokenizer:
         self.eos_token_ids = list(dict.fromkeys(eos_token_ids))
         self.add_bos = bool(add_bos)
         self.chat_template = chat_template
+        # Optional str -> str applied before encoding (llama.cpp's per-model whitespace stripping
+        # around some special tokens, see gguf_vocab.AsciiStrip).
+        self.prepare_text = prepare_text
         # Exactly what decode(skip_special_tokens=True) drops: the added tokens marked special.
         self.special_token_ids = frozenset(
             token_id for token_id, added in backend.get_added_tokens_decoder().items() if added.special
@@ -75,12 +79,16 @@ class Tokenizer:
         """Token ids of `text`; special-token texts are parsed. Releases the GIL while it works."""
         if not isinstance(text, str):
             raise ValueError(f"text must be a string, got {type(text).__name__}")
+        if self.prepare_text is not None:
+            text = self.prepare_text(text)
         (encoding,) = self.backend.encode_batch_fast([text], add_special_tokens=False)
         return self._with_bos(encoding.ids, add_special_tokens)
 
     def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
         if not isinstance(texts, (list, tuple)) or not all(isinstance(t, str) for t in texts):
             raise ValueError("texts must be a list of strings")
+        if self.prepare_text is not None:
+            texts = [self.prepare_text(t) for t in texts]
         encodings = self.backend.encode_batch_fast(list(texts), add_special_tokens=False)
         return [self._with_bos(e.ids, add_special_tokens) for e in encodings]
 
@@ -148,6 +156,7 @@ def _from_gguf(path: Path) -> Tokenizer:
     return Tokenizer(
         vocab.backend, bos_token_id=vocab.bos_token_id, eos_token_ids=vocab.eos_token_ids,
         add_bos=vocab.add_bos, chat_template=vocab.chat_template, vocab_size=vocab.vocab_size,
+        prepare_text=vocab.strip,
     )
 
 

@@ -78,6 +78,24 @@ def test_spm_space_prefix_after_special_tokens():
     assert ids == [1] + hello + [2] + hello  # llama.cpp prefixes a space after a special token too
 
 
+# Expected ids below come from llama.cpp itself (llama_tokenize, parse_special=true) on these vocabularies.
+
+def test_phi3_rstrips_ascii_whitespace_after_special_tokens():
+    tok = vocab_tokenizer("phi-3")  # llama.cpp sets RSTRIP on its special tokens because of the model name
+    assert tok.encode("<|user|>  Hello", add_special_tokens=False) == [32010, 15043]
+    assert tok.encode("<|user|>\u00a0Hello", add_special_tokens=False) == [32010, 20246, 10994]  # not ASCII
+    assert tok.encode("<s>  Hello", add_special_tokens=False) == [1, 259, 15043]  # <s> keeps its spaces
+    assert tok.encode("</s>\n\nHi", add_special_tokens=False) == [2, 6324]
+    assert tok.encode("Hi <|end|>\r\n", add_special_tokens=False) == [6324, 29871, 32007]
+
+
+def test_deepseek_llm_non_ascii_whitespace_is_only_whitespace():
+    tok = vocab_tokenizer("deepseek-llm")  # U+3000 matches \s but none of the explicit ranges
+    assert tok.encode("    \u3000_", add_special_tokens=False) == [251, 88946, 62]
+    assert tok.encode("a  \u3000", add_special_tokens=False) == [64, 243, 88946]
+    assert tok.encode("中\u3000文", add_special_tokens=False) == [764, 88946, 1930]
+
+
 # ------------------------------------------------------------------ header reader
 
 
