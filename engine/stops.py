@@ -86,9 +86,10 @@ class StopMatcher:
 
 def push_token_text(stops: StopMatcher, detokenizer, text: str) -> tuple[str, bool]:
     """``stops.push(text)`` for the text ``detokenizer.add`` just returned, stopping at this token
-    if what the detokenizer still holds (rendered as if the output ended here) completes a stop."""
-    released, is_stopped = stops.push(text)
-    if not is_stopped and stops.completes_with(detokenizer.peek()):
-        tail, is_stopped = stops.push(detokenizer.finish())
-        released += tail
-    return released, is_stopped
+    if the output so far, including what the detokenizer still holds (rendered as if the output
+    ended here, as decode of the ids so far shows it), contains a stop. The cut is before the
+    earliest occurrence over that whole text."""
+    held = detokenizer.peek()
+    if held and stops.completes_with(text + held):
+        return stops.push(text + detokenizer.finish())
+    return stops.push(text)
