@@ -138,6 +138,7 @@ class GGUFVocab:
     add_bos: bool
     chat_template: str | None
     strip: AsciiStrip | None = None  # text preparation for LSTRIP/RSTRIP tokens, when the model has any
+    missing_byte_id: int | None = None  # backend id for bytes the vocabulary lacks; encode drops it
 
 
 def token_types(metadata: dict, num_tokens: int) -> list[int]:
@@ -258,9 +259,10 @@ def vocab_from_metadata(metadata: dict) -> GGUFVocab:
         raise ValueError("tokenizer.ggml.tokens is missing or empty")
     tokens = unique_token_texts(tokens)
     types = token_types(metadata, len(tokens))
+    missing_byte_id = None
     if model_type == "gpt2":
         from .gguf_vocab_bpe import build_bpe_backend
-        backend = build_bpe_backend(metadata, tokens)
+        backend, missing_byte_id = build_bpe_backend(metadata, tokens)
         default_add_bos = False
     elif model_type == "gemma4":
         from .gguf_vocab_bpe import build_gemma4_backend
@@ -290,4 +292,5 @@ def vocab_from_metadata(metadata: dict) -> GGUFVocab:
         chat_template=template if isinstance(template, str) and template else None,
         strip=AsciiStrip([tokens[i] for i in lstrip_ids], [tokens[i] for i in rstrip_ids])
         if lstrip_ids or rstrip_ids else None,
+        missing_byte_id=missing_byte_id,
     )

@@ -113,18 +113,30 @@ def split_merge(merge: str) -> tuple[str, str]:
     return merge[:position], merge[position + 1:]
 
 
-def build_bpe_backend(metadata: dict, tokens: list[str]) -> HFTokenizer:
+MISSING_BYTE = "<engine:missing-byte>"
+
+
+def build_bpe_backend(metadata: dict, tokens: list[str]) -> tuple[HFTokenizer, int | None]:
+    """(backend, missing_byte_id). Some vocabularies lack byte symbols (SmolLM2 has 235 of 256).
+    llama.cpp keeps such a byte as a symbol that blocks merges across it and then drops it; here it
+    becomes an extra id past the vocabulary (the BPE unk token, so it blocks merges the same way),
+    which the Tokenizer removes from its output. None when every byte symbol is present."""
     merges = metadata.get("tokenizer.ggml.merges")
     if not isinstance(merges, list):
         raise ValueError("tokenizer.ggml.merges is missing (a 'gpt2' vocabulary needs its merges)")
     pre_tokenizer, ignore_merges = pre_tokenizer_for(metadata.get("tokenizer.ggml.pre"))
     vocab = {text: token_id for token_id, text in enumerate(tokens)}
+    missing_byte_id = None
+    if any(symbol not in vocab for symbol in pre_tokenizers.ByteLevel.alphabet()):
+        missing_byte_id = len(tokens)
+        vocab[MISSING_BYTE] = missing_byte_id
     model = models.BPE(vocab=vocab, merges=[split_merge(m) for m in merges], ignore_merges=ignore_merges,
+                       unk_token=MISSING_BYTE if missing_byte_id is not None else None,
                        fuse_unk=False, byte_fallback=False)
     backend = HFTokenizer(model)
     backend.pre_tokenizer = pre_tokenizer
     backend.decoder = decoders.ByteLevel()
-    return backend
+    return backend, missing_byte_id
 
 
 def build_gemma4_backend(metadata: dict, tokens: list[str]) -> HFTokenizer:

@@ -36,6 +36,7 @@ class Tokenizer:
         chat_template: str | None = None,
         vocab_size: int | None = None,
         prepare_text=None,
+        dropped_token_id: int | None = None,
     ):
         if not isinstance(backend, HFTokenizer):
             raise ValueError(f"backend must be a tokenizers.Tokenizer, got {type(backend).__name__}")
@@ -53,6 +54,9 @@ class Tokenizer:
         # Optional str -> str applied before encoding (llama.cpp's per-model whitespace stripping
         # around some special tokens, see gguf_vocab.AsciiStrip).
         self.prepare_text = prepare_text
+        # A backend id that stands for bytes the vocabulary cannot represent (past vocab_size);
+        # encode removes it, as llama.cpp drops such bytes.
+        self.dropped_token_id = dropped_token_id
         # Exactly what decode(skip_special_tokens=True) drops: the added tokens marked special.
         self.special_token_ids = frozenset(
             token_id for token_id, added in backend.get_added_tokens_decoder().items() if added.special
@@ -71,6 +75,9 @@ class Tokenizer:
         return self.id_to_token(self.eos_token_ids[0]) if self.eos_token_ids else None
 
     def _with_bos(self, ids: list[int], add_special_tokens: bool) -> list[int]:
+        dropped = self.dropped_token_id
+        if dropped is not None and dropped in ids:
+            ids = [i for i in ids if i != dropped]
         if add_special_tokens and self.add_bos:
             return [self.bos_token_id] + ids
         return ids
@@ -156,7 +163,7 @@ def _from_gguf(path: Path) -> Tokenizer:
     return Tokenizer(
         vocab.backend, bos_token_id=vocab.bos_token_id, eos_token_ids=vocab.eos_token_ids,
         add_bos=vocab.add_bos, chat_template=vocab.chat_template, vocab_size=vocab.vocab_size,
-        prepare_text=vocab.strip,
+        prepare_text=vocab.strip, dropped_token_id=vocab.missing_byte_id,
     )
 
 
@@ -243,6 +250,7 @@ def _add_config_tokens(backend: HFTokenizer, config: dict) -> None:
 
 def _from_backend(backend: HFTokenizer, config: dict, directory: Path | None) -> Tokenizer:
     from .gguf_vocab import EOG_TEXTS
+    from .gguf_vocab_bpe import MISSING_BYTE
 
     if config:
         _add_config_tokens(backend, config)
@@ -274,6 +282,9 @@ def _from_backend(backend: HFTokenizer, config: dict, directory: Path | None) ->
             eos_ids.append(token_id)
     eos_ids = [i for i in dict.fromkeys(eos_ids) if 0 <= i < vocab_size]
 
+    # A backend converted from GGUF by engine.gguf_vocab_bpe and saved keeps its missing-byte id.
+    dropped_id = backend.token_to_id(MISSING_BYTE) if getattr(backend.model, "unk_token", None) == MISSING_BYTE else None
+
     prepended_id = _post_processor_prefix(backend)
     if bos_id is None:
         bos_id = prepended_id
@@ -284,7 +295,7 @@ def _from_backend(backend: HFTokenizer, config: dict, directory: Path | None) ->
         bos_id, add_bos = None, False
     return Tokenizer(
         backend, bos_token_id=bos_id, eos_token_ids=eos_ids, add_bos=add_bos,
-        chat_template=_chat_template_from(config, directory), vocab_size=vocab_size,
+        chat_template=_chat_template_from(config, directory), vocab_size=vocab_size, dropped_token_id=dropped_id,
     )
 
 

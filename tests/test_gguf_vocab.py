@@ -89,6 +89,12 @@ def test_phi3_rstrips_ascii_whitespace_after_special_tokens():
     assert tok.encode("Hi <|end|>\r\n", add_special_tokens=False) == [6324, 29871, 32007]
 
 
+def test_missing_byte_symbol_blocks_merges_and_is_dropped():
+    tok = vocab_tokenizer("starcoder")  # lacks the byte symbol of 0xF1, the lead byte of U+40FD7
+    assert tok.encode("\u060c\U00040fd7*", add_special_tokens=False) == [39024, 246, 161, 269, 47]
+    assert max(tok.encode("\U00040fd7" * 3, add_special_tokens=False)) < tok.vocab_size
+
+
 def test_deepseek_llm_non_ascii_whitespace_is_only_whitespace():
     tok = vocab_tokenizer("deepseek-llm")  # U+3000 matches \s but none of the explicit ranges
     assert tok.encode("    \u3000_", add_special_tokens=False) == [251, 88946, 62]

@@ -159,13 +159,14 @@ def test_hf_directory_config_tokens_and_post_processor_bos(tmp_path):
     backend = HFTokenizer.from_str(smollm2().backend.to_str())
     backend.post_processor = processors.TemplateProcessing(
         single="<|im_start|> $A", special_tokens=[("<|im_start|>", 1)])
-    config = {"added_tokens_decoder": {"49152": {"content": "<|newtool|>", "special": True}}}
+    num_ids = backend.get_vocab_size(with_added_tokens=True)
+    config = {"added_tokens_decoder": {str(num_ids): {"content": "<|newtool|>", "special": True}}}
     write_hf_dir(tmp_path / "m", backend, config)
     tok = load_tokenizer(tmp_path / "m")
     assert tok.bos_token_id == 1 and tok.add_bos  # found from the post-processor, not a config key
     assert tok.encode("hi") == [1] + smollm2().encode("hi")
     new_id = tok.token_to_id("<|newtool|>")
-    assert new_id == 49152 and new_id in tok.special_token_ids and tok.vocab_size == 49153
+    assert new_id == num_ids and new_id in tok.special_token_ids and tok.vocab_size == num_ids + 1
     assert tok.encode("a<|newtool|>", add_special_tokens=False)[-1] == new_id
 
 
@@ -177,6 +178,8 @@ def test_tokenizers_object_source():
     assert tok.bos_token_id is None and not tok.add_bos
     assert {0, 2} <= set(tok.eos_token_ids)  # <|endoftext|>, <|im_end|>: special and end-of-turn texts
     assert load_tokenizer(tok) is tok
+    # the stand-in id for bytes SmolLM2 lacks is recognised and dropped from this source too
+    assert tok.encode("a\U00040000b", add_special_tokens=False) == smollm2().encode("a\U00040000b")
 
 
 def test_gguf_source_by_path_string(tmp_path):
