@@ -45,7 +45,7 @@ def test_escape_choices():
     assert dumps_str("") == b'""'
 
 
-@settings(max_examples=600, deadline=None)
+@settings(max_examples=400, deadline=None)
 @given(st.lists(st.tuples(texts, logprob_lists, finish_reasons), min_size=1, max_size=4),
        texts, texts, st.integers(0, 2**40), st.booleans())
 def test_chat_chunks_match_plain_construction(events, request_id, model, created, include_usage):
@@ -57,7 +57,7 @@ def test_chat_chunks_match_plain_construction(events, request_id, model, created
         assert got == want
 
 
-@settings(max_examples=600, deadline=None)
+@settings(max_examples=400, deadline=None)
 @given(st.lists(st.tuples(texts, logprob_lists, finish_reasons), min_size=1, max_size=4),
        texts, st.integers(0, 2**40), st.booleans())
 def test_text_chunks_match_plain_construction(events, model, created, include_usage):
