@@ -67,6 +67,7 @@ class Harness:
         self.tok = engine.load_tokenizer(VOCABS[name]())
         self.model = SwappableScript(self.tok.vocab_size)
         self.eng = engine.Engine(self.model, self.tok, max_model_len=1024, kv_cache_tokens=4096, max_num_seqs=8)
+        self.last_prompt_logprobs = None
         self.added = {i: t.content for i, t in self.tok.backend.get_added_tokens_decoder().items()}
 
     def decode(self, ids, skip_special_tokens: bool) -> str:
@@ -80,7 +81,9 @@ class Harness:
         """Stream the request, then run it twice more batched through generate (once with a
         different prompt): returns (events, [completion, completion])."""
         self.use_script(script)
-        events = list(self.eng.stream(prompt, params))
+        stream = self.eng.stream(prompt, params)
+        events = list(stream)
+        self.last_prompt_logprobs = stream.prompt_logprobs
         other_prompt = list(prompt) + [prompt[-1]] if isinstance(prompt, list) else prompt + " more"
         completions = self.eng.generate([prompt, other_prompt], [params, params])
         return events, completions
@@ -197,8 +200,8 @@ def scripts(draw, h: Harness) -> list[int]:
 
 @st.composite
 def prompts(draw, h: Harness):
-    if draw(st.booleans()):
-        return draw(st.sampled_from(["q", "Hello!", "안녕 你好 👋"]))
+    if draw(st.booleans()):  # the last is long enough to fill cached prefix blocks
+        return draw(st.sampled_from(["q", "Hello!", "안녕 你好 👋", "A longer prompt, " * 6]))
     return draw(st.lists(st.integers(0, h.tok.vocab_size - 1), min_size=1, max_size=4))
 
 
@@ -355,7 +358,8 @@ def test_stop_strings_cut_at_earliest_occurrence(harness, data):
 def test_logprobs_one_per_token_streamed_and_one_shot(harness, data):
     h = harness
     script = data.draw(scripts(h), label="script")
-    top_k = data.draw(st.integers(0, 5))
+    top_k = data.draw(st.sampled_from([0, 1, 2, 5, 20]))
+    prompt_k = data.draw(st.sampled_from([None, 0, 3]))
     full = h.decode(script, True)
     params = SamplingParams(
         max_tokens=data.draw(max_tokens_for(script)),
@@ -363,9 +367,19 @@ def test_logprobs_one_per_token_streamed_and_one_shot(harness, data):
         ignore_eos=True,
         logprobs=True,
         top_logprobs=top_k,
+        prompt_logprobs=prompt_k,
         stop=data.draw(st.one_of(st.just([]), stop_strings(full))),
     )
     events, completions = h.run(script, params, data.draw(prompts(h)))
+    # prompt_logprobs: aligned with the prompt ids, entry 0 None, streamed and one-shot alike.
+    for done, prompt_lps in [(completions[0], h.last_prompt_logprobs)] + [(c, c.prompt_logprobs) for c in completions]:
+        if prompt_k is None:
+            assert prompt_lps is None
+            continue
+        assert len(prompt_lps) == len(done.prompt_token_ids) and prompt_lps[0] is None
+        for token_id, lp in zip(done.prompt_token_ids[1:], prompt_lps[1:]):
+            assert lp.token_id == token_id and len(lp.top) == prompt_k
+            assert bytes(lp.bytes) == raw_bytes(h, token_id)
     expected_ids, expected_text, reason = expected_output(h, script, params)
     check_events(h, events, completions, expected_ids, expected_text, reason, params)
     streamed = []
@@ -415,19 +429,24 @@ def test_stop_token_ids_and_eos_end_generation(harness, data):
         stop_id = data.draw(st.integers(0, h.tok.vocab_size - 1))
         stop_token_ids = (stop_id,)
     script = script[:position] + [stop_id] + script[position:]
+    skip = data.draw(st.booleans())
+    with_stops = data.draw(st.booleans())  # stop strings too: whichever comes first ends it
     params = SamplingParams(
         max_tokens=len(script) + 2,
         temperature=0,
         stop_token_ids=stop_token_ids,
-        skip_special_tokens=data.draw(st.booleans()),
+        skip_special_tokens=skip,
         logprobs=data.draw(st.booleans()),
+        stop=data.draw(stop_strings(h.decode(script, skip))) if with_stops else (),
     )
     events, completions = h.run(script, params, data.draw(prompts(h)))
     expected_ids, expected_text, reason = expected_output(h, script, params)
     assert reason == "stop"
-    stop_ids = set(stop_token_ids) | set(h.tok.eos_token_ids)
-    first = next(i for i, t in enumerate(script) if t in stop_ids)
-    assert expected_ids == script[: first + 1]
+    if not with_stops:
+        stop_ids = set(stop_token_ids) | set(h.tok.eos_token_ids)
+        first = next(i for i, t in enumerate(script) if t in stop_ids)
+        assert expected_ids == script[: first + 1]
+        assert expected_text == h.decode(script[:first], skip)
     check_events(h, events, completions, expected_ids, expected_text, reason, params)
     if params.logprobs:
         assert [lp.token_id for e in events for lp in e.logprobs] == expected_ids
