@@ -10,9 +10,10 @@ Vocabulary types, as llama.cpp names them in `tokenizer.ggml.model`:
            (engine/gguf_vocab_spm.py);
   "gemma4" SentencePiece-style BPE: tokens + merges on raw UTF-8, U+2581 for spaces
            (engine/gguf_vocab_bpe.py).
-Token types (`tokenizer.ggml.token_type`) follow llama.cpp: control and unknown tokens become
-special added tokens (parsed in text, dropped by decode(skip_special_tokens=True)),
-user-defined tokens become non-special added tokens (parsed in text, always rendered).
+Token types (`tokenizer.ggml.token_type`, adjusted by llama.cpp's text heuristics in
+engine/gguf_special.py) follow llama.cpp: control and unknown tokens become special added tokens
+(parsed in text, dropped by decode(skip_special_tokens=True)), user-defined tokens become
+non-special added tokens (parsed in text, always rendered).
 """
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ from enum import IntEnum
 
 import numpy as np
 from tokenizers import AddedToken, Tokenizer as HFTokenizer
+
+from .gguf_special import llamacpp_special_tokens
 
 GGUF_MAGIC = b"GGUF"
 
@@ -39,13 +42,6 @@ class TokenType(IntEnum):
     UNUSED = 5
     BYTE = 6
 
-
-# Texts llama.cpp treats as end-of-generation (llama-vocab.cpp, `special_eog_ids`).
-EOG_TEXTS = frozenset({
-    "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>",
-    "<EOT>", "_<EOT>", "<|end_of_text|>", "<end_of_utterance>", "<｜end▁of▁sentence｜>",
-    "<eos>", "<turn|>", "<|tool_response>",
-})
 
 # GGUF value types -> struct format of one scalar.
 _SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
@@ -221,23 +217,12 @@ def _optional_id(metadata: dict, key: str, num_tokens: int) -> int | None:
     return int(value)
 
 
-def special_ids(metadata: dict, tokens: list[str], types: list[int], default_add_bos: bool):
-    """(bos_token_id, eos_token_ids, add_bos) as llama.cpp derives them from the header."""
-    num_tokens = len(tokens)
+def bos_settings(metadata: dict, num_tokens: int, default_add_bos: bool) -> tuple[int | None, bool]:
+    """(bos_token_id, add_bos) from the header."""
     bos_id = _optional_id(metadata, "tokenizer.ggml.bos_token_id", num_tokens)
-    eos_ids: list[int] = []
-    for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
-        token_id = _optional_id(metadata, key, num_tokens)
-        if token_id is not None and token_id not in eos_ids:
-            eos_ids.append(token_id)
-    for token_id, text in enumerate(tokens):
-        if text in EOG_TEXTS and token_id not in eos_ids and types[token_id] != TokenType.NORMAL:
-            eos_ids.append(token_id)
     add_bos = metadata.get("tokenizer.ggml.add_bos_token")
     add_bos = default_add_bos if add_bos is None else bool(add_bos)
-    if bos_id is None:
-        add_bos = False
-    return bos_id, eos_ids, add_bos
+    return bos_id, add_bos and bos_id is not None
 
 
 def load_gguf_vocab(path: str | os.PathLike) -> GGUFVocab:
@@ -258,20 +243,20 @@ def vocab_from_metadata(metadata: dict) -> GGUFVocab:
     if not isinstance(tokens, list) or not tokens:
         raise ValueError("tokenizer.ggml.tokens is missing or empty")
     tokens = unique_token_texts(tokens)
-    types = token_types(metadata, len(tokens))
+    types, eos_ids = llamacpp_special_tokens(metadata, tokens, token_types(metadata, len(tokens)))
     missing_byte_id = None
     if model_type == "gpt2":
-        from .gguf_vocab_bpe import build_bpe_backend
+        from .gguf_vocab_bpe import build_bpe_backend, default_add_bos
         backend, missing_byte_id = build_bpe_backend(metadata, tokens)
-        default_add_bos = False
+        add_bos_default = default_add_bos(metadata.get("tokenizer.ggml.pre"))
     elif model_type == "gemma4":
         from .gguf_vocab_bpe import build_gemma4_backend
         backend = build_gemma4_backend(metadata, tokens)
-        default_add_bos = True
+        add_bos_default = True
     elif model_type == "llama":
         from .gguf_vocab_spm import build_spm_backend
         backend = build_spm_backend(metadata, tokens, types)
-        default_add_bos = True
+        add_bos_default = True
     else:
         raise ValueError(
             f"tokenizer.ggml.model {model_type!r} is not supported (supported: 'gpt2' byte-level BPE, "
@@ -279,7 +264,7 @@ def vocab_from_metadata(metadata: dict) -> GGUFVocab:
         )
     add_typed_tokens(backend, tokens, types)
     lstrip_ids, rstrip_ids = strip_attributes(metadata, tokens, types)
-    bos_id, eos_ids, add_bos = special_ids(metadata, tokens, types, default_add_bos)
+    bos_id, add_bos = bos_settings(metadata, len(tokens), add_bos_default)
     if model_type == "gemma4" and bos_id is not None:
         add_bos = True  # llama.cpp overrides the file's flag for Gemma 4
     template = metadata.get("tokenizer.chat_template")

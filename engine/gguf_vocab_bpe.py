@@ -80,10 +80,16 @@ PRE_NAMES: dict[str, str] = {
     **dict.fromkeys(("poro-chat", "bloom", "gpt3-finnish"), "poro"),
     "viking": "viking",
 }
-# Pre values for which a whole pre-token already in the vocabulary skips the merges
-# (llama.cpp's `ignore_merges`).
-_IGNORE_MERGES = frozenset({"llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0",
-                            "lfm2", "jina-v5-nano", "glm4", "glm5"})
+# Llama 3 style pre values: a whole pre-token already in the vocabulary skips the merges
+# (llama.cpp's `ignore_merges`, also set for glm4/glm5), and BOS is added by default.
+_LLAMA3_NAMES = frozenset({"llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0",
+                           "lfm2", "jina-v5-nano"})
+_IGNORE_MERGES = _LLAMA3_NAMES | {"glm4", "glm5"}
+
+
+def default_add_bos(pre: str | None) -> bool:
+    """llama.cpp's add_bos for a "gpt2" vocabulary whose header has no tokenizer.ggml.add_bos_token."""
+    return pre in _LLAMA3_NAMES
 
 
 def supported_pre_names() -> list[str]:

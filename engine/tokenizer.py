@@ -249,7 +249,7 @@ def _add_config_tokens(backend: HFTokenizer, config: dict) -> None:
 
 
 def _from_backend(backend: HFTokenizer, config: dict, directory: Path | None) -> Tokenizer:
-    from .gguf_vocab import EOG_TEXTS
+    from .gguf_special import EOG_TEXTS
     from .gguf_vocab_bpe import MISSING_BYTE
 
     if config:

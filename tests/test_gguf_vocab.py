@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import os
 
 import gguf
@@ -13,7 +14,7 @@ from engine.gguf_vocab_bpe import PRE_NAMES, split_merge
 from engine.gguf_vocab_spm import spm_merges
 from engine.tokenizer import load_tokenizer
 from tokenizer_fixtures import (
-    CONTROL, NORMAL, USER_DEFINED, default_model_path, read_vocab_tests, vocab_data_file, tiny_bpe_gguf,
+    DATA, CONTROL, NORMAL, USER_DEFINED, default_model_path, read_vocab_tests, vocab_data_file, tiny_bpe_gguf,
     tiny_spm_gguf, write_gguf,
 )
 
@@ -76,6 +77,31 @@ def test_spm_space_prefix_after_special_tokens():
     assert ids[0] == tok.bos_token_id == 1 and tok.add_bos
     hello = tok.encode("Hello", add_special_tokens=False)
     assert ids == [1] + hello + [2] + hello  # llama.cpp prefixes a space after a special token too
+
+
+CORPUS = json.loads((DATA / "llamacpp_tokenize_corpus.json").read_text(encoding="utf-8"))
+
+
+@pytest.mark.parametrize("name", sorted(CORPUS["ids"]))
+def test_llamacpp_random_corpus(name):
+    """Random texts (special-token texts, odd whitespace, unassigned code points) tokenized by llama.cpp."""
+    tok = vocab_tokenizer(name)
+    got = tok.encode_batch(CORPUS["texts"], add_special_tokens=False)
+    mismatches = [(text, ids, expected) for text, ids, expected in zip(CORPUS["texts"], got, CORPUS["ids"][name])
+                  if ids != expected]
+    assert not mismatches, f"{len(mismatches)} texts differ, first: {mismatches[0]!r}"
+
+
+def test_eog_texts_become_control_tokens_as_in_llamacpp():
+    tok = vocab_tokenizer("qwen2")  # "</s>" is an ordinary BPE token in this file
+    assert tok.encode("a</s>", add_special_tokens=False) == [64, 128247]
+    assert 128247 in tok.special_token_ids and 128247 in tok.eos_token_ids
+    assert tok.eos_token_ids[0] == 151643  # the header's eos first
+
+
+def test_llama_bpe_adds_bos_by_default():
+    tok = vocab_tokenizer("llama-bpe")  # no add_bos_token key; llama.cpp defaults to true for llama3
+    assert tok.add_bos and tok.encode("a")[0] == tok.bos_token_id == 128000
 
 
 # Expected ids below come from llama.cpp itself (llama_tokenize, parse_special=true) on these vocabularies.
@@ -226,8 +252,8 @@ def test_default_model_vocabulary():
     vocab = load_gguf_vocab(default_model_path())
     assert vocab.vocab_size == 49152
     assert vocab.bos_token_id == 1 and not vocab.add_bos
-    assert vocab.eos_token_ids[0] == 2  # <|im_end|>, then <|endoftext|> as llama.cpp's EOG list says
-    assert set(vocab.eos_token_ids) == {2, 0}
+    # llama.cpp's end-of-generation set: eos <|im_end|>, the FIM repo token <reponame>, <|endoftext|>
+    assert vocab.eos_token_ids == [2, 4, 0]
     assert vocab.chat_template.startswith("{% for message in messages %}")
     assert [vocab.backend.id_to_token(i) for i in (0, 1, 2)] == ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     assert USER_DEFINED != CONTROL  # (the fixture constants are llama.cpp's token types)

@@ -1,0 +1,104 @@
+"""llama.cpp's special-token heuristics for GGUF vocabularies (src/llama-vocab.cpp, `load`).
+
+Besides the ids in the header, llama.cpp recognises end-of-turn, fill-in-the-middle and
+end-of-generation tokens by their text, and forces such tokens to be control tokens even when the
+file says "normal": Qwen2's vocabulary has "</s>" as an ordinary BPE token, yet llama.cpp parses
+"</s>" in a prompt as one special token and stops generation on it. We apply the same rules, so
+the token types we build the tokenizer from, and the stop ids, are llama.cpp's.
+"""
+from __future__ import annotations
+
+CONTROL = 3
+USER_DEFINED = 4
+NORMAL = 1
+
+# Texts that end generation, whatever the header says (llama.cpp's `special_eog_ids` loop).
+EOG_TEXTS = (
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
+    "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
+    "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
+    "<｜end▁of▁sentence｜>", "[e~[",
+)
+# header key -> texts llama.cpp looks for when the key is absent; the first token found becomes
+# control. (llama.cpp walks a hash map, so with several candidates its pick is arbitrary; we take
+# the first in this order.)
+_DETECTED = {
+    "tokenizer.ggml.eot_token_id": ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
+                                    "<|end_of_text|>", "<EOT>", "_<EOT>", "[EOT]", "<｜end▁of▁sentence｜>",
+                                    "<end_of_utterance>"),
+    "tokenizer.ggml.eom_token_id": ("<|eom_id|>",),
+    "tokenizer.ggml.fim_pre_token_id": ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>",
+                                        "▁<PRE>", "<|code_prefix|>", "<|prefix|>"),
+    "tokenizer.ggml.fim_suf_token_id": ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>", "<SUF>",
+                                        "▁<SUF>", "<|code_suffix|>", "<|suffix|>"),
+    "tokenizer.ggml.fim_mid_token_id": ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>",
+                                        "▁<MID>", "<|code_middle|>", "<|middle|>"),
+    "tokenizer.ggml.fim_pad_token_id": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
+    "tokenizer.ggml.fim_rep_token_id": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
+    "tokenizer.ggml.fim_sep_token_id": ("<|file_sep|>",),
+}
+_DEPRECATED_KEYS = {"tokenizer.ggml.fim_pre_token_id": "tokenizer.ggml.prefix_token_id",
+                    "tokenizer.ggml.fim_suf_token_id": "tokenizer.ggml.suffix_token_id",
+                    "tokenizer.ggml.fim_mid_token_id": "tokenizer.ggml.middle_token_id"}
+# FIM pad/repo/separator tokens also end generation.
+_EOG_KEYS = ("tokenizer.ggml.fim_pad_token_id", "tokenizer.ggml.fim_rep_token_id", "tokenizer.ggml.fim_sep_token_id")
+# gpt-oss: always rendered, never special.
+_USER_DEFINED_TEXTS = ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>")
+
+
+def _header_id(metadata: dict, key: str, num_tokens: int) -> int | None:
+    value = metadata.get(key)
+    if value is None and key in _DEPRECATED_KEYS:
+        value = metadata.get(_DEPRECATED_KEYS[key])
+    if value is None or not 0 <= int(value) < num_tokens:
+        return None
+    return int(value)
+
+
+def llamacpp_special_tokens(metadata: dict, tokens: list[str], types: list[int]) -> tuple[list[int], list[int]]:
+    """(token types as llama.cpp ends up with, end-of-generation ids with the eos id first)."""
+    num_tokens = len(tokens)
+    types = list(types)
+    ids = {text: token_id for token_id, text in enumerate(tokens)}
+
+    def force_control(token_id: int) -> None:
+        if types[token_id] != CONTROL:
+            types[token_id] = CONTROL
+
+    found: dict[str, int | None] = {}
+    for key, texts in _DETECTED.items():
+        token_id = _header_id(metadata, key, num_tokens)
+        if token_id is None:
+            token_id = next((ids[t] for t in texts if t in ids), None)
+            if token_id is not None:
+                force_control(token_id)
+        found[key] = token_id
+
+    eog_ids = [found[key] for key in _EOG_KEYS if found[key] is not None]
+    for text in EOG_TEXTS:
+        if text in ids:
+            force_control(ids[text])
+            eog_ids.append(ids[text])
+    for text in _USER_DEFINED_TEXTS:
+        if text in ids:
+            types[ids[text]] = USER_DEFINED
+    eos_id = _header_id(metadata, "tokenizer.ggml.eos_token_id", num_tokens)
+    for token_id in (eos_id, found["tokenizer.ggml.eot_token_id"], found["tokenizer.ggml.eom_token_id"]):
+        if token_id is not None:
+            eog_ids.append(token_id)
+
+    texts = {tokens[i] for i in eog_ids}
+    # o200k_harmony / solar-open: "<|end|>" ends a message, not the generation.
+    if "<|end|>" in texts and ({"<|return|>", "<|call|>"} <= texts or {"<|calls|>", "<|flush|>"} <= texts):
+        eog_ids = [i for i in eog_ids if tokens[i] != "<|end|>"]
+        types[ids["<|end|>"]] = USER_DEFINED
+    # Gemma 4 and PLaMo have an ordinary "</s>" token.
+    if "</s>" in texts and texts & {"<|tool_response>", "<|plamo:eos|>"}:
+        eog_ids = [i for i in eog_ids if tokens[i] != "</s>"]
+        types[ids["</s>"]] = NORMAL
+
+    eog_ids = list(dict.fromkeys(eog_ids))
+    if eos_id in eog_ids:
+        eog_ids.remove(eos_id)
+        eog_ids.insert(0, eos_id)
+    return types, eog_ids
