@@ -117,13 +117,15 @@ def test_bad_arguments_exit_with_usage(args, word):
     assert word in result.stderr and "usage:" in result.stderr
 
 
-@pytest.mark.slow
-def test_missing_model_file_is_a_clean_error(tmp_path):
-    """A user's typo in --model gets a one-line error naming the path, not a stack trace."""
-    missing = tmp_path / "no-such-model.gguf"
-    result = run_cli("chat", "hi", "--model", str(missing))
+@pytest.mark.parametrize("kind", ["missing", "not_a_model"])
+def test_bad_model_path_is_a_clean_error(tmp_path, kind):
+    """A typo in --model (or a file that is no model) gets an error naming the path, not a stack trace."""
+    path = tmp_path / "no-such-model.gguf"
+    if kind == "not_a_model":
+        path.write_text("this is not a model\n")
+    result = run_cli("chat", "hi", "--model", str(path))
     assert result.returncode != 0
-    assert str(missing) in result.stderr
+    assert str(path) in result.stderr
     assert "Traceback" not in result.stderr
 
 
