@@ -13,7 +13,14 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.common.keys import Keys
 from selenium.webdriver.support.ui import WebDriverWait
 
-from tests.server_fixtures import SCRIPT_TEXT, LiveServer, default_tokenizer, script_ids, scripted_engine
+from tests.server_fixtures import (
+    SCRIPT_TEXT,
+    LiveServer,
+    default_tokenizer,
+    script_ids,
+    scripted_engine,
+    wait_until,
+)
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
@@ -87,4 +94,30 @@ def test_chat_page_shows_server_errors(browser):
                                              and _reply(d).get_attribute("data-state") == "error")
             assert "max_model_len" in _reply(browser).get_attribute("textContent")
     finally:
+        eng.close()
+
+
+def test_stop_button_aborts_the_request_in_the_engine(browser):
+    eng = scripted_engine(gated=True, with_eos=False)
+    model = eng.model
+    model.hold(2)
+    try:
+        with LiveServer(eng) as live:
+            browser.get(live.base_url + "/")
+            box = browser.find_element(By.ID, "input")
+            box.send_keys("Tell me everything.")
+            box.send_keys(Keys.ENTER)
+            wait = WebDriverWait(browser, 30)
+            wait.until(lambda d: _reply(d) is not None and _reply(d).get_attribute("data-chunks") == "2")
+            assert eng.stats()["num_running"] == 1
+            browser.find_element(By.ID, "stop").click()
+            wait.until(lambda d: _reply(d).get_attribute("data-state") == "stopped")
+            for _ in range(20):  # tick by tick until the server notices the closed connection
+                if wait_until(lambda: eng.stats()["num_running"] == 0, timeout=0.5):
+                    break
+                model.allow(1)
+            assert eng.stats()["num_running"] == 0 and eng.stats()["kv_usage"] == 0.0
+            assert browser.find_element(By.ID, "send").is_enabled()
+    finally:
+        model.open()
         eng.close()
