@@ -197,7 +197,8 @@ def test_client_disconnect_aborts_request_and_frees_kv():
             stats = eng.stats()
             assert stats["num_running"] == 0 and stats["num_waiting"] == 0
             assert stats["kv_usage"] == 0.0
-            assert model.num_forwards - num_before < 20  # aborted, not generated to max_tokens
+            # aborted within a few ticks (1-2 measured), not generated on to max_tokens
+            assert model.num_forwards - num_before <= 5
             metrics = live.request("GET", "/metrics")[2].decode()
             assert 'llm_requests_total{endpoint="chat",status="abort"} 1.0' in metrics
     finally:
