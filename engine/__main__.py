@@ -46,7 +46,12 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    with Engine.from_pretrained(args.model, dtype=args.dtype) as eng:
+    try:
+        eng = Engine.from_pretrained(args.model, dtype=args.dtype)
+    except (OSError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    with eng:
         if args.command == "complete":
             if args.text is None:
                 print("error: complete needs a prompt", file=sys.stderr)
