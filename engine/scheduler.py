@@ -30,7 +30,7 @@ from engine.sequence import Sequence, SequenceStatus
 
 
 DEFAULT_TARGET_TICK_SECONDS = 0.35
-MIN_PREFILL_TOKENS = 16  # prefill progress per tick even when decodes alone exceed the time target
+MIN_PREFILL_SHARE = 0.25  # share of a tick's time prefill keeps when decodes alone exceed the target
 INITIAL_PREFILL_TOKENS = 64  # prefill tokens of a tick before any tick has been timed
 TIMING_SMOOTHING = 0.5  # weight of the newest tick in the running cost estimates
 
@@ -213,9 +213,11 @@ class Scheduler:
             return cfg.max_num_batched_tokens
         if self.sec_per_prefill_token is None:
             return min(cfg.max_num_batched_tokens, INITIAL_PREFILL_TOKENS)
-        spare = cfg.target_tick_seconds - self.sec_per_decode_tick
-        num = int(spare / self.sec_per_prefill_token) if spare > 0 else 0
-        return max(MIN_PREFILL_TOKENS, min(cfg.max_num_batched_tokens, num))
+        decode_s, token_s = self.sec_per_decode_tick, self.sec_per_prefill_token
+        num = int((cfg.target_tick_seconds - decode_s) / token_s)
+        # Prefill keeps MIN_PREFILL_SHARE of the tick even when the target is out of reach.
+        floor = int(decode_s * MIN_PREFILL_SHARE / (1 - MIN_PREFILL_SHARE) / token_s)
+        return max(1, min(cfg.max_num_batched_tokens, max(num, floor)))
 
     def _observe_tick(self, out: SchedulerOutput) -> None:
         """Update the cost estimates with the time from schedule() to update() (forward + sampling)."""
@@ -224,8 +226,8 @@ class Scheduler:
         a = TIMING_SMOOTHING
         if num_prefill == 0:
             self.sec_per_decode_tick += a * (elapsed - self.sec_per_decode_tick)
-        elif num_prefill >= MIN_PREFILL_TOKENS // 2:
-            per_token = max(elapsed - self.sec_per_decode_tick, 0.25 * elapsed) / num_prefill
+        else:
+            per_token = max(elapsed - self.sec_per_decode_tick, 0.05 * elapsed, 1e-9) / num_prefill
             if self.sec_per_prefill_token is None:
                 self.sec_per_prefill_token = per_token
             else:

@@ -390,3 +390,24 @@ def test_prefill_budget_adapts_to_the_time_target():
     assert 0.09 < sched.sec_per_decode_tick <= 0.1 and sched.prefill_budget() < before
     with pytest.raises(ValueError, match="target_tick_seconds"):
         SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=8, num_blocks=4, max_model_len=16, target_tick_seconds=0)
+
+
+def test_prefill_keeps_a_share_when_decodes_alone_exceed_the_target():
+    clock = FakeClock()
+    cfg = SchedulerConfig(
+        max_num_seqs=8, max_num_batched_tokens=4096, num_blocks=512, max_model_len=2048, block_size=16,
+        target_tick_seconds=0.3,
+    )
+    sched = Scheduler(cfg, clock=clock)
+    sched.add(Sequence("d", [1, 2], 1000))
+    for _ in range(8):  # decode-only ticks of 0.6 s: over the target on their own
+        out = sched.schedule()
+        clock.now += 0.6 if out.batch.num_tokens == out.batch.num_decode_seqs else 0.6 + 0.01 * out.batch.num_tokens
+        sched.update(out, [1] * len(out.sample_seqs))
+    sched.add(Sequence("long", list(range(1000)), 2))
+    for _ in range(12):
+        out = sched.schedule()
+        clock.now += 0.6 + 0.01 * (out.batch.num_tokens - out.batch.num_decode_seqs)
+        sched.update(out, [1] * len(out.sample_seqs))
+    # 0.01 s per token, 0.6 s of decodes: a quarter of the tick is 20 tokens (0.2 / 0.01).
+    assert 17 <= sched.prefill_budget() <= 20
