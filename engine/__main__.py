@@ -46,6 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if args.command == "complete" and args.text is None:
+        print("error: complete needs a prompt", file=sys.stderr)
+        return 2
     try:
         eng = Engine.from_pretrained(args.model, dtype=args.dtype)
     except (OSError, ValueError) as exc:
@@ -53,9 +56,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     with eng:
         if args.command == "complete":
-            if args.text is None:
-                print("error: complete needs a prompt", file=sys.stderr)
-                return 2
             sys.stdout.write(args.text)
             _print_stream(eng.stream(args.text, params))
             return 0
