@@ -125,6 +125,7 @@ def main(argv=None) -> dict:
             results["decode"].append({"dtype": dtype, "batch_size": batch_size, "tok_s": stats, "step_ms": step_ms,
                                       "samples_tok_s": rates})
             rows.append([dtype, f"decode B={batch_size}", fmt_stats(stats), fmt_stats(step_ms, ".2f")])
+            print(f"  {dtype} decode B={batch_size}: {fmt_stats(stats)} tok/s", file=sys.stderr, flush=True)
         raw_prefill_tok_s(model, 64)  # warm-up
         rates = [raw_prefill_tok_s(model, args.prefill_tokens, seed=r) for r in range(args.repeats)]
         stats = summarize(rates)
