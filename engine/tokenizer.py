@@ -6,7 +6,8 @@
     prompt = tok.apply_chat_template(messages)  # sandboxed jinja2 (engine/chat_template.py)
 
 `encode` prepends BOS itself when `add_bos` (the backend's post-processor is not used), so one
-rule holds for GGUF and Hugging Face sources alike. It goes through `encode_batch_fast`, which
+rule holds for GGUF and Hugging Face sources alike. For GGUF files the ids are llama.cpp's
+(`llama_tokenize` with parse_special), including its per-model quirks (engine/gguf_*.py). It goes through `encode_batch_fast`, which
 releases the GIL for the whole call (`encode` holds it), so a request thread tokenizing a long
 prompt does not stall the engine thread.
 """
@@ -74,7 +75,8 @@ class Tokenizer:
     def eos_token(self) -> str | None:
         return self.id_to_token(self.eos_token_ids[0]) if self.eos_token_ids else None
 
-    def _with_bos(self, ids: list[int], add_special_tokens: bool) -> list[int]:
+    def _finish_ids(self, ids: list[int], add_special_tokens: bool) -> list[int]:
+        """Drop the stand-in id of unrepresentable bytes, then prepend BOS if asked."""
         dropped = self.dropped_token_id
         if dropped is not None and dropped in ids:
             ids = [i for i in ids if i != dropped]
@@ -89,7 +91,7 @@ class Tokenizer:
         if self.prepare_text is not None:
             text = self.prepare_text(text)
         (encoding,) = self.backend.encode_batch_fast([text], add_special_tokens=False)
-        return self._with_bos(encoding.ids, add_special_tokens)
+        return self._finish_ids(encoding.ids, add_special_tokens)
 
     def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
         if not isinstance(texts, (list, tuple)) or not all(isinstance(t, str) for t in texts):
@@ -97,7 +99,7 @@ class Tokenizer:
         if self.prepare_text is not None:
             texts = [self.prepare_text(t) for t in texts]
         encodings = self.backend.encode_batch_fast(list(texts), add_special_tokens=False)
-        return [self._with_bos(e.ids, add_special_tokens) for e in encodings]
+        return [self._finish_ids(e.ids, add_special_tokens) for e in encodings]
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         """Text of `ids`; ids outside the vocabulary render as nothing (as in `tokenizers`)."""
