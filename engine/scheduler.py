@@ -253,10 +253,17 @@ class Scheduler:
     # -- internals --
 
     def _admit(self, budget: int) -> int:
+        """Admit waiting sequences FIFO; ``budget`` is the prefill budget left (time target).
+
+        A prompt whose remaining tokens fit the tick's hard budget (max_num_batched_tokens)
+        is admitted whole even past the time target: it is done in this tick. A longer one
+        gets a chunk of the prefill budget. Returns the prefill budget left.
+        """
         cfg = self.config
         bm = self.block_manager
         state = self.state
-        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+        hard_left = cfg.max_num_batched_tokens - state.num_batch_tokens
+        while self.waiting and hard_left > 0 and len(self.running) < cfg.max_num_seqs:
             seq = self.waiting[0]
             num_tokens = seq.num_tokens
             hit_ids: list[int] = []
@@ -269,6 +276,13 @@ class Scheduler:
                     max_hits = min(len(seq.block_hashes), (num_tokens - 1) // self.block_size)
                     hit_ids = bm.match_prefix(seq.block_hashes[:max_hits])
             num_new_blocks = -(-num_tokens // self.block_size) - len(hit_ids)
+            remaining = num_tokens - len(hit_ids) * self.block_size
+            if remaining <= hard_left:
+                chunk = remaining
+            elif budget > 0:
+                chunk = min(remaining, budget, hard_left)
+            else:
+                break
             if num_new_blocks + bm.num_unreferenced(hit_ids) > bm.num_free_blocks:
                 break
             self.waiting.popleft()
@@ -289,9 +303,9 @@ class Scheduler:
             if cfg.enable_prefix_caching and len(seq.block_hashes) > len(hit_ids):
                 seq.num_registered_blocks = len(hit_ids)
                 self._unpublished.append(seq)
-            chunk = min(num_tokens - num_cached, budget)
             state.add_entry(slot, chunk)
-            budget -= chunk
+            hard_left -= chunk
+            budget = max(0, budget - chunk)
         return budget
 
     def _build_output(self, num_decodes: int, preempted: list[Sequence]) -> SchedulerOutput:

@@ -8,7 +8,8 @@ compare tick by tick, block ids included.
 Policy: running decodes first (one token each), then prefill chunks of running sequences
 in admission order (each at most half the prefill budget while a request waits for a free
 slot), then waiting ones admitted FIFO while there is a slot, budget and the blocks for
-all their tokens; budget still left goes back to the chunks that were cut. A decode that needs a block when none is free preempts the
+all their tokens (whole if they fit the hard budget, else a chunk of the prefill budget);
+prefill budget still left goes back to the chunks that were cut. A decode that needs a block when none is free preempts the
 newest running sequence (no admissions in that tick). Full prompt blocks are hashed by
 (parent hash, tokens); an admission reuses the longest cached prefix (never its last
 token; not when prompt logprobs are still owed). Unreferenced cached blocks are evicted
@@ -123,7 +124,8 @@ class ReferenceScheduler:
                 entries.append((s, min(rem, left, max_chunk)))
                 left -= min(rem, left, max_chunk)
         num_planned = len(entries)
-        while not preempted and self.waiting and left > 0 and len(self.running) < self.max_num_seqs:
+        hard_left = self.budget - sum(n for _, n in entries)
+        while not preempted and self.waiting and hard_left > 0 and len(self.running) < self.max_num_seqs:
             s = self.waiting[0]
             hits = []
             if self.caching and s.plp_next < 0:
@@ -133,6 +135,13 @@ class ReferenceScheduler:
                         break
                     hits.append(self.by_hash[h])
             num_new = -(-len(s.tokens) // self.bs) - len(hits)
+            rem = len(s.tokens) - len(hits) * self.bs
+            if rem <= hard_left:  # done within this tick: admitted whole
+                k = rem
+            elif left > 0:
+                k = min(rem, left, hard_left)
+            else:
+                break
             if num_new + sum(1 for b in hits if self.refs[b] == 0) > self.num_free():
                 break
             self.waiting.pop(0)
@@ -144,9 +153,9 @@ class ReferenceScheduler:
             s.computed = len(hits) * self.bs
             s.num_published = len(hits)
             self.running.append(s)
-            k = min(len(s.tokens) - s.computed, left)
             entries.append((s, k))
-            left -= k
+            hard_left -= k
+            left = max(0, left - k)
         for i in range(len(decodes), num_planned):  # budget left: give it back to cut chunks
             s, k = entries[i]
             more = min(len(s.tokens) - s.computed - k, left)

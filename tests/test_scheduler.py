@@ -359,7 +359,7 @@ class FakeClock:
 def test_prefill_budget_adapts_to_the_time_target():
     clock = FakeClock()
     cfg = SchedulerConfig(
-        max_num_seqs=8, max_num_batched_tokens=4096, num_blocks=1024, max_model_len=4096, block_size=16,
+        max_num_seqs=8, max_num_batched_tokens=512, num_blocks=1024, max_model_len=4096, block_size=16,
         target_tick_seconds=0.5,
     )
     sched = Scheduler(cfg, clock=clock)
@@ -395,7 +395,7 @@ def test_prefill_budget_adapts_to_the_time_target():
 def test_prefill_keeps_a_share_when_decodes_alone_exceed_the_target():
     clock = FakeClock()
     cfg = SchedulerConfig(
-        max_num_seqs=8, max_num_batched_tokens=4096, num_blocks=512, max_model_len=2048, block_size=16,
+        max_num_seqs=8, max_num_batched_tokens=512, num_blocks=512, max_model_len=2048, block_size=16,
         target_tick_seconds=0.3,
     )
     sched = Scheduler(cfg, clock=clock)
@@ -411,3 +411,7 @@ def test_prefill_keeps_a_share_when_decodes_alone_exceed_the_target():
         sched.update(out, [1] * len(out.sample_seqs))
     # 0.01 s per token, 0.6 s of decodes: a quarter of the tick is 20 tokens (0.2 / 0.01).
     assert 17 <= sched.prefill_budget() <= 20
+    # A prompt that fits the hard budget is admitted whole past the time target: it is done in one tick.
+    sched.add(Sequence("short", list(range(5000, 5300)), 2))
+    out = sched.schedule()
+    assert out.seqs[-1].request_id == "short" and out.batch.query_starts_list[-1] - out.batch.query_starts_list[-2] == 300
