@@ -188,6 +188,9 @@ class Scheduler:
             num_decodes, left, num_new_blocks = state.plan(
                 self._running_slots, len(self.running), cfg.max_num_batched_tokens, prefill_budget, max_chunk
             )
+            if num_decodes == 0 and prefill_budget < cfg.max_num_batched_tokens:
+                prefill_budget = cfg.max_num_batched_tokens  # no stream to keep pace for: fill the tick
+                continue
             if num_new_blocks <= bm.num_free_blocks:
                 break
             victim = self.running[-1]

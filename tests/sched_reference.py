@@ -113,6 +113,12 @@ class ReferenceScheduler:
             victim.computed = 0
             self.waiting.insert(0, victim)
             preempted.append(victim.request_id)
+        if not decodes:  # no stream to keep pace for: the whole budget
+            prefill_budget = self.budget
+            if self.waiting and len(self.running) < self.max_num_seqs:
+                max_chunk = max(1, min(prefill_budget, self.budget - len(self.running)) // 2)
+            else:
+                max_chunk = prefill_budget
         for s in decodes:
             while len(s.blocks) < -(-len(s.tokens) // self.bs):
                 s.blocks.append(self.alloc())
