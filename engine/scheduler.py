@@ -31,6 +31,7 @@ from engine.sequence import Sequence, SequenceStatus
 
 DEFAULT_TARGET_TICK_SECONDS = 0.35
 MIN_PREFILL_SHARE = 0.25  # share of a tick's time prefill keeps when decodes alone exceed the target
+MIN_PREFILL_TOKENS = 16  # and never fewer tokens: an unmodelled fixed cost cannot starve prefill
 INITIAL_PREFILL_TOKENS = 64  # prefill tokens of a tick before any tick has been timed
 TIMING_SMOOTHING = 0.5  # weight of the newest tick in the running cost estimates
 
@@ -220,7 +221,7 @@ class Scheduler:
         num = int((cfg.target_tick_seconds - decode_s) / token_s)
         # Prefill keeps MIN_PREFILL_SHARE of the tick even when the target is out of reach.
         floor = int(decode_s * MIN_PREFILL_SHARE / (1 - MIN_PREFILL_SHARE) / token_s)
-        return max(1, min(cfg.max_num_batched_tokens, max(num, floor)))
+        return max(MIN_PREFILL_TOKENS, min(cfg.max_num_batched_tokens, max(num, floor)))
 
     def _observe_tick(self, out: SchedulerOutput) -> None:
         """Update the cost estimates with the time from schedule() to update() (forward + sampling)."""
@@ -229,7 +230,7 @@ class Scheduler:
         a = TIMING_SMOOTHING
         if num_prefill == 0:
             self.sec_per_decode_tick += a * (elapsed - self.sec_per_decode_tick)
-        else:
+        elif num_prefill >= MIN_PREFILL_TOKENS // 4:  # tiny chunks time mostly noise
             per_token = max(elapsed - self.sec_per_decode_tick, 0.05 * elapsed, 1e-9) / num_prefill
             if self.sec_per_prefill_token is None:
                 self.sec_per_prefill_token = per_token
