@@ -47,13 +47,10 @@ def percentile(values: list[float], q: float) -> float:
 def make_engine(model, tok, whole_prompt: bool, long_tokens: int) -> Engine:
     if not whole_prompt:
         return Engine(model, tok, max_model_len=8192, kv_cache_tokens=16384)
-    options = dict(max_model_len=8192, kv_cache_tokens=16384, max_num_batched_tokens=long_tokens + 64)
-    try:  # an engine option if the engine has one, else set on the scheduler (benchmark only)
-        return Engine(model, tok, target_tick_seconds=None, **options)
-    except ValueError:
-        eng = Engine(model, tok, **options)
-        eng._core.scheduler.config.target_tick_seconds = None
-        return eng
+    return Engine(
+        model, tok, max_model_len=8192, kv_cache_tokens=16384,
+        max_num_batched_tokens=long_tokens + 64, target_tick_seconds=None,
+    )
 
 
 def run_once(model, tok, whole_prompt: bool, long_tokens: int, before_s: float, short_delay_s: float) -> dict:

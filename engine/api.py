@@ -20,7 +20,7 @@ from .outputs import Completion, StreamEvent, TokenLogprob, Usage
 from .params import SamplingParams
 from .request import Request
 from .runtime import FINISHED, EngineCore
-from .scheduler import Scheduler, SchedulerConfig
+from .scheduler import DEFAULT_TARGET_TICK_SECONDS, Scheduler, SchedulerConfig
 from .sequence import Sequence
 from .stops import StopMatcher
 
@@ -30,7 +30,7 @@ DEFAULT_BLOCK_SIZE = 16
 DEFAULT_MAX_WAITING = 1024
 _ENGINE_OPTIONS = (
     "max_model_len", "max_num_seqs", "max_num_batched_tokens", "kv_cache_tokens",
-    "block_size", "enable_prefix_caching", "max_waiting",
+    "block_size", "enable_prefix_caching", "max_waiting", "target_tick_seconds",
 )
 
 
@@ -119,6 +119,8 @@ class Engine:
             block_size=block_size,
             max_model_len=self.max_model_len,
             enable_prefix_caching=bool(options.get("enable_prefix_caching", True)),
+            # Prefill chunks adapt so a tick takes about this long while streams decode (None: off).
+            target_tick_seconds=options.get("target_tick_seconds", DEFAULT_TARGET_TICK_SECONDS),
         )
         self.config = config
         kv_cache = model.make_kv_cache(num_blocks, block_size)
