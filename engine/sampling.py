@@ -61,7 +61,8 @@ def sample(
     logits = logits.float()
     need_softmax = [not p.is_greedy or p.logprobs for p in params]
     logprobs = torch.log_softmax(logits, dim=-1) if any(need_softmax) else None  # [S, V]
-    token_ids = torch.argmax(logits, dim=-1).tolist()
+    # numpy's single-threaded argmax: torch's wakes its thread pool, which costs ~10x on a busy CPU.
+    token_ids = logits.numpy().argmax(axis=1).tolist()
     for row, p in enumerate(params):
         if not p.is_greedy:
             token_ids[row] = sample_row(logprobs[row], p, generators[row])
