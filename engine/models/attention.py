@@ -120,16 +120,18 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         out = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=plan.decode_mask)  # [B, KH, G, D]
         pieces.append(out.reshape(nd, num_heads * head_dim))
     for seq in plan.prefills:
-        qs = q[seq.row_start:seq.row_end].transpose(0, 1)  # [H, T, D]
+        # 4-D inputs with enable_gqa take torch's fused CPU (flash) kernel; 3-D ones fall back to
+        # the math path, which materialises [H, T, C] scores (minutes for an 8k-token prompt).
+        qs = q[seq.row_start:seq.row_end].transpose(0, 1).unsqueeze(0)  # [1, H, T, D]
         if seq.kv_slots is None:
-            ks = k[seq.row_start:seq.row_end].transpose(0, 1)  # [KH, T, D]
-            vs = v[seq.row_start:seq.row_end].transpose(0, 1)  # [KH, T, D]
+            ks = k[seq.row_start:seq.row_end].transpose(0, 1).unsqueeze(0)  # [1, KH, T, D]
+            vs = v[seq.row_start:seq.row_end].transpose(0, 1).unsqueeze(0)  # [1, KH, T, D]
             out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=groups > 1)
         else:
-            ks = k_cache[seq.kv_slots].transpose(0, 1)  # [KH, C, D]
-            vs = v_cache[seq.kv_slots].transpose(0, 1)  # [KH, C, D]
+            ks = k_cache[seq.kv_slots].transpose(0, 1).unsqueeze(0)  # [1, KH, C, D]
+            vs = v_cache[seq.kv_slots].transpose(0, 1).unsqueeze(0)  # [1, KH, C, D]
             out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=seq.mask, enable_gqa=groups > 1)
-        pieces.append(out.transpose(0, 1).reshape(seq.row_end - seq.row_start, num_heads * head_dim))  # [T, H*D]
+        pieces.append(out[0].transpose(0, 1).reshape(seq.row_end - seq.row_start, num_heads * head_dim))  # [T, H*D]
     if len(pieces) == 1:
         return pieces[0]
     return torch.cat(pieces, dim=0)
