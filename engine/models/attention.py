@@ -43,6 +43,7 @@ class PrefillSeq:
     row_start: int
     row_end: int
     kv_slots: torch.Tensor | None  # [C] slots of the whole context, None: attend the new rows only (causal)
+    kv_first_slot: int | None  # the context's first slot when its blocks are consecutive (a view, no gather)
     mask: torch.Tensor | None  # [T, C] additive (0 or -inf); None with kv_slots None: is_causal
 
 
@@ -93,15 +94,23 @@ def plan_attention(batch: ForwardBatch, sliding_window: int | None = None,
         if num_rows == 0:
             continue
         if num_ctx == num_rows and (sliding_window is None or num_rows <= sliding_window):
-            prefills.append(PrefillSeq(row_start, row_end, None, None))
+            prefills.append(PrefillSeq(row_start, row_end, None, None, None))
             continue
         kv_slots = _context_slots(batch.block_tables[b], num_ctx, bs, offsets)  # [C]
+        # Consecutive blocks (the common case for a long prompt) are read as a slice of the cache.
+        first_slot = int(kv_slots[0])
+        is_consecutive = int(kv_slots[-1]) - first_slot == num_ctx - 1 and bool(
+            (kv_slots[1:] - kv_slots[:-1] == 1).all()
+        )
         key_pos = torch.arange(num_ctx, dtype=torch.int64)  # [C]
         query_pos = batch.positions[row_start:row_end, None]  # [T, 1]
         mask = key_pos <= query_pos  # [T, C]
         if sliding_window is not None:
             mask &= key_pos > query_pos - sliding_window
-        prefills.append(PrefillSeq(row_start, row_end, kv_slots, _additive(mask, dtype)))
+        prefills.append(PrefillSeq(
+            row_start, row_end, kv_slots=kv_slots, kv_first_slot=first_slot if is_consecutive else None,
+            mask=_additive(mask, dtype),
+        ))
     return AttentionPlan(batch.slot_mapping, num_decode, decode_slots, decode_mask, prefills)
 
 
@@ -128,8 +137,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             vs = v[seq.row_start:seq.row_end].transpose(0, 1).unsqueeze(0)  # [1, KH, T, D]
             out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=groups > 1)
         else:
-            ks = k_cache[seq.kv_slots].transpose(0, 1).unsqueeze(0)  # [1, KH, C, D]
-            vs = v_cache[seq.kv_slots].transpose(0, 1).unsqueeze(0)  # [1, KH, C, D]
+            if seq.kv_first_slot is not None:
+                span = slice(seq.kv_first_slot, seq.kv_first_slot + seq.kv_slots.shape[0])
+                ks, vs = k_cache[span], v_cache[span]  # [C, KH, D] views
+            else:
+                ks, vs = k_cache[seq.kv_slots], v_cache[seq.kv_slots]  # [C, KH, D] gathered
+            ks = ks.transpose(0, 1).unsqueeze(0)  # [1, KH, C, D]
+            vs = vs.transpose(0, 1).unsqueeze(0)  # [1, KH, C, D]
             out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=seq.mask, enable_gqa=groups > 1)
         pieces.append(out[0].transpose(0, 1).reshape(seq.row_end - seq.row_start, num_heads * head_dim))  # [T, H*D]
     if len(pieces) == 1:
