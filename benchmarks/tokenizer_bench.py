@@ -22,6 +22,7 @@ sys.path.insert(0, str(REPO))
 
 from engine.gguf_vocab import read_gguf_metadata  # noqa: E402
 from engine.tokenizer import load_tokenizer  # noqa: E402
+from benchmarks.common import measure  # noqa: E402
 
 
 def default_model_path() -> Path:
@@ -37,12 +38,7 @@ def sample_text(num_chars: int) -> str:
 
 
 def timed(fn, repeats: int) -> list[float]:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return times
+    return measure(fn, repeats, warmup=0)
 
 
 def counter_ratio(work) -> float:
