@@ -89,16 +89,24 @@ class LiveServer:
         self.server = make_server(eng, "127.0.0.1", 0, **options)
         self.port = self.server.effective_port
         self.base_url = f"http://127.0.0.1:{self.port}"
-        self._thread = threading.Thread(target=self.server.run, name="test-server", daemon=True)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="test-server", daemon=True)
+
+    def _run(self) -> None:
+        # waitress's own run() never returns; closing its sockets from another thread while it
+        # sits in select() raises EBADF in this thread. Poll in short slices until told to stop.
+        while not self._stop.is_set():
+            self.server.asyncore.loop(timeout=0.05, map=self.server._map, count=1)
 
     def __enter__(self) -> LiveServer:
         self._thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
-        self.server.task_dispatcher.shutdown(timeout=5)  # handler threads first, then the sockets
-        self.server.close()
+        self.server.task_dispatcher.shutdown(timeout=5)  # handler threads first, then the loop, then the sockets
+        self._stop.set()
         self._thread.join(5)
+        self.server.close()
 
     def connection(self, timeout: float = 30) -> http.client.HTTPConnection:
         return http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)

@@ -75,17 +75,22 @@ def test_batched_equals_solo(model_and_tokenizer, solo):
         assert_same_greedy(s, b.token_ids, f"prompt {i} batched")
 
 
-def test_preemption_gives_the_solo_ids(model_and_tokenizer, solo):
-    # 6 blocks of 16 tokens for requests that need 2-3 blocks each: decodes run out and preempt.
+def test_preemption_gives_the_solo_ids(model_and_tokenizer):
+    # 5 blocks of 16 tokens; each request needs 3-4 blocks by its end (prompts of 5-19 tokens plus
+    # 30 generated), so any two requests running together run out and the newest is preempted.
+    # generate() submits all four before the first tick ends, so at least two always overlap.
+    idx = [0, 2, 4, 6]
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, logprobs=True, top_logprobs=2)
+    with make_engine(model_and_tokenizer, enable_prefix_caching=False, max_model_len=1024) as eng:
+        solo30 = [eng.generate([PROMPTS[i]], params)[0] for i in idx]
     with make_engine(
-        model_and_tokenizer, enable_prefix_caching=False, kv_cache_tokens=96, max_num_seqs=4, max_model_len=1024
+        model_and_tokenizer, enable_prefix_caching=False, kv_cache_tokens=80, max_num_seqs=4, max_model_len=1024
     ) as eng:
-        idx = [0, 2, 4, 6]
-        out = eng.generate([PROMPTS[i] for i in idx], greedy())
+        out = eng.generate([PROMPTS[i] for i in idx], params)
         assert eng._core.scheduler.num_preemptions > 0
         assert eng.stats()["kv_usage"] == 0.0
-    for i, c in zip(idx, out):
-        assert_same_greedy(solo[i], c.token_ids, f"prompt {i} preempted")
+    for i, s, c in zip(idx, solo30, out):
+        assert_same_greedy(s, c.token_ids, f"prompt {i} preempted")
 
 
 def test_prefix_cache_hit_gives_the_cold_ids(model_and_tokenizer, solo):
