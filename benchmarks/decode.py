@@ -1,9 +1,10 @@
 """The raw model loop: no engine, no scheduler, ForwardBatch objects built directly over
 static block tables. Decode tok/s at batch 1, 8 and 32 and prefill tok/s of a 512-token
-prompt, in float32 and bfloat16; medians with min-max over repeats.
+prompt, in float32 and bfloat16, with the projection weights packed for oneDNN (what
+load_model does) beside plain dense weights through F.linear; medians with min-max over repeats.
 
 Usage: ``python benchmarks/decode.py [--model PATH] [--dtypes float32,bfloat16]
-[--batch-sizes 1,8,32] [--steps 32] [--repeats 5] [--threads N]``. Prints a table and writes
+[--weights packed,dense] [--batch-sizes 1,8,32] [--steps 32] [--repeats 5] [--threads N]``. Prints a table and writes
 benchmarks/results/decode.json. Other benchmarks import ``raw_decode_tok_s`` and
 ``raw_prefill_tok_s`` to run the same loop side by side with the engine.
 """
@@ -95,6 +96,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="a .gguf file or HF directory (default: embedded SmolLM2)")
     parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--weights", default="packed,dense",
+                        help="packed: oneDNN layout (the default model); dense: F.linear (side by side)")
     parser.add_argument("--batch-sizes", default="1,8,32")
     parser.add_argument("--steps", type=int, default=32, help="decode steps per measurement")
     parser.add_argument("--prompt-len", type=int, default=16)
@@ -114,28 +117,30 @@ def main(argv=None) -> dict:
     results = {"model": str(path), "steps": args.steps, "prompt_len": args.prompt_len,
                "prefill_tokens": args.prefill_tokens, "repeats": args.repeats, "decode": [], "prefill": []}
     rows = []
-    for dtype in args.dtypes.split(","):
-        model = load_model(path, dtype=dtype)
+    configs = [(d, w) for d in args.dtypes.split(",") for w in args.weights.split(",")]
+    for dtype, weights in configs:
+        model = load_model(path, dtype=dtype, pack_weights=weights == "packed")
+        label = f"{dtype} {weights}"
         raw_decode_tok_s(model, 1, num_steps=4, prompt_len=args.prompt_len)  # warm-up
         for batch_size in batch_sizes:
             rates = [raw_decode_tok_s(model, batch_size, args.steps, args.prompt_len, seed=r)
                      for r in range(args.repeats)]
             stats = summarize(rates)
             step_ms = summarize([1000 * batch_size / r for r in rates])
-            results["decode"].append({"dtype": dtype, "batch_size": batch_size, "tok_s": stats, "step_ms": step_ms,
-                                      "samples_tok_s": rates})
-            rows.append([dtype, f"decode B={batch_size}", fmt_stats(stats), fmt_stats(step_ms, ".2f")])
-            print(f"  {dtype} decode B={batch_size}: {fmt_stats(stats)} tok/s", file=sys.stderr, flush=True)
+            results["decode"].append({"dtype": dtype, "weights": weights, "batch_size": batch_size,
+                                      "tok_s": stats, "step_ms": step_ms, "samples_tok_s": rates})
+            rows.append([label, f"decode B={batch_size}", fmt_stats(stats), fmt_stats(step_ms, ".2f")])
+            print(f"  {label} decode B={batch_size}: {fmt_stats(stats)} tok/s", file=sys.stderr, flush=True)
         raw_prefill_tok_s(model, 64)  # warm-up
         rates = [raw_prefill_tok_s(model, args.prefill_tokens, seed=r) for r in range(args.repeats)]
         stats = summarize(rates)
-        results["prefill"].append({"dtype": dtype, "num_tokens": args.prefill_tokens, "tok_s": stats,
-                                   "samples_tok_s": rates})
-        rows.append([dtype, f"prefill {args.prefill_tokens}", fmt_stats(stats),
+        results["prefill"].append({"dtype": dtype, "weights": weights, "num_tokens": args.prefill_tokens,
+                                   "tok_s": stats, "samples_tok_s": rates})
+        rows.append([label, f"prefill {args.prefill_tokens}", fmt_stats(stats),
                      fmt_stats(summarize([1000 * args.prefill_tokens / r for r in rates]), ".1f")])
         del model
     results["environment"] = environment()
-    print_table(["dtype", "workload", "tok/s median (min-max)", "ms per forward"], rows,
+    print_table(["dtype, weights", "workload", "tok/s median (min-max)", "ms per forward"], rows,
                 title=f"Raw model loop: {Path(path).name}, {args.steps} decode steps after a "
                       f"{args.prompt_len}-token prompt, {args.repeats} repeats, "
                       f"{results['environment']['torch_num_threads']} threads")

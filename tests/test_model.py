@@ -164,6 +164,22 @@ def test_bfloat16_close_to_float32():
     assert (bf16 - f32).abs().max() < 0.25 * f32.abs().max()
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_packed_weights_give_the_dense_logits(dtype):
+    cfg = tiny_config(attention_bias=True)  # the qkv bias goes through the packed product too
+    sd = random_state_dict(cfg)
+    ids = random.Random(5).choices(range(97), k=9)
+    packed = LlamaModel(cfg, sd, dtype=dtype)
+    dense = LlamaModel(cfg, sd, dtype=dtype, pack_weights=False)
+    layer = packed.layers[0]
+    assert all(p.is_packed for p in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj, packed.head_proj))
+    assert not dense.layers[0].qkv_proj.is_packed and dense.layers[0].qkv_proj.weight is not None
+    assert layer.qkv_proj.weight is None and packed.head_proj.weight is packed.lm_head  # no second dense copy
+    a, b = one_shot_logits(packed, ids), one_shot_logits(dense, ids)
+    tol = 1e-4 if dtype == "float32" else 0.05
+    torch.testing.assert_close(a, b, atol=tol * b.abs().max().item(), rtol=0)
+
+
 def test_kv_cache_shape_and_zeroed():
     cache = LlamaModel(tiny_config(), random_state_dict(tiny_config())).make_kv_cache(5, 4)
     assert isinstance(cache, PagedKVCache)

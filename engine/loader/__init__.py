@@ -36,8 +36,12 @@ def default_model_path() -> str:
     return str(path)
 
 
-def load_model(path: str | os.PathLike | None = None, dtype: str = "float32"):
-    """A .gguf file or a Hugging Face model directory -> LlamaModel. None: the default model."""
+def load_model(path: str | os.PathLike | None = None, dtype: str = "float32", pack_weights: bool = True):
+    """A .gguf file or a Hugging Face model directory -> LlamaModel. None: the default model.
+
+    pack_weights: projection weights in oneDNN's layout (engine.models.linear); False keeps
+    them dense for F.linear.
+    """
     from engine.loader.gguf_loader import is_gguf_file, load_gguf
     from engine.loader.hf_loader import load_hf
 
@@ -48,8 +52,8 @@ def load_model(path: str | os.PathLike | None = None, dtype: str = "float32"):
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ValueError(f"{path}: not a Hugging Face model directory (no config.json)")
-        return load_hf(path, dtype=dtype)
+        return load_hf(path, dtype=dtype, pack_weights=pack_weights)
     if is_gguf_file(path):
-        return load_gguf(path, dtype=dtype)
+        return load_gguf(path, dtype=dtype, pack_weights=pack_weights)
     raise ValueError(f"{path}: not a GGUF file (the first bytes are not 'GGUF') "
                      "and not a Hugging Face model directory")

@@ -137,11 +137,11 @@ def load_gguf_state_dict(path: str | os.PathLike) -> tuple[ModelConfig, dict[str
     return config, state_dict, freq_factors
 
 
-def load_gguf(path: str | os.PathLike, dtype: str = "float32"):
+def load_gguf(path: str | os.PathLike, dtype: str = "float32", pack_weights: bool = True):
     from engine.models import LlamaModel
 
     config, state_dict, freq_factors = load_gguf_state_dict(path)
     try:
-        return LlamaModel(config, state_dict, dtype=dtype, rope_freq_factors=freq_factors)
+        return LlamaModel(config, state_dict, dtype=dtype, rope_freq_factors=freq_factors, pack_weights=pack_weights)
     except ValueError as exc:
         raise ValueError(f"{os.fspath(path)}: {exc}") from None

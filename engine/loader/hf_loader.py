@@ -60,11 +60,11 @@ def load_hf_state_dict(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, 
     return config, state_dict
 
 
-def load_hf(path: str | os.PathLike, dtype: str = "float32"):
+def load_hf(path: str | os.PathLike, dtype: str = "float32", pack_weights: bool = True):
     from engine.models import LlamaModel
 
     config, state_dict = load_hf_state_dict(path)
     try:
-        return LlamaModel(config, state_dict, dtype=dtype)
+        return LlamaModel(config, state_dict, dtype=dtype, pack_weights=pack_weights)
     except ValueError as exc:
         raise ValueError(f"{os.fspath(path)}: {exc}") from None

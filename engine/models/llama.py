@@ -16,6 +16,7 @@ from torch import nn
 from engine.batch import ForwardBatch
 from engine.config import ModelConfig
 from engine.models.attention import PagedKVCache, paged_attention, plan_attention
+from engine.models.linear import Linear
 from engine.models.rope import RotaryTable, apply_rope
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -31,7 +32,7 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor | None]):
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor | None], pack_weights: bool = True):
         super().__init__()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
@@ -40,20 +41,18 @@ class DecoderLayer(nn.Module):
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
         self.attn_norm = nn.Parameter(weights["attn_norm"], requires_grad=False)  # [E]
-        self.wqkv = nn.Parameter(weights["wqkv"], requires_grad=False)  # [(H + 2 KH) D, E]
-        self.bqkv = None if weights["bqkv"] is None else nn.Parameter(weights["bqkv"], requires_grad=False)
-        self.wo = nn.Parameter(weights["wo"], requires_grad=False)  # [E, H D]
-        self.bo = None if weights["bo"] is None else nn.Parameter(weights["bo"], requires_grad=False)
+        self.qkv_proj = Linear(weights["wqkv"], weights["bqkv"], pack_weights)  # [(H + 2 KH) D, E]
+        self.o_proj = Linear(weights["wo"], weights["bo"], pack_weights)  # [E, H D]
         self.ffn_norm = nn.Parameter(weights["ffn_norm"], requires_grad=False)  # [E]
-        self.w_gate_up = nn.Parameter(weights["w_gate_up"], requires_grad=False)  # [2 I, E]
-        self.w_down = nn.Parameter(weights["w_down"], requires_grad=False)  # [E, I]
+        self.gate_up_proj = Linear(weights["w_gate_up"], None, pack_weights)  # [2 I, E]
+        self.down_proj = Linear(weights["w_down"], None, pack_weights)  # [E, I]
         self.norm_shape = (config.hidden_size,)
         self.intermediate_size = config.intermediate_size
 
     def forward(self, x, cos, sin, k_cache, v_cache, plan):
         num_rows = x.shape[0]  # x [T, E]
         h = F.rms_norm(x, self.norm_shape, self.attn_norm, self.eps)  # [T, E]
-        qkv = F.linear(h, self.wqkv, self.bqkv)  # [T, (H + 2 KH) D]
+        qkv = self.qkv_proj(h)  # [T, (H + 2 KH) D]
         qk = qkv[:, : self.q_size + self.kv_size].view(num_rows, self.num_heads + self.num_kv_heads, self.head_dim)
         qk = apply_rope(qk, cos, sin)  # [T, H + KH, D]
         q = qk[:, : self.num_heads]  # [T, H, D]
@@ -62,16 +61,17 @@ class DecoderLayer(nn.Module):
         k_cache.index_copy_(0, plan.slot_mapping, k)
         v_cache.index_copy_(0, plan.slot_mapping, v)
         attn = paged_attention(q, k, v, k_cache, v_cache, plan)  # [T, H D]
-        x = x + F.linear(attn, self.wo, self.bo)  # [T, E]
+        x = x + self.o_proj(attn)  # [T, E]
         h = F.rms_norm(x, self.norm_shape, self.ffn_norm, self.eps)
-        gate_up = F.linear(h, self.w_gate_up)  # [T, 2 I]
+        gate_up = self.gate_up_proj(h)  # [T, 2 I]
         gate, up = gate_up.split(self.intermediate_size, dim=-1)  # [T, I] each
-        return x + F.linear(F.silu(gate) * up, self.w_down)  # [T, E]
+        return x + self.down_proj(F.silu(gate) * up)  # [T, E]
 
 
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype: str | torch.dtype = "float32",
-                 rope_freq_factors: torch.Tensor | None = None):
+                 rope_freq_factors: torch.Tensor | None = None, pack_weights: bool = True):
+        """pack_weights: lay the projection weights out for oneDNN once (engine.models.linear)."""
         super().__init__()
         self.config = config
         self.dtype = resolve_dtype(dtype)
@@ -80,13 +80,15 @@ class LlamaModel(nn.Module):
         weights = _WeightReader(state_dict, self.dtype)
         E, V = config.hidden_size, config.vocab_size
         self.embed = nn.Parameter(weights.take("model.embed_tokens.weight", (V, E)), requires_grad=False)  # [V, E]
-        self.layers = nn.ModuleList(DecoderLayer(config, _layer_weights(config, weights, i))
+        self.layers = nn.ModuleList(DecoderLayer(config, _layer_weights(config, weights, i), pack_weights)
                                     for i in range(config.num_layers))
         self.norm = nn.Parameter(weights.take("model.norm.weight", (E,)), requires_grad=False)  # [E]
         if config.tie_word_embeddings:
             self.lm_head = self.embed
         else:
             self.lm_head = nn.Parameter(weights.take("lm_head.weight", (V, E)), requires_grad=False)  # [V, E]
+        # A packed copy for the product; the dense lm_head stays (embedding rows, bfloat16 refinement).
+        self.head_proj = Linear(self.lm_head, None, pack_weights, keep_dense=True)
         self.rope = RotaryTable(config, self.dtype, rope_freq_factors)
 
     def make_kv_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
@@ -114,7 +116,7 @@ class LlamaModel(nn.Module):
         are therefore recomputed with a float32 product of the same bf16 weights and
         activations; the tail keeps the bf16 values (its probability mass is negligible).
         """
-        logits = F.linear(x, self.lm_head).float()  # [S, V]
+        logits = self.head_proj(x).float()  # [S, V]
         if self.dtype == torch.float32:
             return logits
         top_ids = logits.topk(min(REFINE_TOP_K, self.vocab_size), dim=-1).indices  # [S, k]
