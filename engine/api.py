@@ -20,7 +20,8 @@ from .outputs import Completion, StreamEvent, TokenLogprob, Usage
 from .params import SamplingParams
 from .request import Request
 from .runtime import FINISHED, EngineCore
-from .scheduler import DEFAULT_TARGET_TICK_SECONDS, Scheduler, SchedulerConfig
+from .scheduler import Scheduler, SchedulerConfig
+from .tick_cost import DEFAULT_TARGET_TICK_SECONDS
 from .sequence import Sequence
 from .stops import StopMatcher
 

@@ -27,13 +27,8 @@ from cext.tick import TickState
 from engine.batch import ForwardBatch
 from engine.block_manager import BlockManager, prefix_block_hashes
 from engine.sequence import Sequence, SequenceStatus
+from engine.tick_cost import DEFAULT_TARGET_TICK_SECONDS, TickCostModel
 
-
-DEFAULT_TARGET_TICK_SECONDS = 0.35
-MIN_PREFILL_SHARE = 0.25  # share of a tick's time prefill keeps when decodes alone exceed the target
-MIN_PREFILL_TOKENS = 16  # and never fewer tokens: an unmodelled fixed cost cannot starve prefill
-INITIAL_PREFILL_TOKENS = 64  # prefill tokens of a tick before any tick has been timed
-TIMING_SMOOTHING = 0.5  # weight of the newest tick in the running cost estimates
 
 
 @dataclass(kw_only=True)
@@ -86,10 +81,7 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, clock=time.perf_counter) -> None:
         self.config = config
-        self.clock = clock
-        self.sec_per_prefill_token: float | None = None  # estimated, when target_tick_seconds is set
-        self.sec_per_decode_tick = 0.0  # estimated time of a tick without prefill tokens
-        self._scheduled_at = 0.0
+        self.cost = TickCostModel(config.target_tick_seconds, config.max_num_batched_tokens, clock)
         self.block_size = config.block_size
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.state = TickState(config.max_num_seqs, config.max_model_len, config.block_size)
@@ -207,39 +199,15 @@ class Scheduler:
         if state.num_entries == 0:
             return None
         out = self._build_output(num_decodes, preempted)
-        self._scheduled_at = self.clock()
+        self.cost.start()
         return out
 
     def prefill_budget(self) -> int:
-        """Prefill tokens for the next tick: the whole budget, or what fits the time target."""
-        cfg = self.config
-        if cfg.target_tick_seconds is None:
-            return cfg.max_num_batched_tokens
-        if self.sec_per_prefill_token is None:
-            return min(cfg.max_num_batched_tokens, INITIAL_PREFILL_TOKENS)
-        decode_s, token_s = self.sec_per_decode_tick, self.sec_per_prefill_token
-        num = int((cfg.target_tick_seconds - decode_s) / token_s)
-        # Prefill keeps MIN_PREFILL_SHARE of the tick even when the target is out of reach.
-        floor = int(decode_s * MIN_PREFILL_SHARE / (1 - MIN_PREFILL_SHARE) / token_s)
-        return max(MIN_PREFILL_TOKENS, min(cfg.max_num_batched_tokens, max(num, floor)))
-
-    def _observe_tick(self, out: SchedulerOutput) -> None:
-        """Update the cost estimates with the time from schedule() to update() (forward + sampling)."""
-        elapsed = self.clock() - self._scheduled_at
-        num_prefill = out.batch.num_tokens - out.batch.num_decode_seqs
-        a = TIMING_SMOOTHING
-        if num_prefill == 0:
-            self.sec_per_decode_tick += a * (elapsed - self.sec_per_decode_tick)
-        elif num_prefill >= MIN_PREFILL_TOKENS // 4:  # tiny chunks time mostly noise
-            per_token = max(elapsed - self.sec_per_decode_tick, 0.05 * elapsed, 1e-9) / num_prefill
-            if self.sec_per_prefill_token is None:
-                self.sec_per_prefill_token = per_token
-            else:
-                self.sec_per_prefill_token += a * (per_token - self.sec_per_prefill_token)
+        """Prefill tokens for the next tick (engine.tick_cost)."""
+        return self.cost.prefill_budget()
 
     def update(self, out: SchedulerOutput, sampled_token_ids) -> None:
-        if self.config.target_tick_seconds is not None:
-            self._observe_tick(out)
+        self.cost.observe(out.batch.num_tokens - out.batch.num_decode_seqs)
         if isinstance(sampled_token_ids, torch.Tensor):
             ids = sampled_token_ids.numpy().astype(np.int64, copy=False).reshape(-1)
         else:

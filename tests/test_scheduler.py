@@ -387,7 +387,7 @@ def test_prefill_budget_adapts_to_the_time_target():
         out = sched.schedule()
         clock.now += cost(out)
         sched.update(out, [1] * len(out.sample_seqs))
-    assert 0.09 < sched.sec_per_decode_tick <= 0.1 and sched.prefill_budget() < before
+    assert 0.09 < sched.cost.sec_per_decode_tick <= 0.1 and sched.prefill_budget() < before
     with pytest.raises(ValueError, match="target_tick_seconds"):
         SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=8, num_blocks=4, max_model_len=16, target_tick_seconds=0)
 
