@@ -50,6 +50,7 @@ class RequestStream:
         self.request_id = request.request_id
         self.prompt_token_ids = prompt_token_ids
         self._done = False
+        self._pending_error: BaseException | None = None  # met by ready_events(), raised by __next__
 
     @property
     def prompt_logprobs(self) -> list[TokenLogprob | None] | None:
@@ -60,6 +61,10 @@ class RequestStream:
         return self
 
     def __next__(self) -> StreamEvent:
+        if self._pending_error is not None:
+            err, self._pending_error = self._pending_error, None
+            self._done = True
+            raise err
         if self._done:
             raise StopIteration
         outputs = self._request.outputs
@@ -78,6 +83,24 @@ class RequestStream:
             self._done = True
             raise item
         return item
+
+    def ready_events(self) -> list[StreamEvent]:
+        """The events already queued, taken without waiting (the queue's lock is taken only to wait).
+
+        A consumer that fell behind (a slow socket, a fast model) drains them after each
+        ``next()`` and handles them at once: the SSE path writes them in one chunk.
+        """
+        events: list[StreamEvent] = []
+        outputs = self._request.outputs
+        while not self._done and self._pending_error is None and not outputs.empty():
+            item = outputs.get_nowait()
+            if item is FINISHED:
+                self._done = True
+            elif isinstance(item, BaseException):
+                self._pending_error = item
+            else:
+                events.append(item)
+        return events
 
     def close(self) -> None:
         if not self._done:

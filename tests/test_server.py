@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from tests.server_fixtures import SCRIPT_TEXT, LiveServer, parse_sse, scripted_engine, wait_until
+from tests.server_fixtures import SCRIPT_TEXT, LiveServer, parse_sse, script_ids, scripted_engine, wait_until
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -330,3 +330,76 @@ def test_cli_builds_engine_and_serves_on_localhost_by_default(monkeypatch):
     assert calls["serve"]["host"] == "127.0.0.1" and calls["serve"]["port"] == 8000
     assert calls["serve"]["api_key"] == "k" and calls["serve"]["model_name"] == "SmolLM2-135M-Instruct"
     assert calls["closed"]
+
+
+def _queued_stream(eng, num_ticks: int, max_tokens: int = 8):
+    """A stream whose engine ran num_ticks ticks (one event each) that nobody has read yet."""
+    model = eng.model
+    model.hold(num_ticks)
+    params = engine_params(max_tokens)
+    stream = eng.stream("Hi", params)
+    assert wait_until(lambda: stream._request.outputs.qsize() >= num_ticks)
+    return stream
+
+
+def engine_params(max_tokens: int):
+    import engine
+
+    return engine.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+
+
+def test_ready_events_takes_the_queued_events_and_keeps_errors_in_order():
+    eng = scripted_engine(gated=True)
+    try:
+        stream = _queued_stream(eng, 4)
+        first = next(stream)
+        later = stream.ready_events()
+        assert len(later) == 3 and stream.ready_events() == []  # nothing queued: returns at once
+        eng.model.open()
+        rest = list(stream)
+        ids = first.token_ids + [i for e in later + rest for i in e.token_ids]
+        assert len(ids) == 8 and rest[-1].finish_reason == "length"
+        assert stream.ready_events() == []
+
+        # A failed tick after two good ones: ready_events stops before the error; next() raises it.
+        real_forward = eng.model.inner.forward
+        calls = [0]
+
+        def failing(batch, kv_cache):
+            calls[0] += 1
+            if calls[0] == 3:
+                raise RuntimeError("simulated kernel failure")
+            return real_forward(batch, kv_cache)
+
+        eng.model.inner.forward = failing
+        stream = _queued_stream(eng, 3)
+        assert len(next(stream).token_ids) == 1 and len(stream.ready_events()) == 1
+        with pytest.raises(Exception, match="simulated kernel failure"):
+            next(stream)
+        with pytest.raises(StopIteration):
+            next(stream)
+    finally:
+        eng.close()
+
+
+def test_events_queued_behind_a_slow_handler_go_out_in_one_write():
+    from cext.chunk import ChunkWriter
+    from webapp.metrics import RequestRecord, ServerMetrics
+    from webapp.sse import stream_chunks
+
+    eng = scripted_engine(gated=True)
+    try:
+        stream = _queued_stream(eng, 5, max_tokens=7)
+        metrics = ServerMetrics(eng, "m")
+        record = RequestRecord("completions", 1)
+        chunks = stream_chunks(stream, ChunkWriter("cmpl-1", "m", 1, False), record, metrics, include_usage=True)
+        first = next(chunks)
+        frames = parse_sse(first)
+        assert len(frames) == 5  # the five queued events, one write
+        eng.model.open()
+        events = frames + [e for c in chunks for e in parse_sse(c)]
+        assert events[-1] == "[DONE]" and events[-2]["usage"]["completion_tokens"] == 7 == record.num_generated
+        text = "".join(e["choices"][0]["text"] for e in events[:-2])
+        assert text == eng.tokenizer.decode(script_ids()[:7])
+    finally:
+        eng.close()

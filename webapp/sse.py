@@ -3,6 +3,8 @@
 The per-token path of a streamed request is: ``next(stream)`` (the engine's one queue
 get) -> ``ChunkWriter.event`` (escape into the request's reused buffer) -> ``yield`` to
 the WSGI server, which writes it to the socket at once (waitress: its default send_bytes=1 flushes every write).
+Events that queued up while the handler was busy (``stream.ready_events()``, no lock) are
+written with it in one chunk: a handler that falls behind catches up with one send.
 No lock is taken here; metrics are folded in once, when the request ends.
 
 Disconnects: the WSGI server raises inside its write, then closes this generator; the
@@ -54,9 +56,18 @@ def stream_chunks(
     status = "abort"
     try:
         for event in stream:
+            chunk = writer.event(event.text, event.logprobs, event.finish_reason)
             if event.token_ids:
                 record.tokens(len(event.token_ids))
-            yield writer.event(event.text, event.logprobs, event.finish_reason)
+            later = stream.ready_events()  # queued meanwhile: sent in the same write
+            if later:
+                parts = [chunk]
+                for event in later:
+                    parts.append(writer.event(event.text, event.logprobs, event.finish_reason))
+                    if event.token_ids:
+                        record.tokens(len(event.token_ids))
+                chunk = b"".join(parts)
+            yield chunk
             if event.finish_reason is None and is_disconnected():
                 return
         if include_usage:
