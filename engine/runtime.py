@@ -13,6 +13,7 @@ import logging
 import threading
 import traceback
 
+import numpy as np
 import torch
 
 from . import sampling
@@ -125,8 +126,11 @@ class EngineCore:
         if out.prompt_logprob_spans:
             self._prompt_logprobs(out.prompt_logprob_spans, logits)
         if sample_seqs:
-            index = torch.tensor(out.sample_logit_index, dtype=torch.int64)
-            rows = logits.index_select(0, index) if len(index) != logits.shape[0] else logits
+            index = out.sample_logit_index
+            if len(index) != logits.shape[0]:  # prompt_logprobs rows too: keep the sampled ones
+                rows = logits.index_select(0, torch.from_numpy(np.asarray(index, dtype=np.int64)))
+            else:
+                rows = logits
             token_ids, row_logprobs = sampling.sample(
                 rows, [r.params for r in reqs], [r.generator for r in reqs]
             )

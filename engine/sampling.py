@@ -58,7 +58,8 @@ def sample(
     num_rows = logits.shape[0]
     if num_rows == 0:
         return [], []
-    logits = logits.float()
+    if logits.dtype != torch.float32:
+        logits = logits.float()
     need_softmax = [not p.is_greedy or p.logprobs for p in params]
     logprobs = torch.log_softmax(logits, dim=-1) if any(need_softmax) else None  # [S, V]
     # numpy's single-threaded argmax: torch's wakes its thread pool, which costs ~10x on a busy CPU.
