@@ -1,6 +1,6 @@
 """Serving overhead: HTTP streaming vs Engine.stream in-process, latency percentiles, chunk serializer cost.
 
-    python benchmarks/serving.py [--concurrency 1,8] [--max-tokens 32] [--latency-concurrency 1,8,32]
+    python benchmarks/serving.py [--concurrency 1,8] [--max-tokens 128] [--latency-concurrency 1,8,32]
                                  [--repeats 3] [--skip-model] [--cheroot-path DIR]
 
 Sections (all in one run, side by side):
@@ -279,7 +279,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--concurrency", default="1,8", help="concurrencies for the HTTP vs in-process comparison")
     ap.add_argument("--latency-concurrency", default="1,8,32", help="concurrencies for TTFT/ITL through HTTP")
-    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=128,
+                    help="tokens per stream; long enough that decode, not prefill and TTFT, dominates")
     ap.add_argument("--scripted-max-tokens", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--scripted-repeats", type=int, default=7)
