@@ -21,9 +21,9 @@ from .params import SamplingParams
 from .request import Request
 from .runtime import FINISHED, EngineCore
 from .scheduler import Scheduler, SchedulerConfig
-from .tick_cost import DEFAULT_TARGET_TICK_SECONDS
 from .sequence import Sequence
 from .stops import StopMatcher
+from .tick_cost import DEFAULT_TARGET_TICK_SECONDS
 
 DEFAULT_MAX_NUM_SEQS = 64
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 256

@@ -334,18 +334,12 @@ def test_cli_builds_engine_and_serves_on_localhost_by_default(monkeypatch):
 
 def _queued_stream(eng, num_ticks: int, max_tokens: int = 8):
     """A stream whose engine ran num_ticks ticks (one event each) that nobody has read yet."""
-    model = eng.model
-    model.hold(num_ticks)
-    params = engine_params(max_tokens)
-    stream = eng.stream("Hi", params)
-    assert wait_until(lambda: stream._request.outputs.qsize() >= num_ticks)
-    return stream
-
-
-def engine_params(max_tokens: int):
     import engine
 
-    return engine.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    eng.model.hold(num_ticks)
+    stream = eng.stream("Hi", engine.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+    assert wait_until(lambda: stream._request.outputs.qsize() >= num_ticks)
+    return stream
 
 
 def test_ready_events_takes_the_queued_events_and_keeps_errors_in_order():
