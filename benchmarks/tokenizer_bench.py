@@ -20,7 +20,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from engine.gguf_vocab import read_gguf_metadata  # noqa: E402
+from engine.gguf_file import read_gguf_metadata  # noqa: E402
 from engine.tokenizer import load_tokenizer  # noqa: E402
 from benchmarks.common import measure  # noqa: E402
 

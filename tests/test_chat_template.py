@@ -172,7 +172,7 @@ CONVERSATIONS = [
 
 
 def gguf_template(name: str) -> str:
-    from engine.gguf_vocab import read_gguf_metadata
+    from engine.gguf_file import read_gguf_metadata
     from tokenizer_fixtures import default_model_path, vocab_data_file
 
     path = default_model_path() if name == "smollm2" else vocab_data_file(f"ggml-vocab-{name}.gguf")

@@ -9,7 +9,8 @@ import gguf
 import pytest
 from hypothesis import HealthCheck, example, given, settings, strategies as st
 
-from engine.gguf_vocab import load_gguf_vocab, read_gguf_metadata
+from engine.gguf_file import read_gguf_metadata
+from engine.gguf_vocab import load_gguf_vocab
 from engine.gguf_vocab_bpe import PRE_NAMES, split_merge
 from engine.gguf_vocab_spm import spm_merges
 from engine.tokenizer import load_tokenizer

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import save_file
 
 from engine.batch import single_sequence_batch
-from engine.config import ModelConfig
+from engine.models.config import ModelConfig
 from engine.loader import default_model_path, load_model
 from engine.loader.gguf_loader import load_gguf_state_dict
 from engine.models import LlamaModel

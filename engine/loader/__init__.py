@@ -42,7 +42,8 @@ def load_model(path: str | os.PathLike | None = None, dtype: str = "float32", pa
     pack_weights: projection weights in oneDNN's layout (engine.models.linear); False keeps
     them dense for F.linear.
     """
-    from engine.loader.gguf_loader import is_gguf_file, load_gguf
+    from engine.gguf_file import is_gguf_file
+    from engine.loader.gguf_loader import load_gguf
     from engine.loader.hf_loader import load_hf
 
     resolve_dtype(dtype)

@@ -12,9 +12,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.config import ModelConfig
-
-GGUF_MAGIC = b"GGUF"
+from engine.gguf_file import is_gguf_file
+from engine.models.config import ModelConfig
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -37,11 +36,6 @@ _LAYER_NAMES = {
     "ffn_down.weight": "mlp.down_proj.weight",
 }
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
-
-
-def is_gguf_file(path: str | os.PathLike) -> bool:
-    with open(path, "rb") as f:
-        return f.read(4) == GGUF_MAGIC
 
 
 def hf_name(gguf_name: str) -> str | None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from engine.config import ModelConfig
+from engine.models.config import ModelConfig
 
 INDEX_FILE = "model.safetensors.index.json"
 

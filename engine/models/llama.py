@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.batch import ForwardBatch
-from engine.config import ModelConfig
+from engine.models.config import ModelConfig
 from engine.models.attention import PagedKVCache, paged_attention, plan_attention
 from engine.models.linear import Linear
 from engine.models.rope import RotaryTable, apply_rope

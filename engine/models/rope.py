@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from engine.config import ModelConfig
+from engine.models.config import ModelConfig
 
 
 def rope_inv_freq(config: ModelConfig, freq_factors: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:

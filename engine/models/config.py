@@ -54,10 +54,6 @@ class ModelConfig:
             raise ValueError(f"sliding_window: must be a positive int or None, got {self.sliding_window!r}")
         self.rope_scaling = _normalize_rope_scaling(self.rope_scaling)
 
-    @property
-    def num_query_groups(self) -> int:
-        return self.num_heads // self.num_kv_heads
-
     @classmethod
     def from_hf_dict(cls, config_json: dict[str, Any]) -> ModelConfig:
         """From the dict of a Hugging Face ``config.json``."""
