@@ -1,4 +1,36 @@
-"""Exceptions the engine raises to callers."""
+"""Exceptions the engine raises to callers. The type carries the meaning (what went wrong,
+which parameter): callers branch on types and read ``param``, never the message text.
+
+    ValueError
+    └── InvalidParameterError        a request field is wrong; .param names it
+        ├── ContextLengthError       prompt + max_tokens do not fit the context
+        └── (ChatTemplateError)      messages the chat template cannot render (tokenizer)
+    RuntimeError
+    └── EngineError                  a request failed inside the engine
+        ├── EngineDead               the engine thread is gone; nothing can run
+        └── EngineOverloaded         the waiting queue is full; retry later
+"""
+from __future__ import annotations
+
+
+class InvalidParameterError(ValueError):
+    """A request parameter is invalid. ``param`` is the field's name as the caller spelt it
+    (``"max_tokens"``, ``"messages[1].content"``), or None when no single field is to blame."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+class ContextLengthError(InvalidParameterError):
+    """The prompt (plus the tokens asked for) does not fit the model's context.
+
+    ``param`` is the field that is too long ("prompt", "messages") or "max_tokens"
+    when the prompt fits but the requested completion does not."""
+
+    def __init__(self, message: str, param: str | None = "prompt", *, max_model_len: int | None = None):
+        super().__init__(message, param)
+        self.max_model_len = max_model_len
 
 
 class EngineError(RuntimeError):
@@ -11,3 +43,8 @@ class EngineDead(EngineError):
 
 class EngineOverloaded(EngineError):
     """The waiting queue is full; retry later."""
+
+
+__all__ = [
+    "ContextLengthError", "EngineDead", "EngineError", "EngineOverloaded", "InvalidParameterError",
+]
