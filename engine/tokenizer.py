@@ -124,6 +124,11 @@ class Tokenizer:
             bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs,
         )
 
+    def encode_chat(self, messages, add_generation_prompt: bool = True, tools=None) -> list[int]:
+        """The prompt ids of a chat: the template applied, then encoded without added specials."""
+        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools)
+        return self.encode(text, add_special_tokens=False)
+
 
 # ---------------------------------------------------------------- loading
 

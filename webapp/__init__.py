@@ -1,9 +1,12 @@
 """The OpenAI-compatible HTTP server: ``create_app(engine)`` and ``serve(engine)``.
 
 A request's path: the handler thread parses and validates the body (webapp.protocol),
-applies the chat template and tokenizes (the tokenizer releases the GIL), submits the
-ids with ``engine.stream`` and, for ``stream: true``, returns a generator response that
-writes each event as one SSE chunk (webapp.sse, cext.chunk) the moment it arrives.
+then takes the engine's own prompt path (``engine.stream_chat`` / ``engine.stream``: the
+template and the tokenizer run on this thread, GIL released) and, for ``stream: true``,
+returns a generator response that writes each event as one SSE chunk (webapp.sse,
+cext.chunk) the moment it arrives; otherwise it folds the events with the engine's
+``RequestStream.collect``. Engine exceptions map to HTTP errors in one table
+(``webapp.errors.from_exception``).
 """
 from __future__ import annotations
 
@@ -15,7 +18,6 @@ import time
 from flask import Flask, Response, request, send_from_directory
 from werkzeug.exceptions import HTTPException
 
-import engine as engine_pkg
 from cext.chunk import ChunkWriter
 
 from . import errors, protocol, sse
@@ -111,48 +113,23 @@ def create_app(engine, model_name: str | None = None, api_key: str | None = None
     def _read_body() -> dict:
         return protocol.decode_body(request.get_data(cache=False))
 
-    def _prompt_ids(req: protocol.ParsedRequest) -> list[int]:
-        """Template and tokenize on this handler thread."""
-        if req.is_chat:
-            try:
-                text = tokenizer.apply_chat_template(req.messages, add_generation_prompt=True)
-            except Exception as e:  # template errors (e.g. roles that must alternate)
-                raise errors.bad_request(f"messages could not be formatted by the chat template: {e}",
-                                         "messages") from None
-            return tokenizer.encode(text, add_special_tokens=False)
-        if isinstance(req.prompt, str):
-            return tokenizer.encode(req.prompt, add_special_tokens=True)
-        return req.prompt
-
-    def _submit(req: protocol.ParsedRequest, prompt_ids: list[int]):
-        params = req.params
-        if req.is_max_tokens_default and max_model_len:
-            params.max_tokens = max(1, max_model_len - len(prompt_ids))
+    def _submit(req: protocol.ParsedRequest):
+        """Template and tokenize on this handler thread (the engine's own prompt path), submit."""
         try:
-            return engine.stream(prompt_ids, params)
-        except engine_pkg.EngineOverloaded:
-            raise errors.overloaded() from None
-        except engine_pkg.EngineDead:
-            raise errors.engine_dead() from None
-        except engine_pkg.EngineError as e:
-            raise APIError(500, str(e), type="server_error", code="engine_error") from None
-        except ValueError as e:
-            message = str(e)
-            if "max_model_len" in message:
-                raise errors.context_length_exceeded(
-                    f"This model's maximum context length is {max_model_len} tokens: {message}") from None
-            param = "messages" if req.is_chat and "prompt" in message else protocol.error_param_for(e)
-            raise errors.bad_request(message, param or ("messages" if req.is_chat else "prompt")) from None
+            if req.is_chat:
+                return engine.stream_chat(req.messages, req.params)
+            return engine.stream(req.prompt, req.params)
+        except Exception as exc:
+            raise errors.from_exception(exc) from None
 
     def _generate(req: protocol.ParsedRequest, endpoint: str):
         record = RequestRecord(endpoint, 0)  # the clock starts before templating
         try:
-            prompt_ids = _prompt_ids(req)
-            record.num_prompt_tokens = len(prompt_ids)
-            stream = _submit(req, prompt_ids)
+            stream = _submit(req)
         except APIError as err:
             metrics.count(endpoint, f"http_{err.status}")
             raise
+        record.num_prompt_tokens = len(stream.prompt_token_ids)
         request_id = ("chatcmpl-" if req.is_chat else "cmpl-") + stream.request_id
         created = int(time.time())
         is_disconnected = request.environ.get("waitress.client_disconnected") or sse._never
@@ -161,12 +138,7 @@ def create_app(engine, model_name: str | None = None, api_key: str | None = None
             body = sse.stream_chunks(stream, writer, record, metrics, req.include_usage, is_disconnected)
             headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
             return Response(body, mimetype="text/event-stream", headers=headers)
-        try:
-            done = sse.collect(stream, record, metrics, is_disconnected)
-        except engine_pkg.EngineDead:
-            raise errors.engine_dead() from None
-        except engine_pkg.EngineError as e:
-            raise APIError(500, str(e), type="server_error", code="engine_error") from None
+        done = sse.collect(stream, record, metrics, is_disconnected)
         if done is None:
             return Response(status=499)
         build = protocol.chat_response if req.is_chat else protocol.text_response
