@@ -16,7 +16,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", default=os.environ.get("LLM_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on /v1/* (or set LLM_API_KEY)")
-    parser.add_argument("--threads", type=int, default=64, help="HTTP worker threads (concurrent requests)")
+    parser.add_argument("--threads", type=int, default=64,
+                        help="HTTP handler threads; 8 of them are kept for /health, /metrics and 429 answers")
+    parser.add_argument("--max-concurrent-requests", type=int, default=None,
+                        help="generation requests in flight before 429 (default: threads - 8)")
     add_engine_arguments(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -33,7 +36,8 @@ def main(argv: list[str] | None = None) -> None:
     else:
         name = "SmolLM2-135M-Instruct"
     try:
-        serve(eng, host=args.host, port=args.port, api_key=args.api_key, model_name=name, threads=args.threads)
+        serve(eng, host=args.host, port=args.port, api_key=args.api_key, model_name=name, threads=args.threads,
+              max_concurrent_requests=args.max_concurrent_requests)
     except KeyboardInterrupt:
         pass
     finally:
