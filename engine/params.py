@@ -4,6 +4,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from .stops import check_stop_caps
+
 MAX_TOP_LOGPROBS = 20
 
 
@@ -49,6 +51,7 @@ class SamplingParams:
             raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
         if any(s == "" for s in self.stop):
             raise ValueError("stop must not contain an empty string")
+        check_stop_caps(self.stop)
         self.stop = tuple(self.stop)
         if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
             _is_int(t) and t >= 0 for t in self.stop_token_ids
