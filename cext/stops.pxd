@@ -32,11 +32,15 @@ cdef class StopAutomaton:
     cdef int32_t* edge_children
     cdef int32_t num_edges
     cdef uint64_t alphabet_mask[NUM_MASK_WORDS]  # bit (c & 1023) set if some stop has a char c
+    cdef uint32_t* alphabet                  # [num_alphabet] the distinct characters of the stops, sorted
+    cdef int32_t num_alphabet
 
     cdef void _free(self) noexcept
     cdef int _build(self, list ordered) except -1
     cdef int32_t _child(self, int32_t node, uint32_t char) noexcept nogil
+    cdef bint _in_alphabet(self, uint32_t char) noexcept nogil
     cdef int32_t _step(self, int32_t state, uint32_t char) noexcept nogil
+    cdef int32_t _goto(self, int32_t state, uint32_t char) noexcept nogil
     cdef str _held(self)
     cdef str _release(self, Py_ssize_t num_chars)
     cdef tuple _stop(self, str buffer, Py_ssize_t end, int32_t state)

@@ -3,8 +3,8 @@
 A state is the longest suffix of the text so far that is a prefix of some stop string, so
 the text held back (it might still become a stop) is the last ``depth[state]`` characters,
 and a stop has completed when ``match_len[state]`` (the longest stop that is a suffix of
-the state) is not 0. Building takes time and memory linear in the total stop length (17
-bytes per character; the stops are sorted first); a push costs time linear in its text,
+the state) is not 0. Building takes time and memory linear in the total stop length (16
+bytes per character, 20 while building; the stops are sorted first); a push costs time linear in its text,
 amortized over the pushes, whatever the number of stops and the length of the output.
 
 Layout: the stops are sorted, and each contributes the part not shared with the previous
@@ -75,6 +75,9 @@ cdef class StopAutomaton:
         PyMem_Free(self.edge_parents)
         PyMem_Free(self.edge_chars)
         PyMem_Free(self.edge_children)
+        PyMem_Free(self.alphabet)
+        self.alphabet = NULL
+        self.num_alphabet = 0
         self.labels = NULL
         self.fail = self.depth = self.match_len = self.edge_parents = self.edge_children = NULL
         self.edge_chars = NULL
@@ -132,6 +135,11 @@ cdef class StopAutomaton:
                 self.match_len[node - 1] = n
                 self.labels[node], self.fail[node], self.depth[node], self.match_len[node] = SEPARATOR, 0, 0, 0
                 node += 1
+            alphabet = sorted(set().union(*ordered))
+            self.alphabet = <uint32_t*>alloc(len(alphabet), sizeof(uint32_t))
+            for k, char_str in enumerate(alphabet):
+                self.alphabet[k] = ord(char_str)
+            self.num_alphabet = len(alphabet)
             edges.sort()
             self.num_edges = len(edges)
             self.edge_parents = <int32_t*>alloc(self.num_edges, sizeof(int32_t))
@@ -159,7 +167,7 @@ cdef class StopAutomaton:
                     self.fail[v] = 0
                 else:
                     u = self.fail[v] if (self.labels[v - 1] & LABEL_MASK) == SEPARATOR else v - 1
-                    self.fail[v] = self._step(self.fail[u], self.labels[v] & LABEL_MASK)
+                    self.fail[v] = self._goto(self.fail[u], self.labels[v] & LABEL_MASK)
                 if not self.match_len[v]:
                     self.match_len[v] = self.match_len[self.fail[v]]
         except BaseException:
@@ -187,11 +195,35 @@ cdef class StopAutomaton:
         return -1
 
     @cython.final
-    cdef int32_t _step(self, int32_t state, uint32_t char) noexcept nogil:
-        """The state after char: goto, following failure links."""
-        cdef int32_t child
+    cdef bint _in_alphabet(self, uint32_t char) noexcept nogil:
+        """Whether some stop has char: the 1,024-bit filter, then a binary search."""
+        cdef Py_ssize_t low = 0, high = self.num_alphabet, mid
         if not (self.alphabet_mask[(char >> 6) & (NUM_MASK_WORDS - 1)] >> (char & 63)) & 1:
-            return 0  # in no stop string
+            return False
+        while low < high:
+            mid = (low + high) >> 1
+            if self.alphabet[mid] < char:
+                low = mid + 1
+            else:
+                high = mid
+        return low < self.num_alphabet and self.alphabet[low] == char
+
+    @cython.final
+    cdef int32_t _step(self, int32_t state, uint32_t char) noexcept nogil:
+        """The state after char. A character in no stop goes to the root at once, so that
+        completes_with (not amortized by later pushes) does not walk a long failure chain
+        for, e.g., a held U+FFFD."""
+        if not (self.alphabet_mask[(char >> 6) & (NUM_MASK_WORDS - 1)] >> (char & 63)) & 1:
+            return 0  # in no stop string (the filter alone says so)
+        if state != 0 and not self._in_alphabet(char):
+            return 0
+        return self._goto(state, char)
+
+    @cython.final
+    cdef int32_t _goto(self, int32_t state, uint32_t char) noexcept nogil:
+        """The state after char: the child by char of state or of the first node on its
+        failure chain that has one, else the root."""
+        cdef int32_t child
         while True:
             if (self.labels[state + 1] & LABEL_MASK) == char:
                 return state + 1

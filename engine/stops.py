@@ -9,7 +9,7 @@ that completed first) wins.
 
 All stop strings share one Aho-Corasick automaton (cext/stops.pyx): a state is the longest
 suffix of the text so far that is a prefix of some stop, so the held-back text is the
-state's depth. Building it takes time and memory linear in the total stop length (17
+state's depth. Building it takes time and memory linear in the total stop length (16
 bytes per character); a push costs time linear in its text (amortized over the pushes),
 whatever the number of stops and the length of the output. Limits, enforced by ``check_stop_caps``
 in linear time: at most ``MAX_NUM_STOPS`` strings, each at most ``MAX_STOP_LEN``
@@ -26,7 +26,7 @@ from cext.stops import StopAutomaton
 
 MAX_NUM_STOPS = 256  # stop strings per request (OpenAI allows 4)
 MAX_STOP_LEN = 131_072  # characters in one stop string
-MAX_TOTAL_STOP_LEN = 1_048_576  # characters over all stop strings of a request (17 MiB of automaton)
+MAX_TOTAL_STOP_LEN = 1_048_576  # characters over all stop strings of a request (16 MiB of automaton)
 
 
 def check_stop_caps(stops) -> None:

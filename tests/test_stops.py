@@ -268,7 +268,7 @@ def test_automaton_matches_the_quadratic_reference(stops, text, cuts, include, t
 
 @pytest.mark.parametrize("chunk_len", [1, 7, 4096])
 def test_120000_char_stop_string_takes_linear_memory(chunk_len):
-    """The quadratic matcher needed ~7 GB for this stop; the automaton needs ~17 bytes a char.
+    """The quadratic matcher needed ~7 GB for this stop; the automaton needs ~16 bytes a char.
     The held text (119,999 chars) is released piece by piece without being copied per push."""
     stop = "a" * 119_999 + "b"
     num_chars = 140_000
