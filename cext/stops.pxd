@@ -37,6 +37,7 @@ cdef class StopAutomaton:
 
     cdef void _free(self) noexcept
     cdef int _build(self, list ordered) except -1
+    cdef int _link(self) except -1
     cdef int32_t _child(self, int32_t node, uint32_t char) noexcept nogil
     cdef bint _in_alphabet(self, uint32_t char) noexcept nogil
     cdef int32_t _step(self, int32_t state, uint32_t char) noexcept nogil

@@ -84,16 +84,16 @@ cdef class StopAutomaton:
         self.num_nodes = self.num_edges = self.max_stop_len = 0
 
     cdef int _build(self, list ordered) except -1:
+        """The trie from the sorted stops (each shares its common prefix with the previous one),
+        the alphabet and the edge table; then the failure links."""
         cdef Py_ssize_t num_stops = len(ordered), k, i, n, shared, num_nodes = 1, max_len = 0
         cdef str stop, previous = ""
-        cdef int32_t node, first, parent, v, u
+        cdef int32_t node, first, parent
         cdef uint32_t char
         cdef unsigned int kind
         cdef void* data
         cdef int32_t* shared_lens = NULL
         cdef int32_t* path = NULL
-        cdef int32_t* counts = NULL
-        cdef int32_t* order = NULL
         memset(self.alphabet_mask, 0, sizeof(self.alphabet_mask))
         try:
             shared_lens = <int32_t*>alloc(num_stops, sizeof(int32_t))
@@ -148,18 +148,34 @@ cdef class StopAutomaton:
             for k, (parent, char, first) in enumerate(edges):
                 self.edge_parents[k], self.edge_chars[k], self.edge_children[k] = parent, char, first
                 self.labels[parent] |= HAS_EDGES
-            # Nodes by depth (counting sort), then failure links and match lengths in that order.
+            self._link()
+        except BaseException:
+            self._free()
+            self.stops = ()
+            raise
+        finally:
+            PyMem_Free(shared_lens)
+            PyMem_Free(path)
+        return 0
+
+    cdef int _link(self) except -1:
+        """Failure links and match lengths, over the nodes in order of depth (counting sort)."""
+        cdef Py_ssize_t i, max_len = self.max_stop_len
+        cdef int32_t v, u
+        cdef int32_t* counts = NULL
+        cdef int32_t* order = NULL
+        try:
             counts = <int32_t*>alloc(max_len + 2, sizeof(int32_t))
+            order = <int32_t*>alloc(self.num_nodes, sizeof(int32_t))
             memset(counts, 0, (max_len + 2) * sizeof(int32_t))
-            for v in range(num_nodes):
+            for v in range(self.num_nodes):
                 counts[self.depth[v] + 1] += 1
             for i in range(1, max_len + 2):
                 counts[i] += counts[i - 1]
-            order = <int32_t*>alloc(num_nodes, sizeof(int32_t))
-            for v in range(num_nodes):
+            for v in range(self.num_nodes):
                 order[counts[self.depth[v]]] = v
                 counts[self.depth[v]] += 1
-            for i in range(num_nodes):
+            for i in range(self.num_nodes):
                 v = order[i]
                 if self.depth[v] == 0:
                     continue
@@ -170,12 +186,7 @@ cdef class StopAutomaton:
                     self.fail[v] = self._goto(self.fail[u], self.labels[v] & LABEL_MASK)
                 if not self.match_len[v]:
                     self.match_len[v] = self.match_len[self.fail[v]]
-        except BaseException:
-            self._free()
-            raise
         finally:
-            PyMem_Free(shared_lens)
-            PyMem_Free(path)
             PyMem_Free(counts)
             PyMem_Free(order)
         return 0
