@@ -131,6 +131,7 @@ def bench_configs(pieces, reps: int, old_limit_mib: float) -> list[dict]:
             samples = {n: {"ns_per_token": [], "completes_ns_per_token": [], "build_ms": []} for n in names}
             for _ in range(reps):
                 for name in names:  # interleaved: noise hits both alike
+                    matcher = None  # free the previous matcher outside the timed build
                     start = time.perf_counter()
                     matcher = MATCHERS[name](stops, False)
                     samples[name]["build_ms"].append((time.perf_counter() - start) * 1e3)
@@ -167,8 +168,9 @@ def bench_caps(reps: int) -> list[dict]:
             except ValueError as e:
                 return None, str(e)
 
-        times = []
+        times, matcher = [], None
         for _ in range(reps):
+            matcher = None
             start = time.perf_counter()
             matcher, error = build()
             times.append((time.perf_counter() - start) * 1e3)

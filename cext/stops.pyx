@@ -317,7 +317,9 @@ cdef class StopAutomaton:
         return buffer[: start + length if self.include_stop_str else start], True
 
     cpdef bint completes_with(self, str tentative):
-        """Whether a stop string would complete if tentative were pushed (no state change)."""
+        """Whether a stop string would complete if tentative were pushed (no state change).
+        Costs len(tentative) steps; as they are not amortized by later pushes, a step may walk
+        the failure chain (at most max_stop_len long, and only for a character of some stop)."""
         cdef Py_ssize_t i
         cdef int32_t state = self.state
         cdef unsigned int kind
