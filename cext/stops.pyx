@@ -4,8 +4,10 @@ A state is the longest suffix of the text so far that is a prefix of some stop s
 the text held back (it might still become a stop) is the last ``depth[state]`` characters,
 and a stop has completed when ``match_len[state]`` (the longest stop that is a suffix of
 the state) is not 0. Building takes time and memory linear in the total stop length (16
-bytes per character, 20 while building; the stops are sorted first); a push costs time linear in its text,
-amortized over the pushes, whatever the number of stops and the length of the output.
+bytes per character, 20 while building; the stops are sorted first); a push costs time
+linear in its text, amortized over the pushes, whatever the number of stops and the
+length of the output. The held text is kept as the pushed pieces, so releasing it costs
+what is released, not what is held.
 
 Layout: the stops are sorted, and each contributes the part not shared with the previous
 one (its "segment") as consecutive nodes, followed by one gap node (label SEPARATOR, never
@@ -248,12 +250,13 @@ cdef class StopAutomaton:
 
     cpdef tuple push(self, str text):
         """-> (released, is_stopped): text that can no longer be part of a stop, cut at a stop."""
-        cdef Py_ssize_t i, n = len(text), num_held, num_kept
+        cdef Py_ssize_t i, n, num_held, num_kept
         cdef int32_t state = self.state
         cdef unsigned int kind
         cdef void* data
         if text is None:
             raise TypeError("push() needs a str, got None")
+        n = len(text)
         if self.is_stopped:
             return "", True
         if not self.stops:
