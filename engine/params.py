@@ -5,6 +5,7 @@ import math
 from dataclasses import dataclass, field
 
 from .errors import InvalidParameterError
+from .stops import check_stop_caps
 
 MAX_TOP_LOGPROBS = 20
 
@@ -51,6 +52,7 @@ class SamplingParams:
             raise InvalidParameterError(f"stop must be a string or a list of strings, got {self.stop!r}", "stop")
         if any(s == "" for s in self.stop):
             raise InvalidParameterError("stop must not contain an empty string", "stop")
+        check_stop_caps(self.stop)
         self.stop = tuple(self.stop)
         if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
             _is_int(t) and t >= 0 for t in self.stop_token_ids
