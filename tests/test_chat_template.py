@@ -46,7 +46,7 @@ def user(text):
     ("hello", r"messages must be a list"),
     ([], r"at least one message"),
     (["hi"], r"messages\[0\] must be an object"),
-    ([{"content": "x"}], r"messages\[0\]\.role must be one of system, user, assistant, tool; got None"),
+    ([{"content": "x"}], r"messages\[0\]\.role must be one of system, developer, user, assistant, tool; got None"),
     ([user("a"), {"role": "wizard", "content": "x"}], r"messages\[1\]\.role .* got 'wizard'"),
     ([{"role": "user"}], r"messages\[0\]\.content is missing"),
     ([{"role": "user", "content": 5}], r"messages\[0\]\.content must be a string or a list of text parts"),

@@ -2,6 +2,7 @@
 
     tok = load_tokenizer("model.gguf")   # or tokenizer.json, an HF model dir, a tokenizers.Tokenizer
     ids = tok.encode(text)               # special-token texts parsed, GIL released
+    ids = tok.encode_chat(messages)      # chat template, then encode: the one chat prompt path
 
 The package, one module per concern:
 

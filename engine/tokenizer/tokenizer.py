@@ -3,6 +3,7 @@
     ids = tok.encode(text)                      # special-token texts ("<|im_start|>") parsed, GIL released
     text = tok.decode(ids)                      # skip_special_tokens=True drops special_token_ids
     prompt = tok.apply_chat_template(messages)  # sandboxed jinja2 (chat_template.py)
+    ids = tok.encode_chat(messages)             # the chat prompt path: template, then encode
 
 `encode` prepends BOS itself when `add_bos` (the backend's post-processor is not used), so one
 rule holds for GGUF and Hugging Face sources alike. It goes through `encode_batch_fast`, which
@@ -123,9 +124,16 @@ class Tokenizer:
     def apply_chat_template(self, messages, add_generation_prompt: bool = True, **kwargs) -> str:
         """Render OpenAI-style messages with the model's chat template (sandboxed jinja2).
 
-        Raises ValueError (ChatTemplateError) for invalid messages, a missing template, or a
-        template that fails or raises."""
+        Raises ChatTemplateError (an engine.errors.InvalidParameterError whose ``param`` names the
+        field) for invalid messages, a missing template, or a template that fails or raises."""
         return render_chat_template(
             self.chat_template, messages, add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs,
         )
+
+    def encode_chat(self, messages, add_generation_prompt: bool = True, tools: list[dict] | None = None) -> list[int]:
+        """The prompt ids of a chat: the template rendered, then encoded without adding BOS (a
+        template writes its own). The one chat prompt path of the engine and the HTTP server."""
+        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools)
+        return self.encode(text, add_special_tokens=False)
+
