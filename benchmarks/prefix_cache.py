@@ -55,9 +55,9 @@ def main(argv=None) -> dict:
                 system = tok.encode(f"Conversation {r}. ", add_special_tokens=False) + base
                 system = system[: args.system_tokens]
                 firsts.append(ttft(eng, system + user1))
-                before = eng._core.scheduler.num_prefix_cache_hit_tokens
+                before = eng.stats()["num_prefix_cache_hit_tokens"]
                 seconds.append(ttft(eng, system + user2))
-                hits.append(eng._core.scheduler.num_prefix_cache_hit_tokens - before)
+                hits.append(eng.stats()["num_prefix_cache_hit_tokens"] - before)
         name = "on" if caching else "off"
         results["runs"][name] = {"first_ttft": summarize(firsts), "second_ttft": summarize(seconds),
                                  "cached_tokens_of_second": hits, "samples": {"first": firsts, "second": seconds}}

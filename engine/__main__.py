@@ -10,6 +10,7 @@ import argparse
 import sys
 
 from .api import Engine
+from .config import add_engine_arguments, engine_options_from_args
 from .params import SamplingParams
 
 
@@ -18,12 +19,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("command", choices=["chat", "complete"])
     parser.add_argument("text", nargs="?", help="message (chat) or prompt (complete); chat without it is interactive")
     parser.add_argument("--model", default=None, help="a .gguf file or HF directory (default: embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--system", default=None, help="system message for chat")
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=None)
+    add_engine_arguments(parser)
     return parser
 
 
@@ -50,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         print("error: complete needs a prompt", file=sys.stderr)
         return 2
     try:
-        eng = Engine.from_pretrained(args.model, dtype=args.dtype)
+        eng = Engine.from_pretrained(args.model, **engine_options_from_args(args))
     except (OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

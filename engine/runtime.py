@@ -1,15 +1,19 @@
 """The engine thread: one loop that owns the model and runs ticks.
 
-schedule -> forward -> sample -> update -> one loop over the sampled sequences that
-detokenizes, checks stops and puts one StreamEvent per request on its queue. Callers
-reach the thread only through two deques (new requests, aborts) and a wake-up event;
-results leave through each request's own SimpleQueue, so a token costs one queue put
-(one lock) on the way out.
+schedule -> forward -> sample -> update -> one loop over the sampled sequences that runs
+each request's text pipeline (detokenizer + stops) and puts one StreamEvent per request on
+its queue. Callers reach the thread only through the public methods below (``make_request``,
+``submit``, ``abort``, ``close`` and the read-only ``num_waiting``/``dead_message``/``stats``),
+which talk to it through two deques (new requests, aborts) and a wake-up event; results
+leave through each request's own SimpleQueue, so a token costs one queue put (one lock) on
+the way out.
 """
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
+import secrets
 import threading
 import traceback
 
@@ -17,31 +21,46 @@ import numpy as np
 import torch
 
 from . import sampling
+from .config import EngineConfig
 from .detokenizer import TokenPieces
-from .errors import EngineDead, EngineError
+from .errors import EngineDead, EngineError, EngineOverloaded, InvalidParameterError
 from .outputs import StreamEvent, TokenLogprob
+from .params import SamplingParams
 from .request import Request
-from .scheduler import Scheduler
-from .stops import push_token_text
+from .scheduler import Scheduler, SchedulerConfig
 
 log = logging.getLogger("engine")
 
-_FINISHED = object()  # queue sentinel after the last event
+FINISHED = object()  # queue sentinel after the last event
 
 
 class EngineCore:
-    def __init__(self, model, tokenizer, scheduler: Scheduler, kv_cache, max_model_len: int):
+    def __init__(self, model, tokenizer, config: EngineConfig):
+        """``config`` is resolved (EngineConfig.resolve): max_model_len and kv_cache_tokens are set."""
         self.model = model
         self.tokenizer = tokenizer
-        self.scheduler = scheduler
-        self.kv_cache = kv_cache
-        self.max_model_len = max_model_len
+        self.config = config
+        self.max_model_len = config.max_model_len
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            num_blocks=config.num_blocks,
+            block_size=config.block_size,
+            max_model_len=config.max_model_len,
+            enable_prefix_caching=config.enable_prefix_caching,
+            target_tick_seconds=config.target_tick_seconds,
+        ))
+        self.kv_cache = model.make_kv_cache(config.num_blocks, config.block_size)
         self.pieces = TokenPieces(tokenizer)
         self.requests: dict[str, Request] = {}
         self._new: collections.deque[Request] = collections.deque()
         self._aborts: collections.deque[str] = collections.deque()
+        self._submit_lock = threading.Lock()  # submit's check-then-append, never taken per token
+        self._live_ids: set[str] = set()  # submitted and not finished (added under _submit_lock)
         self._wake = threading.Event()
         self._stopping = False
+        self._ids = itertools.count()
+        self._id_prefix = secrets.token_hex(4)
         self.error: BaseException | None = None
         self.num_generated_tokens = 0
         self.num_ticks = 0
@@ -52,10 +71,55 @@ class EngineCore:
     def is_alive(self) -> bool:
         return self._thread.is_alive() and not self._stopping
 
+    @property
+    def dead_message(self) -> str:
+        if self.error is not None:
+            return f"engine thread died: {type(self.error).__name__}: {self.error}"
+        return "engine is closed"
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests submitted and not yet running: in the hand-over deque or the scheduler's queue."""
+        return len(self._new) + self.scheduler.num_waiting
+
+    def stats(self) -> dict:
+        sched = self.scheduler
+        is_alive = self.is_alive()
+        return {
+            "num_running": sched.num_running if is_alive else 0,
+            "num_waiting": self.num_waiting if is_alive else 0,
+            "kv_usage": sched.kv_usage() if is_alive else 0.0,
+            "num_generated_tokens": self.num_generated_tokens,
+            "num_ticks": self.num_ticks,
+            "num_preemptions": sched.num_preemptions,
+            "num_prefix_cache_hit_tokens": sched.num_prefix_cache_hit_tokens,
+        }
+
+    def make_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
+                     request_id: str | None = None, prompt_param: str = "prompt") -> Request:
+        """A Request for this engine's model and limits (typed errors name the bad field)."""
+        if request_id is None:
+            request_id = f"req-{self._id_prefix}-{next(self._ids)}"
+        elif not isinstance(request_id, str) or not request_id:
+            raise InvalidParameterError(f"request_id must be a non-empty string, got {request_id!r}", "request_id")
+        return Request.create(
+            request_id, prompt_ids, SamplingParams() if params is None else params, tokenizer=self.tokenizer,
+            vocab_size=self.model.vocab_size, max_model_len=self.max_model_len, prompt_param=prompt_param)
+
     def submit(self, request: Request) -> None:
-        if not self.is_alive():
-            raise EngineDead(self._dead_message())
-        self._new.append(request)
+        """Hand a request to the engine thread. Raises EngineDead, or EngineOverloaded when
+        ``max_waiting`` requests already wait (the ones not yet picked up count too)."""
+        with self._submit_lock:
+            if not self.is_alive():
+                raise EngineDead(self.dead_message)
+            if request.request_id in self._live_ids:
+                raise InvalidParameterError(
+                    f"request_id {request.request_id!r} is already in use by a running request", "request_id")
+            num_waiting = self.num_waiting
+            if num_waiting >= self.config.max_waiting:
+                raise EngineOverloaded(f"too many waiting requests ({num_waiting}); retry later")
+            self._live_ids.add(request.request_id)
+            self._new.append(request)
         self._wake.set()
 
     def abort(self, request_id: str) -> None:
@@ -67,11 +131,6 @@ class EngineCore:
         self._wake.set()
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
-
-    def _dead_message(self) -> str:
-        if self.error is not None:
-            return f"engine thread died: {type(self.error).__name__}: {self.error}"
-        return "engine is closed"
 
     # ----- engine thread -----
     def _run(self) -> None:
@@ -89,7 +148,7 @@ class EngineCore:
             log.error("engine thread died:\n%s", traceback.format_exc())
         finally:
             self._stopping = True
-            self._fail_all(EngineDead(self._dead_message()))
+            self._fail_all(EngineDead(self.dead_message))
 
     def _drain_inputs(self) -> None:
         while self._new:
@@ -97,6 +156,7 @@ class EngineCore:
             try:
                 self.scheduler.add(req.seq)
             except ValueError as exc:
+                self._retire(req)
                 req.outputs.put(exc)
                 continue
             self.requests[req.request_id] = req
@@ -150,40 +210,24 @@ class EngineCore:
         seq = req.seq
         logprobs = [self._token_logprob(token_id, lp)] if lp is not None else None
         finish_reason = None
-        is_stop_string = False
         if token_id in req.stop_ids and seq.num_generated > params.min_tokens:
-            text = ""
+            text, is_stopped = req.text.finish()  # the stop token's own text is not output
             finish_reason = "stop"
         else:
-            text = req.detok.add(token_id)
-            if req.stops is not None:
-                # Also looks at what the detokenizer still holds (a byte-fallback run) so the
-                # request stops at the very token that completes a stop string.
-                text, stopped = push_token_text(req.stops, req.detok, text)
-                if stopped:
-                    finish_reason = "stop"
-                    is_stop_string = True
-        if finish_reason is None and (
-            seq.num_generated >= params.max_tokens or seq.num_tokens >= self.max_model_len
-        ):
-            finish_reason = "length"
-        if finish_reason is not None and not is_stop_string:
-            # Release what the detokenizer and stop matcher still hold, exactly as decode renders it.
-            tail = req.detok.finish()
-            if req.stops is not None:
-                tail, stopped = req.stops.push(tail)
-                if stopped:
-                    finish_reason = "stop"
-                else:
-                    tail += req.stops.flush()
-            text += tail
+            text, is_stopped = req.text.add(token_id)
+            if is_stopped:
+                finish_reason = "stop"
+            elif seq.num_generated >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+                tail, is_stopped = req.text.finish()
+                text += tail
+                finish_reason = "stop" if is_stopped else "length"
         event = StreamEvent(req.request_id, text, [token_id], logprobs, finish_reason)
         if finish_reason is not None:
             self.scheduler.finish(seq)
             self.requests.pop(req.request_id, None)
-            req.is_finished = True
+            self._retire(req)
             req.outputs.put(event)
-            req.outputs.put(_FINISHED)
+            req.outputs.put(FINISHED)
         else:
             req.outputs.put(event)
 
@@ -206,17 +250,22 @@ class EngineCore:
             for target, row in zip(targets, rows):
                 req.prompt_logprobs.append(self._token_logprob(target, row))
 
-    def _finish(self, req: Request, reason: str, text: str) -> None:
+    def _retire(self, req: Request) -> None:
+        """The request is over: its id may be used again."""
         req.is_finished = True
+        self._live_ids.discard(req.request_id)
+
+    def _finish(self, req: Request, reason: str, text: str) -> None:
+        self._retire(req)
         req.outputs.put(StreamEvent(req.request_id, text, [], None, reason))
-        req.outputs.put(_FINISHED)
+        req.outputs.put(FINISHED)
 
     def _fail(self, request_id: str, exc: BaseException) -> None:
         req = self.requests.pop(request_id, None)
         if req is None:
             return
         self.scheduler.abort(request_id)
-        req.is_finished = True
+        self._retire(req)
         req.outputs.put(EngineError(f"request {request_id} failed: {type(exc).__name__}: {exc}"))
 
     def _fail_all(self, exc: BaseException) -> None:
@@ -224,8 +273,6 @@ class EngineCore:
         self.requests.clear()
         self._new.clear()
         for req in pending:
-            req.is_finished = True
+            self._retire(req)
             req.outputs.put(exc)
 
-
-FINISHED = _FINISHED

@@ -33,6 +33,7 @@ from engine.tick_cost import DEFAULT_TARGET_TICK_SECONDS, TickCostModel
 
 @dataclass(kw_only=True)
 class SchedulerConfig:
+    """The scheduler's view of a resolved EngineConfig (engine/config.py validates the options)."""
     max_num_seqs: int
     max_num_batched_tokens: int
     num_blocks: int
@@ -43,25 +44,6 @@ class SchedulerConfig:
     # long, within max_num_batched_tokens; None: always fill max_num_batched_tokens. It bounds the
     # decode streams' inter-token gap and the wait of a new request while a long prompt prefills.
     target_tick_seconds: float | None = DEFAULT_TARGET_TICK_SECONDS
-
-    def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "num_blocks", "max_model_len", "block_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if self.max_num_batched_tokens < self.max_num_seqs:
-            raise ValueError(
-                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
-                f"({self.max_num_seqs}) so every running decode fits in one tick"
-            )
-        if self.target_tick_seconds is not None and (
-            isinstance(self.target_tick_seconds, bool)
-            or not isinstance(self.target_tick_seconds, (int, float))
-            or not self.target_tick_seconds > 0
-        ):
-            raise ValueError(f"target_tick_seconds must be None or a number > 0, got {self.target_tick_seconds!r}")
-        if not isinstance(self.enable_prefix_caching, bool):
-            raise ValueError(f"enable_prefix_caching must be a boolean, got {self.enable_prefix_caching!r}")
 
 
 @dataclass(slots=True)

@@ -8,10 +8,7 @@ completes, the text is cut before the earliest occurrence of any stop (kept if
 that completed first) wins. Each push scans only the held tail plus the new text, so its
 cost does not grow with the length of the output.
 
-`push_token_text` is the per-token step for an engine: besides ``push``, it stops at the
-token that completes a stop string even while the detokenizer still holds that text (a
-SentencePiece byte-fallback run is held until it ends, yet ``decode`` of the ids so far
-already shows the character).
+The per-token step of a request (detokenizer + stops) is ``engine.text_stream.TextStream``.
 """
 from __future__ import annotations
 
@@ -83,13 +80,3 @@ class StopMatcher:
         held, self._held = self._held, ""
         return "" if self.is_stopped else held
 
-
-def push_token_text(stops: StopMatcher, detokenizer, text: str) -> tuple[str, bool]:
-    """``stops.push(text)`` for the text ``detokenizer.add`` just returned, stopping at this token
-    if the output so far, including what the detokenizer still holds (rendered as if the output
-    ended here, as decode of the ids so far shows it), contains a stop. The cut is before the
-    earliest occurrence over that whole text."""
-    held = detokenizer.peek()
-    if held and stops.completes_with(text + held):
-        return stops.push(text + detokenizer.finish())
-    return stops.push(text)

@@ -87,7 +87,7 @@ def test_preemption_gives_the_solo_ids(model_and_tokenizer):
         model_and_tokenizer, enable_prefix_caching=False, kv_cache_tokens=80, max_num_seqs=4, max_model_len=1024
     ) as eng:
         out = eng.generate([PROMPTS[i] for i in idx], params)
-        assert eng._core.scheduler.num_preemptions > 0
+        assert eng.stats()["num_preemptions"] > 0
         assert eng.stats()["kv_usage"] == 0.0
     for i, s, c in zip(idx, solo30, out):
         assert_same_greedy(s, c.token_ids, f"prompt {i} preempted")
@@ -103,8 +103,7 @@ def test_prefix_cache_hit_gives_the_cold_ids(model_and_tokenizer, solo):
     with make_engine(model_and_tokenizer, enable_prefix_caching=True, max_model_len=1024) as eng:
         first = eng.generate([system], greedy())[0]
         warm = [eng.generate([p], greedy())[0] for p in prompts]
-        sched = eng._core.scheduler
-        assert sched.num_prefix_cache_hit_tokens >= 2 * 16 * (len(system) // 16)
+        assert eng.stats()["num_prefix_cache_hit_tokens"] >= 2 * 16 * (len(system) // 16)
     assert_same_greedy(solo[7], first.token_ids, "system prompt")
     for i, (c, w) in enumerate(zip(cold, warm)):
         assert_same_greedy(c, w.token_ids, f"prefix hit {i}")

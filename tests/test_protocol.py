@@ -36,13 +36,13 @@ def test_chat_fields_map_to_sampling_params():
     assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed) == (7, 0, 0.5, 3, 11)
     assert p.stop == ("\n",) and p.stop_token_ids == (2,) and p.ignore_eos and p.include_stop_str_in_output
     assert p.logprobs and p.top_logprobs == 2
-    assert req.is_stream and req.include_usage and not req.is_max_tokens_default
+    assert req.is_stream and req.include_usage
     assert req.messages == [{"role": "user", "content": "hi"}]
 
 
 def test_defaults_and_aliases():
     req = chat()
-    assert req.is_max_tokens_default and not req.is_stream and not req.include_usage
+    assert req.params.max_tokens is None and not req.is_stream and not req.include_usage  # None: the rest of the context
     assert chat(max_completion_tokens=5, max_tokens=9).params.max_tokens == 5
     assert chat(top_k=-1).params.top_k == 0  # vLLM's "disabled"
     assert not chat(stream_options={"include_usage": True}).include_usage  # only with stream
@@ -132,7 +132,7 @@ def test_error_shapes():
     assert err.status == 429 and err.headers["Retry-After"] == "1"
     body = json.loads(err.body())
     assert set(body["error"]) == {"message", "type", "param", "code"}
-    assert errors.context_length_exceeded("x").to_dict()["error"]["code"] == "context_length_exceeded"
+    assert errors.context_length_exceeded("x", "messages").to_dict()["error"]["code"] == "context_length_exceeded"
     assert errors.engine_dead().status == 503 and errors.unauthorized().status == 401
     assert errors.from_http_status(413, "big").to_dict()["error"]["code"] == "request_too_large"
 

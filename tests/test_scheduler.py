@@ -14,6 +14,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from engine.config import EngineConfig
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import Sequence, SequenceStatus
 from tests.sched_reference import RefSeq, ReferenceScheduler
@@ -274,12 +275,13 @@ def test_long_prompt_spreads_over_ticks():
 
 
 def test_validation_errors_name_the_field():
+    # Engine options are validated once, by EngineConfig (SchedulerConfig is derived from it).
     with pytest.raises(ValueError, match="max_num_seqs"):
-        SchedulerConfig(max_num_seqs=0, max_num_batched_tokens=8, num_blocks=4, max_model_len=16)
+        EngineConfig(max_num_seqs=0, max_num_batched_tokens=8)
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
-        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=4, num_blocks=4, max_model_len=16)
+        EngineConfig(max_num_seqs=8, max_num_batched_tokens=4)
     with pytest.raises(ValueError, match="block_size"):
-        SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=8, num_blocks=4, max_model_len=16, block_size=0)
+        EngineConfig(max_num_seqs=1, max_num_batched_tokens=8, block_size=0)
     sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=8, num_blocks=4, max_model_len=16, block_size=4))
     with pytest.raises(ValueError, match="max_model_len"):
         sched.add(Sequence("x", [1] * 10, 7))
@@ -390,7 +392,7 @@ def test_prefill_budget_adapts_to_the_time_target():
         sched.update(out, [1] * len(out.sample_seqs))
     assert 0.09 < sched.cost.sec_per_decode_tick <= 0.1 and sched.prefill_budget() < before
     with pytest.raises(ValueError, match="target_tick_seconds"):
-        SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=8, num_blocks=4, max_model_len=16, target_tick_seconds=0)
+        EngineConfig(max_num_seqs=1, max_num_batched_tokens=8, target_tick_seconds=0)
 
 
 def test_prefill_keeps_a_share_when_decodes_alone_exceed_the_target():

@@ -4,7 +4,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.detokenizer import IncrementalDetokenizer
-from engine.stops import StopMatcher, push_token_text
+from engine.stops import StopMatcher
 from tests import vocabs
 
 
@@ -142,30 +142,6 @@ def test_stop_string_cut_mid_character(name):
     assert "".join(text for text, _ in outputs) == "x🙂"
     # Byte-level stops at the 4th byte; byte fallback only when the run ends (the next token).
     assert stop_at == len(ids) - len(tail) - (name != "llama_spm")
-
-
-@pytest.mark.parametrize("name", ["smollm2", "qwen", "llama_spm"])
-def test_push_token_text_stops_at_the_token_that_completes_the_stop(name):
-    """Even while a byte-fallback run holds the text, generation stops at the completing token."""
-    tok = getattr(vocabs, name)()
-    backend = vocabs.backend_of(tok)
-    if name == "llama_spm":
-        emoji = [backend.token_to_id(f"<0x{b:02X}>") for b in "🙂".encode()]
-    else:
-        emoji = [backend.token_to_id(vocabs.byte_level_str(bytes([b]))) for b in "🙂".encode()]
-    ids = backend.encode("x", add_special_tokens=False).ids + emoji + backend.encode("after", add_special_tokens=False).ids
-    completing = next(k for k in range(1, len(ids) + 1) if "x🙂" in backend.decode(ids[:k]))
-    for include in (False, True):
-        detok, matcher = IncrementalDetokenizer(tok), StopMatcher(("x🙂",), include)
-        released, num_tokens = "", 0
-        for token_id in ids:
-            num_tokens += 1
-            text, is_stopped = push_token_text(matcher, detok, detok.add(token_id))
-            released += text
-            if is_stopped:
-                break
-        assert num_tokens == completing
-        assert released == ("x🙂" if include else "")
 
 
 def test_completes_with_does_not_change_state():

@@ -5,6 +5,8 @@ import argparse
 import logging
 import os
 
+from engine.config import add_engine_arguments, engine_options_from_args
+
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m webapp", description="OpenAI-compatible LLM server")
@@ -14,11 +16,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", default=os.environ.get("LLM_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on /v1/* (or set LLM_API_KEY)")
-    parser.add_argument("--threads", type=int, default=64, help="HTTP worker threads (concurrent requests)")
-    engine_group = parser.add_argument_group("engine options")
-    engine_group.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    for name in ("max-model-len", "max-num-seqs", "max-num-batched-tokens", "kv-cache-tokens", "max-waiting"):
-        engine_group.add_argument(f"--{name}", type=int, default=None)
+    parser.add_argument("--threads", type=int, default=64,
+                        help="HTTP handler threads; 8 of them are kept for /health, /metrics and 429 answers")
+    parser.add_argument("--max-concurrent-requests", type=int, default=None,
+                        help="generation requests in flight before 429 (default: threads - 8)")
+    add_engine_arguments(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
@@ -26,12 +28,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from . import serve
 
-    options = {
-        key: getattr(args, key)
-        for key in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "kv_cache_tokens", "max_waiting")
-        if getattr(args, key) is not None
-    }
-    eng = engine.Engine.from_pretrained(args.model, dtype=args.dtype, **options)
+    eng = engine.Engine.from_pretrained(args.model, **engine_options_from_args(args))
     if args.served_model_name:
         name = args.served_model_name
     elif args.model:
@@ -39,7 +36,8 @@ def main(argv: list[str] | None = None) -> None:
     else:
         name = "SmolLM2-135M-Instruct"
     try:
-        serve(eng, host=args.host, port=args.port, api_key=args.api_key, model_name=name, threads=args.threads)
+        serve(eng, host=args.host, port=args.port, api_key=args.api_key, model_name=name, threads=args.threads,
+              max_concurrent_requests=args.max_concurrent_requests)
     except KeyboardInterrupt:
         pass
     finally:

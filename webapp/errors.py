@@ -3,6 +3,10 @@ from __future__ import annotations
 
 import json
 
+from engine.errors import (
+    ContextLengthError, EngineDead, EngineError, EngineOverloaded, InvalidParameterError,
+)
+
 
 class APIError(Exception):
     """An error the client caused or must react to; rendered as an OpenAI error body."""
@@ -35,14 +39,14 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param=param, code=code)
 
 
-def context_length_exceeded(message: str) -> APIError:
-    return APIError(400, message, param="messages", code="context_length_exceeded")
+def context_length_exceeded(message: str, param: str | None) -> APIError:
+    return APIError(400, message, param=param, code="context_length_exceeded")
 
 
-def overloaded(retry_after_s: int = 1) -> APIError:
+def overloaded(reason: str = "waiting queue full", retry_after_s: int = 1) -> APIError:
     return APIError(
         429,
-        "The server is at capacity (waiting queue full); retry shortly.",
+        f"The server is at capacity ({reason}); retry shortly.",
         type="rate_limit_error",
         code="rate_limit_exceeded",
         headers={"Retry-After": str(retry_after_s)},
@@ -75,3 +79,23 @@ HTTP_ERROR_CODES = {
 def from_http_status(status: int, message: str) -> APIError:
     type_, code = HTTP_ERROR_CODES.get(status, ("server_error" if status >= 500 else "invalid_request_error", None))
     return APIError(status, message, type=type_, code=code)
+
+
+# The one mapping from engine exceptions to HTTP errors, most specific type first.
+_EXCEPTION_ERRORS = (
+    (APIError, lambda e: e),
+    (EngineOverloaded, lambda e: overloaded()),
+    (EngineDead, lambda e: engine_dead()),
+    (EngineError, lambda e: APIError(500, str(e), type="server_error", code="engine_error")),
+    (ContextLengthError, lambda e: context_length_exceeded(str(e), e.param)),
+    (InvalidParameterError, lambda e: bad_request(str(e), e.param)),
+    (ValueError, lambda e: bad_request(str(e))),
+)
+
+
+def from_exception(exc: BaseException) -> APIError:
+    """The APIError for an exception raised by the engine (internal_error for anything unexpected)."""
+    for exc_type, make in _EXCEPTION_ERRORS:
+        if isinstance(exc, exc_type):
+            return make(exc)
+    return internal_error()

@@ -34,7 +34,6 @@ class ParsedRequest:
     prompt: str | list[int] | None = None  # completions
     is_stream: bool = False
     include_usage: bool = False
-    is_max_tokens_default: bool = False  # the client sent no max_tokens
 
 
 def decode_body(raw: bytes) -> dict:
@@ -97,7 +96,7 @@ def _prompt(body: dict) -> str | list[int]:
     raise bad_request("prompt is required: a non-empty string or array of token ids", "prompt")
 
 
-def _sampling(body: dict, num_top_logprobs: int, is_logprobs: bool) -> tuple[SamplingParams, bool]:
+def _sampling(body: dict, num_top_logprobs: int, is_logprobs: bool) -> SamplingParams:
     n = _get(body, "n", (int,), 1)
     if n != 1:
         raise bad_request(f"n must be 1 (one choice per request), got {n}", "n")
@@ -107,8 +106,7 @@ def _sampling(body: dict, num_top_logprobs: int, is_logprobs: bool) -> tuple[Sam
     max_tokens = _get(body, "max_completion_tokens", (int,))
     if max_tokens is None:
         max_tokens = _get(body, "max_tokens", (int,))
-    is_default = max_tokens is None
-    if not is_default and not (1 <= max_tokens < MAX_TOKENS_LIMIT):
+    if max_tokens is not None and not (1 <= max_tokens < MAX_TOKENS_LIMIT):
         raise bad_request(f"max_tokens must be an integer >= 1, got {max_tokens}", "max_tokens")
     stop = body.get("stop")
     if stop is None:
@@ -121,7 +119,7 @@ def _sampling(body: dict, num_top_logprobs: int, is_logprobs: bool) -> tuple[Sam
         raise bad_request(f"stop must be a string or an array of strings, got {stop!r}", "stop")
     top_k = _get(body, "top_k", (int,), 0)
     kwargs = dict(
-        max_tokens=1 if is_default else max_tokens,  # the app fills the default in
+        max_tokens=max_tokens,  # None: the rest of the context
         temperature=_get(body, "temperature", (int, float), 1.0),
         top_p=_get(body, "top_p", (int, float), 1.0),
         top_k=0 if top_k == -1 else top_k,  # vLLM spells "disabled" as -1
@@ -136,11 +134,9 @@ def _sampling(body: dict, num_top_logprobs: int, is_logprobs: bool) -> tuple[Sam
         min_tokens=_get(body, "min_tokens", (int,), 0),
     )
     try:
-        return SamplingParams(**kwargs), is_default
-    except ValueError as e:  # SamplingParams names the field first
-        message = str(e)
-        param = message.split(" ", 1)[0]
-        raise bad_request(message, param if param in kwargs else None) from None
+        return SamplingParams(**kwargs)
+    except InvalidParameterError as e:
+        raise bad_request(str(e), e.param) from None
 
 
 def _stream_flags(body: dict) -> tuple[bool, bool]:
@@ -155,10 +151,9 @@ def parse_chat(body: dict) -> ParsedRequest:
     messages = _messages(body)
     is_logprobs = _get(body, "logprobs", (bool,), False)
     top = _get(body, "top_logprobs", (int,), 0)
-    params, is_default = _sampling(body, top, is_logprobs)
+    params = _sampling(body, top, is_logprobs)
     is_stream, include_usage = _stream_flags(body)
-    return ParsedRequest(True, params, messages=messages, is_stream=is_stream, include_usage=include_usage,
-                         is_max_tokens_default=is_default)
+    return ParsedRequest(True, params, messages=messages, is_stream=is_stream, include_usage=include_usage)
 
 
 def parse_completion(body: dict) -> ParsedRequest:
@@ -169,10 +164,9 @@ def parse_completion(body: dict) -> ParsedRequest:
     if body.get("suffix") is not None:
         raise bad_request("suffix is not supported", "suffix")
     num_logprobs = _get(body, "logprobs", (int,))  # legacy: an int, the number of top alternatives
-    params, is_default = _sampling(body, num_logprobs or 0, num_logprobs is not None)
+    params = _sampling(body, num_logprobs or 0, num_logprobs is not None)
     is_stream, include_usage = _stream_flags(body)
-    return ParsedRequest(False, params, prompt=prompt, is_stream=is_stream, include_usage=include_usage,
-                         is_max_tokens_default=is_default)
+    return ParsedRequest(False, params, prompt=prompt, is_stream=is_stream, include_usage=include_usage)
 
 
 # ---- response builders (plain Python; the reference for cext.chunk) ----
@@ -252,12 +246,6 @@ def text_response(request_id, model, created, completion) -> dict:
             "choices": [{"index": 0, "text": completion.text, "logprobs": text_logprobs(completion.logprobs),
                          "finish_reason": completion.finish_reason}],
             "usage": usage_dict(completion.usage.prompt_tokens, completion.usage.completion_tokens)}
-
-
-def error_param_for(exc: Exception) -> str | None:
-    """The request field a ValueError from the engine names, if any."""
-    head = str(exc).split(" ", 1)[0]
-    return head if re.fullmatch(r"[a-z_]+", head) and head in SamplingParams.__dataclass_fields__ else None
 
 
 __all__ = ["APIError", "ParsedRequest", "decode_body", "parse_chat", "parse_completion"]

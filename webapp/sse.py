@@ -20,7 +20,7 @@ import logging
 
 from cext.chunk import DONE, ChunkWriter
 
-from .errors import APIError, engine_dead, internal_error
+from .errors import from_exception
 from .metrics import RequestRecord, ServerMetrics
 
 log = logging.getLogger("webapp")
@@ -28,17 +28,7 @@ log = logging.getLogger("webapp")
 
 def error_event(exc: BaseException) -> bytes:
     """An SSE error event for a failure after the 200 headers went out (the openai client raises it)."""
-    import engine
-
-    if isinstance(exc, APIError):
-        err = exc
-    elif isinstance(exc, engine.EngineDead):
-        err = engine_dead()
-    elif isinstance(exc, engine.EngineError):  # its message names the request and the cause, no traceback
-        err = APIError(500, str(exc), type="server_error", code="engine_error")
-    else:
-        err = internal_error()
-    return b"data: " + err.body() + b"\n\n"
+    return b"data: " + from_exception(exc).body() + b"\n\n"
 
 
 def _never() -> bool:
@@ -84,54 +74,27 @@ def stream_chunks(
         metrics.finish(record, status)
 
 
-class Collected:
-    """A whole non-streamed answer, built from the same events as a stream."""
-
-    __slots__ = ("text", "token_ids", "logprobs", "finish_reason", "usage")
-
-    def __init__(self, text, token_ids, logprobs, finish_reason, usage):
-        self.text = text
-        self.token_ids = token_ids
-        self.logprobs = logprobs
-        self.finish_reason = finish_reason
-        self.usage = usage
-
-
-class _Usage:
-    __slots__ = ("prompt_tokens", "completion_tokens")
-
-    def __init__(self, prompt_tokens: int, completion_tokens: int):
-        self.prompt_tokens = prompt_tokens
-        self.completion_tokens = completion_tokens
-
-
 def collect(stream, record: RequestRecord, metrics: ServerMetrics,
-            is_disconnected: Callable[[], bool] = _never) -> Collected | None:
-    """Runs a request to the end; None if the client went away first (the request is aborted)."""
-    texts: list[str] = []
-    token_ids: list[int] = []
-    logprobs = None
-    finish_reason = None
-    status = "abort"
+            is_disconnected: Callable[[], bool] = _never):
+    """Runs a request to the end with the engine's fold (``RequestStream.collect``), timing its
+    tokens; None if the client went away first (the request is aborted). Engine failures
+    become APIErrors."""
+    left = []  # set when the client went away
+
+    def on_event(event) -> bool:
+        if event.token_ids:
+            record.tokens(len(event.token_ids))
+        if event.finish_reason is None and is_disconnected():
+            left.append(True)
+            return True
+        return False
+
+    status = "error"
     try:
-        for event in stream:
-            if event.token_ids:
-                record.tokens(len(event.token_ids))
-                token_ids.extend(event.token_ids)
-            texts.append(event.text)
-            if event.logprobs is not None:
-                if logprobs is None:
-                    logprobs = []
-                logprobs.extend(event.logprobs)
-            finish_reason = event.finish_reason or finish_reason
-            if event.finish_reason is None and is_disconnected():
-                return None
-        status = "ok"
-    except Exception:
-        status = "error"
-        raise
+        done = stream.collect(on_event)
+        status = "abort" if left else "ok"
+    except Exception as exc:
+        raise from_exception(exc) from None
     finally:
-        stream.close()
         metrics.finish(record, status)
-    return Collected("".join(texts), token_ids, logprobs, finish_reason,
-                     _Usage(record.num_prompt_tokens, len(token_ids)))
+    return None if left else done
