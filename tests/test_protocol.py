@@ -49,11 +49,11 @@ def test_defaults_and_aliases():
     assert chat(n=1, stop=None, seed=None).params.stop == ()
 
 
-def test_content_parts_are_joined():
+def test_content_parts_are_joined_with_newlines():
     req = protocol.parse_chat({"messages": [
         {"role": "system", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
         {"role": "assistant", "content": None}, {"role": "user", "content": "q"}]})
-    assert [m["content"] for m in req.messages] == ["ab", "", "q"]
+    assert [m["content"] for m in req.messages] == ["a\nb", "", "q"]  # as in-process (and vLLM)
 
 
 @pytest.mark.parametrize("fields, param", [

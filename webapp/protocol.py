@@ -18,10 +18,10 @@ from dataclasses import dataclass
 
 from engine.errors import InvalidParameterError
 from engine.params import SamplingParams
+from engine.tokenizer import validate_messages
 
 from .errors import APIError, bad_request
 
-CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 MAX_TOKENS_LIMIT = 1 << 31  # beyond this a request is malformed, not merely too long
 _SURROGATES = re.compile("[\ud800-\udfff]")
 
@@ -30,7 +30,7 @@ _SURROGATES = re.compile("[\ud800-\udfff]")
 class ParsedRequest:
     is_chat: bool
     params: SamplingParams
-    messages: list[dict] | None = None  # chat: [{"role", "content": str}]
+    messages: list[dict] | None = None  # chat: validated, each {"role", "content": str, ...}
     prompt: str | list[int] | None = None  # completions
     is_stream: bool = False
     include_usage: bool = False
@@ -72,39 +72,12 @@ def _get(body: dict, name: str, types: tuple, default=None):
     return value
 
 
-def _content_text(content, param: str) -> str:
-    if isinstance(content, str):
-        return _check_text(content, param)
-    if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-        parts = []
-        for k, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise bad_request(f"{param}[{k}] must be a text part {{'type': 'text', 'text': ...}}; "
-                                  "only text content is supported", f"{param}[{k}]")
-            parts.append(_check_text(part["text"], f"{param}[{k}].text"))
-        return "".join(parts)
-    raise bad_request(f"{param} must be a string or a list of text parts, got {type(content).__name__}", param)
-
-
 def _messages(body: dict) -> list[dict]:
-    messages = body.get("messages")
-    if not isinstance(messages, list):
-        raise bad_request("messages is required and must be an array of {role, content} objects", "messages")
-    if not messages:
-        raise bad_request("messages must not be empty", "messages")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise bad_request(f"messages[{i}] must be an object with role and content", f"messages[{i}]")
-        role = m.get("role")
-        if role not in CHAT_ROLES:
-            raise bad_request(f"messages[{i}].role must be one of {sorted(CHAT_ROLES)}, got {role!r}",
-                              f"messages[{i}].role")
-        content = m.get("content")
-        if content is None and role == "assistant":
-            content = ""
-        out.append({"role": role, "content": _content_text(content, f"messages[{i}].content")})
-    return out
+    """The engine's own message check (engine.tokenizer.validate_messages), as a 400."""
+    try:
+        return validate_messages(body.get("messages"))
+    except InvalidParameterError as e:
+        raise bad_request(str(e), e.param) from None
 
 
 def _prompt(body: dict) -> str | list[int]:
