@@ -338,7 +338,7 @@ def _queued_stream(eng, num_ticks: int, max_tokens: int = 8):
 
     eng.model.hold(num_ticks)
     stream = eng.stream("Hi", engine.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
-    assert wait_until(lambda: stream._request.outputs.qsize() >= num_ticks)
+    assert wait_until(lambda: stream._group.outputs.qsize() >= num_ticks)
     return stream
 
 
