@@ -238,11 +238,11 @@ def usage_dict(prompt_tokens: int, completion_tokens: int) -> dict:
 
 
 def chat_chunk(request_id, model, created, text, logprobs, finish_reason, is_first=False,
-               include_usage=False) -> dict:
+               include_usage=False, index=0) -> dict:
     delta = {"role": "assistant", "content": clean_text(text)} if is_first else {"content": clean_text(text)}
     chunk = {"id": clean_text(request_id), "object": "chat.completion.chunk", "created": created,
              "model": clean_text(model),
-             "choices": [{"index": 0, "delta": delta, "logprobs": chat_logprobs(logprobs),
+             "choices": [{"index": index, "delta": delta, "logprobs": chat_logprobs(logprobs),
                           "finish_reason": finish_reason}]}
     if include_usage:
         chunk["usage"] = None
@@ -250,10 +250,10 @@ def chat_chunk(request_id, model, created, text, logprobs, finish_reason, is_fir
 
 
 def text_chunk(request_id, model, created, text, logprobs, finish_reason, text_offset=0,
-               include_usage=False) -> dict:
+               include_usage=False, index=0) -> dict:
     chunk = {"id": clean_text(request_id), "object": "text_completion", "created": created,
              "model": clean_text(model),
-             "choices": [{"index": 0, "text": clean_text(text), "logprobs": text_logprobs(logprobs, text_offset),
+             "choices": [{"index": index, "text": clean_text(text), "logprobs": text_logprobs(logprobs, text_offset),
                           "finish_reason": finish_reason}]}
     if include_usage:
         chunk["usage"] = None
