@@ -239,12 +239,15 @@ class Engine:
         self._core.submit(request)
         return RequestStream(self._core, request, prompt_ids)
 
-    def submit_batch(self, prompts: list[list[int]], params: SamplingParams | None = None,
-                     request_id: str | None = None, prompt_param: str = "prompt") -> RequestStream:
-        """Submit several prompts (token ids) as one request: one stream whose events carry
-        ``index`` = prompt number * n + choice (the OpenAI order of a batched completion)."""
+    def submit_batch(self, prompts: list[str | list[int]], params: SamplingParams | None = None,
+                     request_id: str | None = None, prompt_param: str = "prompt",
+                     add_special_tokens: bool = True) -> RequestStream:
+        """Submit several prompts (text, encoded here, or token ids) as one request: one stream whose
+        events carry ``index`` = prompt number * n + choice (the OpenAI order of a batched completion)."""
         if not prompts:
             raise InvalidParameterError(f"{prompt_param} must hold at least one prompt", prompt_param)
+        prompts = [self.tokenizer.encode(p, add_special_tokens=add_special_tokens) if isinstance(p, str) else p
+                   for p in prompts]
         first = self._core.make_request(prompts[0], params, request_id,
                                         prompt_param if len(prompts) == 1 else f"{prompt_param}[0]")
         for i, prompt_ids in enumerate(prompts[1:], start=1):

@@ -20,7 +20,7 @@ from werkzeug.exceptions import HTTPException
 
 from cext.chunk import ChunkWriter
 
-from . import errors, protocol, sse
+from . import errors, protocol, request_fields, sse
 from .errors import APIError
 from .metrics import RequestRecord, ServerMetrics
 
@@ -102,6 +102,11 @@ def create_app(engine, model_name: str | None = None, api_key: str | None = None
             card["max_model_len"] = max_model_len
         return _json({"object": "list", "data": [card]})
 
+    @app.get("/v1/schema")
+    def schema():
+        return _json({endpoint: request_fields.json_schema(endpoint)
+                      for endpoint in (request_fields.CHAT, request_fields.COMPLETIONS)})
+
     @app.post("/v1/chat/completions")
     def chat_completions():
         return _generate(protocol.parse_chat(_read_body()), "chat")
@@ -118,9 +123,16 @@ def create_app(engine, model_name: str | None = None, api_key: str | None = None
         try:
             if req.is_chat:
                 return engine.stream_chat(req.messages, req.params)
-            return engine.stream(req.prompt, req.params)
+            return engine.submit_batch(req.prompts, req.params, add_special_tokens=req.add_special_tokens)
         except Exception as exc:
             raise errors.from_exception(exc) from None
+
+    def _echo_texts(req: protocol.ParsedRequest) -> list[str] | None:
+        """Per choice, its prompt as text (completions' echo)."""
+        if not req.is_echo:
+            return None
+        texts = [p if isinstance(p, str) else tokenizer.decode(p, skip_special_tokens=False) for p in req.prompts]
+        return [text for text in texts for _ in range(req.params.n)]
 
     def _generate(req: protocol.ParsedRequest, endpoint: str):
         record = RequestRecord(endpoint, 0)  # the clock starts before templating
@@ -129,20 +141,24 @@ def create_app(engine, model_name: str | None = None, api_key: str | None = None
         except APIError as err:
             metrics.count(endpoint, f"http_{err.status}")
             raise
-        record.num_prompt_tokens = len(stream.prompt_token_ids)
+        n = req.params.n
+        record.num_prompt_tokens = sum(len(stream.choice_prompt_token_ids(i)) for i in range(0, stream.num_choices, n))
         request_id = ("chatcmpl-" if req.is_chat else "cmpl-") + stream.request_id
         created = int(time.time())
         is_disconnected = request.environ.get("waitress.client_disconnected") or sse._never
+        echo_texts = _echo_texts(req)
         if req.is_stream:
             writer = ChunkWriter(request_id, model_name, created, req.is_chat, req.include_usage)
-            body = sse.stream_chunks(stream, writer, record, metrics, req.include_usage, is_disconnected)
+            body = sse.stream_chunks(stream, writer, record, metrics, req.include_usage, is_disconnected,
+                                     echo_texts)
             headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
             return Response(body, mimetype="text/event-stream", headers=headers)
         done = sse.collect(stream, record, metrics, is_disconnected)
         if done is None:
             return Response(status=499)
-        build = protocol.chat_response if req.is_chat else protocol.text_response
-        return _json(build(request_id, model_name, created, done))
+        if req.is_chat:
+            return _json(protocol.chat_response(request_id, model_name, created, done, n))
+        return _json(protocol.text_response(request_id, model_name, created, done, n, echo_texts))
 
     return app
 
