@@ -44,6 +44,12 @@ class RequestStream:
         """Filled once the first event has arrived (the prompt is prefilled by then)."""
         return self._request.prompt_logprobs
 
+    @property
+    def queue_time(self) -> float | None:
+        """Seconds from submission until the engine first scheduled the request (None: not yet)."""
+        seq = self._request.seq
+        return None if seq.first_scheduled_time is None else seq.first_scheduled_time - seq.arrival_time
+
     def choice_prompt_logprobs(self, index: int) -> list[TokenLogprob | None] | None:
         return self._group.requests[index].prompt_logprobs
 

@@ -93,6 +93,7 @@ class EngineCore:
             "num_ticks": self.num_ticks,
             "num_preemptions": sched.num_preemptions,
             "num_prefix_cache_hit_tokens": sched.num_prefix_cache_hit_tokens,
+            "num_prefix_cache_query_tokens": sched.num_prefix_cache_query_tokens,
         }
 
     def make_request(self, prompt_ids: list[int], params: SamplingParams | None = None,

@@ -41,11 +41,15 @@ def test_health_models_metrics(server):
     status, headers, raw = server.request("GET", "/metrics")
     text = raw.decode()
     assert status == 200 and headers["content-type"].startswith("text/plain")
-    for name in ("llm_requests_total", "llm_generation_tokens_total", "llm_time_to_first_token_seconds_bucket",
-                 "llm_inter_token_latency_seconds_bucket", "llm_num_requests_running",
-                 "llm_num_requests_waiting", "llm_kv_cache_usage_ratio"):
-        assert name in text
-    assert 'llm_requests_total{endpoint="chat",status="ok"}' in text
+    model = 'model_name="default"'
+    for name in ("llm:http_requests_total", "llm:generation_tokens_total", "llm:prompt_tokens_total",
+                 "llm:time_to_first_token_seconds_bucket", "llm:inter_token_latency_seconds_bucket",
+                 "llm:e2e_request_latency_seconds_bucket", "llm:request_queue_time_seconds_bucket",
+                 "llm:num_requests_running", "llm:num_requests_waiting", "llm:kv_cache_usage_perc",
+                 "llm:prefix_cache_queries_total", "llm:prefix_cache_hits_total", "llm:num_preemptions_total"):
+        assert any(line.startswith(name + "{") and model in line for line in text.splitlines()), name
+    assert 'llm:http_requests_total{endpoint="chat",model_name="default",status="ok"}' in text
+    assert 'llm:request_success_total{finished_reason="length",model_name="default"}' in text
 
 
 def test_chat_stream_equals_non_stream(server):
@@ -265,7 +269,7 @@ def test_client_disconnect_aborts_request_and_frees_kv():
             # aborted within a few ticks (1-2 measured), not generated on to max_tokens
             assert model.num_forwards - num_before <= 5
             metrics = live.request("GET", "/metrics")[2].decode()
-            assert 'llm_requests_total{endpoint="chat",status="abort"} 1.0' in metrics
+            assert 'llm:http_requests_total{endpoint="chat",model_name="default",status="abort"} 1.0' in metrics
     finally:
         model.open()
         eng.close()

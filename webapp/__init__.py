@@ -20,7 +20,7 @@ from werkzeug.exceptions import HTTPException
 
 from cext.chunk import ChunkWriter
 
-from . import errors, protocol, request_fields, sse
+from . import cors, errors, protocol, request_fields, sse
 from .errors import APIError
 from .metrics import RequestRecord, ServerMetrics
 
@@ -44,9 +44,21 @@ def _error_response(err: APIError) -> Response:
     return response
 
 
+def _version() -> str:
+    import importlib.metadata
+
+    import engine as engine_package
+
+    try:
+        return importlib.metadata.version("llm-engine")
+    except importlib.metadata.PackageNotFoundError:
+        return getattr(engine_package, "__version__", "0+unknown")
+
+
 def create_app(engine, model_name: str | None = None, api_key: str | None = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
-    """A Flask app serving ``engine``. ``api_key`` set: /v1/* needs ``Authorization: Bearer <key>``."""
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, allowed_origins: list[str] | None = None):
+    """A Flask app serving ``engine``. ``api_key`` set: /v1/* needs ``Authorization: Bearer <key>``.
+    ``allowed_origins`` (off by default): browser origins that may call the API (CORS; "*": any)."""
     app = Flask(__name__, static_folder=None)
     app.config["MAX_CONTENT_LENGTH"] = max_body_bytes
     model_name = model_name or getattr(engine, "model_name", None) or "default"
@@ -70,9 +82,12 @@ def create_app(engine, model_name: str | None = None, api_key: str | None = None
         log.exception("unhandled error in %s %s", request.method, request.path)
         return _error_response(errors.internal_error())
 
+    if allowed_origins:
+        cors.install(app, allowed_origins)
+
     @app.before_request
     def _check_api_key():
-        if expected_auth is not None and request.path.startswith("/v1/"):
+        if expected_auth is not None and request.path.startswith("/v1/") and request.method != "OPTIONS":
             got = request.headers.get("Authorization", "").encode()
             if not hmac.compare_digest(got, expected_auth):
                 raise errors.unauthorized()
@@ -101,6 +116,29 @@ def create_app(engine, model_name: str | None = None, api_key: str | None = None
         if max_model_len:
             card["max_model_len"] = max_model_len
         return _json({"object": "list", "data": [card]})
+
+    @app.post("/tokenize")
+    def tokenize():
+        req = protocol.parse_tokenize(_read_body())
+        try:
+            if req.messages is not None:
+                ids = tokenizer.encode_chat(req.messages, add_generation_prompt=req.add_generation_prompt,
+                                            tools=req.tools)
+            else:
+                ids = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        except Exception as exc:
+            raise errors.from_exception(exc) from None
+        strs = [tokenizer.decode([t], skip_special_tokens=False) for t in ids] if req.return_token_strs else None
+        return _json({"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": strs})
+
+    @app.post("/detokenize")
+    def detokenize():
+        ids = protocol.parse_detokenize(_read_body(), tokenizer.vocab_size)
+        return _json({"prompt": tokenizer.decode(ids, skip_special_tokens=False)})
+
+    @app.get("/version")
+    def version():
+        return _json({"version": _version()})
 
     @app.get("/v1/schema")
     def schema():
@@ -197,7 +235,7 @@ def make_server(engine, host: str = "127.0.0.1", port: int = 0, threads: int = 6
 def serve(engine, host: str = "127.0.0.1", port: int = 8000, **options) -> None:
     """Serve ``engine`` on host:port with the production WSGI server (waitress); blocks.
 
-    options: api_key, model_name, threads, max_body_bytes.
+    options: api_key, model_name, threads, max_body_bytes, allowed_origins.
     """
     server = make_server(engine, host, port, **options)
     log.warning("serving on http://%s:%s", host, server.effective_port)

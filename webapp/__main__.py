@@ -17,6 +17,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--api-key", default=os.environ.get("LLM_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on /v1/* (or set LLM_API_KEY)")
     parser.add_argument("--threads", type=int, default=64, help="HTTP worker threads (concurrent requests)")
+    parser.add_argument("--allowed-origins", default=None,
+                        help="CORS: comma-separated browser origins allowed to call the API, or '*' (default: none)")
     add_engine_arguments(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -24,6 +26,7 @@ def main(argv: list[str] | None = None) -> None:
     import engine
 
     from . import serve
+    from .cors import parse_origins
 
     eng = engine.Engine.from_pretrained(args.model, **engine_options_from_args(args))
     if args.served_model_name:
@@ -33,7 +36,8 @@ def main(argv: list[str] | None = None) -> None:
     else:
         name = "SmolLM2-135M-Instruct"
     try:
-        serve(eng, host=args.host, port=args.port, api_key=args.api_key, model_name=name, threads=args.threads)
+        serve(eng, host=args.host, port=args.port, api_key=args.api_key, model_name=name, threads=args.threads,
+              allowed_origins=parse_origins(args.allowed_origins))
     except KeyboardInterrupt:
         pass
     finally:

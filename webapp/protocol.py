@@ -204,6 +204,57 @@ def parse_completion(body: dict) -> ParsedRequest:
                          is_echo=is_echo, add_special_tokens=values.get("add_special_tokens", True))
 
 
+# ---- /tokenize and /detokenize (vLLM's shapes) ----
+
+@dataclass(slots=True)
+class TokenizeRequest:
+    prompt: str | None = None
+    messages: list[dict] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    tools: list[dict] | None = None
+    return_token_strs: bool = False
+
+
+def _flag(body: dict, name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise bad_request(f"{name} must be a boolean, got {value!r}", name)
+    return value
+
+
+def parse_tokenize(body: dict) -> TokenizeRequest:
+    """{"prompt", "add_special_tokens"=true} or {"messages", "add_generation_prompt"=true, "tools"}."""
+    return_token_strs = _flag(body, "return_token_strs", False)
+    if body.get("messages") is not None:
+        tools = body.get("tools")
+        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+            raise bad_request("tools must be an array of objects", "tools")
+        if _flag(body, "add_special_tokens", False):
+            raise bad_request("add_special_tokens is not supported with messages: the template adds what it needs",
+                              "add_special_tokens")
+        return TokenizeRequest(messages=_messages(body["messages"]),
+                               add_generation_prompt=_flag(body, "add_generation_prompt", True),
+                               tools=tools or None, return_token_strs=return_token_strs)
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str):
+        raise bad_request("prompt (a string) or messages is required", "prompt")
+    return TokenizeRequest(prompt=_check_text(prompt, "prompt"),
+                           add_special_tokens=_flag(body, "add_special_tokens", True),
+                           return_token_strs=return_token_strs)
+
+
+def parse_detokenize(body: dict, vocab_size: int) -> list[int]:
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
+        raise bad_request("tokens must be an array of token ids", "tokens")
+    if tokens and (min(tokens) < 0 or max(tokens) >= vocab_size):
+        raise bad_request(f"tokens must be token ids in [0, {vocab_size})", "tokens")
+    return tokens
+
+
 # ---- response builders (plain Python; the reference for cext.chunk) ----
 
 def clean_text(text: str) -> str:

@@ -53,6 +53,8 @@ def stream_chunks(
             chunk = writer.event(event.text, event.logprobs, event.finish_reason, event.index)
             if event.token_ids:
                 record.tokens(len(event.token_ids))
+            if event.finish_reason is not None:
+                record.finish_reasons.append(event.finish_reason)
             later = stream.ready_events()  # queued meanwhile: sent in the same write
             if later:
                 parts = [chunk]
@@ -60,6 +62,8 @@ def stream_chunks(
                     parts.append(writer.event(event.text, event.logprobs, event.finish_reason, event.index))
                     if event.token_ids:
                         record.tokens(len(event.token_ids))
+                    if event.finish_reason is not None:
+                        record.finish_reasons.append(event.finish_reason)
                 chunk = b"".join(parts)
             yield chunk
             if event.finish_reason is None and is_disconnected():
@@ -75,6 +79,7 @@ def stream_chunks(
         yield DONE
     finally:
         stream.close()  # aborts the request if it is still running
+        record.queue_s = stream.queue_time
         metrics.finish(record, status)
 
 
@@ -88,6 +93,8 @@ def collect(stream, record: RequestRecord, metrics: ServerMetrics,
     def on_event(event) -> bool:
         if event.token_ids:
             record.tokens(len(event.token_ids))
+        if event.finish_reason is not None:
+            record.finish_reasons.append(event.finish_reason)
         if event.finish_reason is None and is_disconnected():
             left.append(True)
             return True
@@ -100,5 +107,6 @@ def collect(stream, record: RequestRecord, metrics: ServerMetrics,
     except Exception as exc:
         raise from_exception(exc) from None
     finally:
+        record.queue_s = stream.queue_time
         metrics.finish(record, status)
     return None if left else done
