@@ -140,7 +140,7 @@ class Request:
             stop_ids=stop_ids,
             group=group,
             index=index,
-            adjuster=LogitsAdjuster.for_request(params, prompt_ids, stop_ids, vocab_size, params.max_tokens),
+            adjuster=LogitsAdjuster.for_request(params, prompt_ids, stop_ids, params.max_tokens),
             leader=leader,
             prompt_logprobs=(leader.prompt_logprobs if leader is not None
                              else [None] if params.prompt_logprobs is not None else None),

@@ -4,16 +4,17 @@ Greedy rows take an argmax and never pay for a softmax unless they want logprobs
 Rows whose request asks for logits processing (penalties, logit_bias, ...: an
 engine.logits_process.LogitsAdjuster) are adjusted first, for the whole batch at once, and
 both the greedy argmax and the draw use the adjusted logits.
-Random rows scale the log-softmax by 1/temperature, mask by min-p, top-k and top-p, and draw
-with the request's own torch.Generator (the exponential-race form of a categorical
-draw), so a seeded request gives the same tokens whatever else is in the batch.
+Random rows take softmax(logits / temperature) in NumPy, mask by min-p, top-k and top-p,
+and invert the CDF at one uniform drawn from the request's own torch.Generator, so a
+seeded request gives the same tokens whatever else is in the batch (and one random number
+per token instead of one per vocabulary entry).
 Logprobs always describe the model's raw distribution (before temperature and masks).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .logits_process import LogitsAdjuster, adjust
@@ -29,37 +30,42 @@ class RowLogprobs:
     top_logprobs: list[float]
 
 
-def _mask_top_k_top_p(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    # scaled: [V] log-probabilities / temperature
-    if top_k and top_k < scaled.shape[-1]:
-        kth = torch.topk(scaled, top_k).values[-1]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_vals, sorted_idx = torch.sort(scaled, descending=True)
-        probs = torch.softmax(sorted_vals, dim=-1)
-        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-        cum_before = torch.cumsum(probs, dim=-1) - probs
-        drop = cum_before >= top_p
-        sorted_vals = sorted_vals.masked_fill(drop, float("-inf"))
-        scaled = torch.empty_like(scaled).scatter_(0, sorted_idx, sorted_vals)
-    return scaled
+def mask_min_p(probs: np.ndarray, min_p: float) -> None:
+    """Zero tokens with p < min_p * p_max (probs: [V] unnormalized, after temperature), in place."""
+    probs[probs < min_p * probs.max()] = 0.0
 
 
-def mask_min_p(scaled: torch.Tensor, min_p: float) -> torch.Tensor:
-    """Drop tokens with p < min_p * p_max (scaled: [V] log-probabilities after temperature, any shift):
-    in log space, log p < log p_max + log min_p."""
-    return scaled.masked_fill(scaled < scaled.max() + math.log(min_p), float("-inf"))
+def _mask_top_k(probs: np.ndarray, top_k: int) -> None:
+    if top_k and top_k < probs.shape[0]:
+        kth = np.partition(probs, -top_k)[-top_k]
+        probs[probs < kth] = 0.0
 
 
-def sample_row(logprobs_row: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """Draw one token id from a [V] row of log-probabilities."""
-    scaled = logprobs_row / params.temperature
+def _mask_top_p(probs: np.ndarray, top_p: float) -> None:
+    """Keep the smallest prefix (by probability) whose mass reaches top_p; the first token always stays."""
+    order = np.argsort(-probs, kind="stable")
+    sorted_probs = probs[order]
+    cum_before = np.cumsum(sorted_probs) - sorted_probs
+    probs[order[cum_before >= top_p * sorted_probs.sum()]] = 0.0
+
+
+def sample_row(logits_row: np.ndarray, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """Draw one token id from a [V] row of logits: softmax(logits / temperature) under the
+    min-p, top-k and top-p masks, by inverting its CDF at one uniform from the request's generator
+    (one random number per token, whatever the vocabulary)."""
+    scaled = logits_row * np.float32(1.0 / params.temperature)  # [V] float32: half the cost of float64
+    probs = np.exp(scaled - scaled.max())  # [V] unnormalized, max 1
     if params.min_p > 0.0:
-        scaled = mask_min_p(scaled, params.min_p)
-    scaled = _mask_top_k_top_p(scaled, params.top_k, params.top_p)
-    # argmax(p / E) with E ~ Exp(1) is a draw from p; in log space: scaled - log(E).
-    noise = torch.empty_like(scaled).exponential_(generator=generator)
-    return int(torch.argmax(scaled - torch.log(noise)))
+        mask_min_p(probs, params.min_p)
+    _mask_top_k(probs, params.top_k)
+    if params.top_p < 1.0:
+        _mask_top_p(probs, params.top_p)
+    cdf = np.cumsum(probs)  # [V]
+    u = float(torch.rand((), dtype=torch.float64, generator=generator))
+    token_id = int(np.searchsorted(cdf, u * float(cdf[-1]), side="right"))
+    while token_id > 0 and (token_id >= probs.shape[0] or probs[token_id] == 0.0):
+        token_id -= 1  # float32 rounding at the very end of the CDF: step back onto a kept token
+    return token_id
 
 
 def sample(
@@ -78,21 +84,18 @@ def sample(
         return [], []
     if logits.dtype != torch.float32:
         logits = logits.float()
-    raw_logprobs = None  # [S, V] the model's own distribution, for logprobs
+    # Logprobs describe the model's own distribution: taken before any processing.
+    raw_logprobs = torch.log_softmax(logits, dim=-1) if any(p.logprobs for p in params) else None  # [S, V]
+    if adjusters is not None and not logits.is_contiguous():
+        logits = logits.contiguous()
+    array = logits.numpy()  # [S, V] a view: adjusted in place
     if adjusters is not None:
-        if any(p.logprobs for p in params):
-            raw_logprobs = torch.log_softmax(logits, dim=-1)
-        adjust(logits.numpy(), adjusters)
-    is_random = [not p.is_greedy for p in params]
-    need_softmax = any(is_random) or (raw_logprobs is None and any(p.logprobs for p in params))
-    logprobs = torch.log_softmax(logits, dim=-1) if need_softmax else None  # [S, V]
-    if raw_logprobs is None:
-        raw_logprobs = logprobs
+        adjust(array, adjusters)
     # numpy's single-threaded argmax: torch's wakes its thread pool, which costs ~10x on a busy CPU.
-    token_ids = logits.numpy().argmax(axis=1).tolist()
+    token_ids = array.argmax(axis=1).tolist()
     for row, p in enumerate(params):
-        if is_random[row]:
-            token_ids[row] = sample_row(logprobs[row], p, generators[row])
+        if not p.is_greedy:
+            token_ids[row] = sample_row(array[row], p, generators[row])
     row_logprobs: list[RowLogprobs | None] = [None] * num_rows
     lp_rows = [row for row, p in enumerate(params) if p.logprobs]
     if lp_rows:
