@@ -12,6 +12,8 @@ one gather, one vectorized update and one scatter for the whole batch:
 
 Definitions (vLLM's order; ``l`` is a row of logits):
   allowed_token_ids   l[i] = -inf for every i not allowed
+  bad_words           l[last] = -inf for each banned id sequence whose other ids end the output
+                      (vLLM: each word encoded as is and with a leading space; one-token words always)
   min_tokens          l[stop ids] = -inf while fewer than min_tokens ids were generated
                       (stop ids: stop_token_ids plus EOS unless ignore_eos)
   logit_bias          l[i] += bias[i]                                          (OpenAI)
@@ -32,10 +34,17 @@ class LogitsAdjuster:
     __slots__ = (
         "min_tokens", "min_token_ids", "allowed_ids", "num_generated", "repetition_penalty",
         "frequency_penalty", "presence_penalty", "slot_of", "counts", "ids", "bias", "scale", "sub", "num_ids",
+        "banned_ids", "bad_sequences", "recent_ids", "num_recent",
     )
 
-    def __init__(self, params: SamplingParams, prompt_ids, stop_ids, max_tokens: int):
+    def __init__(self, params: SamplingParams, prompt_ids, stop_ids, max_tokens: int,
+                 bad_words_ids: list[list[int]] = ()):
         self.num_generated = 0
+        singles = sorted({ids[0] for ids in bad_words_ids if len(ids) == 1})
+        self.banned_ids = np.array(singles, dtype=np.int64) if singles else None  # always -inf
+        self.bad_sequences = [(tuple(ids[:-1]), ids[-1]) for ids in bad_words_ids if len(ids) > 1]
+        self.num_recent = max((len(p) for p, _ in self.bad_sequences), default=0)
+        self.recent_ids: list[int] = []  # the last num_recent generated ids
         self.min_tokens = params.min_tokens
         self.min_token_ids = np.array(sorted(stop_ids), dtype=np.int64) if params.min_tokens and stop_ids else None
         allowed = params.allowed_token_ids
@@ -61,18 +70,30 @@ class LogitsAdjuster:
                 self.scale[: len(touched)] = [self.repetition_penalty if t in seen else 1.0 for t in touched]
 
     @classmethod
-    def for_request(cls, params: SamplingParams, prompt_ids, stop_ids, max_tokens: int) -> LogitsAdjuster | None:
+    def for_request(cls, params: SamplingParams, prompt_ids, stop_ids, max_tokens: int,
+                    bad_words_ids: list[list[int]] = ()) -> LogitsAdjuster | None:
         """An adjuster when the params ask for processing, else None (the sampler's fast path)."""
         if not params.has_logits_processing:
             return None
         if (not params.presence_penalty and not params.frequency_penalty and params.repetition_penalty == 1.0
-                and not params.logit_bias and params.allowed_token_ids is None and not stop_ids):
+                and not params.logit_bias and params.allowed_token_ids is None and not bad_words_ids
+                and not stop_ids):
             return None  # min_tokens alone with nothing to mask
-        return cls(params, prompt_ids, stop_ids, max_tokens)
+        return cls(params, prompt_ids, stop_ids, max_tokens, bad_words_ids)
+
+    def banned_now(self) -> list[int]:
+        """Last ids of the bad sequences whose other ids end the output (O(number of sequences))."""
+        recent = self.recent_ids
+        return [last for prefix, last in self.bad_sequences
+                if len(prefix) <= len(recent) and tuple(recent[len(recent) - len(prefix):]) == prefix]
 
     def add(self, token_id: int) -> None:
         """Count one generated id: O(1)."""
         self.num_generated += 1
+        if self.num_recent:
+            self.recent_ids.append(token_id)
+            if len(self.recent_ids) > self.num_recent:
+                del self.recent_ids[0]
         is_penalized = self.frequency_penalty or self.presence_penalty
         if not is_penalized and self.repetition_penalty == 1.0:
             return
@@ -112,6 +133,12 @@ def adjust(logits: np.ndarray, adjusters: list[LogitsAdjuster | None]) -> None:
             logits[row, a.allowed_ids] = kept
         if a.min_token_ids is not None and a.num_generated < a.min_tokens:
             mask_index.append(a.min_token_ids + row * vocab_size)
+        if a.banned_ids is not None:
+            mask_index.append(a.banned_ids + row * vocab_size)
+        if a.bad_sequences:
+            banned = a.banned_now()
+            if banned:
+                mask_index.append(np.array(banned, dtype=np.int64) + row * vocab_size)
         k = a.num_ids
         if k:
             offsets.append(row * vocab_size)

@@ -9,6 +9,7 @@ from .errors import InvalidParameterError
 MAX_TOP_LOGPROBS = 20
 MAX_N = 128  # choices per request
 MAX_LOGIT_BIAS = 100.0  # |bias| bound, as OpenAI
+MAX_BAD_WORDS = 256
 MAX_LOGIT_BIAS_ENTRIES = 1024  # OpenAI's limit is 300; every entry costs a scatter per token
 
 
@@ -42,6 +43,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     min_p: float = 0.0
     allowed_token_ids: tuple[int, ...] | list[int] | None = None
+    bad_words: tuple[str, ...] | list[str] = ()
     n: int = 1
 
     def __post_init__(self) -> None:
@@ -104,6 +106,13 @@ class SamplingParams:
                     f"allowed_token_ids must be None or a non-empty list of non-negative integers, "
                     f"got {self.allowed_token_ids!r}", "allowed_token_ids")
             self.allowed_token_ids = tuple(sorted(set(self.allowed_token_ids)))
+        if not isinstance(self.bad_words, (list, tuple)) or len(self.bad_words) > MAX_BAD_WORDS or not all(
+            isinstance(w, str) and w.strip() for w in self.bad_words
+        ):
+            raise InvalidParameterError(
+                f"bad_words must be a list of at most {MAX_BAD_WORDS} non-blank strings, got {self.bad_words!r}",
+                "bad_words")
+        self.bad_words = tuple(self.bad_words)
 
     @property
     def is_greedy(self) -> bool:
@@ -112,10 +121,10 @@ class SamplingParams:
     @property
     def has_logits_processing(self) -> bool:
         """True when the sampler must change this request's logits before choosing (penalties,
-        logit_bias, allowed_token_ids, min_tokens); min_p is applied with temperature instead."""
+        logit_bias, allowed_token_ids, bad_words, min_tokens); min_p is applied with temperature instead."""
         return bool(
             self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-            or self.logit_bias or self.allowed_token_ids is not None or self.min_tokens
+            or self.logit_bias or self.allowed_token_ids is not None or self.min_tokens or self.bad_words
         )
 
 

@@ -106,6 +106,7 @@ class Request:
         if not params.ignore_eos:
             stop_ids.update(tokenizer.eos_token_ids)
         stop_ids = frozenset(stop_ids)
+        bad_words_ids = _bad_words_ids(tokenizer, params.bad_words, vocab_size) if params.bad_words else []
         if group is None:
             group = RequestGroup(request_id)
         leader = None
@@ -113,7 +114,7 @@ class Request:
             index = len(group.requests)
             choice_id = request_id if params.n == 1 and index == 0 else f"{request_id}-{index}"
             seed = None if params.seed is None else params.seed + choice  # vLLM: choice i draws with seed + i
-            req = cls._choice(choice_id, prompt_ids, params, seed, stop_ids, tokenizer, vocab_size, group, index,
+            req = cls._choice(choice_id, prompt_ids, params, seed, stop_ids, bad_words_ids, tokenizer, group, index,
                               leader)
             if leader is None:
                 leader = req
@@ -124,7 +125,7 @@ class Request:
         return leader
 
     @classmethod
-    def _choice(cls, request_id, prompt_ids, params, seed, stop_ids, tokenizer, vocab_size, group, index,
+    def _choice(cls, request_id, prompt_ids, params, seed, stop_ids, bad_words_ids, tokenizer, group, index,
                 leader) -> Request:
         generator = None
         if not params.is_greedy:
@@ -140,8 +141,22 @@ class Request:
             stop_ids=stop_ids,
             group=group,
             index=index,
-            adjuster=LogitsAdjuster.for_request(params, prompt_ids, stop_ids, params.max_tokens),
+            adjuster=LogitsAdjuster.for_request(params, prompt_ids, stop_ids, params.max_tokens, bad_words_ids),
             leader=leader,
             prompt_logprobs=(leader.prompt_logprobs if leader is not None
                              else [None] if params.prompt_logprobs is not None else None),
         )
+
+
+def _bad_words_ids(tokenizer, bad_words: tuple[str, ...], vocab_size: int) -> list[list[int]]:
+    """vLLM's encoding of bad_words: each word as is, and with a leading space when that gives
+    other ids of the same length (the word in the middle of a text)."""
+    out: list[list[int]] = []
+    for word in bad_words:
+        plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        if plain:
+            out.append(plain)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        if spaced and (not plain or (spaced[0] != plain[0] and len(spaced) == len(plain))):
+            out.append(spaced)
+    return [ids for ids in out if max(ids) < vocab_size]

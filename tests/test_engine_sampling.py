@@ -50,6 +50,16 @@ def test_frequency_penalty_breaks_a_repetition(eng):
     assert len(set(penalized)) > len(set(plain))
 
 
+def test_bad_words_are_never_generated(tok):
+    words = ["Paris", "France"]
+    script = tok.encode(" Paris is in France", add_special_tokens=False) + [min(tok.eos_token_ids)]
+    with engine.Engine(ScriptedModel(script, tok.vocab_size), tok, max_model_len=256) as eng:
+        plain = eng.generate(["x"], SamplingParams(temperature=0, max_tokens=8))[0].text
+        banned = eng.generate(["x"], SamplingParams(temperature=0, max_tokens=8, bad_words=words))[0].text
+    assert "Paris" in plain and "France" in plain
+    assert "Paris" not in banned and "France" not in banned
+
+
 def test_logit_bias_ids_are_checked_against_the_vocabulary(eng, tok):
     with pytest.raises(InvalidParameterError) as err:
         eng.generate(["x"], SamplingParams(logit_bias={tok.vocab_size: 1.0}))

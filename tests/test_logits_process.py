@@ -13,13 +13,17 @@ from engine.sampling import mask_min_p, sample
 VOCAB = 40
 
 
-def reference(logits, params, prompt_ids, output_ids, stop_ids):
+def reference(logits, params, prompt_ids, output_ids, stop_ids, bad_words_ids=()):
     """The definitions, written plainly: one row, one option after another (vLLM's order)."""
     out = logits.astype(np.float64).copy()
     if params.allowed_token_ids is not None:
         keep = np.zeros(VOCAB, bool)
         keep[list(params.allowed_token_ids)] = True
         out[~keep] = -np.inf
+    for ids in bad_words_ids:
+        prefix = ids[:-1]
+        if not prefix or (len(output_ids) >= len(prefix) and output_ids[len(output_ids) - len(prefix):] == prefix):
+            out[ids[-1]] = -np.inf
     if len(output_ids) < params.min_tokens:
         for t in stop_ids:
             out[t] = -np.inf
@@ -56,12 +60,16 @@ def test_adjust_matches_reference_per_row(options, data):
         params = SamplingParams(max_tokens=20, **opts)
         prompt = data.draw(st.lists(token_ids, min_size=1, max_size=10))
         output = data.draw(st.lists(token_ids, max_size=12))
-        a = LogitsAdjuster.for_request(params, prompt, stop_ids, params.max_tokens)
+        bad = data.draw(st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=3), max_size=3))
+        if bad:  # small ids so that multi-token words do match the output now and then
+            output = output + data.draw(st.sampled_from(bad))[:-1]
+            params = SamplingParams(max_tokens=20, bad_words=["w"] * len(bad), **opts)
+        a = LogitsAdjuster.for_request(params, prompt, stop_ids, params.max_tokens, bad)
         for t in output:
             if a is not None:
                 a.add(t)
         adjusters.append(a)
-        expected.append(reference(logits[row], params, prompt, output, stop_ids) if a is not None
+        expected.append(reference(logits[row], params, prompt, output, stop_ids, bad) if a is not None
                         else logits[row].astype(np.float64))
     got = logits.copy()
     adjust(got, adjusters)
@@ -128,7 +136,7 @@ def test_counts_are_kept_incrementally():
     ("repetition_penalty", 0), ("repetition_penalty", -1.0), ("min_p", 1.5), ("min_p", -0.1), ("n", 0),
     ("n", 1.5), ("n", 1000), ("logit_bias", "junk"), ("logit_bias", {"x": 1}), ("logit_bias", {"5": 101}),
     ("logit_bias", {-1: 1}), ("logit_bias", {"5": "1"}), ("allowed_token_ids", []), ("allowed_token_ids", [-1]),
-    ("min_tokens", -1),
+    ("min_tokens", -1), ("bad_words", "x"), ("bad_words", [""]), ("bad_words", [3]),
 ])
 def test_bad_values_name_the_field(field, value):
     with pytest.raises(InvalidParameterError) as err:

@@ -147,3 +147,16 @@ def test_cors_is_off_by_default_and_follows_allowed_origins(live):
         _, headers, _ = server.request("GET", "/v1/models", headers={"Origin": "https://evil.example",
                                                                      "Authorization": "Bearer k"})
         assert "access-control-allow-origin" not in headers
+
+
+def test_bad_words_and_allowed_token_ids(client):
+    tok = default_tokenizer()
+    plain = client.completions.create(model="default", prompt="x", temperature=0, max_tokens=3).choices[0].text
+    first_word = plain.split()[0] if plain.split() else plain
+    banned = client.completions.create(model="default", prompt="x", temperature=0, max_tokens=3,
+                                       extra_body={"bad_words": [first_word]}).choices[0].text
+    assert first_word in plain and first_word not in banned
+    only = tok.encode(" ok", add_special_tokens=False)
+    allowed = client.completions.create(model="default", prompt="x", temperature=0, max_tokens=3,
+                                        extra_body={"allowed_token_ids": only}).choices[0].text
+    assert allowed == tok.decode(only * 3)

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP server: ``create_app(engine)`` and ``serve(engine)``.
 
 A request's path: the handler thread parses and validates the body (webapp.protocol),
-then takes the engine's own prompt path (``engine.stream_chat`` / ``engine.stream``: the
+then takes the engine's own prompt path (``engine.stream_chat`` / ``engine.submit_batch``: the
 template and the tokenizer run on this thread, GIL released) and, for ``stream: true``,
 returns a generator response that writes each event as one SSE chunk (webapp.sse,
 cext.chunk) the moment it arrives; otherwise it folds the events with the engine's
