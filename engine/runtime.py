@@ -159,6 +159,8 @@ class EngineCore:
             group = self._new.popleft()
             self.groups[group.request_id] = group
             for req in group.leaders:
+                if group.is_finished:  # a leader was refused: the group failed
+                    break
                 self._add(req)
         while self._aborts:
             group = self.groups.get(self._aborts.popleft())
@@ -227,6 +229,8 @@ class EngineCore:
             for follower in followers:
                 if not follower.is_finished:
                     self._add(follower)
+            if req.is_finished:  # a follower was refused: the group failed
+                return
         logprobs = [self._token_logprob(token_id, lp)] if lp is not None else None
         finish_reason = None
         if token_id in req.stop_ids and seq.num_generated > params.min_tokens:
