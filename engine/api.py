@@ -17,20 +17,41 @@ from .runtime import FINISHED, EngineCore
 
 
 class RequestStream:
-    """Iterator over one request's StreamEvents. Closing it (or dropping it) aborts the request."""
+    """Iterator over one request's StreamEvents. Closing it (or dropping it) aborts the request.
+
+    A request with n > 1 choices (or several prompts, ``Engine.submit_batch``) streams the
+    events of all its choices, interleaved; ``StreamEvent.index`` says whose each one is.
+    """
 
     def __init__(self, core: EngineCore, request, prompt_token_ids: list[int]):
         self._core = core
         self._request = request
-        self.request_id = request.request_id
+        self._group = request.group
+        self.request_id = self._group.request_id
         self.prompt_token_ids = prompt_token_ids
         self._done = False
         self._pending_error: BaseException | None = None  # met by ready_events(), raised by __next__
 
     @property
+    def num_choices(self) -> int:
+        return len(self._group.requests)
+
+    def choice_prompt_token_ids(self, index: int) -> list[int]:
+        return self._group.requests[index].seq.prompt_token_ids
+
+    @property
     def prompt_logprobs(self) -> list[TokenLogprob | None] | None:
         """Filled once the first event has arrived (the prompt is prefilled by then)."""
         return self._request.prompt_logprobs
+
+    @property
+    def queue_time(self) -> float | None:
+        """Seconds from submission until the engine first scheduled the request (None: not yet)."""
+        seq = self._request.seq
+        return None if seq.first_scheduled_time is None else seq.first_scheduled_time - seq.arrival_time
+
+    def choice_prompt_logprobs(self, index: int) -> list[TokenLogprob | None] | None:
+        return self._group.requests[index].prompt_logprobs
 
     def __iter__(self) -> RequestStream:
         return self
@@ -42,7 +63,7 @@ class RequestStream:
             raise err
         if self._done:
             raise StopIteration
-        outputs = self._request.outputs
+        outputs = self._group.outputs
         while True:
             try:
                 item = outputs.get(timeout=1.0)
@@ -66,7 +87,7 @@ class RequestStream:
         ``next()`` and handles them at once: the SSE path writes them in one chunk.
         """
         events: list[StreamEvent] = []
-        outputs = self._request.outputs
+        outputs = self._group.outputs
         while not self._done and self._pending_error is None and not outputs.empty():
             item = outputs.get_nowait()
             if item is FINISHED:
@@ -80,7 +101,7 @@ class RequestStream:
     def close(self) -> None:
         if not self._done:
             self._done = True
-            if not self._request.is_finished:
+            if not self._group.is_finished:
                 self._core.abort(self.request_id)
 
     def __del__(self) -> None:
@@ -94,35 +115,50 @@ class RequestStream:
 
         ``on_event(event)`` sees every event as it arrives; returning True stops early: the
         request is aborted and the Completion so far comes back with finish_reason "abort".
+        For a request of several choices use ``collect_choices``.
         """
-        texts: list[str] = []
-        token_ids: list[int] = []
-        logprobs: list[TokenLogprob] | None = None
-        finish_reason = None
+        if self.num_choices != 1:
+            raise InvalidParameterError(
+                f"this request has {self.num_choices} choices: use collect_choices()", "n")
+        return self.collect_choices(on_event)[0]
+
+    def collect_choices(self, on_event: Callable[[StreamEvent], bool | None] | None = None) -> list[Completion]:
+        """Like ``collect``, one Completion per choice, in index order."""
+        num_choices = self.num_choices
+        texts: list[list[str]] = [[] for _ in range(num_choices)]
+        token_ids: list[list[int]] = [[] for _ in range(num_choices)]
+        logprobs: list[list[TokenLogprob] | None] = [None] * num_choices
+        finish_reasons: list[str | None] = [None] * num_choices
         try:
             for event in self:
-                texts.append(event.text)
-                token_ids.extend(event.token_ids)
+                i = event.index
+                texts[i].append(event.text)
+                token_ids[i].extend(event.token_ids)
                 if event.logprobs is not None:
-                    if logprobs is None:
-                        logprobs = []
-                    logprobs.extend(event.logprobs)
-                finish_reason = event.finish_reason or finish_reason
+                    if logprobs[i] is None:
+                        logprobs[i] = []
+                    logprobs[i].extend(event.logprobs)
+                finish_reasons[i] = event.finish_reason or finish_reasons[i]
                 if on_event is not None and on_event(event) and event.finish_reason is None:
-                    finish_reason = "abort"
+                    finish_reasons = [r or "abort" for r in finish_reasons]
                     break
         finally:
             self.close()
-        return Completion(
-            request_id=self.request_id,
-            text="".join(texts),
-            token_ids=token_ids,
-            finish_reason=finish_reason,
-            logprobs=logprobs,
-            prompt_token_ids=self.prompt_token_ids,
-            prompt_logprobs=self.prompt_logprobs,
-            usage=Usage(len(self.prompt_token_ids), len(token_ids)),
-        )
+        completions = []
+        for i in range(num_choices):
+            prompt_ids = self.prompt_token_ids if num_choices == 1 else self.choice_prompt_token_ids(i)
+            completions.append(Completion(
+                request_id=self.request_id,
+                text="".join(texts[i]),
+                token_ids=token_ids[i],
+                finish_reason=finish_reasons[i],
+                logprobs=logprobs[i],
+                prompt_token_ids=prompt_ids,
+                prompt_logprobs=self.choice_prompt_logprobs(i),
+                usage=Usage(len(prompt_ids), len(token_ids[i])),
+                index=i,
+            ))
+        return completions
 
 
 class Engine:
@@ -209,10 +245,27 @@ class Engine:
         self._core.submit(request)
         return RequestStream(self._core, request, prompt_ids)
 
+    def submit_batch(self, prompts: list[str | list[int]], params: SamplingParams | None = None,
+                     request_id: str | None = None, prompt_param: str = "prompt",
+                     add_special_tokens: bool = True) -> RequestStream:
+        """Submit several prompts (text, encoded here, or token ids) as one request: one stream whose
+        events carry ``index`` = prompt number * n + choice (the OpenAI order of a batched completion)."""
+        if not prompts:
+            raise InvalidParameterError(f"{prompt_param} must hold at least one prompt", prompt_param)
+        prompts = [self.tokenizer.encode(p, add_special_tokens=add_special_tokens) if isinstance(p, str) else p
+                   for p in prompts]
+        first = self._core.make_request(prompts[0], params, request_id,
+                                        prompt_param if len(prompts) == 1 else f"{prompt_param}[0]")
+        for i, prompt_ids in enumerate(prompts[1:], start=1):
+            self._core.make_request(prompt_ids, params, prompt_param=f"{prompt_param}[{i}]", group=first.group)
+        self._core.submit(first.group)
+        return RequestStream(self._core, first, prompts[0])
+
     # ----- one-shot wrappers -----
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                  progress: bool = False) -> list[Completion]:
-        """Run many prompts batched together; returns completions in prompt order."""
+        """Run many prompts batched together; returns completions in prompt order (with n > 1,
+        the n choices of each prompt in a row)."""
         if isinstance(prompts, str):
             prompts = [prompts]
         if not isinstance(prompts, SequenceABC) or not prompts:
@@ -234,7 +287,7 @@ class Engine:
                 bar = tqdm(total=len(streams), desc="generate", unit="req")
             results = []
             for stream in streams:
-                results.append(stream.collect())
+                results.extend(stream.collect_choices())
                 if bar is not None:
                     bar.update(1)
             if bar is not None:
@@ -245,5 +298,7 @@ class Engine:
                 stream.close()
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None,
-             tools: list[dict] | None = None) -> Completion:
-        return self.stream_chat(messages, params, tools=tools).collect()
+             tools: list[dict] | None = None) -> Completion | list[Completion]:
+        """The reply's Completion; with params.n > 1, the list of the n choices' Completions."""
+        stream = self.stream_chat(messages, params, tools=tools)
+        return stream.collect() if stream.num_choices == 1 else stream.collect_choices()

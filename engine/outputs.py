@@ -28,6 +28,7 @@ class StreamEvent:
     token_ids: list[int]
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None  # None | "stop" | "length" | "abort"
+    index: int = 0  # which choice (n > 1, batched prompts) the event belongs to
 
 
 @dataclass(slots=True)
@@ -50,3 +51,4 @@ class Completion:
     prompt_token_ids: list[int]
     prompt_logprobs: list[TokenLogprob | None] | None
     usage: Usage
+    index: int = 0  # the choice's index (n > 1: prompt i's choices are i*n .. i*n+n-1)

@@ -76,6 +76,7 @@ class Scheduler:
         self._unpublished: list[Sequence] = []  # running seqs with prompt blocks not yet in the prefix cache
         self.num_preemptions = 0
         self.num_prefix_cache_hit_tokens = 0  # prompt tokens taken from the prefix cache at admission
+        self.num_prefix_cache_query_tokens = 0  # tokens looked up in the prefix cache at admission
 
     # -- queries --
 
@@ -248,6 +249,9 @@ class Scheduler:
             state.num_blocks[slot] = len(block_ids)
             seq.num_cached_tokens = num_cached
             self.num_prefix_cache_hit_tokens += num_cached
+            self.num_prefix_cache_query_tokens += num_tokens if cfg.enable_prefix_caching else 0
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.perf_counter()
             seq.status = SequenceStatus.RUNNING
             self._running_slots[len(self.running)] = slot
             self.running.append(seq)

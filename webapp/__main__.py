@@ -20,6 +20,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="HTTP handler threads; 8 of them are kept for /health, /metrics and 429 answers")
     parser.add_argument("--max-concurrent-requests", type=int, default=None,
                         help="generation requests in flight before 429 (default: threads - 8)")
+    parser.add_argument("--allowed-origins", default=None,
+                        help="CORS: comma-separated browser origins allowed to call the API, or '*' (default: none)")
     add_engine_arguments(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -27,6 +29,7 @@ def main(argv: list[str] | None = None) -> None:
     import engine
 
     from . import serve
+    from .cors import parse_origins
 
     eng = engine.Engine.from_pretrained(args.model, **engine_options_from_args(args))
     if args.served_model_name:
@@ -37,7 +40,7 @@ def main(argv: list[str] | None = None) -> None:
         name = "SmolLM2-135M-Instruct"
     try:
         serve(eng, host=args.host, port=args.port, api_key=args.api_key, model_name=name, threads=args.threads,
-              max_concurrent_requests=args.max_concurrent_requests)
+              max_concurrent_requests=args.max_concurrent_requests, allowed_origins=parse_origins(args.allowed_origins))
     except KeyboardInterrupt:
         pass
     finally:
