@@ -1,0 +1,302 @@
+/* Dispatch (instruction set chosen at first call), argument checks and a small thread pool
+ * for the kernels of fused_impl.h. See fused_kernels.h for the contract. */
+#include "fused_kernels.h"
+
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define FK_CHUNK 32         /* keys scored per step of the online softmax */
+#define FK_CHUNK_COLS 512   /* columns of silu_mul converted per step */
+
+typedef struct {
+    float *resid; const void *delta; const void *weight; void *out;
+    int64_t dim; float eps; int dtype;
+} AddNormArgs;
+
+typedef struct {
+    void *qkv; int64_t row_stride; int num_heads, num_kv_heads, head_dim;
+    const int64_t *positions; const float *cos, *sin; const int64_t *slots;
+    void *k_cache, *v_cache; int dtype;
+} RopeArgs;
+
+typedef struct {
+    const void *q; int64_t q_row_stride; const void *k_cache, *v_cache; int block_size;
+    const int64_t *block_tables; int64_t table_stride; const int64_t *context_lens;
+    int num_heads, num_kv_heads, head_dim; int64_t sliding_window; float scale; void *out; int dtype;
+} AttnArgs;
+
+typedef struct {
+    const void *gate_up; void *out; int64_t inter; int dtype;
+} SiluArgs;
+
+typedef struct {
+    void (*add_rmsnorm)(const AddNormArgs *, int64_t, int64_t, float *);
+    void (*rope_kv)(const RopeArgs *, int64_t, int64_t, float *);
+    void (*attention)(const AttnArgs *, int64_t, int64_t, float *);
+    void (*silu_mul)(const SiluArgs *, int64_t, int64_t, float *);
+} KernelTable;
+
+#define FK_SUFFIX baseline
+#include "fused_impl.h"
+#undef FK_SUFFIX
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define FK_HAVE_X86 1
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+#define FK_SUFFIX avx2
+#include "fused_impl.h"
+#undef FK_SUFFIX
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")
+#define FK_SUFFIX avx512
+#include "fused_impl.h"
+#undef FK_SUFFIX
+#pragma GCC pop_options
+#endif
+
+/* ---- instruction set ---- */
+
+static const KernelTable *active_table = NULL;
+static int active_isa = FK_ISA_BASELINE;
+
+static int cpu_has(int isa) {
+    if (isa == FK_ISA_BASELINE) return 1;
+#ifdef FK_HAVE_X86
+    __builtin_cpu_init();
+    if (isa == FK_ISA_AVX2) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    if (isa == FK_ISA_AVX512)
+        return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+               __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+#endif
+    return 0;
+}
+
+int fk_set_isa(int isa) {
+    if (isa == FK_ISA_AUTO) {
+        isa = cpu_has(FK_ISA_AVX512) ? FK_ISA_AVX512 : cpu_has(FK_ISA_AVX2) ? FK_ISA_AVX2 : FK_ISA_BASELINE;
+    }
+    if (isa < FK_ISA_BASELINE || isa > FK_ISA_AVX512 || !cpu_has(isa)) return -1;
+#ifdef FK_HAVE_X86
+    active_table = isa == FK_ISA_AVX512 ? &kernel_table_avx512
+                 : isa == FK_ISA_AVX2 ? &kernel_table_avx2 : &kernel_table_baseline;
+#else
+    active_table = &kernel_table_baseline;
+#endif
+    active_isa = isa;
+    return isa;
+}
+
+int fk_get_isa(void) {
+    if (active_table == NULL) fk_set_isa(FK_ISA_AUTO);
+    return active_isa;
+}
+
+static const KernelTable *kernels(void) {
+    if (active_table == NULL) fk_set_isa(FK_ISA_AUTO);
+    return active_table;
+}
+
+/* ---- per-thread scratch ---- */
+
+static __thread float *scratch_buf = NULL;
+static __thread size_t scratch_len = 0;
+
+static float *scratch(size_t num_floats) {
+    if (num_floats > scratch_len) {
+        float *grown = (float *)realloc(scratch_buf, num_floats * sizeof(float));
+        if (grown == NULL) return NULL;
+        scratch_buf = grown;
+        scratch_len = num_floats;
+    }
+    return scratch_buf;
+}
+
+/* ---- thread pool: workers sleep on a condition variable (no spinning) ---- */
+
+typedef void (*RangeFn)(const void *args, int64_t begin, int64_t end, float *scratch);
+
+#define FK_MAX_THREADS 256
+
+static struct {
+    pthread_mutex_t mutex;
+    pthread_cond_t work_ready, work_done;
+    int num_threads;        /* wanted, caller included */
+    int num_started;        /* workers running */
+    uint64_t generation;    /* bumped per job */
+    int num_busy;           /* workers still in the current job */
+    int num_active;         /* workers 0..num_active-1 take part in the current job */
+    RangeFn fn; const void *args; int64_t num_items, chunk; size_t scratch_floats;
+    int64_t next;           /* next item to take (under the mutex-free atomic) */
+    int failed;
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER, 1, 0, 0, 0, 0,
+          NULL, NULL, 0, 1, 0, 0, 0};
+
+static int64_t parallel_threshold = 1 << 17;
+
+static void run_chunks(void) {
+    float *buf = scratch(pool.scratch_floats);
+    if (buf == NULL) {
+        __atomic_store_n(&pool.failed, 1, __ATOMIC_RELAXED);
+        return;
+    }
+    for (;;) {
+        int64_t begin = __atomic_fetch_add(&pool.next, pool.chunk, __ATOMIC_RELAXED);
+        if (begin >= pool.num_items) return;
+        int64_t end = begin + pool.chunk < pool.num_items ? begin + pool.chunk : pool.num_items;
+        pool.fn(pool.args, begin, end, buf);
+    }
+}
+
+static uint64_t worker_start_generation[FK_MAX_THREADS];
+
+static void *worker_main(void *arg) {
+    const int index = (int)(intptr_t)arg;
+    pthread_mutex_lock(&pool.mutex);
+    uint64_t seen = worker_start_generation[index];
+    for (;;) {
+        while (pool.generation == seen) pthread_cond_wait(&pool.work_ready, &pool.mutex);
+        seen = pool.generation;
+        const int is_active = index < pool.num_active;
+        pthread_mutex_unlock(&pool.mutex);
+        if (is_active) run_chunks();
+        pthread_mutex_lock(&pool.mutex);
+        if (--pool.num_busy == 0) pthread_cond_signal(&pool.work_done);
+    }
+    return NULL;
+}
+
+static void reset_after_fork(void) {
+    /* The child has only the forking thread: forget the workers. */
+    pthread_mutex_init(&pool.mutex, NULL);
+    pthread_cond_init(&pool.work_ready, NULL);
+    pthread_cond_init(&pool.work_done, NULL);
+    pool.num_started = 0;
+    pool.num_busy = 0;
+}
+
+static int ensure_workers(int wanted) {
+    static int is_atfork_set = 0;
+    if (!is_atfork_set) {
+        pthread_atfork(NULL, NULL, reset_after_fork);
+        is_atfork_set = 1;
+    }
+    while (pool.num_started < wanted) {
+        pthread_t thread;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        worker_start_generation[pool.num_started] = pool.generation;
+        int rc = pthread_create(&thread, &attr, worker_main, (void *)(intptr_t)pool.num_started);
+        pthread_attr_destroy(&attr);
+        if (rc != 0) break;
+        pool.num_started++;
+    }
+    return pool.num_started;
+}
+
+/* Runs fn over [0, num_items): on the caller alone when the work is small or the pool has
+ * one thread, else split in chunks taken by the caller and the workers. Not reentrant:
+ * calls from several Python threads at once are serialised by the pool mutex. */
+static int parallel_for(RangeFn fn, const void *args, int64_t num_items, int64_t work, size_t scratch_floats) {
+    int num_threads = __atomic_load_n(&pool.num_threads, __ATOMIC_RELAXED);
+    if (num_threads <= 1 || work < parallel_threshold || num_items < 2) {
+        float *buf = scratch(scratch_floats);
+        if (buf == NULL) return FK_NO_MEMORY;
+        fn(args, 0, num_items, buf);
+        return FK_OK;
+    }
+    pthread_mutex_lock(&pool.mutex);
+    int num_workers = num_threads - 1;
+    if ((int64_t)num_workers > num_items - 1) num_workers = (int)(num_items - 1);
+    if (ensure_workers(num_workers) < num_workers) num_workers = pool.num_started;
+    pool.num_active = num_workers;
+    pool.fn = fn;
+    pool.args = args;
+    pool.num_items = num_items;
+    int64_t num_chunks = (int64_t)(num_workers + 1) * 4;
+    pool.chunk = num_items / num_chunks > 0 ? num_items / num_chunks : 1;
+    pool.scratch_floats = scratch_floats;
+    pool.next = 0;
+    pool.failed = 0;
+    pool.num_busy = pool.num_started;  /* every started worker wakes and checks in */
+    pool.generation++;
+    pthread_cond_broadcast(&pool.work_ready);
+    pthread_mutex_unlock(&pool.mutex);
+    run_chunks();
+    pthread_mutex_lock(&pool.mutex);
+    while (pool.num_busy > 0) pthread_cond_wait(&pool.work_done, &pool.mutex);
+    int failed = pool.failed;
+    pthread_mutex_unlock(&pool.mutex);
+    return failed ? FK_NO_MEMORY : FK_OK;
+}
+
+int fk_set_num_threads(int num_threads) {
+    if (num_threads < 1) num_threads = 1;
+    if (num_threads > FK_MAX_THREADS) num_threads = FK_MAX_THREADS;
+    __atomic_store_n(&pool.num_threads, num_threads, __ATOMIC_RELAXED);
+    return num_threads;
+}
+
+int fk_get_num_threads(void) { return __atomic_load_n(&pool.num_threads, __ATOMIC_RELAXED); }
+void fk_set_parallel_threshold(int64_t work) { parallel_threshold = work; }
+int64_t fk_get_parallel_threshold(void) { return parallel_threshold; }
+
+/* ---- entry points ---- */
+
+static void add_rmsnorm_range(const void *a, int64_t b, int64_t e, float *s) { kernels()->add_rmsnorm(a, b, e, s); }
+static void rope_kv_range(const void *a, int64_t b, int64_t e, float *s) { kernels()->rope_kv(a, b, e, s); }
+static void attention_range(const void *a, int64_t b, int64_t e, float *s) { kernels()->attention(a, b, e, s); }
+static void silu_mul_range(const void *a, int64_t b, int64_t e, float *s) { kernels()->silu_mul(a, b, e, s); }
+
+int fk_add_rmsnorm(float *resid, const void *delta, const void *weight, void *out,
+                   int64_t num_rows, int64_t dim, float eps, int dtype) {
+    AddNormArgs args = {resid, delta, weight, out, dim, eps, dtype};
+    return parallel_for(add_rmsnorm_range, &args, num_rows, num_rows * dim * 4, (size_t)dim * 2);
+}
+
+int fk_rope_kv_write(void *qkv, int64_t num_rows, int64_t row_stride, int num_heads, int num_kv_heads,
+                     int head_dim, const int64_t *positions, const float *cos, const float *sin,
+                     int64_t num_positions, const int64_t *slots, void *k_cache, void *v_cache,
+                     int64_t num_slots, int dtype) {
+    for (int64_t t = 0; t < num_rows; t++) {
+        if (positions[t] < 0 || positions[t] >= num_positions) return FK_BAD_POSITION;
+        if (slots[t] < 0 || slots[t] >= num_slots) return FK_BAD_SLOT;
+    }
+    RopeArgs args = {qkv, row_stride, num_heads, num_kv_heads, head_dim, positions, cos, sin, slots,
+                     k_cache, v_cache, dtype};
+    int64_t work = num_rows * (num_heads + num_kv_heads) * head_dim * 4;
+    return parallel_for(rope_kv_range, &args, num_rows, work, (size_t)head_dim * 2);
+}
+
+int fk_decode_attention(const void *q, int64_t q_row_stride, const void *k_cache, const void *v_cache,
+                        int64_t num_blocks, int block_size, const int64_t *block_tables, int64_t table_stride,
+                        const int64_t *context_lens, int num_seqs, int num_heads, int num_kv_heads,
+                        int head_dim, int64_t sliding_window, float scale, void *out, int dtype) {
+    int64_t total_keys = 0;
+    for (int b = 0; b < num_seqs; b++) {
+        int64_t len = context_lens[b];
+        if (len < 1 || (len + block_size - 1) / block_size > table_stride) return FK_BAD_LENGTH;
+        int64_t first = sliding_window > 0 && len > sliding_window ? len - sliding_window : 0;
+        const int64_t *table = block_tables + (int64_t)b * table_stride;
+        for (int64_t j = first / block_size; j <= (len - 1) / block_size; j++) {
+            if (table[j] < 0 || table[j] >= num_blocks) return FK_BAD_BLOCK;
+        }
+        total_keys += len - first;
+    }
+    AttnArgs args = {q, q_row_stride, k_cache, v_cache, block_size, block_tables, table_stride, context_lens,
+                     num_heads, num_kv_heads, head_dim, sliding_window, scale, out, dtype};
+    int groups = num_heads / num_kv_heads;
+    size_t floats = (size_t)groups * head_dim * 2 + (size_t)head_dim * 2 + (size_t)groups * FK_CHUNK + 2 * (size_t)groups;
+    return parallel_for(attention_range, &args, (int64_t)num_seqs * num_kv_heads,
+                        total_keys * num_heads * head_dim * 2, floats);
+}
+
+int fk_silu_mul(const void *gate_up, void *out, int64_t num_rows, int64_t inter, int dtype) {
+    SiluArgs args = {gate_up, out, inter, dtype};
+    return parallel_for(silu_mul_range, &args, num_rows, num_rows * inter * 8, FK_CHUNK_COLS * 2);
+}
