@@ -116,7 +116,11 @@ static float *scratch(size_t num_floats) {
     return scratch_buf;
 }
 
-/* ---- thread pool: workers sleep on a condition variable (no spinning) ---- */
+/* ---- thread pool ----
+ * Workers sleep on a condition variable (no spinning: a busy machine keeps its cores).
+ * A job's items are claimed in chunks through one 64-bit word (generation << 32 | next item),
+ * so a worker that wakes late, after the caller has taken every chunk, finds nothing and
+ * never delays the caller; the caller waits only for chunks actually claimed. */
 
 typedef void (*RangeFn)(const void *args, int64_t begin, int64_t end, float *scratch);
 
@@ -127,45 +131,60 @@ static struct {
     pthread_cond_t work_ready, work_done;
     int num_threads;        /* wanted, caller included */
     int num_started;        /* workers running */
-    uint64_t generation;    /* bumped per job */
-    int num_busy;           /* workers still in the current job */
     int num_active;         /* workers 0..num_active-1 take part in the current job */
+    uint32_t generation;    /* bumped per job */
     RangeFn fn; const void *args; int64_t num_items, chunk; size_t scratch_floats;
-    int64_t next;           /* next item to take (under the mutex-free atomic) */
+    uint64_t claim;         /* generation << 32 | next item */
+    int64_t num_done;       /* items finished in the current job */
     int failed;
-} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER, 1, 0, 0, 0, 0,
-          NULL, NULL, 0, 1, 0, 0, 0};
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER, 1, 0, 0, 0,
+          NULL, NULL, 0, 1, 0, 0, 0, 0};
 
-static int64_t parallel_threshold = 1 << 17;
+static int64_t parallel_threshold = 1 << 20;
 
-static void run_chunks(void) {
-    float *buf = scratch(pool.scratch_floats);
-    if (buf == NULL) {
-        __atomic_store_n(&pool.failed, 1, __ATOMIC_RELAXED);
-        return;
-    }
+typedef struct {
+    uint32_t generation; RangeFn fn; const void *args; int64_t num_items, chunk; size_t scratch_floats;
+} JobView;
+
+/* Claims and runs chunks of the job `job` describes until none is left. */
+static void run_chunks(const JobView *job) {
+    float *buf = NULL;
     for (;;) {
-        int64_t begin = __atomic_fetch_add(&pool.next, pool.chunk, __ATOMIC_RELAXED);
-        if (begin >= pool.num_items) return;
-        int64_t end = begin + pool.chunk < pool.num_items ? begin + pool.chunk : pool.num_items;
-        pool.fn(pool.args, begin, end, buf);
+        uint64_t seen = __atomic_load_n(&pool.claim, __ATOMIC_ACQUIRE);
+        int64_t begin;
+        do {
+            if ((uint32_t)(seen >> 32) != job->generation) return;
+            begin = (int64_t)(seen & 0xffffffffu);
+            if (begin >= job->num_items) return;
+        } while (!__atomic_compare_exchange_n(&pool.claim, &seen, seen + (uint64_t)job->chunk, 1,
+                                              __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE));
+        int64_t end = begin + job->chunk < job->num_items ? begin + job->chunk : job->num_items;
+        if (buf == NULL) buf = scratch(job->scratch_floats);
+        if (buf != NULL) {
+            job->fn(job->args, begin, end, buf);
+        } else {
+            __atomic_store_n(&pool.failed, 1, __ATOMIC_RELAXED);
+        }
+        if (__atomic_add_fetch(&pool.num_done, end - begin, __ATOMIC_ACQ_REL) == job->num_items) {
+            pthread_mutex_lock(&pool.mutex);
+            pthread_cond_broadcast(&pool.work_done);
+            pthread_mutex_unlock(&pool.mutex);
+        }
     }
 }
-
-static uint64_t worker_start_generation[FK_MAX_THREADS];
 
 static void *worker_main(void *arg) {
     const int index = (int)(intptr_t)arg;
     pthread_mutex_lock(&pool.mutex);
-    uint64_t seen = worker_start_generation[index];
+    uint32_t seen = pool.generation;
     for (;;) {
         while (pool.generation == seen) pthread_cond_wait(&pool.work_ready, &pool.mutex);
         seen = pool.generation;
+        JobView job = {pool.generation, pool.fn, pool.args, pool.num_items, pool.chunk, pool.scratch_floats};
         const int is_active = index < pool.num_active;
         pthread_mutex_unlock(&pool.mutex);
-        if (is_active) run_chunks();
+        if (is_active) run_chunks(&job);
         pthread_mutex_lock(&pool.mutex);
-        if (--pool.num_busy == 0) pthread_cond_signal(&pool.work_done);
     }
     return NULL;
 }
@@ -176,7 +195,6 @@ static void reset_after_fork(void) {
     pthread_cond_init(&pool.work_ready, NULL);
     pthread_cond_init(&pool.work_done, NULL);
     pool.num_started = 0;
-    pool.num_busy = 0;
 }
 
 static int ensure_workers(int wanted) {
@@ -190,7 +208,6 @@ static int ensure_workers(int wanted) {
         pthread_attr_t attr;
         pthread_attr_init(&attr);
         pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-        worker_start_generation[pool.num_started] = pool.generation;
         int rc = pthread_create(&thread, &attr, worker_main, (void *)(intptr_t)pool.num_started);
         pthread_attr_destroy(&attr);
         if (rc != 0) break;
@@ -200,38 +217,45 @@ static int ensure_workers(int wanted) {
 }
 
 /* Runs fn over [0, num_items): on the caller alone when the work is small or the pool has
- * one thread, else split in chunks taken by the caller and the workers. Not reentrant:
- * calls from several Python threads at once are serialised by the pool mutex. */
+ * one thread, else split in chunks claimed by the caller and the workers. Calls from
+ * several Python threads at once are serialised by job_mutex. */
+static pthread_mutex_t job_mutex = PTHREAD_MUTEX_INITIALIZER;
+
 static int parallel_for(RangeFn fn, const void *args, int64_t num_items, int64_t work, size_t scratch_floats) {
     int num_threads = __atomic_load_n(&pool.num_threads, __ATOMIC_RELAXED);
-    if (num_threads <= 1 || work < parallel_threshold || num_items < 2) {
+    if (num_threads <= 1 || work < parallel_threshold || num_items < 2 || num_items > 0x7fffffff) {
         float *buf = scratch(scratch_floats);
         if (buf == NULL) return FK_NO_MEMORY;
         fn(args, 0, num_items, buf);
         return FK_OK;
     }
+    pthread_mutex_lock(&job_mutex);
     pthread_mutex_lock(&pool.mutex);
     int num_workers = num_threads - 1;
     if ((int64_t)num_workers > num_items - 1) num_workers = (int)(num_items - 1);
     if (ensure_workers(num_workers) < num_workers) num_workers = pool.num_started;
     pool.num_active = num_workers;
+    int64_t num_chunks = (int64_t)(num_workers + 1) * 4;
+    JobView job = {pool.generation + 1, fn, args, num_items,
+                   num_items / num_chunks > 0 ? num_items / num_chunks : 1, scratch_floats};
+    pool.generation = job.generation;
     pool.fn = fn;
     pool.args = args;
     pool.num_items = num_items;
-    int64_t num_chunks = (int64_t)(num_workers + 1) * 4;
-    pool.chunk = num_items / num_chunks > 0 ? num_items / num_chunks : 1;
+    pool.chunk = job.chunk;
     pool.scratch_floats = scratch_floats;
-    pool.next = 0;
     pool.failed = 0;
-    pool.num_busy = pool.num_started;  /* every started worker wakes and checks in */
-    pool.generation++;
+    __atomic_store_n(&pool.num_done, 0, __ATOMIC_RELEASE);
+    __atomic_store_n(&pool.claim, (uint64_t)job.generation << 32, __ATOMIC_RELEASE);
     pthread_cond_broadcast(&pool.work_ready);
     pthread_mutex_unlock(&pool.mutex);
-    run_chunks();
+    run_chunks(&job);
     pthread_mutex_lock(&pool.mutex);
-    while (pool.num_busy > 0) pthread_cond_wait(&pool.work_done, &pool.mutex);
+    while (__atomic_load_n(&pool.num_done, __ATOMIC_ACQUIRE) < num_items)
+        pthread_cond_wait(&pool.work_done, &pool.mutex);
     int failed = pool.failed;
     pthread_mutex_unlock(&pool.mutex);
+    pthread_mutex_unlock(&job_mutex);
     return failed ? FK_NO_MEMORY : FK_OK;
 }
 
