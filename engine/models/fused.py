@@ -176,3 +176,70 @@ def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Te
 def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.float().chunk(2, dim=-1)
     return (F.silu(gate) * up).to(gate_up.dtype)
+
+
+# ---- one forward's worth of kernel calls, with the per-call checks hoisted ----
+
+class FusedStep:
+    """The kernel calls of one model forward over T rows: constants and output buffers are
+    set up once here and reused by every layer (the wrappers above re-check everything on
+    each call, ~1 us each, x 150 calls per token).
+
+    Buffers are overwritten by the next call of the same kind: ``norm`` returns the same
+    [T, E] tensor each time, which the caller consumes (a projection) before the next norm.
+    """
+
+    __slots__ = ("num_rows", "dtype", "code", "hidden", "eps", "num_heads", "num_kv_heads", "head_dim",
+                 "positions", "slots", "cos", "sin", "h", "attn", "act", "plan")
+
+    def __init__(self, num_rows: int, dtype: torch.dtype, hidden: int, intermediate: int, eps: float,
+                 num_heads: int, num_kv_heads: int, head_dim: int, positions: torch.Tensor,
+                 cos: torch.Tensor, sin: torch.Tensor, plan):
+        self.num_rows, self.dtype, self.code = num_rows, dtype, _code(torch.empty(0, dtype=dtype))
+        self.hidden, self.eps = hidden, eps
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        _require(positions.dtype == torch.int64 and positions.is_contiguous() and positions.shape == (num_rows,),
+                 "positions: must be contiguous int64 [T]")
+        _require(cos.dtype == torch.float32 and cos.is_contiguous() and cos.shape == sin.shape
+                 and sin.is_contiguous() and cos.shape[1] == head_dim // 2, "cos/sin: contiguous float32 [P, D/2]")
+        self.positions, self.cos, self.sin, self.plan = positions, cos, sin, plan
+        self.slots = plan.slot_mapping  # [T] int64 contiguous (plan_attention makes it so)
+        self.h = torch.empty((num_rows, hidden), dtype=dtype)  # [T, E]
+        self.attn = torch.empty((plan.num_decode_seqs, num_heads * head_dim), dtype=dtype)  # [B, H D]
+        self.act = torch.empty((num_rows, intermediate), dtype=dtype)  # [T, I]
+
+    def _check_rows(self, t: torch.Tensor, width: int, name: str) -> None:
+        if t.dtype != self.dtype or not t.is_contiguous() or t.shape != (self.num_rows, width):
+            raise ValueError(f"{name}: expected contiguous [{self.num_rows}, {width}] {self.dtype}, "
+                             f"got {tuple(t.shape)} {t.dtype}")
+
+    def norm(self, resid: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor:
+        """resid [T, E] float32 += delta; -> rmsnorm(resid) * weight in the step's buffer."""
+        if delta is not None:
+            self._check_rows(delta, self.hidden, "delta")
+        _fused.add_rmsnorm(resid.data_ptr(), 0 if delta is None else delta.data_ptr(), weight.data_ptr(),
+                           self.h.data_ptr(), self.num_rows, self.hidden, self.eps, self.code)
+        return self.h
+
+    def rope_kv(self, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        self._check_rows(qkv, (self.num_heads + 2 * self.num_kv_heads) * self.head_dim, "qkv")
+        _fused.rope_kv_write(qkv.data_ptr(), self.num_rows, qkv.shape[1], self.num_heads, self.num_kv_heads,
+                             self.head_dim, self.positions.data_ptr(), self.cos.data_ptr(), self.sin.data_ptr(),
+                             self.cos.shape[0], self.slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                             k_cache.shape[0], self.code)
+
+    def decode_attention(self, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """The decode rows (the first B of qkv, already roped) -> [B, H D] in the step's buffer."""
+        plan = self.plan
+        _fused.decode_attention(qkv.data_ptr(), qkv.shape[1], k_cache.data_ptr(), v_cache.data_ptr(),
+                                k_cache.shape[0] // plan.block_size, plan.block_size, plan.block_tables.data_ptr(),
+                                plan.block_tables.shape[1], plan.context_lens.data_ptr(), plan.num_decode_seqs,
+                                self.num_heads, self.num_kv_heads, self.head_dim, plan.sliding_window or 0,
+                                1.0 / math.sqrt(self.head_dim), self.attn.data_ptr(), self.code)
+        return self.attn
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        inter = self.act.shape[1]
+        self._check_rows(gate_up, 2 * inter, "gate_up")
+        _fused.silu_mul(gate_up.data_ptr(), self.act.data_ptr(), self.num_rows, inter, self.code)
+        return self.act

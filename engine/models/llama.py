@@ -73,23 +73,24 @@ class DecoderLayer(nn.Module):
         gate, up = gate_up.split(self.intermediate_size, dim=-1)  # [T, I] each
         return x + self.down_proj(F.silu(gate) * up)  # [T, E]
 
-    def forward_fused(self, resid: torch.Tensor, delta: torch.Tensor | None, rope: RotaryTable,
-                      positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      plan: AttentionPlan) -> torch.Tensor:
+    def forward_fused(self, resid: torch.Tensor, delta: torch.Tensor | None, step: fused.FusedStep,
+                      k_cache: torch.Tensor, v_cache: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
         """resid [T, E] float32 += delta (the previous layer's output, None for the first layer),
         in place -> this layer's output [T, E] in the compute dtype (added by the next call)."""
         num_rows = resid.shape[0]
-        H, KH, D = self.num_heads, self.num_kv_heads, self.head_dim
-        h = fused.add_rmsnorm(resid, delta, self.attn_norm, self.eps)  # [T, E]
+        h = step.norm(resid, delta, self.attn_norm)  # [T, E]
         qkv = self.qkv_proj(h)  # [T, (H + 2 KH) D]
-        fused.rope_kv_write(qkv, H, KH, D, positions, rope.cos_half, rope.sin_half, plan.slot_mapping,
-                            k_cache, v_cache)
-        q = qkv[:, : self.q_size].view(num_rows, H, D)  # [T, H, D], rotated in place
-        k = qkv[:, self.q_size: self.q_size + self.kv_size].view(num_rows, KH, D)  # [T, KH, D]
-        v = qkv[:, self.q_size + self.kv_size:].view(num_rows, KH, D)  # [T, KH, D]
-        attn = paged_attention(q, k, v, k_cache, v_cache, plan)  # [T, H D]
-        h = fused.add_rmsnorm(resid, self.o_proj(attn), self.ffn_norm, self.eps)  # [T, E]
-        return self.down_proj(fused.silu_mul(self.gate_up_proj(h)))  # [T, E]
+        step.rope_kv(qkv, k_cache, v_cache)  # q, k rotated in place; k, v written to the cache
+        if plan.prefills:
+            H, KH, D = self.num_heads, self.num_kv_heads, self.head_dim
+            q = qkv[:, : self.q_size].view(num_rows, H, D)  # [T, H, D]
+            k = qkv[:, self.q_size: self.q_size + self.kv_size].view(num_rows, KH, D)  # [T, KH, D]
+            v = qkv[:, self.q_size + self.kv_size:].view(num_rows, KH, D)  # [T, KH, D]
+            attn = paged_attention(q, k, v, k_cache, v_cache, plan)  # [T, H D]
+        else:
+            attn = step.decode_attention(qkv, k_cache, v_cache)  # [T, H D]
+        h = step.norm(resid, self.o_proj(attn), self.ffn_norm)  # [T, E]
+        return self.down_proj(step.silu_mul(self.gate_up_proj(h)))  # [T, E]
 
 
 class LlamaModel(nn.Module):
@@ -140,10 +141,14 @@ class LlamaModel(nn.Module):
         positions = batch.positions  # [T]
         if positions.dtype != torch.int64 or not positions.is_contiguous():
             positions = positions.to(torch.int64).contiguous()
+        c = self.config
+        step = fused.FusedStep(positions.shape[0], self.dtype, c.hidden_size, c.intermediate_size, c.rms_norm_eps,
+                               c.num_heads, c.num_kv_heads, c.head_dim, positions, self.rope.cos_half,
+                               self.rope.sin_half, plan)
         resid = F.embedding(batch.input_ids, self.embed).float()  # [T, E] float32 residual stream
         delta = None
         for i, layer in enumerate(self.layers):
-            delta = layer.forward_fused(resid, delta, self.rope, positions, kv_cache.k[i], kv_cache.v[i], plan)
+            delta = layer.forward_fused(resid, delta, step, kv_cache.k[i], kv_cache.v[i], plan)
         rows = batch.logit_rows
         x = fused.add_rmsnorm(resid.index_select(0, rows), delta.index_select(0, rows), self.norm,
                               self.config.rms_norm_eps)  # [S, E]
