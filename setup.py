@@ -32,7 +32,7 @@ DIRECTIVES = {
 
 C_SOURCES = {"fused": ["cext/csrc/fused_kernels.c"]}
 C_FLAGS = {"fused": ["-fopenmp-simd", "-pthread", "-fno-math-errno"]}
-LINK_FLAGS = {"fused": ["-pthread"]}
+LINK_FLAGS = {"fused": ["-pthread", "-lm"]}
 
 
 def extensions():

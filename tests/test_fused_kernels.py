@@ -217,3 +217,15 @@ def test_isa_selection_names_what_runs():
     assert "baseline" in ISAS
     with pytest.raises(ValueError, match="isa"):
         cfused.set_isa("sse9")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("lens,sliding_window", [([300], None), ([257, 90], None), ([500], 200), ([1000], None)])
+def test_long_context_splits_keys_across_threads(pooled, dtype, lens, sliding_window):
+    """Few (sequence, kv head) pairs and long contexts: each pair's keys are split over the
+    threads and the partial softmaxes merged."""
+    max_blocks = max(-(-n // 16) for n in lens)
+    case = dict(num_seqs=len(lens), block_size=16, context_lens=lens, max_blocks=max_blocks, num_kv_heads=1,
+                groups=3, head_dim=64, sliding_window=sliding_window, num_blocks=sum(-(-n // 16) for n in lens) + 3,
+                q_extra_cols=0, dtype=dtype, seed=len(lens))
+    _check_attention(case)

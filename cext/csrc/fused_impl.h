@@ -129,12 +129,21 @@ static void FK_FN(attention_items)(const AttnArgs *a, int64_t begin, int64_t end
     float *scores = vrow + dim;              /* [G, FK_CHUNK] */
     float *run_max = scores + groups * FK_CHUNK; /* [G] */
     float *run_sum = run_max + groups;       /* [G] */
+    const int num_splits = a->num_splits;
     for (int64_t item = begin; item < end; item++) {
-        const int64_t b = item / num_kv;
-        const int kvh = (int)(item % num_kv);
-        const int64_t len = a->context_lens[b];
+        const int split = (int)(item % num_splits);
+        const int64_t b = item / num_splits / num_kv;
+        const int kvh = (int)(item / num_splits % num_kv);
+        int64_t len = a->context_lens[b];
         int64_t first = 0;
         if (a->sliding_window > 0 && len > a->sliding_window) first = len - a->sliding_window;
+        if (num_splits > 1) {
+            /* Keys [first, len) cut in num_splits near-equal ranges; this item takes one. */
+            const int64_t total = len - first;
+            const int64_t lo = first + total * split / num_splits;
+            len = first + total * (split + 1) / num_splits;
+            first = lo;
+        }
         const int64_t *table = a->block_tables + b * a->table_stride;
         const char *q_row = (const char *)a->q + (size_t)(b * a->q_row_stride) * esize;
         for (int g = 0; g < groups; g++) {
@@ -209,6 +218,14 @@ static void FK_FN(attention_items)(const AttnArgs *a, int64_t begin, int64_t end
                 }
             }
             pos += count;
+        }
+        if (num_splits > 1) {
+            /* Unnormalised partial: [G] max, [G] sum, [G, D] acc, merged by the caller. */
+            float *part = a->partials + item * (size_t)groups * (dim + 2);
+            memcpy(part, run_max, sizeof(float) * groups);
+            memcpy(part + groups, run_sum, sizeof(float) * groups);
+            memcpy(part + 2 * groups, acc, sizeof(float) * (size_t)groups * dim);
+            continue;
         }
         char *out_row = (char *)a->out + (size_t)(b * a->num_heads * dim) * esize;
         for (int g = 0; g < groups; g++) {

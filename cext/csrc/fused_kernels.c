@@ -5,6 +5,7 @@
 #include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <math.h>
 #include <string.h>
 
 #define FK_CHUNK 32         /* keys scored per step of the online softmax */
@@ -25,6 +26,8 @@ typedef struct {
     const void *q; int64_t q_row_stride; const void *k_cache, *v_cache; int block_size;
     const int64_t *block_tables; int64_t table_stride; const int64_t *context_lens;
     int num_heads, num_kv_heads, head_dim; int64_t sliding_window; float scale; void *out; int dtype;
+    int num_splits;   /* key ranges per (sequence, kv head); > 1: partials merged after */
+    float *partials;  /* [B * KH * num_splits, G * (D + 2)] when num_splits > 1 */
 } AttnArgs;
 
 typedef struct {
@@ -60,6 +63,8 @@ typedef struct {
 #endif
 
 /* ---- instruction set ---- */
+
+static void kernel_store(int dtype, void *dst, const float *src, int64_t n) { store_row_baseline(dst, src, n, dtype); }
 
 static const KernelTable *active_table = NULL;
 static int active_isa = FK_ISA_BASELINE;
@@ -297,6 +302,41 @@ int fk_rope_kv_write(void *qkv, int64_t num_rows, int64_t row_stride, int num_he
     return parallel_for(rope_kv_range, &args, num_rows, work, (size_t)head_dim * 2);
 }
 
+/* Combines the num_splits partial softmaxes of each (sequence, kv head) into out. */
+static int merge_partials(const AttnArgs *a, int64_t num_pairs) {
+    const int groups = a->num_heads / a->num_kv_heads, dim = a->head_dim, splits = a->num_splits;
+    const size_t part_len = (size_t)groups * (dim + 2);
+    const size_t esize = a->dtype == FK_FLOAT32 ? 4 : 2;
+    float *row = scratch((size_t)dim);
+    if (row == NULL) return FK_NO_MEMORY;
+    for (int64_t pair = 0; pair < num_pairs; pair++) {
+        const int64_t b = pair / a->num_kv_heads;
+        const int kvh = (int)(pair % a->num_kv_heads);
+        const float *parts = a->partials + (size_t)pair * splits * part_len;
+        for (int g = 0; g < groups; g++) {
+            float m = -1e30f;
+            for (int s = 0; s < splits; s++) {
+                float ms = parts[s * part_len + g];
+                m = ms > m ? ms : m;
+            }
+            float total = 0.0f;
+            for (int i = 0; i < dim; i++) row[i] = 0.0f;
+            for (int s = 0; s < splits; s++) {
+                const float *p = parts + s * part_len;
+                float w = p[g] <= -1e30f ? 0.0f : expf(p[g] - m);
+                total += w * p[groups + g];
+                const float *acc = p + 2 * groups + (size_t)g * dim;
+                for (int i = 0; i < dim; i++) row[i] += w * acc[i];
+            }
+            const float inv = 1.0f / total;
+            for (int i = 0; i < dim; i++) row[i] *= inv;
+            kernel_store(a->dtype, (char *)a->out + ((size_t)b * a->num_heads + (size_t)kvh * groups + g) * dim * esize,
+                         row, dim);
+        }
+    }
+    return FK_OK;
+}
+
 int fk_decode_attention(const void *q, int64_t q_row_stride, const void *k_cache, const void *v_cache,
                         int64_t num_blocks, int block_size, const int64_t *block_tables, int64_t table_stride,
                         const int64_t *context_lens, int num_seqs, int num_heads, int num_kv_heads,
@@ -312,12 +352,36 @@ int fk_decode_attention(const void *q, int64_t q_row_stride, const void *k_cache
         }
         total_keys += len - first;
     }
-    AttnArgs args = {q, q_row_stride, k_cache, v_cache, block_size, block_tables, table_stride, context_lens,
-                     num_heads, num_kv_heads, head_dim, sliding_window, scale, out, dtype};
     int groups = num_heads / num_kv_heads;
+    int64_t work = total_keys * num_heads * head_dim * 2;
+    int64_t num_pairs = (int64_t)num_seqs * num_kv_heads;
+    /* Few (sequence, kv head) pairs for the threads (batch 1, long context): split each
+     * pair's keys too, so every thread gets a near-equal share (flash-decoding). */
+    int num_threads = fk_get_num_threads();
+    int num_splits = 1;
+    if (num_threads > 1 && work >= parallel_threshold && num_pairs < 2 * num_threads) {
+        num_splits = (int)((4 * num_threads + num_pairs - 1) / num_pairs);
+        int64_t min_len = INT64_MAX;
+        for (int b = 0; b < num_seqs; b++) {
+            int64_t len = context_lens[b];
+            if (sliding_window > 0 && len > sliding_window) len = sliding_window;
+            if (len < min_len) min_len = len;
+        }
+        if (num_splits > min_len / FK_CHUNK) num_splits = (int)(min_len / FK_CHUNK);
+        if (num_splits < 1) num_splits = 1;
+    }
+    float *partials = NULL;
+    if (num_splits > 1) {
+        partials = (float *)malloc(sizeof(float) * (size_t)num_pairs * num_splits * groups * (head_dim + 2));
+        if (partials == NULL) return FK_NO_MEMORY;
+    }
+    AttnArgs args = {q, q_row_stride, k_cache, v_cache, block_size, block_tables, table_stride, context_lens,
+                     num_heads, num_kv_heads, head_dim, sliding_window, scale, out, dtype, num_splits, partials};
     size_t floats = (size_t)groups * head_dim * 2 + (size_t)head_dim * 2 + (size_t)groups * FK_CHUNK + 2 * (size_t)groups;
-    return parallel_for(attention_range, &args, (int64_t)num_seqs * num_kv_heads,
-                        total_keys * num_heads * head_dim * 2, floats);
+    int rc = parallel_for(attention_range, &args, num_pairs * num_splits, work, floats);
+    if (rc == FK_OK && partials != NULL) rc = merge_partials(&args, num_pairs);
+    free(partials);
+    return rc;
 }
 
 int fk_silu_mul(const void *gate_up, void *out, int64_t num_rows, int64_t inter, int dtype) {

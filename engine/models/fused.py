@@ -129,15 +129,15 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
              "k_cache/v_cache: must be contiguous [S, KH, D] in q's dtype")
     _require(num_heads % num_kv_heads == 0, "num_kv_heads: must divide num_heads")
     _require(k_cache.shape[0] % block_size == 0, "block_size: must divide the cache's slot count")
-    _require(block_tables.dtype == torch.int64 and block_tables.stride(1) == 1 and block_tables.shape[0] >= num_seqs,
-             "block_tables: int64 rows, contiguous, one per sequence")
+    _require(block_tables.dtype == torch.int64 and block_tables.is_contiguous() and block_tables.shape[0] >= num_seqs,
+             "block_tables: contiguous int64 [>= B, max_blocks]")
     _require(context_lens.dtype == torch.int64 and context_lens.is_contiguous() and context_lens.shape[0] >= num_seqs,
              "context_lens: contiguous int64, one per sequence")
     if out is None:
         out = torch.empty((num_seqs, num_heads * head_dim), dtype=q.dtype)
     _fused.decode_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
                             k_cache.shape[0] // block_size, block_size, block_tables.data_ptr(),
-                            block_tables.stride(0), context_lens.data_ptr(), num_seqs, num_heads, num_kv_heads,
+                            block_tables.shape[1], context_lens.data_ptr(), num_seqs, num_heads, num_kv_heads,
                             head_dim, sliding_window or 0, 1.0 / math.sqrt(head_dim), out.data_ptr(), code)
     return out
 
@@ -217,6 +217,8 @@ class FusedStep:
         """resid [T, E] float32 += delta; -> rmsnorm(resid) * weight in the step's buffer."""
         if delta is not None:
             self._check_rows(delta, self.hidden, "delta")
+        if weight.dtype != self.dtype or not weight.is_contiguous() or weight.shape[0] != self.hidden:
+            raise ValueError(f"weight: expected contiguous [{self.hidden}] {self.dtype}, got {weight.dtype}")
         _fused.add_rmsnorm(resid.data_ptr(), 0 if delta is None else delta.data_ptr(), weight.data_ptr(),
                            self.h.data_ptr(), self.num_rows, self.hidden, self.eps, self.code)
         return self.h
