@@ -13,8 +13,10 @@ The measured default (benchmarks/decode.py --busy on a 2-core AMD EPYC shared wi
 jobs, load average 10-16, SmolLM2 bf16, batch 1, fused path; figures in issue 10's report):
 - 2 threads, libgomp's default wait (spin, then sleep): 0.6 tok/s against 6.7 with 1 thread,
   and 0.3 beside one more busy process: the collapse.
-- 2 threads with ``OMP_WAIT_POLICY=PASSIVE``: 5.3-6.8 tok/s, the same as 1 thread under that
-  load, and busy/quiet 0.49-0.57 (1 thread: 0.46-0.51). No collapse.
+- 2 threads with ``OMP_WAIT_POLICY=PASSIVE``: 5.3-7.7 tok/s, the same as 1 thread (6.0-7.3)
+  under that load, and busy/quiet 0.49-0.60 (1 thread: 0.45-0.51), over four interleaved
+  rounds. No collapse. (A quiet machine was not available; the issue measured ~40 GB/s of
+  read bandwidth on one thread and ~77 on two, which the matmuls of a decode step use.)
 So: with passive waiting in effect, one thread per available CPU (up to
 ``MAX_DEFAULT_THREADS``, beyond which nothing was measured); without it, one thread, since
 a spinning team collapses whenever anything else runs. libgomp reads OMP_WAIT_POLICY only
