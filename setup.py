@@ -4,6 +4,11 @@ Compiler directives live here and only here. Build in place with
 ``python setup.py build_ext --inplace`` (the Makefile does it). Set
 ``CEXT_MODULES=utf8,chunk`` to build only some modules while developing, and
 ``CEXT_DEBUG=1`` to turn bounds checks back on (the tests in CI run the fast build).
+
+Hand-written C lives in cext/csrc/ (``cext/*.c`` are Cython's generated files). C_SOURCES
+names the sources each module compiles with its ``.pyx``. Portable flags only: the fused
+kernels compile one variant per instruction set and pick one at run time, so no
+``-march=native``.
 """
 import os
 from pathlib import Path
@@ -25,6 +30,11 @@ DIRECTIVES = {
 }
 
 
+C_SOURCES = {"fused": ["cext/csrc/fused_kernels.c"]}
+C_FLAGS = {"fused": ["-fopenmp-simd", "-pthread", "-fno-math-errno"]}
+LINK_FLAGS = {"fused": ["-pthread", "-lm"]}
+
+
 def extensions():
     wanted = {m for m in os.environ.get("CEXT_MODULES", "").split(",") if m}
     exts = []
@@ -35,10 +45,12 @@ def extensions():
         exts.append(
             Extension(
                 f"cext.{name}",
-                [str(pyx.relative_to(HERE))],
-                include_dirs=[np.get_include()],
+                [str(pyx.relative_to(HERE)), *C_SOURCES.get(name, [])],
+                include_dirs=[np.get_include(), str(HERE / "cext")],
                 define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
-                extra_compile_args=["-O3"] if not DEBUG else ["-O0", "-g"],
+                extra_compile_args=(["-O3"] if not DEBUG else ["-O0", "-g"]) + C_FLAGS.get(name, []),
+                extra_link_args=LINK_FLAGS.get(name, []),
+                depends=[str(p.relative_to(HERE)) for p in (HERE / "cext" / "csrc").glob("*.h")],
             )
         )
     return cythonize(exts, compiler_directives=DIRECTIVES, quiet=True)
@@ -48,7 +60,7 @@ setup(
     name="llm-engine",
     version="0.1.0",
     packages=find_packages(include=["engine", "engine.*", "cext", "webapp", "webapp.*"]),
-    package_data={"cext": ["*.pxd", "*.pyi"], "webapp": ["static/*"]},
+    package_data={"cext": ["*.pxd", "*.pyi", "csrc/*.h", "csrc/*.c"], "webapp": ["static/*"]},
     ext_modules=extensions(),
     python_requires=">=3.11",
     zip_safe=False,

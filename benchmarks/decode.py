@@ -1,26 +1,42 @@
 """The raw model loop: no engine, no scheduler, ForwardBatch objects built directly over
 static block tables. Decode tok/s at batch 1, 8 and 32 and prefill tok/s of a 512-token
 prompt, in float32 and bfloat16, with the projection weights packed for oneDNN (what
-load_model does) beside plain dense weights through F.linear; medians with min-max over repeats.
+load_model does) beside plain dense weights through F.linear, on the fused path (C kernels
+between the matmuls) beside the torch reference path; medians with min-max over repeats,
+configurations interleaved within each repeat.
+
+``--busy`` runs every decode repeat a second time beside a CPU-bound neighbour process
+(a Python busy loop) and reports busy tok/s and the busy/quiet ratio (the thread policy's
+target: >= 0.4 at batch 1). Threads follow engine.models.threads.apply_thread_policy
+(``--threads N`` to override); set OMP_WAIT_POLICY in the environment to compare waits.
 
 Usage: ``python benchmarks/decode.py [--model PATH] [--dtypes float32,bfloat16]
-[--weights packed,dense] [--batch-sizes 1,8,32] [--steps 32] [--repeats 5] [--threads N]``. Prints a table and writes
+[--weights packed,dense] [--paths fused,reference] [--batch-sizes 1,8,32] [--steps 32]
+[--repeats 5] [--threads N] [--busy]``. Prints a table and writes
 benchmarks/results/decode.json. Other benchmarks import ``raw_decode_tok_s`` and
 ``raw_prefill_tok_s`` to run the same loop side by side with the engine.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import random
+import subprocess
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
-import torch
+# The engine's wait policy (engine.models.threads), before torch loads libgomp;
+# OMP_WAIT_POLICY=ACTIVE (or any value) in the environment overrides it for comparisons.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from benchmarks.common import environment, fmt_stats, print_table, summarize, write_json
-from engine.batch import ForwardBatch, single_sequence_batch
-from engine.loader import default_model_path, load_model
+import torch  # noqa: E402
+
+from benchmarks.common import environment, fmt_stats, print_table, summarize, write_json  # noqa: E402
+from engine.batch import ForwardBatch, single_sequence_batch  # noqa: E402
+from engine.loader import default_model_path, load_model  # noqa: E402
+from engine.models.threads import apply_thread_policy  # noqa: E402
 
 BLOCK_SIZE = 16
 
@@ -95,54 +111,123 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--weights", default="packed,dense",
                         help="packed: oneDNN layout (the default model); dense: F.linear (side by side)")
+    parser.add_argument("--paths", default="fused,reference",
+                        help="fused: C kernels between the matmuls (the default); reference: torch ops only")
     parser.add_argument("--batch-sizes", default="1,8,32")
     parser.add_argument("--steps", type=int, default=32, help="decode steps per measurement")
     parser.add_argument("--prompt-len", type=int, default=16)
-    parser.add_argument("--prefill-tokens", type=int, default=512)
+    parser.add_argument("--prefill-tokens", type=int, default=512, help="0: no prefill rows")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None,
-                        help="torch.set_num_threads (default: torch's choice, one per core)")
+                        help="engine.models.threads.apply_thread_policy (default: the measured policy)")
+    parser.add_argument("--busy", action="store_true",
+                        help="each decode repeat also runs beside a CPU-bound neighbour process; "
+                             "reports busy tok/s and busy/quiet")
     return parser.parse_args(argv)
+
+
+class Neighbour:
+    """A CPU-bound process (a Python busy loop) for as long as the ``with`` block runs."""
+
+    def __enter__(self):
+        self.proc = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        time.sleep(0.3)  # let it reach the scheduler's steady state
+        return self
+
+    def __exit__(self, *exc):
+        self.proc.terminate()
+        self.proc.wait()
+
+
+def decode_rates(models: dict, batch_size: int, args) -> dict[str, dict[str, list[float]]]:
+    """Interleaved: each repeat measures every configuration quiet (and, with --busy, beside a
+    neighbour) before the next repeat -> {label: {"quiet": [...], "busy": [...]}}."""
+    rates = {label: {"quiet": [], "busy": []} for label in models}
+    for r in range(args.repeats):
+        for label, model in models.items():
+            rates[label]["quiet"].append(raw_decode_tok_s(model, batch_size, args.steps, args.prompt_len, seed=r))
+        if args.busy:
+            with Neighbour():
+                for label, model in models.items():
+                    rates[label]["busy"].append(
+                        raw_decode_tok_s(model, batch_size, args.steps, args.prompt_len, seed=r))
+    return rates
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    policy = apply_thread_policy(args.threads)
     path = args.model or default_model_path()
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    paths = args.paths.split(",")
     results = {"model": str(path), "steps": args.steps, "prompt_len": args.prompt_len,
-               "prefill_tokens": args.prefill_tokens, "repeats": args.repeats, "decode": [], "prefill": []}
+               "prefill_tokens": args.prefill_tokens, "repeats": args.repeats, "busy": args.busy,
+               "thread_policy": asdict(policy), "load_average_start": os.getloadavg(),
+               "decode": [], "prefill": []}
     rows = []
-    configs = [(d, w) for d in args.dtypes.split(",") for w in args.weights.split(",")]
-    for dtype, weights in configs:
-        model = load_model(path, dtype=dtype, pack_weights=weights == "packed")
-        label = f"{dtype} {weights}"
-        raw_decode_tok_s(model, 1, num_steps=4, prompt_len=args.prompt_len)  # warm-up
-        for batch_size in batch_sizes:
-            rates = [raw_decode_tok_s(model, batch_size, args.steps, args.prompt_len, seed=r)
-                     for r in range(args.repeats)]
-            stats = summarize(rates)
-            step_ms = summarize([1000 * batch_size / r for r in rates])
-            results["decode"].append({"dtype": dtype, "weights": weights, "batch_size": batch_size,
-                                      "tok_s": stats, "step_ms": step_ms, "samples_tok_s": rates})
-            rows.append([label, f"decode B={batch_size}", fmt_stats(stats), fmt_stats(step_ms, ".2f")])
-            print(f"  {label} decode B={batch_size}: {fmt_stats(stats)} tok/s", file=sys.stderr, flush=True)
-        raw_prefill_tok_s(model, 64)  # warm-up
-        rates = [raw_prefill_tok_s(model, args.prefill_tokens, seed=r) for r in range(args.repeats)]
-        stats = summarize(rates)
-        results["prefill"].append({"dtype": dtype, "weights": weights, "num_tokens": args.prefill_tokens,
-                                   "tok_s": stats, "samples_tok_s": rates})
-        rows.append([label, f"prefill {args.prefill_tokens}", fmt_stats(stats),
-                     fmt_stats(summarize([1000 * args.prefill_tokens / r for r in rates]), ".1f")])
-        del model
+    for dtype in args.dtypes.split(","):
+        for weights in args.weights.split(","):
+            model = load_model(path, dtype=dtype, pack_weights=weights == "packed")
+            models = {}
+            for fused_path in paths:
+                # The same weights on both paths: the fused path reads the flag per forward.
+                models[(dtype, weights, fused_path)] = _PathView(model, fused_path == "fused")
+            for view in models.values():
+                raw_decode_tok_s(view, 1, num_steps=4, prompt_len=args.prompt_len)  # warm-up
+            for batch_size in batch_sizes:
+                rates = decode_rates(models, batch_size, args)
+                for (d, w, fp), samples in rates.items():
+                    label = f"{d} {w} {fp}"
+                    quiet = summarize(samples["quiet"])
+                    entry = {"dtype": d, "weights": w, "path": fp, "batch_size": batch_size, "tok_s": quiet,
+                             "step_ms": summarize([1000 * batch_size / x for x in samples["quiet"]]),
+                             "samples_tok_s": samples["quiet"]}
+                    row = [label, f"decode B={batch_size}", fmt_stats(quiet), fmt_stats(entry["step_ms"], ".2f")]
+                    if args.busy:
+                        busy = summarize(samples["busy"])
+                        ratio = summarize([b / q for b, q in zip(samples["busy"], samples["quiet"])])
+                        entry.update({"busy_tok_s": busy, "busy_over_quiet": ratio, "samples_busy_tok_s": samples["busy"]})
+                        row += [fmt_stats(busy), fmt_stats(ratio, ".2f")]
+                    results["decode"].append(entry)
+                    rows.append(row)
+                    print(f"  {' | '.join(row)}", file=sys.stderr, flush=True)
+            if args.prefill_tokens:
+                for (d, w, fp), view in models.items():
+                    raw_prefill_tok_s(view, 64)  # warm-up
+                    rates = [raw_prefill_tok_s(view, args.prefill_tokens, seed=r) for r in range(args.repeats)]
+                    stats = summarize(rates)
+                    results["prefill"].append({"dtype": d, "weights": w, "path": fp, "num_tokens": args.prefill_tokens,
+                                               "tok_s": stats, "samples_tok_s": rates})
+                    row = [f"{d} {w} {fp}", f"prefill {args.prefill_tokens}", fmt_stats(stats),
+                           fmt_stats(summarize([1000 * args.prefill_tokens / r for r in rates]), ".1f")]
+                    rows.append(row + (["", ""] if args.busy else []))
+            del model, models
     results["environment"] = environment()
-    print_table(["dtype, weights", "workload", "tok/s median (min-max)", "ms per forward"], rows,
+    headers = ["dtype, weights, path", "workload", "tok/s median (min-max)", "ms per forward"]
+    if args.busy:
+        headers += ["busy tok/s", "busy/quiet"]
+    print_table(headers, rows,
                 title=f"Raw model loop: {Path(path).name}, {args.steps} decode steps after a "
-                      f"{args.prompt_len}-token prompt, {args.repeats} repeats, "
-                      f"{results['environment']['torch_num_threads']} threads")
+                      f"{args.prompt_len}-token prompt, {args.repeats} repeats interleaved, "
+                      f"{policy.num_threads} threads (OMP_WAIT_POLICY={policy.omp_wait_policy}), "
+                      f"load average {results['load_average_start'][0]:.1f} at start")
     print(f"JSON: {write_json('decode', results)}")
     return results
+
+
+class _PathView:
+    """The model on one forward path (fused kernels or the torch reference), for the loop."""
+
+    def __init__(self, model, use_fused: bool):
+        self.model, self.use_fused = model, use_fused
+        self.vocab_size = model.vocab_size
+
+    def make_kv_cache(self, num_blocks: int, block_size: int):
+        return self.model.make_kv_cache(num_blocks, block_size)
+
+    def forward(self, batch, cache):
+        self.model.use_fused = self.use_fused
+        return self.model.forward(batch, cache)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,14 @@ Public names load lazily, so `import engine.params` stays light.
 from __future__ import annotations
 
 import importlib
+import os
+import sys
+
+# torch's OpenMP team waits passively (sleeps) instead of spinning: a spinning team collapses
+# when another process shares the cores (engine/models/threads.py has the measurements).
+# libgomp reads this once, when torch is first imported, so it is set before anything loads torch.
+if "torch" not in sys.modules:
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 __version__ = "0.2.0"
 

@@ -185,9 +185,11 @@ class Engine:
         ``options``: any EngineConfig field, load options (dtype, quantization, num_threads) included.
         """
         from .loader import default_model_path, load_model
+        from .models.threads import apply_thread_policy
         from .tokenizer import load_tokenizer
 
         config = EngineConfig.from_options(options)
+        apply_thread_policy(config.num_threads)
         path = default_model_path() if model is None else os.fspath(model)
         loaded = load_model(path, dtype=config.dtype or "float32")
         runtime_options = {k: v for k, v in options.items() if k not in config.load_options}

@@ -3,9 +3,10 @@
 The cache of one layer is K and V tensors ``[num_slots, num_kv_heads, head_dim]`` with
 ``num_slots = num_blocks * block_size``; slot = block_id * block_size + offset.
 
-Decode rows (the first ``num_decode_seqs`` sequences, one row each) are attended in one
-SDPA call: their keys are gathered through the block tables into a padded
-``[B, KH, L, D]`` with a length mask. Prefill chunks run one SDPA call per sequence.
+Decode rows (the first ``num_decode_seqs`` sequences, one row each) take one of two paths:
+the fused C kernel (``engine.models.fused.decode_attention``) walks each block table in
+place; the torch reference gathers the keys into a padded ``[B, KH, L, D]`` with a length
+mask for one SDPA call. Prefill chunks run one SDPA call per sequence on either path.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.batch import ForwardBatch
+from engine.models import fused
 
 
 class PagedKVCache:
@@ -54,6 +56,12 @@ class AttentionPlan:
     decode_slots: torch.Tensor | None  # [B, L] slots to gather for the decode rows
     decode_mask: torch.Tensor | None  # [B, 1, 1, L] additive (0 or -inf) in the model dtype
     prefills: list[PrefillSeq] = field(default_factory=list)
+    # The fused decode kernel's inputs (decode_slots and decode_mask are then None):
+    is_fused: bool = False
+    block_tables: torch.Tensor | None = None  # [B, max_blocks] int64, rows contiguous
+    context_lens: torch.Tensor | None = None  # [B] int64
+    block_size: int = 0
+    sliding_window: int | None = None
 
 
 def _context_slots(block_table: torch.Tensor, num_tokens: int, block_size: int,
@@ -71,14 +79,15 @@ def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def plan_attention(batch: ForwardBatch, sliding_window: int | None = None,
-                   dtype: torch.dtype = torch.float32) -> AttentionPlan:
+                   dtype: torch.dtype = torch.float32, is_fused: bool = False) -> AttentionPlan:
+    """is_fused: decode rows go to the C kernel (no gather, no mask)."""
     bs = batch.block_size
     offsets = torch.arange(bs, dtype=torch.int64)
     context_lens = batch.context_lens_list
     starts = batch.query_starts_list
     num_decode = batch.num_decode_seqs
     decode_slots = decode_mask = None
-    if num_decode:
+    if num_decode and not is_fused:
         max_len = max(context_lens[:num_decode])
         decode_slots = _context_slots(batch.block_tables[:num_decode], max_len, bs, offsets)  # [B, L]
         key_pos = torch.arange(max_len, dtype=torch.int64)  # [L]
@@ -111,7 +120,19 @@ def plan_attention(batch: ForwardBatch, sliding_window: int | None = None,
             row_start, row_end, kv_slots=kv_slots, kv_first_slot=first_slot if is_consecutive else None,
             mask=_additive(mask, dtype),
         ))
-    return AttentionPlan(batch.slot_mapping, num_decode, decode_slots, decode_mask, prefills)
+    plan = AttentionPlan(batch.slot_mapping, num_decode, decode_slots, decode_mask, prefills)
+    if is_fused:
+        plan.is_fused = True
+        plan.block_tables = _int64_rows(batch.block_tables)
+        plan.context_lens = _int64_rows(batch.context_lens)
+        plan.slot_mapping = _int64_rows(batch.slot_mapping)
+        plan.block_size = bs
+        plan.sliding_window = sliding_window
+    return plan
+
+
+def _int64_rows(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -122,7 +143,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     groups = num_heads // num_kv_heads
     pieces = []
     nd = plan.num_decode_seqs
-    if nd:
+    if nd and plan.is_fused:
+        pieces.append(fused.decode_attention(q[:nd], k_cache, v_cache, plan.block_tables, plan.context_lens,
+                                             plan.block_size, plan.sliding_window))  # [B, H * D]
+    elif nd:
         qd = q[:nd].view(nd, num_kv_heads, groups, head_dim)  # [B, KH, G, D]
         kd = k_cache[plan.decode_slots].transpose(1, 2)  # [B, KH, L, D]
         vd = v_cache[plan.decode_slots].transpose(1, 2)  # [B, KH, L, D]

@@ -1,6 +1,11 @@
 """One decoder for Llama / SmolLM2 (tied embeddings, GQA), Qwen2 (q/k/v bias) and Mistral.
 
 RMSNorm, RoPE, SwiGLU; fused ``wqkv`` and ``w_gate_up`` projections; float32 or bfloat16.
+Two forward paths with the same contract: the fused one (``use_fused``, the default where
+cext.fused is built) keeps the residual stream in float32 and runs every op between the
+matmuls in C kernels (engine.models.fused), decode attention included; the torch
+reference path (``ENGINE_FUSED=0`` or ``model.use_fused = False``) is plain aten ops with
+the residual in the compute dtype. Prefill attention is torch's SDPA on both.
 Implements the model interface of ``engine.batch``: ``forward(batch, kv_cache)`` writes
 each new row's K/V at ``batch.slot_mapping`` and attends through the paged cache.
 
@@ -14,8 +19,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.batch import ForwardBatch
+from engine.models import fused
 from engine.models.config import ModelConfig
-from engine.models.attention import PagedKVCache, paged_attention, plan_attention
+from engine.models.attention import AttentionPlan, PagedKVCache, paged_attention, plan_attention
 from engine.models.linear import Linear
 from engine.models.rope import RotaryTable, apply_rope
 
@@ -67,6 +73,25 @@ class DecoderLayer(nn.Module):
         gate, up = gate_up.split(self.intermediate_size, dim=-1)  # [T, I] each
         return x + self.down_proj(F.silu(gate) * up)  # [T, E]
 
+    def forward_fused(self, resid: torch.Tensor, delta: torch.Tensor | None, step: fused.FusedStep,
+                      k_cache: torch.Tensor, v_cache: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
+        """resid [T, E] float32 += delta (the previous layer's output, None for the first layer),
+        in place -> this layer's output [T, E] in the compute dtype (added by the next call)."""
+        num_rows = resid.shape[0]
+        h = step.norm(resid, delta, self.attn_norm)  # [T, E]
+        qkv = self.qkv_proj(h)  # [T, (H + 2 KH) D]
+        step.rope_kv(qkv, k_cache, v_cache)  # q, k rotated in place; k, v written to the cache
+        if plan.prefills:
+            H, KH, D = self.num_heads, self.num_kv_heads, self.head_dim
+            q = qkv[:, : self.q_size].view(num_rows, H, D)  # [T, H, D]
+            k = qkv[:, self.q_size: self.q_size + self.kv_size].view(num_rows, KH, D)  # [T, KH, D]
+            v = qkv[:, self.q_size + self.kv_size:].view(num_rows, KH, D)  # [T, KH, D]
+            attn = paged_attention(q, k, v, k_cache, v_cache, plan)  # [T, H D]
+        else:
+            attn = step.decode_attention(qkv, k_cache, v_cache)  # [T, H D]
+        h = step.norm(resid, self.o_proj(attn), self.ffn_norm)  # [T, E]
+        return self.down_proj(step.silu_mul(self.gate_up_proj(h)))  # [T, E]
+
 
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype: str | torch.dtype = "float32",
@@ -90,6 +115,7 @@ class LlamaModel(nn.Module):
         # A packed copy for the product; the dense lm_head stays (embedding rows, bfloat16 refinement).
         self.head_proj = Linear(self.lm_head, None, pack_weights, keep_dense=True)
         self.rope = RotaryTable(config, self.dtype, rope_freq_factors)
+        self.use_fused = fused.default_enabled()  # C kernels between the matmuls (else the torch reference)
 
     def make_kv_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
         c = self.config
@@ -99,6 +125,8 @@ class LlamaModel(nn.Module):
     def forward(self, batch: ForwardBatch, kv_cache: PagedKVCache) -> torch.Tensor:
         """-> logits [len(batch.logit_rows), vocab_size] float32."""
         self.rope.ensure(max(batch.context_lens_list))
+        if self.use_fused:
+            return self._forward_fused(batch, kv_cache)
         plan = plan_attention(batch, self.config.sliding_window, self.dtype)
         cos, sin = self.rope.lookup(batch.positions)  # [T, 1, D]
         x = F.embedding(batch.input_ids, self.embed)  # [T, E]
@@ -106,6 +134,24 @@ class LlamaModel(nn.Module):
             x = layer(x, cos, sin, kv_cache.k[i], kv_cache.v[i], plan)
         x = x.index_select(0, batch.logit_rows)  # [S, E]
         x = F.rms_norm(x, (self.config.hidden_size,), self.norm, self.config.rms_norm_eps)
+        return self.compute_logits(x)
+
+    def _forward_fused(self, batch: ForwardBatch, kv_cache: PagedKVCache) -> torch.Tensor:
+        plan = plan_attention(batch, self.config.sliding_window, self.dtype, is_fused=True)
+        positions = batch.positions  # [T]
+        if positions.dtype != torch.int64 or not positions.is_contiguous():
+            positions = positions.to(torch.int64).contiguous()
+        c = self.config
+        step = fused.FusedStep(positions.shape[0], self.dtype, c.hidden_size, c.intermediate_size, c.rms_norm_eps,
+                               c.num_heads, c.num_kv_heads, c.head_dim, positions, self.rope.cos_half,
+                               self.rope.sin_half, plan)
+        resid = F.embedding(batch.input_ids, self.embed).float()  # [T, E] float32 residual stream
+        delta = None
+        for i, layer in enumerate(self.layers):
+            delta = layer.forward_fused(resid, delta, step, kv_cache.k[i], kv_cache.v[i], plan)
+        rows = batch.logit_rows
+        x = fused.add_rmsnorm(resid.index_select(0, rows), delta.index_select(0, rows), self.norm,
+                              self.config.rms_norm_eps)  # [S, E]
         return self.compute_logits(x)
 
     def compute_logits(self, x: torch.Tensor) -> torch.Tensor:

@@ -84,6 +84,8 @@ class RotaryTable:
     """cos/sin for every position up to ``num_positions``, grown on demand.
 
     The head layout is "rotate half" (Hugging Face): dims [0, D/2) pair with [D/2, D).
+    ``cos``/``sin`` [P, D] in the model dtype feed the torch path; ``cos_half``/``sin_half``
+    [P, D/2] float32 (the two halves are equal) feed the fused kernel.
     """
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, freq_factors: torch.Tensor | None = None):
@@ -91,6 +93,7 @@ class RotaryTable:
         self.dtype = dtype
         self.num_positions = 0
         self.cos = self.sin = None
+        self.cos_half = self.sin_half = None
         self.ensure(min(config.max_position_embeddings, 8192))
 
     def ensure(self, num_positions: int) -> None:
@@ -102,6 +105,8 @@ class RotaryTable:
         emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
         self.cos = (emb.cos() * self.attention_factor).to(self.dtype)
         self.sin = (emb.sin() * self.attention_factor).to(self.dtype)
+        self.cos_half = (freqs.cos() * self.attention_factor).float()  # [P, D/2]
+        self.sin_half = (freqs.sin() * self.attention_factor).float()  # [P, D/2]
         self.num_positions = num_positions
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,59 @@
+/* Fused small ops of a decode step, for float32 or bfloat16 activations.
+ *
+ * Plain C on raw pointers (no torch headers): the Cython module cext/fused.pyx passes
+ * tensor.data_ptr() values. Every kernel accumulates in float32. Tensors are row-major and
+ * contiguous unless a stride is given; strides count elements, not bytes.
+ *
+ * One source (fused_impl.h) is compiled once per instruction set (baseline x86-64 or any
+ * other target, AVX2+FMA, AVX-512) and the best variant the CPU supports is chosen at the
+ * first call (__builtin_cpu_supports); fk_set_isa() forces one for tests.
+ */
+#ifndef FUSED_KERNELS_H
+#define FUSED_KERNELS_H
+
+#include <stdint.h>
+
+enum { FK_FLOAT32 = 0, FK_BFLOAT16 = 1 };
+enum { FK_ISA_AUTO = -1, FK_ISA_BASELINE = 0, FK_ISA_AVX2 = 1, FK_ISA_AVX512 = 2 };
+
+/* Error codes (0 = success). */
+enum { FK_OK = 0, FK_BAD_BLOCK = 1, FK_BAD_SLOT = 2, FK_BAD_POSITION = 3, FK_BAD_LENGTH = 4, FK_NO_MEMORY = 5 };
+
+/* resid [T, E] float32 += delta [T, E] (compute dtype; NULL: nothing to add);
+ * out [T, E] (compute dtype) = resid * rsqrt(mean(resid^2) + eps) * weight [E]. */
+int fk_add_rmsnorm(float *resid, const void *delta, const void *weight, void *out,
+                   int64_t num_rows, int64_t dim, float eps, int dtype);
+
+/* qkv [T, row_stride]: row t holds q [H, D], k [KH, D], v [KH, D] from column 0.
+ * Rotates q and k in place (rotate-half: dims [0, D/2) pair with [D/2, D)) with
+ * cos/sin [num_positions, D/2] float32 at positions[t], then copies k and v to
+ * k_cache/v_cache [num_slots, KH, D] at slot slots[t]. */
+int fk_rope_kv_write(void *qkv, int64_t num_rows, int64_t row_stride, int num_heads, int num_kv_heads,
+                     int head_dim, const int64_t *positions, const float *cos, const float *sin,
+                     int64_t num_positions, const int64_t *slots, void *k_cache, void *v_cache,
+                     int64_t num_slots, int dtype);
+
+/* Decode attention, one query row per sequence: q [B, q_row_stride] (heads [H, D] from
+ * column 0), caches [num_blocks * block_size, KH, D], block_tables [B, table_stride] int64,
+ * context_lens [B] int64; sliding_window 0 = none, else the last sliding_window keys.
+ * out [B, H * D]. GQA: query head h reads kv head h / (H / KH). */
+int fk_decode_attention(const void *q, int64_t q_row_stride, const void *k_cache, const void *v_cache,
+                        int64_t num_blocks, int block_size, const int64_t *block_tables, int64_t table_stride,
+                        const int64_t *context_lens, int num_seqs, int num_heads, int num_kv_heads,
+                        int head_dim, int64_t sliding_window, float scale, void *out, int dtype);
+
+/* gate_up [T, 2 I] -> out [T, I] = silu(gate) * up. */
+int fk_silu_mul(const void *gate_up, void *out, int64_t num_rows, int64_t inter, int dtype);
+
+/* Threads of the kernels' own pool (1 = the calling thread only). */
+int fk_set_num_threads(int num_threads);
+int fk_get_num_threads(void);
+/* Work (roughly multiply-adds) a kernel call needs before it is split across threads. */
+void fk_set_parallel_threshold(int64_t work);
+int64_t fk_get_parallel_threshold(void);
+
+/* FK_ISA_*; returns the ISA now in use, or -1 if the CPU lacks the one asked for. */
+int fk_set_isa(int isa);
+int fk_get_isa(void);
+
+#endif

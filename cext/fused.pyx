@@ -1,0 +1,107 @@
+"""Fused small ops of a decode step (add + RMSNorm, RoPE + KV write, paged decode attention,
+SiLU * up) in C, for float32 or bfloat16 activations, accumulating in float32.
+
+Arguments are raw addresses (``tensor.data_ptr()``) and sizes: this module knows nothing
+of torch. The caller (``engine.models.fused``) checks dtypes, shapes and contiguity; the
+kernels check every index they follow (positions, slots, block ids, context lengths) and
+raise ``IndexError`` instead of touching memory outside the tensors. The GIL is released
+while a kernel runs. See cext/csrc/fused_kernels.h for the layouts.
+"""
+from libc.stdint cimport int64_t, intptr_t
+
+FLOAT32 = FK_FLOAT32
+BFLOAT16 = FK_BFLOAT16
+ISA_NAMES = {FK_ISA_BASELINE: "baseline", FK_ISA_AVX2: "avx2", FK_ISA_AVX512: "avx512"}
+_ISA_CODES = {name: code for code, name in ISA_NAMES.items()}
+
+_ERRORS = {
+    FK_BAD_BLOCK: "block table entry outside the cache (or -1) within a context",
+    FK_BAD_SLOT: "slot outside the cache",
+    FK_BAD_POSITION: "position outside the rotary table",
+    FK_BAD_LENGTH: "context length < 1 or longer than the block table",
+}
+
+
+cdef inline int _check(int rc) except -1:
+    if rc == FK_OK:
+        return 0
+    if rc == FK_NO_MEMORY:
+        raise MemoryError("fused kernel scratch")
+    raise IndexError(_ERRORS.get(rc, f"fused kernel error {rc}"))
+
+
+def add_rmsnorm(intptr_t resid, intptr_t delta, intptr_t weight, intptr_t out, int64_t num_rows, int64_t dim,
+                float eps, int dtype):
+    """resid [T, E] float32 += delta [T, E] (0: none); out [T, E] = rmsnorm(resid) * weight [E]."""
+    cdef int rc
+    with nogil:
+        rc = fk_add_rmsnorm(<float*>resid, <const void*>delta, <const void*>weight, <void*>out,
+                            num_rows, dim, eps, dtype)
+    _check(rc)
+
+
+def rope_kv_write(intptr_t qkv, int64_t num_rows, int64_t row_stride, int num_heads, int num_kv_heads,
+                  int head_dim, intptr_t positions, intptr_t cos, intptr_t sin, int64_t num_positions,
+                  intptr_t slots, intptr_t k_cache, intptr_t v_cache, int64_t num_slots, int dtype):
+    """Rotates q and k of qkv [T, row_stride] in place; copies k, v to the caches at slots [T]."""
+    cdef int rc
+    with nogil:
+        rc = fk_rope_kv_write(<void*>qkv, num_rows, row_stride, num_heads, num_kv_heads, head_dim,
+                              <const int64_t*>positions, <const float*>cos, <const float*>sin, num_positions,
+                              <const int64_t*>slots, <void*>k_cache, <void*>v_cache, num_slots, dtype)
+    _check(rc)
+
+
+def decode_attention(intptr_t q, int64_t q_row_stride, intptr_t k_cache, intptr_t v_cache, int64_t num_blocks,
+                     int block_size, intptr_t block_tables, int64_t table_stride, intptr_t context_lens,
+                     int num_seqs, int num_heads, int num_kv_heads, int head_dim, int64_t sliding_window,
+                     float scale, intptr_t out, int dtype):
+    """One query row per sequence over its paged context -> out [B, H * D]."""
+    cdef int rc
+    with nogil:
+        rc = fk_decode_attention(<const void*>q, q_row_stride, <const void*>k_cache, <const void*>v_cache,
+                                 num_blocks, block_size, <const int64_t*>block_tables, table_stride,
+                                 <const int64_t*>context_lens, num_seqs, num_heads, num_kv_heads, head_dim,
+                                 sliding_window, scale, <void*>out, dtype)
+    _check(rc)
+
+
+def silu_mul(intptr_t gate_up, intptr_t out, int64_t num_rows, int64_t inter, int dtype):
+    """gate_up [T, 2 I] -> out [T, I] = silu(gate) * up."""
+    cdef int rc
+    with nogil:
+        rc = fk_silu_mul(<const void*>gate_up, <void*>out, num_rows, inter, dtype)
+    _check(rc)
+
+
+def set_num_threads(int num_threads) -> int:
+    """Threads of the kernels' pool, the caller included (clamped to 1..256)."""
+    return fk_set_num_threads(num_threads)
+
+
+def get_num_threads() -> int:
+    return fk_get_num_threads()
+
+
+def set_parallel_threshold(int64_t work):
+    """Work (about multiply-adds) below which a call stays on the calling thread."""
+    fk_set_parallel_threshold(work)
+
+
+def get_parallel_threshold() -> int:
+    return fk_get_parallel_threshold()
+
+
+def set_isa(str name) -> str:
+    """"auto", "baseline", "avx2" or "avx512" -> the variant now in use; ValueError if the CPU lacks it."""
+    code = FK_ISA_AUTO if name == "auto" else _ISA_CODES.get(name)
+    if code is None:
+        raise ValueError(f"isa: unknown {name!r}, expected 'auto' or one of {tuple(_ISA_CODES)}")
+    result = fk_set_isa(code)
+    if result < 0:
+        raise ValueError(f"isa: this CPU does not support {name!r}")
+    return ISA_NAMES[result]
+
+
+def get_isa() -> str:
+    return ISA_NAMES[fk_get_isa()]

@@ -1,0 +1,247 @@
+"""The fused decode kernels (cext.fused) on torch tensors, and their torch references.
+
+Each op has a kernel wrapper (checks dtypes, shapes and contiguity, then passes
+``data_ptr()``s to C) and a ``*_reference`` twin in plain torch with the same contract,
+which the tests compare against and which the model runs when the fused path is off.
+Activations are float32 or bfloat16; the residual stream is float32; every kernel
+accumulates in float32 and rounds once on store.
+
+The fused path is on by default where the compiled module exists; ``ENGINE_FUSED=0``
+(read at model construction) or ``LlamaModel(..., use_fused=False)`` selects the
+reference path.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import torch.nn.functional as F
+
+try:
+    from cext import fused as _fused
+except ImportError:  # not built: the model falls back to the reference path
+    _fused = None
+
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def is_available() -> bool:
+    return _fused is not None
+
+
+def default_enabled() -> bool:
+    """ENGINE_FUSED=0 turns the kernels off; otherwise on when the module is built."""
+    return is_available() and os.environ.get("ENGINE_FUSED", "1") != "0"
+
+
+def _code(t: torch.Tensor) -> int:
+    code = _DTYPE_CODES.get(t.dtype)
+    if code is None:
+        raise ValueError(f"dtype: fused kernels take float32 or bfloat16, got {t.dtype}")
+    return code
+
+
+def _require(cond: bool, what: str) -> None:
+    if not cond:
+        raise ValueError(what)
+
+
+# ---- add + RMSNorm ----
+
+def add_rmsnorm(resid: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """resid [T, E] float32 += delta [T, E] (in place); -> rmsnorm(resid) * weight [T, E] in weight's dtype."""
+    num_rows, dim = resid.shape
+    code = _code(weight)
+    _require(resid.dtype == torch.float32 and resid.is_contiguous(), "resid: must be contiguous float32")
+    _require(weight.shape == (dim,) and weight.is_contiguous(), "weight: must be contiguous [E]")
+    if delta is not None:
+        _require(delta.dtype == weight.dtype and delta.shape == resid.shape and delta.is_contiguous(),
+                 "delta: must be contiguous [T, E] in the compute dtype")
+    if out is None:
+        out = torch.empty((num_rows, dim), dtype=weight.dtype)
+    _fused.add_rmsnorm(resid.data_ptr(), 0 if delta is None else delta.data_ptr(), weight.data_ptr(),
+                       out.data_ptr(), num_rows, dim, eps, code)
+    return out
+
+
+def add_rmsnorm_reference(resid: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                          eps: float) -> torch.Tensor:
+    if delta is not None:
+        resid += delta.float()
+    return F.rms_norm(resid, (resid.shape[1],), weight.float(), eps).to(weight.dtype)
+
+
+# ---- RoPE + KV write ----
+
+def rope_kv_write(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, positions: torch.Tensor,
+                  cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor) -> None:
+    """qkv [T, >= (H + 2 KH) D] (rows contiguous): q and k rotated in place, k and v written to
+    k_cache/v_cache [S, KH, D] at slots [T]. cos/sin [P, D/2] float32, positions [T] int64."""
+    num_rows = qkv.shape[0]
+    code = _code(qkv)
+    _require(qkv.stride(1) == 1 and qkv.shape[1] >= (num_heads + 2 * num_kv_heads) * head_dim,
+             "qkv: rows must be contiguous and hold q, k, v")
+    _require(k_cache.dtype == qkv.dtype and v_cache.dtype == qkv.dtype, "k_cache/v_cache: must match qkv's dtype")
+    _require(k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
+             and k_cache.shape[1:] == (num_kv_heads, head_dim), "k_cache/v_cache: must be contiguous [S, KH, D]")
+    _require(cos.dtype == torch.float32 and sin.dtype == torch.float32 and cos.is_contiguous()
+             and sin.is_contiguous() and cos.shape == sin.shape and cos.shape[1] == head_dim // 2,
+             "cos/sin: must be contiguous float32 [P, D/2]")
+    _require(positions.dtype == torch.int64 and slots.dtype == torch.int64 and positions.is_contiguous()
+             and slots.is_contiguous() and positions.shape == (num_rows,) and slots.shape == (num_rows,),
+             "positions/slots: must be contiguous int64 [T]")
+    _fused.rope_kv_write(qkv.data_ptr(), num_rows, qkv.stride(0), num_heads, num_kv_heads, head_dim,
+                         positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), cos.shape[0], slots.data_ptr(),
+                         k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[0], code)
+
+
+def rope_kv_write_reference(qkv, num_heads, num_kv_heads, head_dim, positions, cos, sin, slots, k_cache,
+                            v_cache) -> None:
+    num_rows, half = qkv.shape[0], head_dim // 2
+    num_rot = num_heads + num_kv_heads
+    x = qkv[:, : num_rot * head_dim].view(num_rows, num_rot, head_dim).float()  # [T, H + KH, D]
+    c = cos[positions].unsqueeze(1)  # [T, 1, D/2]
+    s = sin[positions].unsqueeze(1)
+    x1, x2 = x[..., :half], x[..., half:]
+    rotated = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)  # [T, H + KH, D]
+    qkv[:, : num_rot * head_dim] = rotated.reshape(num_rows, -1).to(qkv.dtype)
+    kv = qkv[:, num_heads * head_dim: (num_rot + num_kv_heads) * head_dim]
+    k_cache[slots] = kv[:, : num_kv_heads * head_dim].reshape(num_rows, num_kv_heads, head_dim)
+    v_cache[slots] = kv[:, num_kv_heads * head_dim:].reshape(num_rows, num_kv_heads, head_dim)
+
+
+# ---- paged decode attention ----
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                     context_lens: torch.Tensor, block_size: int, sliding_window: int | None = None,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """q [B, H, D] (rows may be strided, heads contiguous), caches [S, KH, D], block_tables
+    [>= B, max_blocks] int64, context_lens [>= B] int64 -> [B, H * D] (softmax scale 1/sqrt(D))."""
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    code = _code(q)
+    _require(q.stride(2) == 1 and q.stride(1) == head_dim, "q: heads of a row must be contiguous")
+    _require(k_cache.dtype == q.dtype and v_cache.dtype == q.dtype and k_cache.is_contiguous()
+             and v_cache.is_contiguous() and k_cache.shape == v_cache.shape and k_cache.shape[2] == head_dim,
+             "k_cache/v_cache: must be contiguous [S, KH, D] in q's dtype")
+    _require(num_heads % num_kv_heads == 0, "num_kv_heads: must divide num_heads")
+    _require(k_cache.shape[0] % block_size == 0, "block_size: must divide the cache's slot count")
+    _require(block_tables.dtype == torch.int64 and block_tables.is_contiguous() and block_tables.shape[0] >= num_seqs,
+             "block_tables: contiguous int64 [>= B, max_blocks]")
+    _require(context_lens.dtype == torch.int64 and context_lens.is_contiguous() and context_lens.shape[0] >= num_seqs,
+             "context_lens: contiguous int64, one per sequence")
+    if out is None:
+        out = torch.empty((num_seqs, num_heads * head_dim), dtype=q.dtype)
+    _fused.decode_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                            k_cache.shape[0] // block_size, block_size, block_tables.data_ptr(),
+                            block_tables.shape[1], context_lens.data_ptr(), num_seqs, num_heads, num_kv_heads,
+                            head_dim, sliding_window or 0, 1.0 / math.sqrt(head_dim), out.data_ptr(), code)
+    return out
+
+
+def decode_attention_reference(q, k_cache, v_cache, block_tables, context_lens, block_size,
+                               sliding_window=None) -> torch.Tensor:
+    """Per sequence: gather its keys through the block table, float32 softmax attention."""
+    num_seqs, num_heads, head_dim = q.shape
+    groups = num_heads // k_cache.shape[1]
+    outs = []
+    for b in range(num_seqs):
+        length = int(context_lens[b])
+        first = max(0, length - sliding_window) if sliding_window else 0
+        pos = torch.arange(first, length)
+        slots = block_tables[b, pos // block_size] * block_size + pos % block_size  # [L]
+        k = k_cache[slots].float().repeat_interleave(groups, dim=1)  # [L, H, D]
+        v = v_cache[slots].float().repeat_interleave(groups, dim=1)  # [L, H, D]
+        scores = torch.einsum("hd,lhd->hl", q[b].float(), k) / math.sqrt(head_dim)  # [H, L]
+        outs.append(torch.einsum("hl,lhd->hd", scores.softmax(-1), v).reshape(-1))
+    return torch.stack(outs).to(q.dtype)  # [B, H * D]
+
+
+# ---- SiLU(gate) * up ----
+
+def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """gate_up [T, 2 I] -> silu(gate) * up [T, I]."""
+    num_rows, width = gate_up.shape
+    code = _code(gate_up)
+    _require(gate_up.is_contiguous() and width % 2 == 0, "gate_up: must be contiguous [T, 2 I]")
+    if out is None:
+        out = torch.empty((num_rows, width // 2), dtype=gate_up.dtype)
+    _fused.silu_mul(gate_up.data_ptr(), out.data_ptr(), num_rows, width // 2, code)
+    return out
+
+
+def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    return (F.silu(gate) * up).to(gate_up.dtype)
+
+
+# ---- one forward's worth of kernel calls, with the per-call checks hoisted ----
+
+class FusedStep:
+    """The kernel calls of one model forward over T rows: constants and output buffers are
+    set up once here and reused by every layer (the wrappers above re-check everything on
+    each call, ~1 us each, x 150 calls per token).
+
+    Buffers are overwritten by the next call of the same kind: ``norm`` returns the same
+    [T, E] tensor each time, which the caller consumes (a projection) before the next norm.
+    """
+
+    __slots__ = ("num_rows", "dtype", "code", "hidden", "eps", "num_heads", "num_kv_heads", "head_dim",
+                 "positions", "slots", "cos", "sin", "h", "attn", "act", "plan")
+
+    def __init__(self, num_rows: int, dtype: torch.dtype, hidden: int, intermediate: int, eps: float,
+                 num_heads: int, num_kv_heads: int, head_dim: int, positions: torch.Tensor,
+                 cos: torch.Tensor, sin: torch.Tensor, plan):
+        self.num_rows, self.dtype, self.code = num_rows, dtype, _code(torch.empty(0, dtype=dtype))
+        self.hidden, self.eps = hidden, eps
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        _require(positions.dtype == torch.int64 and positions.is_contiguous() and positions.shape == (num_rows,),
+                 "positions: must be contiguous int64 [T]")
+        _require(cos.dtype == torch.float32 and cos.is_contiguous() and cos.shape == sin.shape
+                 and sin.is_contiguous() and cos.shape[1] == head_dim // 2, "cos/sin: contiguous float32 [P, D/2]")
+        self.positions, self.cos, self.sin, self.plan = positions, cos, sin, plan
+        self.slots = plan.slot_mapping  # [T] int64 contiguous (plan_attention makes it so)
+        self.h = torch.empty((num_rows, hidden), dtype=dtype)  # [T, E]
+        self.attn = torch.empty((plan.num_decode_seqs, num_heads * head_dim), dtype=dtype)  # [B, H D]
+        self.act = torch.empty((num_rows, intermediate), dtype=dtype)  # [T, I]
+
+    def _check_rows(self, t: torch.Tensor, width: int, name: str) -> None:
+        if t.dtype != self.dtype or not t.is_contiguous() or t.shape != (self.num_rows, width):
+            raise ValueError(f"{name}: expected contiguous [{self.num_rows}, {width}] {self.dtype}, "
+                             f"got {tuple(t.shape)} {t.dtype}")
+
+    def norm(self, resid: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor:
+        """resid [T, E] float32 += delta; -> rmsnorm(resid) * weight in the step's buffer."""
+        if delta is not None:
+            self._check_rows(delta, self.hidden, "delta")
+        if weight.dtype != self.dtype or not weight.is_contiguous() or weight.shape[0] != self.hidden:
+            raise ValueError(f"weight: expected contiguous [{self.hidden}] {self.dtype}, got {weight.dtype}")
+        _fused.add_rmsnorm(resid.data_ptr(), 0 if delta is None else delta.data_ptr(), weight.data_ptr(),
+                           self.h.data_ptr(), self.num_rows, self.hidden, self.eps, self.code)
+        return self.h
+
+    def rope_kv(self, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        self._check_rows(qkv, (self.num_heads + 2 * self.num_kv_heads) * self.head_dim, "qkv")
+        _fused.rope_kv_write(qkv.data_ptr(), self.num_rows, qkv.shape[1], self.num_heads, self.num_kv_heads,
+                             self.head_dim, self.positions.data_ptr(), self.cos.data_ptr(), self.sin.data_ptr(),
+                             self.cos.shape[0], self.slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                             k_cache.shape[0], self.code)
+
+    def decode_attention(self, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """The decode rows (the first B of qkv, already roped) -> [B, H D] in the step's buffer."""
+        plan = self.plan
+        _fused.decode_attention(qkv.data_ptr(), qkv.shape[1], k_cache.data_ptr(), v_cache.data_ptr(),
+                                k_cache.shape[0] // plan.block_size, plan.block_size, plan.block_tables.data_ptr(),
+                                plan.block_tables.shape[1], plan.context_lens.data_ptr(), plan.num_decode_seqs,
+                                self.num_heads, self.num_kv_heads, self.head_dim, plan.sliding_window or 0,
+                                1.0 / math.sqrt(self.head_dim), self.attn.data_ptr(), self.code)
+        return self.attn
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        inter = self.act.shape[1]
+        self._check_rows(gate_up, 2 * inter, "gate_up")
+        _fused.silu_mul(gate_up.data_ptr(), self.act.data_ptr(), self.num_rows, inter, self.code)
+        return self.act
