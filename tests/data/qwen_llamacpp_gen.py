@@ -28,7 +28,7 @@ DATA = Path(__file__).resolve().parent
 QWEN_GGUF = REPO / ".cache" / "testdata" / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
 MAX_NEW_TOKENS = 48
 NUM_TOP = 5
-NUM_THREADS = 2
+NUM_THREADS = 1  # one thread: OpenMP teams on a busy shared host stall at every barrier
 
 QWEN_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
 SMOLLM2_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=512, n_batch=512, n_threads=NUM_THREADS,
                           n_threads_batch=NUM_THREADS, logits_all=False, verbose=False)
     entries = [greedy_entry(llm, llama_cpp, prompt) for prompt in prompts_for(args.model)]
-    out.write_text(json.dumps(entries, ensure_ascii=False) + "\n", encoding="utf-8")
+    out.write_text(json.dumps(entries, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
     for entry in entries:
         print(f"{len(entry['prompt_ids']):4d} prompt ids, {len(entry['greedy_ids']):3d} greedy: "
               f"{entry['greedy_text'][:60]!r}")
