@@ -22,6 +22,9 @@ Workloads, all greedy with EOS ignored, prompts of random ids that differ per re
 Targets (issue 10): single stream >= 1.2x the best llama.cpp thread count, 16 streams >= 4x,
 peak RSS <= 1.5x the file + our KV cache, load <= 2 s (SmolLM2) / <= 6 s (Qwen2.5-0.5B).
 Prints a table and writes benchmarks/results/vs_llamacpp.json. Never asserts on time.
+On a busy host (load average above the core count) llama.cpp's 2-thread OpenMP team stalls at
+its barriers (measured 0.3-0.8 tok/s against 15 with one thread at load ~10): there, pass
+--llamacpp-threads 1, or the run takes tens of minutes; and quote the load average with figures.
 """
 from __future__ import annotations
 
