@@ -8,7 +8,7 @@ TESTDATA := .cache/testdata
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: install build serve test testdata bench clean
+.PHONY: install build serve test testdata bench llamacpp clean
 
 install: $(STAMP) build
 
@@ -39,6 +39,35 @@ test: install testdata
 
 bench: install
 	$(PY) benchmarks/decode.py
+
+# llama-cpp-python, the reference for parity data and benchmarks/vs_llamacpp.py. Not part of
+# `make test`: built from the pinned sdist (PyPI ships no wheel), ~10-20 min on two cores, then
+# cached as a wheel in $(LLAMACPP_CACHE) so a second run only reinstalls it.
+# GGML_NATIVE=ON (ggml's default) compiles with -march=native; we name the x86 features instead
+# (those this CPU reports; AVX512 only where present) so the build says what it assumes.
+LLAMACPP_VERSION := 0.3.36
+LLAMACPP_CACHE := .cache/llamacpp
+LLAMACPP_SDIST := $(LLAMACPP_CACHE)/llama_cpp_python-$(LLAMACPP_VERSION).tar.gz
+LLAMACPP_STAMP := $(VENV)/.llamacpp-$(LLAMACPP_VERSION)
+CPU_FLAGS := $(shell grep -m1 '^flags' /proc/cpuinfo 2>/dev/null)
+has_flag = $(if $(filter $(1),$(CPU_FLAGS)),ON,OFF)
+LLAMACPP_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=$(call has_flag,avx) \
+	-DGGML_AVX2=$(call has_flag,avx2) -DGGML_FMA=$(call has_flag,fma) \
+	-DGGML_F16C=$(call has_flag,f16c) -DGGML_BMI2=$(call has_flag,bmi2) \
+	-DGGML_AVX512=$(call has_flag,avx512f) -DLLAVA_BUILD=OFF -DCMAKE_BUILD_TYPE=Release
+LLAMACPP_JOBS ?= 2
+
+llamacpp: $(LLAMACPP_STAMP)
+
+$(LLAMACPP_STAMP): $(STAMP) requirements-bench.txt
+	$(PIP) install -q -r requirements-bench.txt
+	test -f $(LLAMACPP_SDIST) || $(PIP) download -q --no-deps --no-binary :all: \
+		--dest $(LLAMACPP_CACHE) llama-cpp-python==$(LLAMACPP_VERSION)
+	ls $(LLAMACPP_CACHE)/llama_cpp_python-$(LLAMACPP_VERSION)-*.whl >/dev/null 2>&1 || \
+		CMAKE_ARGS="$(LLAMACPP_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$(LLAMACPP_JOBS) \
+		nice -n 10 $(PIP) wheel -q --no-deps --wheel-dir $(LLAMACPP_CACHE) $(LLAMACPP_SDIST)
+	$(PIP) install -q --no-deps --force-reinstall $(LLAMACPP_CACHE)/llama_cpp_python-$(LLAMACPP_VERSION)-*.whl
+	touch $@
 
 clean:
 	rm -rf build cext/*.c cext/*.so

@@ -1,0 +1,359 @@
+"""Our engine vs llama-cpp-python on the same GGUF files, side by side in one run.
+
+    make llamacpp testdata   # llama-cpp-python==0.3.36 built from its sdist (not part of `make install`),
+                             # and the Qwen2.5-Coder-0.5B-Instruct Q4_K_M file
+    .venv/bin/python benchmarks/vs_llamacpp.py [--models smollm2,qwen] [--quick] [--tokens 128]
+        [--repeats 3] [--load-repeats 2] [--llamacpp-threads 1,2]
+        [--dtype D] [--quantization Q] [--num-threads N] [--option KEY=VALUE ...]
+
+Every side runs in its own worker subprocess per model, so its resident memory is its own:
+ours (engine.Engine.from_pretrained with the given engine options; options the engine does not
+take fail loudly) and llama.cpp at each thread count (warm, greedy through Llama.generate). The
+parent sends one measurement at a time, rotating over workers inside each repeat (interleaved).
+Workloads, all greedy with EOS ignored, prompts of random ids that differ per repeat:
+  ctx16 / ctx1000  one stream: decode tok/s after a 16- or 1,000-token prompt (prefill and the
+                   first token not timed); ours also through the raw model loop (engine.model,
+                   benchmarks/decode.py's loop, no engine)
+  streams16        16 streams of --tokens each after 16-token prompts: aggregate tok/s, wall time
+                   including prefill; ours batches them (Engine.generate), llama.cpp serves them
+                   one by one
+  load             seconds in Engine.from_pretrained / llama_cpp.Llama(...) (fresh process each)
+  memory           VmHWM (peak) and VmRSS of each worker at the end; KV cache bytes of each side
+Targets (issue 10): single stream >= 1.2x the best llama.cpp thread count, 16 streams >= 4x,
+peak RSS <= 1.5x the file + our KV cache, load <= 2 s (SmolLM2) / <= 6 s (Qwen2.5-0.5B).
+Prints a table and writes benchmarks/results/vs_llamacpp.json. Never asserts on time.
+On a busy host (load average above the core count) llama.cpp's 2-thread OpenMP team stalls at
+its barriers (measured 0.3-0.8 tok/s against 15 with one thread at load ~10): there, pass
+--llamacpp-threads 1, or the run takes tens of minutes; and quote the load average with figures.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmarks.common import environment, fmt_stats, print_table, summarize, write_json  # noqa: E402
+
+LLAMACPP_VERSION = "0.3.36"
+QWEN_PATH = REPO / ".cache" / "testdata" / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+LOAD_TARGET_S = {"smollm2": 2.0, "qwen": 6.0}
+SINGLE_TARGET, STREAMS_TARGET, RSS_FILE_FACTOR = 1.2, 4.0, 1.5
+NUM_STREAMS = 16
+CONTEXTS = {"ctx16": 16, "ctx1000": 1000}
+BLOCK_SIZE = 16
+PROMPT_ID_RANGE = (1000, 40000)  # ordinary tokens in both vocabularies
+
+
+def model_path(name: str) -> str:
+    if name == "smollm2":
+        from engine.loader import default_model_path
+
+        return default_model_path()
+    if name == "qwen":
+        if not QWEN_PATH.is_file():
+            raise SystemExit(f"{QWEN_PATH} is missing: run `make testdata`")
+        return str(QWEN_PATH)
+    raise SystemExit(f"--models: unknown model {name!r} (known: smollm2, qwen)")
+
+
+def random_prompt(num_tokens: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(*PROMPT_ID_RANGE) for _ in range(num_tokens)]
+
+
+def memory_status() -> dict[str, int]:
+    """VmHWM / VmRSS of this process in bytes."""
+    status = Path("/proc/self/status").read_text()
+    return {key: int(line.split()[1]) * 1024 for line in status.splitlines()
+            for key in ("VmHWM", "VmRSS") if line.startswith(key + ":")}
+
+
+def decode_rate(stamps: list[float]) -> float:
+    """Tokens per second between the first and the last token (prefill and first token excluded)."""
+    return (len(stamps) - 1) / (stamps[-1] - stamps[0])
+
+
+# ---------- worker side: one model, one engine, in its own process ----------
+class OursWorker:
+    def __init__(self, path: str, options: dict):
+        import engine
+
+        self._engine_mod = engine
+        start = time.perf_counter()
+        self.engine = engine.Engine.from_pretrained(path, **options)
+        self.load_s = time.perf_counter() - start
+
+    def _params(self, num_tokens: int):
+        return self._engine_mod.SamplingParams(max_tokens=num_tokens, temperature=0, ignore_eos=True)
+
+    def stream(self, prompt_ids: list[int], num_tokens: int) -> list[float]:
+        stamps = []
+        for event in self.engine.stream(prompt_ids, self._params(num_tokens)):
+            now = time.perf_counter()
+            stamps.extend([now] * len(event.token_ids))
+        return stamps
+
+    def streams(self, prompts: list[list[int]], num_tokens: int) -> int:
+        completions = self.engine.generate(prompts, self._params(num_tokens))
+        return sum(len(c.token_ids) for c in completions)
+
+    def raw(self, context: int, num_tokens: int, seed: int) -> float:
+        """The raw loop on its own thread, as the engine runs its forwards (see seed_validation.on_own_thread)."""
+        from benchmarks.decode import raw_decode_tok_s
+        from benchmarks.seed_validation import on_own_thread
+
+        return on_own_thread(raw_decode_tok_s, self.engine.model, 1, num_tokens, context, BLOCK_SIZE, seed)
+
+    def kv_cache_bytes(self) -> int:
+        import torch
+
+        model, sched = self.engine.model, self.engine.config
+        cfg = model.config
+        element_size = torch.empty((), dtype=getattr(model, "dtype", torch.float32)).element_size()
+        return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * element_size * sched.num_blocks * sched.block_size
+
+
+class LlamaCppWorker:
+    def __init__(self, path: str, num_threads: int, n_ctx: int):
+        import llama_cpp
+
+        self._llama_cpp = llama_cpp
+        self.n_ctx = n_ctx
+        start = time.perf_counter()
+        self.llm = llama_cpp.Llama(model_path=path, n_ctx=n_ctx, n_threads=num_threads,
+                                   n_threads_batch=num_threads, verbose=False)
+        self.load_s = time.perf_counter() - start
+
+    def stream(self, prompt_ids: list[int], num_tokens: int) -> list[float]:
+        stamps = []
+        generator = self.llm.generate(prompt_ids, temp=0.0, reset=True)  # greedy sampler
+        for _ in range(num_tokens):
+            next(generator)
+            stamps.append(time.perf_counter())
+        generator.close()
+        return stamps
+
+    def streams(self, prompts: list[list[int]], num_tokens: int) -> int:
+        return sum(len(self.stream(prompt, num_tokens)) for prompt in prompts)  # one by one
+
+    def kv_cache_bytes(self) -> int:
+        lib, model = self._llama_cpp, self.llm.model
+        head_dim = lib.llama_model_n_embd(model) // lib.llama_model_n_head(model)
+        return 2 * lib.llama_model_n_layer(model) * lib.llama_model_n_head_kv(model) * head_dim * 2 * self.n_ctx  # f16
+
+
+def run_worker(args: argparse.Namespace) -> None:
+    """Subprocess mode: load, answer JSON commands on stdin over a private copy of stdout."""
+    protocol = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # C libraries' prints go to stderr, never into the protocol
+    sys.stdout = sys.stderr
+    if args.worker == "ours":
+        worker = OursWorker(args.model_path, json.loads(args.engine_options))
+    else:
+        worker = LlamaCppWorker(args.model_path, args.worker_threads, args.n_ctx)
+    protocol.write(json.dumps({"load_s": worker.load_s, **memory_status()}) + "\n")
+    for line in sys.stdin:
+        command = json.loads(line)
+        kind, num_tokens, seed = command["kind"], command["num_tokens"], command["seed"]
+        start = time.perf_counter()
+        if kind == "stream":
+            reply = {"tok_s": decode_rate(worker.stream(random_prompt(command["context"], seed), num_tokens))}
+        elif kind == "streams":
+            prompts = [random_prompt(16, seed * 1000 + i) for i in range(command["num_streams"])]
+            reply = {"tok_s": worker.streams(prompts, num_tokens) / (time.perf_counter() - start)}
+        elif kind == "raw":
+            reply = {"tok_s": worker.raw(command["context"], num_tokens, seed)}
+        else:  # "memory"
+            reply = {**memory_status(), "kv_cache_bytes": worker.kv_cache_bytes()}
+        protocol.write(json.dumps(reply) + "\n")
+
+
+# ---------- parent side ----------
+class Worker:
+    def __init__(self, label: str, argv: list[str]):
+        self.label = label
+        env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        self.proc = subprocess.Popen([sys.executable, __file__, *argv], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, env=env)
+        self.ready = self._read()
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise SystemExit(f"worker {self.label} exited with status {self.proc.wait()} (see its error above)")
+        return json.loads(line)
+
+    def ask(self, **command) -> dict:
+        self.proc.stdin.write(json.dumps(command) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(60)
+
+
+def start_workers(name: str, path: str, args, options: dict) -> dict[str, Worker]:
+    n_ctx = max(CONTEXTS.values()) + args.tokens + 16
+    argv = ["--model-path", path, "--n-ctx", str(n_ctx)]
+    workers = {"ours": Worker(f"ours/{name}", ["--worker", "ours", "--engine-options", json.dumps(options),
+                                               *argv])}
+    for threads in args.llamacpp_threads:
+        label = f"llama.cpp t={threads}"
+        workers[label] = Worker(f"{label}/{name}", ["--worker", "llamacpp", "--worker-threads", str(threads), *argv])
+    return workers
+
+
+def bench_model(name: str, args, options: dict) -> dict:
+    path = model_path(name)
+    loads: dict[str, list[float]] = {}
+    for round_index in range(args.load_repeats):  # fresh processes: each load is a cold start of the process
+        workers = start_workers(name, path, args, options)
+        for label, worker in workers.items():
+            loads.setdefault(label, []).append(worker.ready["load_s"])
+            print(f"  {name} {label}: loaded in {worker.ready['load_s']:.2f} s", file=sys.stderr, flush=True)
+        if round_index < args.load_repeats - 1:
+            for worker in workers.values():
+                worker.close()
+    samples: dict[str, dict[str, list[float]]] = {}
+    workloads = [("stream", w, c) for w, c in CONTEXTS.items()] + [("streams", "streams16", 16)]
+    workloads += [("raw", f"raw {w}", c) for w, c in CONTEXTS.items()]
+    for label, worker in workers.items():  # warm-up: every path once, short
+        for kind, _, context in workloads:
+            if kind != "raw" or label == "ours":
+                worker.ask(kind=kind, context=context, num_tokens=4, seed=-1, num_streams=2)
+    labels = list(workers)
+    for repeat in range(args.repeats):
+        for kind, workload, context in workloads:
+            order = labels[repeat % len(labels):] + labels[:repeat % len(labels)]  # rotate who goes first
+            for label in order:
+                if kind == "raw" and label != "ours":
+                    continue
+                reply = workers[label].ask(kind=kind, context=context, num_tokens=args.tokens, seed=repeat,
+                                           num_streams=NUM_STREAMS)
+                key = "ours raw loop" if kind == "raw" else label
+                samples.setdefault(workload.replace("raw ", ""), {}).setdefault(key, []).append(reply["tok_s"])
+                print(f"  {name} {workload} {key}: {reply['tok_s']:.1f} tok/s", file=sys.stderr, flush=True)
+    memory = {label: worker.ask(kind="memory", num_tokens=0, seed=0) for label, worker in workers.items()}
+    for label, worker in workers.items():
+        memory[label]["rss_after_load"] = worker.ready["VmRSS"]
+        worker.close()
+    return {"path": path, "file_bytes": os.path.getsize(path), "load_s": loads, "tok_s": samples, "memory": memory}
+
+
+def verdicts(name: str, result: dict) -> list[list[str]]:
+    """Rows of (check, ours, best llama.cpp, ratio, target, met)."""
+    rows = []
+    llama_labels = [label for label in result["load_s"] if label != "ours"]
+    for workload, target in (("ctx16", SINGLE_TARGET), ("ctx1000", SINGLE_TARGET), ("streams16", STREAMS_TARGET)):
+        by_side = {label: summarize(v)["median"] for label, v in result["tok_s"][workload].items()}
+        best = max(llama_labels, key=lambda label: by_side[label])
+        ratio = by_side["ours"] / by_side[best]
+        rows.append([f"{workload} tok/s", f"{by_side['ours']:.1f}", f"{by_side[best]:.1f} ({best})",
+                     f"{ratio:.2f}x", f">= {target}x", "met" if ratio >= target else "MISSED"])
+    mem = result["memory"]["ours"]
+    budget = RSS_FILE_FACTOR * result["file_bytes"] + mem["kv_cache_bytes"]
+    rows.append(["peak RSS MB", f"{mem['VmHWM'] / 1e6:.0f}", f"{max(result['memory'][b]['VmHWM'] for b in llama_labels) / 1e6:.0f}",
+                 f"{mem['VmHWM'] / budget:.2f} of budget", f"<= {budget / 1e6:.0f} (1.5 file + KV)",
+                 "met" if mem["VmHWM"] <= budget else "MISSED"])
+    load = summarize(result["load_s"]["ours"])["median"]
+    best_load = min(summarize(result["load_s"][b])["median"] for b in llama_labels)
+    rows.append(["load s", f"{load:.2f}", f"{best_load:.2f}", f"{load / best_load:.1f}x", f"<= {LOAD_TARGET_S[name]}",
+                 "met" if load <= LOAD_TARGET_S[name] else "MISSED"])
+    return rows
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser, dtype: str | None = None) -> None:
+    """Engine options passed to Engine.from_pretrained when given (new engine kwargs: --option)."""
+    group = parser.add_argument_group("engine options (passed to Engine.from_pretrained when given)")
+    group.add_argument("--dtype", default=dtype)
+    group.add_argument("--quantization", default=None)
+    group.add_argument("--num-threads", type=int, default=None)
+    group.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                       help="any other engine option (VALUE parsed as JSON when it is JSON)")
+
+
+def engine_options(args: argparse.Namespace, defaults: dict) -> dict:
+    """defaults updated with --dtype / --quantization / --num-threads / --option KEY=VALUE."""
+    options = dict(defaults)
+    for key in ("dtype", "quantization", "num_threads"):
+        if getattr(args, key) is not None:
+            options[key] = getattr(args, key)
+    for item in args.option:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--option: expected KEY=VALUE, got {item!r}")
+        try:
+            options[key] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key] = value
+    return options
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="smollm2,qwen")
+    parser.add_argument("--tokens", type=int, default=128, help="generated tokens per stream")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--load-repeats", type=int, default=2, help="fresh worker processes per side")
+    parser.add_argument("--llamacpp-threads", default="1,2")
+    parser.add_argument("--quick", action="store_true", help="32 tokens, 1 repeat, 1 load")
+    add_engine_arguments(parser)
+    parser.add_argument("--worker", choices=["ours", "llamacpp"], help=argparse.SUPPRESS)
+    parser.add_argument("--worker-threads", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--model-path", help=argparse.SUPPRESS)
+    parser.add_argument("--n-ctx", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--engine-options", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.tokens, args.repeats, args.load_repeats = 32, 1, 1
+    if not args.worker:
+        args.llamacpp_threads = [int(t) for t in args.llamacpp_threads.split(",")]
+    return args
+
+
+def main(argv=None) -> dict | None:
+    args = parse_args(argv)
+    if args.worker:
+        return run_worker(args)
+    spec = importlib.util.find_spec("llama_cpp")
+    if spec is None:
+        raise SystemExit(f"llama-cpp-python is not installed: run `make llamacpp` "
+                         f"(builds llama-cpp-python=={LLAMACPP_VERSION} from its sdist, ~15 min)")
+    options = engine_options(args, {"max_model_len": max(CONTEXTS.values()) + args.tokens + 16,
+                                    "kv_cache_tokens": max(4096, NUM_STREAMS * (16 + args.tokens + 16))})
+    results = {"args": {k: v for k, v in vars(args).items() if not k.startswith("worker")},
+               "engine_options": options, "models": {}}
+    for name in args.models.split(","):
+        result = results["models"][name] = bench_model(name, args, options)
+        rows = []
+        for workload, by_side in result["tok_s"].items():
+            for label, values in by_side.items():
+                rows.append([workload, label, fmt_stats(summarize(values))])
+        for label, values in result["load_s"].items():
+            mem = result["memory"][label]
+            rows.append(["load s / RSS MB", label, f"{fmt_stats(summarize(values), '.2f')} s, after load "
+                         f"{mem['rss_after_load'] / 1e6:.0f}, peak {mem['VmHWM'] / 1e6:.0f}, KV {mem['kv_cache_bytes'] / 1e6:.0f}"])
+        print_table(["workload", "side", "median (min-max)"], rows,
+                    title=f"\n{name}: {Path(result['path']).name} ({result['file_bytes'] / 1e6:.0f} MB), "
+                          f"{args.tokens} tokens per stream, {args.repeats} repeats, engine options {options}")
+        result["verdicts"] = verdicts(name, result)
+        print_table(["check", "ours", "best llama.cpp", "ratio", "target", ""], result["verdicts"],
+                    title=f"{name} vs issue 10's targets")
+    results["environment"] = environment()
+    print(f"load average at the end: {results['environment']['load_average']}")
+    print(f"JSON: {write_json('vs_llamacpp', results)}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
