@@ -8,7 +8,7 @@ TESTDATA := .cache/testdata
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: install build serve test testdata bench clean
+.PHONY: install build serve test testdata browser bench clean
 
 install: $(STAMP) build
 
@@ -34,7 +34,16 @@ $(TESTDATA)/.done: $(STAMP) tests/fetch_testdata.py
 serve: install
 	$(PY) -m webapp --host $(HOST) --port $(PORT)
 
-test: install testdata
+# Debian's Chromium + ChromeDriver for tests/test_browser.py (about 1-2 minutes, ~300 MB,
+# once per machine); nothing happens when both are already there.
+BROWSER := /usr/bin/chromium /usr/bin/chromedriver
+
+browser: $(BROWSER)
+
+$(BROWSER) &:
+	bash .ci/install-browser.sh
+
+test: install testdata $(BROWSER)
 	$(PY) -m pytest -q tests
 
 bench: install

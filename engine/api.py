@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import os
 import queue
+import weakref
 from collections.abc import Callable, Iterator, Sequence as SequenceABC
 
 from .config import EngineConfig
 from .errors import EngineDead, InvalidParameterError
-from .outputs import Completion, StreamEvent, TokenLogprob, Usage
+from .outputs import Completion, CompletionFold, StreamEvent, TokenLogprob
 from .params import SamplingParams
 from .runtime import FINISHED, EngineCore
 
@@ -95,34 +96,35 @@ class RequestStream:
         ``on_event(event)`` sees every event as it arrives; returning True stops early: the
         request is aborted and the Completion so far comes back with finish_reason "abort".
         """
-        texts: list[str] = []
-        token_ids: list[int] = []
-        logprobs: list[TokenLogprob] | None = None
-        finish_reason = None
+        fold = CompletionFold(self.request_id)
         try:
             for event in self:
-                texts.append(event.text)
-                token_ids.extend(event.token_ids)
-                if event.logprobs is not None:
-                    if logprobs is None:
-                        logprobs = []
-                    logprobs.extend(event.logprobs)
-                finish_reason = event.finish_reason or finish_reason
+                fold.add(event)
                 if on_event is not None and on_event(event) and event.finish_reason is None:
-                    finish_reason = "abort"
+                    fold.finish_reason = "abort"
                     break
         finally:
             self.close()
-        return Completion(
-            request_id=self.request_id,
-            text="".join(texts),
-            token_ids=token_ids,
-            finish_reason=finish_reason,
-            logprobs=logprobs,
-            prompt_token_ids=self.prompt_token_ids,
-            prompt_logprobs=self.prompt_logprobs,
-            usage=Usage(len(self.prompt_token_ids), len(token_ids)),
-        )
+        return fold.result(self.prompt_token_ids, self.prompt_logprobs)
+
+
+class _FinishQueue(queue.SimpleQueue):
+    """A request's output queue that also reports the request's end (its index) on a shared queue:
+    generate(progress=True) counts requests as they finish, whatever their order."""
+
+    def __init__(self, index: int, finished: queue.SimpleQueue):
+        self.index = index
+        self.finished = finished
+
+    def put(self, item, block: bool = True, timeout: float | None = None) -> None:
+        super().put(item)
+        if item is FINISHED or isinstance(item, BaseException):
+            self.finished.put(self.index)
+
+
+# Models loaded by from_pretrained, while some engine still uses them: a second engine over the
+# same file and load options (a re-run notebook cell) shares the weights instead of loading a copy.
+_shared_models: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
 class Engine:
@@ -140,22 +142,50 @@ class Engine:
         self.tokenizer = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
         self.model = model
         self.config = config.resolve(getattr(model, "max_model_len", None))
+        self.model_name = type(model).__name__
         self._core = EngineCore(model, self.tokenizer, self.config)
+        # Collected without close() (a re-run notebook cell): stop the thread, which frees the
+        # model and the KV cache. The finalizer holds the core, never the Engine.
+        self._finalizer = weakref.finalize(self, EngineCore.close, self._core)
 
     @classmethod
-    def from_pretrained(cls, model: str | os.PathLike | None = None, **options) -> Engine:
+    def from_pretrained(cls, model: str | os.PathLike | None = None, *, progress: bool = False,
+                        **options) -> Engine:
         """Load a .gguf file or a Hugging Face directory (None: the embedded SmolLM2-135M-Instruct).
 
         ``options``: any EngineConfig field, load options (dtype, quantization, num_threads) included.
+        The files are checked (ModelFileError) and the tokenizer loaded before any weights.
+        ``progress=True`` shows the load's stages (a tqdm bar on a terminal or in Jupyter, log
+        lines otherwise). A model this process already holds for another engine (same file,
+        same load options) is shared, not loaded again.
         """
         from .loader import default_model_path, load_model
+        from .startup import LoadProgress, check_model_path
         from .tokenizer import load_tokenizer
 
         config = EngineConfig.from_options(options)
         path = default_model_path() if model is None else os.fspath(model)
-        loaded = load_model(path, dtype=config.dtype or "float32")
         runtime_options = {k: v for k, v in options.items() if k not in config.load_options}
-        return cls(loaded, load_tokenizer(path), **runtime_options)
+        name = os.path.basename(os.path.normpath(path)).removesuffix(".gguf")
+        with LoadProgress(name, num_stages=4, enabled=progress) as load:
+            load.stage("checking files")
+            check_model_path(path)
+            load.stage("loading tokenizer")
+            tokenizer = load_tokenizer(path)
+            load.stage("loading weights")
+            stat = os.stat(path)
+            key = (os.path.realpath(path), stat.st_mtime_ns, stat.st_size, tuple(sorted(config.load_options.items())))
+            loaded = _shared_models.get(key)
+            if loaded is None:
+                loaded = load_model(path, dtype=config.dtype or "float32")
+                try:
+                    _shared_models[key] = loaded
+                except TypeError:  # a model type without weak references: not shared
+                    pass
+            load.stage("allocating KV cache")
+            eng = cls(loaded, tokenizer, **runtime_options)
+        eng.model_name = name
+        return eng
 
     @property
     def max_model_len(self) -> int:
@@ -165,9 +195,13 @@ class Engine:
     def max_waiting(self) -> int:
         return self.config.max_waiting
 
+    @property
+    def kv_cache(self):
+        return self._core.kv_cache
+
     # ----- lifecycle -----
     def close(self) -> None:
-        self._core.close()
+        self._finalizer()  # EngineCore.close, once
 
     def __enter__(self) -> Engine:
         return self
@@ -181,6 +215,20 @@ class Engine:
     def stats(self) -> dict:
         return self._core.stats()
 
+    def __repr__(self) -> str:
+        state = "running" if self.is_alive() else "closed"
+        return f"<Engine {self.model_name} max_model_len={self.max_model_len} {state}>"
+
+    def _repr_pretty_(self, printer, cycle: bool) -> None:
+        from .display import describe_engine
+
+        printer.text(repr(self) if cycle else describe_engine(self))
+
+    def _repr_html_(self) -> str:
+        from .display import engine_html
+
+        return engine_html(self)
+
     def abort(self, request_id: str) -> None:
         self._core.abort(request_id)
 
@@ -188,13 +236,7 @@ class Engine:
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None,
                request_id: str | None = None) -> RequestStream:
         """Submit one prompt (text, or token ids) and return its event iterator."""
-        if isinstance(prompt, str):
-            prompt_ids = self.tokenizer.encode(prompt, add_special_tokens=True)
-        elif isinstance(prompt, SequenceABC) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            prompt_ids = list(prompt)
-        else:
-            raise InvalidParameterError("prompt must be a string or a list of token ids", "prompt")
-        return self.submit(prompt_ids, params, request_id)
+        return self.submit(self._prompt_ids(prompt), params, request_id)
 
     def stream_chat(self, messages: list[dict], params: SamplingParams | None = None,
                     request_id: str | None = None, tools: list[dict] | None = None) -> RequestStream:
@@ -203,16 +245,61 @@ class Engine:
         return self.submit(prompt_ids, params, request_id, prompt_param="messages")
 
     def submit(self, prompt_ids: list[int], params: SamplingParams | None = None, request_id: str | None = None,
-               prompt_param: str = "prompt") -> RequestStream:
-        """Submit prompt token ids. ``prompt_param`` names the prompt in errors ("prompt", "messages")."""
+               prompt_param: str = "prompt", outputs: queue.SimpleQueue | None = None) -> RequestStream:
+        """Submit prompt token ids. ``prompt_param`` names the prompt in errors ("prompt", "messages").
+        ``outputs``: the queue the engine thread puts this request's events on (default: a new one)."""
+        return RequestStream(self._core, self._submit_request(prompt_ids, params, request_id, prompt_param, outputs),
+                             prompt_ids)
+
+    def _submit_request(self, prompt_ids, params, request_id, prompt_param, outputs):
         request = self._core.make_request(prompt_ids, params, request_id, prompt_param)
+        if outputs is not None:
+            request.outputs = outputs
         self._core.submit(request)
-        return RequestStream(self._core, request, prompt_ids)
+        return request
+
+    def _prompt_ids(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=True)
+        if isinstance(prompt, SequenceABC) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return list(prompt)
+        raise InvalidParameterError("prompt must be a string or a list of token ids", "prompt")
 
     # ----- one-shot wrappers -----
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                  progress: bool = False) -> list[Completion]:
-        """Run many prompts batched together; returns completions in prompt order."""
+        """Run many prompts batched together; returns completions in prompt order.
+
+        ``progress=True``: a tqdm.auto bar that advances as requests finish (in any order)."""
+        pairs = self._generate_pairs(prompts, params)
+        finished: queue.SimpleQueue = queue.SimpleQueue()
+        streams: list[RequestStream] = []
+        try:
+            for index, (prompt, p) in enumerate(pairs):
+                outputs = _FinishQueue(index, finished) if progress else None
+                streams.append(self.submit(self._prompt_ids(prompt), p, outputs=outputs))
+            if progress:
+                from tqdm.auto import tqdm
+
+                with tqdm(total=len(streams), desc="generate", unit="req") as bar:
+                    for _ in streams:
+                        self._wait_finished(finished)
+                        bar.update(1)
+            return [stream.collect() for stream in streams]  # in prompt order; all done when progress
+        finally:
+            for stream in streams:
+                stream.close()
+
+    def _wait_finished(self, finished: queue.SimpleQueue) -> int:
+        while True:
+            try:
+                return finished.get(timeout=1.0)
+            except queue.Empty:
+                if not self._core.is_alive():
+                    return -1  # collect() raises EngineDead for the requests left
+
+    @staticmethod
+    def _generate_pairs(prompts, params) -> list[tuple[object, SamplingParams | None]]:
         if isinstance(prompts, str):
             prompts = [prompts]
         if not isinstance(prompts, SequenceABC) or not prompts:
@@ -220,30 +307,60 @@ class Engine:
         if isinstance(params, (list, tuple)):
             if len(params) != len(prompts):
                 raise InvalidParameterError(f"params has {len(params)} entries for {len(prompts)} prompts", "params")
-            per_prompt = list(params)
-        else:
-            per_prompt = [params] * len(prompts)
-        streams = []
-        try:
-            for prompt, p in zip(prompts, per_prompt):
-                streams.append(self.stream(prompt, p))
-            bar = None
-            if progress:
-                from tqdm.auto import tqdm
-
-                bar = tqdm(total=len(streams), desc="generate", unit="req")
-            results = []
-            for stream in streams:
-                results.append(stream.collect())
-                if bar is not None:
-                    bar.update(1)
-            if bar is not None:
-                bar.close()
-            return results
-        finally:
-            for stream in streams:
-                stream.close()
+            return list(zip(prompts, params))
+        return [(prompt, params) for prompt in prompts]
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None,
              tools: list[dict] | None = None) -> Completion:
         return self.stream_chat(messages, params, tools=tools).collect()
+
+    # ----- async twins (engine/async_stream.py): same arguments, never block the event loop -----
+    def _asubmit(self, prompt_ids: list[int], params, request_id, prompt_param: str = "prompt"):
+        import asyncio
+
+        from .async_stream import AsyncRequestStream, LoopQueue
+
+        outputs = LoopQueue(asyncio.get_running_loop())
+        request = self._submit_request(prompt_ids, params, request_id, prompt_param, outputs)
+        return AsyncRequestStream(self._core, request, prompt_ids, outputs)
+
+    def astream(self, prompt: str | list[int], params: SamplingParams | None = None,
+                request_id: str | None = None):
+        """``async for event in eng.astream(...)``; call it inside a coroutine (it binds to the running loop)."""
+        return self._asubmit(self._prompt_ids(prompt), params, request_id)
+
+    def astream_chat(self, messages: list[dict], params: SamplingParams | None = None,
+                     request_id: str | None = None, tools: list[dict] | None = None):
+        prompt_ids = self.tokenizer.encode_chat(messages, add_generation_prompt=True, tools=tools)
+        return self._asubmit(prompt_ids, params, request_id, prompt_param="messages")
+
+    async def agenerate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
+                        progress: bool = False) -> list[Completion]:
+        """Like generate; cancelling the awaiting task aborts every request still running."""
+        import asyncio
+
+        pairs = self._generate_pairs(prompts, params)
+        streams = [self.astream(prompt, p) for prompt, p in pairs]
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(streams), desc="generate", unit="req")
+
+        async def run(stream) -> Completion:
+            completion = await stream.collect()
+            if bar is not None:
+                bar.update(1)
+            return completion
+
+        try:
+            return list(await asyncio.gather(*(run(stream) for stream in streams)))
+        finally:
+            for stream in streams:
+                stream.close()
+            if bar is not None:
+                bar.close()
+
+    async def achat(self, messages: list[dict], params: SamplingParams | None = None,
+                    tools: list[dict] | None = None) -> Completion:
+        return await self.astream_chat(messages, params, tools=tools).collect()
