@@ -148,8 +148,11 @@ def create_app(engine, model_name: str | None = None, api_key: str | None = None
 
 
 def make_server(engine, host: str = "127.0.0.1", port: int = 0, threads: int = 64,
-                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, **app_options):
+                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, sock=None, **app_options):
     """A waitress server bound now (port 0: a free one); ``.run()`` serves, ``.close()`` stops.
+
+    ``sock``: a socket already bound (engine.startup.bind_listen_socket, taken before the model
+    loaded); host and port are then ignored.
 
     ``server.effective_port`` is the bound port. ``threads`` bounds concurrent HTTP requests
     (each streaming request holds one thread); beyond it requests queue in the server, and
@@ -165,10 +168,10 @@ def make_server(engine, host: str = "127.0.0.1", port: int = 0, threads: int = 6
     import waitress.server
 
     app = create_app(engine, max_body_bytes=max_body_bytes, **app_options)
+    where = {"sockets": [sock]} if sock is not None else {"host": host, "port": port}
     return waitress.server.create_server(
         app,
-        host=host,
-        port=port,
+        **where,
         threads=threads,
         channel_request_lookahead=1,  # keep reading the socket: notice disconnects mid-stream
         # waitress 3 defaults to send_bytes=1: each SSE chunk is sent from the handler thread at once
@@ -178,12 +181,15 @@ def make_server(engine, host: str = "127.0.0.1", port: int = 0, threads: int = 6
     )
 
 
-def serve(engine, host: str = "127.0.0.1", port: int = 8000, **options) -> None:
+def serve(engine, host: str = "127.0.0.1", port: int = 8000, sock=None, **options) -> None:
     """Serve ``engine`` on host:port with the production WSGI server (waitress); blocks.
 
-    options: api_key, model_name, threads, max_body_bytes.
+    ``sock``: serve on this bound socket instead of binding host:port (python -m webapp binds
+    it before the model loads). options: api_key, model_name, threads, max_body_bytes.
     """
-    server = make_server(engine, host, port, **options)
+    server = make_server(engine, host, port, sock=sock, **options)
+    if sock is not None:
+        host = sock.getsockname()[0]
     log.warning("serving on http://%s:%s", host, server.effective_port)
     try:
         server.run()
