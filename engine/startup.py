@@ -29,6 +29,7 @@ GGUF_MAGIC = b"GGUF"
 GGUF_DEFAULT_ALIGNMENT = 32
 _SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 _TYPE_STRING, _TYPE_ARRAY, _TYPE_UINT32 = 8, 9, 4
+MAX_GGUF_ENTRIES = 1 << 24  # more tensors or header values than this: the counts are garbage
 
 
 # ---------------------------------------------------------------- model files
@@ -77,7 +78,7 @@ def _gguf_data_end(buffer, path: str) -> int:
     version, num_tensors, num_kv = struct.unpack_from("<IQQ", buffer, 4)
     if version < 2 or version > 0xFFFF:
         raise ModelFileError(f"{path}: corrupt or unsupported GGUF file (version {version})", path)
-    if num_tensors > len(buffer) or num_kv > len(buffer):
+    if num_tensors > MAX_GGUF_ENTRIES or num_kv > MAX_GGUF_ENTRIES:
         raise ModelFileError(f"{path}: corrupt GGUF file (it claims {num_tensors} tensors and "
                              f"{num_kv} header values)", path)
     offset = 24
