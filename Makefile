@@ -8,7 +8,7 @@ TESTDATA := .cache/testdata
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: install build serve test testdata browser bench clean
+.PHONY: install build serve test testdata browser notebook bench clean
 
 install: $(STAMP) build
 
@@ -45,6 +45,10 @@ $(BROWSER) &:
 
 test: install testdata $(BROWSER)
 	$(PY) -m pytest -q tests
+
+# Re-run examples/quickstart.ipynb headless and keep its outputs (commit the result).
+notebook: install
+	$(PY) examples/run_notebook.py examples/quickstart.ipynb
 
 bench: install
 	$(PY) benchmarks/decode.py
