@@ -9,11 +9,13 @@ import importlib
 _EXPORTS = {
     "Engine": "api",
     "RequestStream": "api",
+    "AsyncRequestStream": "async_stream",
     "EngineDead": "errors",
     "EngineError": "errors",
     "EngineOverloaded": "errors",
     "InvalidParameterError": "errors",
     "ContextLengthError": "errors",
+    "ModelFileError": "errors",
     "EngineConfig": "config",
     "Completion": "outputs",
     "StreamEvent": "outputs",
