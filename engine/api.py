@@ -20,8 +20,9 @@ from .runtime import FINISHED, EngineCore
 class RequestStream:
     """Iterator over one request's StreamEvents. Closing it (or dropping it) aborts the request."""
 
-    def __init__(self, core: EngineCore, request, prompt_token_ids: list[int]):
+    def __init__(self, core: EngineCore, request, prompt_token_ids: list[int], owner: object = None):
         self._core = core
+        self._owner = owner  # the Engine: kept alive (its thread running) while a stream is held
         self._request = request
         self.request_id = request.request_id
         self.prompt_token_ids = prompt_token_ids
@@ -249,7 +250,7 @@ class Engine:
         """Submit prompt token ids. ``prompt_param`` names the prompt in errors ("prompt", "messages").
         ``outputs``: the queue the engine thread puts this request's events on (default: a new one)."""
         return RequestStream(self._core, self._submit_request(prompt_ids, params, request_id, prompt_param, outputs),
-                             prompt_ids)
+                             prompt_ids, owner=self)
 
     def _submit_request(self, prompt_ids, params, request_id, prompt_param, outputs):
         request = self._core.make_request(prompt_ids, params, request_id, prompt_param)
@@ -322,7 +323,7 @@ class Engine:
 
         outputs = LoopQueue(asyncio.get_running_loop())
         request = self._submit_request(prompt_ids, params, request_id, prompt_param, outputs)
-        return AsyncRequestStream(self._core, request, prompt_ids, outputs)
+        return AsyncRequestStream(self._core, request, prompt_ids, outputs, owner=self)
 
     def astream(self, prompt: str | list[int], params: SamplingParams | None = None,
                 request_id: str | None = None):

@@ -80,8 +80,9 @@ class LoopQueue(queue.SimpleQueue):
 class AsyncRequestStream:
     """Async iterator over one request's StreamEvents; ``aclose()`` or cancelling aborts the request."""
 
-    def __init__(self, core, request, prompt_token_ids: list[int], outputs: LoopQueue):
+    def __init__(self, core, request, prompt_token_ids: list[int], outputs: LoopQueue, owner: object = None):
         self._core = core
+        self._owner = owner  # the Engine: kept alive while a stream is held
         self._request = request
         self._outputs = outputs
         self.request_id = request.request_id

@@ -147,3 +147,16 @@ def test_generate_progress_advances_as_requests_finish(tok, monkeypatch):
     assert [c.usage.completion_tokens for c in done] == [20000, 2]  # results stay in prompt order
     assert updates[0] == 1  # the first tick of the bar came while the long request still ran
     assert len(updates) == 2
+
+
+def test_a_stream_keeps_its_engine_alive(tok):
+    """`for ev in Engine(...).stream(...)`: the engine is referenced only by its stream."""
+    before = len(engine_threads())
+    script = tok.encode("still here", add_special_tokens=False)
+    stream = engine.Engine(ScriptedModel(script, tok.vocab_size), tok, max_model_len=256).stream(
+        "hi", SamplingParams(max_tokens=len(script), temperature=0))
+    gc.collect()
+    assert "".join(event.text for event in stream) == "still here"
+    del stream
+    gc.collect()
+    assert len(engine_threads()) == before
