@@ -13,6 +13,7 @@ PORT ?= 8000
 install: $(STAMP) build
 
 $(STAMP): requirements.txt requirements-test.txt
+	@echo "==> installing the pinned packages into $(VENV) (first run: 1-2 minutes)"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q -r requirements.txt -r requirements-test.txt
 	# Packages that carry data only: the default model and the Qwen vocabulary.
@@ -22,12 +23,14 @@ $(STAMP): requirements.txt requirements-test.txt
 	touch $(STAMP)
 
 build: $(STAMP)
+	@echo "==> building the Cython modules in cext/ (first run: ~30 s)"
 	$(PY) setup.py -q build_ext --inplace
 
 # Tokenizer test vectors from llama.cpp, carried by the pinned llama-cpp-python sdist.
 testdata: $(TESTDATA)/.done
 
 $(TESTDATA)/.done: $(STAMP) tests/fetch_testdata.py
+	@echo "==> tokenizer test vectors into $(TESTDATA) (once)"
 	$(PY) tests/fetch_testdata.py $(TESTDATA)
 	touch $@
 
@@ -41,6 +44,7 @@ BROWSER := /usr/bin/chromium /usr/bin/chromedriver
 browser: $(BROWSER)
 
 $(BROWSER) &:
+	@echo "==> installing Debian's chromium + chromium-driver for the browser test (once: 1-2 minutes)"
 	bash .ci/install-browser.sh
 
 test: install testdata $(BROWSER)

@@ -341,12 +341,8 @@ class Engine:
         import asyncio
 
         pairs = self._generate_pairs(prompts, params)
-        streams = [self.astream(prompt, p) for prompt, p in pairs]
+        streams = []
         bar = None
-        if progress:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=len(streams), desc="generate", unit="req")
 
         async def run(stream) -> Completion:
             completion = await stream.collect()
@@ -355,6 +351,12 @@ class Engine:
             return completion
 
         try:
+            for prompt, p in pairs:
+                streams.append(self.astream(prompt, p))
+            if progress:
+                from tqdm.auto import tqdm
+
+                bar = tqdm(total=len(streams), desc="generate", unit="req")
             return list(await asyncio.gather(*(run(stream) for stream in streams)))
         finally:
             for stream in streams:
