@@ -6,7 +6,9 @@ Four ways to consume the same request, interleaved in each round so load drifts 
   executor     the same queue waited on in a thread executor  (the design not taken, for comparison)
   sync x8 / async x8: 8 concurrent streams (threads for sync, tasks on one loop for async)
 
-Prints us/token (median, min-max over rounds) and the ratio to sync; writes JSON.
+Prints wall and CPU (process_time: every thread of this process, the engine's included) us/token,
+median and min-max over rounds, and the ratio to sync; writes JSON. On a loaded machine wall
+time swings with the scheduler; CPU time per token is the steadier figure of host cost.
 
     .venv/bin/python benchmarks/async_stream.py [--rounds 7] [--tokens 2000]
 """
@@ -93,25 +95,31 @@ def main() -> None:
         f"async x{NUM_CONCURRENT}": lambda eng: run_async(eng, params, NUM_CONCURRENT),
     }
     per_token: dict[str, list[float]] = {name: [] for name in cases}
+    cpu_per_token: dict[str, list[float]] = {name: [] for name in cases}
     with engine.Engine(ScriptedModel(script, tok.vocab_size), tok, max_model_len=args.tokens + 64,
                        kv_cache_tokens=(args.tokens + 64) * NUM_CONCURRENT) as eng:
         for fn in cases.values():  # warm-up
             fn(eng)
         for _ in range(args.rounds):
             for name, fn in cases.items():
-                start = time.perf_counter()
+                start, start_cpu = time.perf_counter(), time.process_time()
                 num_tokens = fn(eng)
                 per_token[name].append((time.perf_counter() - start) / num_tokens * 1e6)
+                cpu_per_token[name].append((time.process_time() - start_cpu) / num_tokens * 1e6)
     stats = {name: summarize(values) for name, values in per_token.items()}
+    cpu_stats = {name: summarize(values) for name, values in cpu_per_token.items()}
     rows = []
     for name, s in stats.items():
-        base = stats["sync x8" if "x8" in name else "sync"]["median"]
-        rows.append([name, fmt_stats(s), f"{s['median'] / base:.2f}"])
+        base = "sync x8" if "x8" in name else "sync"
+        c = cpu_stats[name]
+        rows.append([name, fmt_stats(s), f"{s['median'] / stats[base]['median']:.2f}",
+                     fmt_stats(c), f"{c['median'] / cpu_stats[base]['median']:.2f}"])
     env = environment()
-    print_table(["consumer", "us/token (median, min-max)", "vs sync"], rows,
+    print_table(["consumer", "wall us/token", "vs sync", "CPU us/token", "vs sync"], rows,
                 title=f"async vs sync host cost, {args.tokens} tokens/stream, {args.rounds} rounds, "
                       f"load average {env['load_average'][0]:.2f}")
-    path = write_json("async_stream", {"args": vars(args), "environment": env, "us_per_token": stats})
+    path = write_json("async_stream", {"args": vars(args), "environment": env, "us_per_token": stats,
+                                         "cpu_us_per_token": cpu_stats})
     print(path)
 
 
