@@ -29,6 +29,7 @@ GGUF_MAGIC = b"GGUF"
 GGUF_DEFAULT_ALIGNMENT = 32
 _SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 _TYPE_STRING, _TYPE_ARRAY, _TYPE_UINT32 = 8, 9, 4
+_U64 = struct.Struct("<Q")
 MAX_GGUF_ENTRIES = 1 << 24  # more tensors or header values than this: the counts are garbage
 
 
@@ -132,6 +133,13 @@ def _skip_value(buffer, offset: int, type_id: int, path: str) -> int:
             return offset + num_items * _SCALAR_SIZES[item_type]
         if num_items > len(buffer):
             raise IndexError(num_items)
+        if item_type == _TYPE_STRING:  # a vocabulary: the hot loop of the check
+            unpack_length = _U64.unpack_from
+            for _ in range(num_items):
+                offset += 8 + unpack_length(buffer, offset)[0]
+            if offset > len(buffer):
+                raise IndexError(offset)
+            return offset
         for _ in range(num_items):
             offset = _skip_value(buffer, offset, item_type, path)
         return offset
