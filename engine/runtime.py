@@ -56,6 +56,7 @@ class EngineCore:
         self._new: collections.deque[Request] = collections.deque()
         self._aborts: collections.deque[str] = collections.deque()
         self._submit_lock = threading.Lock()  # submit's check-then-append, never taken per token
+        self._live_ids: set[str] = set()  # submitted and not finished (added under _submit_lock)
         self._wake = threading.Event()
         self._stopping = False
         self._ids = itertools.count()
@@ -111,9 +112,13 @@ class EngineCore:
         with self._submit_lock:
             if not self.is_alive():
                 raise EngineDead(self.dead_message)
+            if request.request_id in self._live_ids:
+                raise InvalidParameterError(
+                    f"request_id {request.request_id!r} is already in use by a running request", "request_id")
             num_waiting = self.num_waiting
             if num_waiting >= self.config.max_waiting:
                 raise EngineOverloaded(f"too many waiting requests ({num_waiting}); retry later")
+            self._live_ids.add(request.request_id)
             self._new.append(request)
         self._wake.set()
 
@@ -151,6 +156,7 @@ class EngineCore:
             try:
                 self.scheduler.add(req.seq)
             except ValueError as exc:
+                self._retire(req)
                 req.outputs.put(exc)
                 continue
             self.requests[req.request_id] = req
@@ -219,7 +225,7 @@ class EngineCore:
         if finish_reason is not None:
             self.scheduler.finish(seq)
             self.requests.pop(req.request_id, None)
-            req.is_finished = True
+            self._retire(req)
             req.outputs.put(event)
             req.outputs.put(FINISHED)
         else:
@@ -244,8 +250,13 @@ class EngineCore:
             for target, row in zip(targets, rows):
                 req.prompt_logprobs.append(self._token_logprob(target, row))
 
-    def _finish(self, req: Request, reason: str, text: str) -> None:
+    def _retire(self, req: Request) -> None:
+        """The request is over: its id may be used again."""
         req.is_finished = True
+        self._live_ids.discard(req.request_id)
+
+    def _finish(self, req: Request, reason: str, text: str) -> None:
+        self._retire(req)
         req.outputs.put(StreamEvent(req.request_id, text, [], None, reason))
         req.outputs.put(FINISHED)
 
@@ -254,7 +265,7 @@ class EngineCore:
         if req is None:
             return
         self.scheduler.abort(request_id)
-        req.is_finished = True
+        self._retire(req)
         req.outputs.put(EngineError(f"request {request_id} failed: {type(exc).__name__}: {exc}"))
 
     def _fail_all(self, exc: BaseException) -> None:
@@ -262,6 +273,6 @@ class EngineCore:
         self.requests.clear()
         self._new.clear()
         for req in pending:
-            req.is_finished = True
+            self._retire(req)
             req.outputs.put(exc)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hmac
 import logging
 import os
+import threading
 import time
 
 from flask import Flask, Response, request, send_from_directory
@@ -27,6 +28,11 @@ from .metrics import RequestRecord, ServerMetrics
 log = logging.getLogger("webapp")
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
+DEFAULT_THREADS = 64
+# Handler threads kept free of generation requests, so /health, /metrics, /v1/models and the
+# 429 answers themselves always find a thread (benchmarks/overload.py measures the probe latency).
+RESERVED_THREADS = 8
+GENERATION_ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 STATIC_DIR = os.path.join(os.path.dirname(__file__), "static")
 _JSON = "application/json"
 
@@ -45,30 +51,43 @@ def _error_response(err: APIError) -> Response:
 
 
 def create_app(engine, model_name: str | None = None, api_key: str | None = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
-    """A Flask app serving ``engine``. ``api_key`` set: /v1/* needs ``Authorization: Bearer <key>``."""
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               max_concurrent_requests: int = DEFAULT_THREADS - RESERVED_THREADS):
+    """A Flask app serving ``engine``. ``api_key`` set: /v1/* needs ``Authorization: Bearer <key>``.
+
+    ``max_concurrent_requests`` bounds the generation requests in flight (streamed or not);
+    one more gets 429 with Retry-After at once instead of waiting for a handler thread.
+    """
+    if not isinstance(max_concurrent_requests, int) or max_concurrent_requests < 1:
+        raise ValueError(f"max_concurrent_requests must be a positive integer, got {max_concurrent_requests!r}")
     app = Flask(__name__, static_folder=None)
     app.config["MAX_CONTENT_LENGTH"] = max_body_bytes
     model_name = model_name or getattr(engine, "model_name", None) or "default"
     metrics = ServerMetrics(engine, model_name)
     app.extensions["llm_engine"] = engine
     app.extensions["llm_metrics"] = metrics
-    tokenizer = engine.tokenizer
     max_model_len = getattr(engine, "max_model_len", None)
+    generation_slots = threading.BoundedSemaphore(max_concurrent_requests)
     expected_auth = f"Bearer {api_key}".encode() if api_key else None
+
+    def _counted(err: APIError) -> Response:
+        endpoint = GENERATION_ENDPOINTS.get(request.path)
+        if endpoint is not None:  # every rejected generation request counts, parse errors included
+            metrics.count(endpoint, f"http_{err.status}")
+        return _error_response(err)
 
     @app.errorhandler(APIError)
     def _api_error(err: APIError):
-        return _error_response(err)
+        return _counted(err)
 
     @app.errorhandler(HTTPException)
     def _http_error(err: HTTPException):
-        return _error_response(errors.from_http_status(err.code or 500, err.description or err.name))
+        return _counted(errors.from_http_status(err.code or 500, err.description or err.name))
 
     @app.errorhandler(Exception)
     def _unexpected(err: Exception):
         log.exception("unhandled error in %s %s", request.method, request.path)
-        return _error_response(errors.internal_error())
+        return _counted(errors.internal_error())
 
     @app.before_request
     def _check_api_key():
@@ -104,11 +123,23 @@ def create_app(engine, model_name: str | None = None, api_key: str | None = None
 
     @app.post("/v1/chat/completions")
     def chat_completions():
-        return _generate(protocol.parse_chat(_read_body()), "chat")
+        return _limited(lambda: _generate(protocol.parse_chat(_read_body()), "chat"))
 
     @app.post("/v1/completions")
     def completions():
-        return _generate(protocol.parse_completion(_read_body()), "completions")
+        return _limited(lambda: _generate(protocol.parse_completion(_read_body()), "completions"))
+
+    def _limited(handle) -> Response:
+        """Run a generation request in one of the bounded slots, held until its response closes."""
+        if not generation_slots.acquire(blocking=False):
+            raise errors.overloaded("too many concurrent requests")
+        try:
+            response = handle()
+        except BaseException:
+            generation_slots.release()
+            raise
+        response.call_on_close(generation_slots.release)
+        return response
 
     def _read_body() -> dict:
         return protocol.decode_body(request.get_data(cache=False))
@@ -124,11 +155,7 @@ def create_app(engine, model_name: str | None = None, api_key: str | None = None
 
     def _generate(req: protocol.ParsedRequest, endpoint: str):
         record = RequestRecord(endpoint, 0)  # the clock starts before templating
-        try:
-            stream = _submit(req)
-        except APIError as err:
-            metrics.count(endpoint, f"http_{err.status}")
-            raise
+        stream = _submit(req)
         record.num_prompt_tokens = len(stream.prompt_token_ids)
         request_id = ("chatcmpl-" if req.is_chat else "cmpl-") + stream.request_id
         created = int(time.time())
@@ -147,16 +174,52 @@ def create_app(engine, model_name: str | None = None, api_key: str | None = None
     return app
 
 
-def make_server(engine, host: str = "127.0.0.1", port: int = 0, threads: int = 64,
-                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, sock=None, **app_options):
+# Connection limits of the WSGI server (documented in the README, "Limits"). A connection that
+# sends nothing for CHANNEL_TIMEOUT_S while no request of it is running (headers never finished,
+# an idle keep-alive) is closed; the check runs every CLEANUP_INTERVAL_S. CONNECTION_LIMIT open
+# sockets (each one file descriptor) are accepted before new ones wait in the listen backlog.
+CHANNEL_TIMEOUT_S = 10
+CLEANUP_INTERVAL_S = 2
+CONNECTION_LIMIT = 2000
+# Bodies past max_body_bytes get Flask's JSON 413 without being read; past this many bytes the
+# WSGI server itself refuses (still JSON, via _JSONErrorChannel) before buffering them.
+MAX_REQUEST_BODY_BYTES = 64 << 20
+
+
+def _json_error_channel():
+    """A waitress channel whose own errors (413 past MAX_REQUEST_BODY_BYTES, malformed HTTP) are
+    OpenAI-style JSON like every other error of this server."""
+    from waitress.channel import HTTPChannel
+    from waitress.task import ErrorTask
+
+    class _JSONErrorTask(ErrorTask):
+        def execute(self):
+            error = self.request.error
+            body = errors.from_http_status(error.code, f"{error.reason}: {error.body}").body()
+            self.status = f"{error.code} {error.reason}"
+            self.response_headers.append(("Content-Type", _JSON))
+            self.set_close_on_finish()
+            self.content_length = len(body)
+            self.write(body)
+
+    class _JSONErrorChannel(HTTPChannel):
+        error_task_class = _JSONErrorTask
+
+    return _JSONErrorChannel
+
+
+def make_server(engine, host: str = "127.0.0.1", port: int = 0, threads: int = DEFAULT_THREADS,
+                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_concurrent_requests: int | None = None,
+                channel_timeout: int = CHANNEL_TIMEOUT_S, sock=None, **app_options):
     """A waitress server bound now (port 0: a free one); ``.run()`` serves, ``.close()`` stops.
 
     ``sock``: a socket already bound (engine.startup.bind_listen_socket, taken before the model
     loaded); host and port are then ignored.
 
-    ``server.effective_port`` is the bound port. ``threads`` bounds concurrent HTTP requests
-    (each streaming request holds one thread); beyond it requests queue in the server, and
-    beyond the engine's waiting queue they get 429.
+    ``server.effective_port`` is the bound port. ``threads`` handler threads serve requests;
+    at most ``max_concurrent_requests`` (default: threads - RESERVED_THREADS) of them run
+    generation requests, one more gets 429 at once, so health probes and metrics scrapes always
+    find a free thread under overload.
 
     Why waitress (measured in benchmarks/serving.py, section "wsgi"): it costs ~10-20 us per
     SSE chunk, on par with cheroot (which was slower at 8 streams in our runs), is already
@@ -167,25 +230,50 @@ def make_server(engine, host: str = "127.0.0.1", port: int = 0, threads: int = 6
     """
     import waitress.server
 
-    app = create_app(engine, max_body_bytes=max_body_bytes, **app_options)
+    if not isinstance(threads, int) or threads <= RESERVED_THREADS:
+        raise ValueError(f"threads must be an integer > {RESERVED_THREADS} (the threads kept for probes), "
+                         f"got {threads!r}")
+    if max_concurrent_requests is None:
+        max_concurrent_requests = threads - RESERVED_THREADS
+    app = create_app(engine, max_body_bytes=max_body_bytes, max_concurrent_requests=max_concurrent_requests,
+                     **app_options)
+    _raise_open_file_limit(CONNECTION_LIMIT + 256)
     where = {"sockets": [sock]} if sock is not None else {"host": host, "port": port}
-    return waitress.server.create_server(
+    server = waitress.server.create_server(
         app,
         **where,
         threads=threads,
         channel_request_lookahead=1,  # keep reading the socket: notice disconnects mid-stream
         # waitress 3 defaults to send_bytes=1: each SSE chunk is sent from the handler thread at once
-        max_request_body_size=2 * max_body_bytes,  # a backstop: Flask answers 413 in JSON first
-        connection_limit=max(100, 4 * threads),
+        max_request_body_size=max(MAX_REQUEST_BODY_BYTES, max_body_bytes),
+        connection_limit=CONNECTION_LIMIT,
+        channel_timeout=channel_timeout,
+        cleanup_interval=min(CLEANUP_INTERVAL_S, channel_timeout),
         ident="llm-engine",
     )
+    server.channel_class = _json_error_channel()
+    return server
+
+
+def _raise_open_file_limit(wanted: int) -> None:
+    """Each connection is a file descriptor: lift the soft limit toward ``wanted`` (never above the hard one)."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+        if soft != resource.RLIM_INFINITY and soft < target:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (ImportError, ValueError, OSError):  # not POSIX, or not allowed: keep the limit
+        pass
 
 
 def serve(engine, host: str = "127.0.0.1", port: int = 8000, sock=None, **options) -> None:
     """Serve ``engine`` on host:port with the production WSGI server (waitress); blocks.
 
     ``sock``: serve on this bound socket instead of binding host:port (python -m webapp binds
-    it before the model loads). options: api_key, model_name, threads, max_body_bytes.
+    it before the model loads). options: api_key, model_name, threads, max_body_bytes,
+    max_concurrent_requests.
     """
     server = make_server(engine, host, port, sock=sock, **options)
     if sock is not None:

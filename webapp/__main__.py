@@ -25,7 +25,10 @@ def build_parser(prog: str = "python -m webapp") -> argparse.ArgumentParser:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", default=os.environ.get("LLM_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on /v1/* (or set LLM_API_KEY)")
-    parser.add_argument("--threads", type=int, default=64, help="HTTP worker threads (concurrent requests)")
+    parser.add_argument("--threads", type=int, default=64,
+                        help="HTTP handler threads; 8 of them are kept for /health, /metrics and 429 answers")
+    parser.add_argument("--max-concurrent-requests", type=int, default=None,
+                        help="generation requests in flight before 429 (default: threads - 8)")
     add_engine_arguments(parser)
     return parser
 
@@ -40,12 +43,17 @@ def main(argv: list[str] | None = None, prog: str = "python -m webapp") -> None:
     from engine.loader import default_model_path
     from engine.startup import PortInUseError, bind_listen_socket, check_model_path
 
+    from . import RESERVED_THREADS
+
     options = engine_options_from_args(args)
     try:
         if not 0 <= args.port <= 65535:
             raise ValueError(f"--port must be in [0, 65535], got {args.port}")
-        if args.threads < 1:
-            raise ValueError(f"--threads must be a positive integer, got {args.threads}")
+        if args.threads <= RESERVED_THREADS:
+            raise ValueError(f"--threads must be more than {RESERVED_THREADS} (the threads kept for probes), "
+                             f"got {args.threads}")
+        if args.max_concurrent_requests is not None and args.max_concurrent_requests < 1:
+            raise ValueError(f"--max-concurrent-requests must be a positive integer, got {args.max_concurrent_requests}")
         EngineConfig.from_options(options)
         model_path = default_model_path() if args.model is None else args.model
         check_model_path(model_path)
@@ -69,7 +77,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m webapp") -> None:
     else:
         name = DEFAULT_MODEL_NAME
     try:
-        serve(eng, sock=sock, api_key=args.api_key, model_name=name, threads=args.threads)
+        serve(eng, sock=sock, api_key=args.api_key, model_name=name, threads=args.threads,
+              max_concurrent_requests=args.max_concurrent_requests)
     except KeyboardInterrupt:
         pass
     finally:

@@ -43,10 +43,10 @@ def context_length_exceeded(message: str, param: str | None) -> APIError:
     return APIError(400, message, param=param, code="context_length_exceeded")
 
 
-def overloaded(retry_after_s: int = 1) -> APIError:
+def overloaded(reason: str = "waiting queue full", retry_after_s: int = 1) -> APIError:
     return APIError(
         429,
-        "The server is at capacity (waiting queue full); retry shortly.",
+        f"The server is at capacity ({reason}); retry shortly.",
         type="rate_limit_error",
         code="rate_limit_exceeded",
         headers={"Retry-After": str(retry_after_s)},
