@@ -162,7 +162,7 @@ def test_server_serves_on_the_socket_bound_first():
     sock = bind_listen_socket("127.0.0.1", 0)
     port = sock.getsockname()[1]
     with engine.Engine(ScriptedModel([1, 2], tok.vocab_size), tok, max_model_len=256) as eng:
-        server = webapp.make_server(eng, sock=sock, threads=2)
+        server = webapp.make_server(eng, sock=sock, threads=webapp.RESERVED_THREADS + 2)
         assert int(server.effective_port) == port
         thread = threading.Thread(target=server.run, daemon=True)
         thread.start()
