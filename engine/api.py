@@ -123,6 +123,10 @@ class _FinishQueue(queue.SimpleQueue):
             self.finished.put(self.index)
 
 
+def _display_name(path: str) -> str:
+    return os.path.basename(os.path.normpath(path)).removesuffix(".gguf")
+
+
 # Models loaded by from_pretrained, while some engine still uses them: a second engine over the
 # same file and load options (a re-run notebook cell) shares the weights instead of loading a copy.
 _shared_models: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
@@ -143,7 +147,7 @@ class Engine:
         self.tokenizer = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
         self.model = model
         self.config = config.resolve(getattr(model, "max_model_len", None))
-        self.model_name = type(model).__name__
+        self.model_path: str | None = None  # set by from_pretrained
         self._core = EngineCore(model, self.tokenizer, self.config)
         # Collected without close() (a re-run notebook cell): stop the thread, which frees the
         # model and the KV cache. The finalizer holds the core, never the Engine.
@@ -167,8 +171,7 @@ class Engine:
         config = EngineConfig.from_options(options)
         path = default_model_path() if model is None else os.fspath(model)
         runtime_options = {k: v for k, v in options.items() if k not in config.load_options}
-        name = os.path.basename(os.path.normpath(path)).removesuffix(".gguf")
-        with LoadProgress(name, num_stages=4, enabled=progress) as load:
+        with LoadProgress(_display_name(path), num_stages=4, enabled=progress) as load:
             load.stage("checking files")
             check_model_path(path)
             load.stage("loading tokenizer")
@@ -185,7 +188,7 @@ class Engine:
                     pass
             load.stage("allocating KV cache")
             eng = cls(loaded, tokenizer, **runtime_options)
-        eng.model_name = name
+        eng.model_path = path
         return eng
 
     @property
@@ -218,7 +221,8 @@ class Engine:
 
     def __repr__(self) -> str:
         state = "running" if self.is_alive() else "closed"
-        return f"<Engine {self.model_name} max_model_len={self.max_model_len} {state}>"
+        name = _display_name(self.model_path) if self.model_path else type(self.model).__name__
+        return f"<Engine {name} max_model_len={self.max_model_len} {state}>"
 
     def _repr_pretty_(self, printer, cycle: bool) -> None:
         from .display import describe_engine

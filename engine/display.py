@@ -3,6 +3,7 @@ and HTML (Jupyter's ``_repr_html_``). Reads public attributes only."""
 from __future__ import annotations
 
 import html
+import os
 
 MAX_SHORT_TEXT = 60
 
@@ -88,7 +89,8 @@ def engine_rows(eng) -> list[tuple[str, str]]:
     dtype = getattr(model, "dtype", None)
     kv_cache = eng.kv_cache
     rows = [
-        ("model", eng.model_name),
+        ("model", os.path.basename(os.path.normpath(eng.model_path)).removesuffix(".gguf")
+         if eng.model_path else type(model).__name__),
         ("dtype", str(dtype).removeprefix("torch.") if dtype is not None else "-"),
         ("weights memory", format_bytes(_tensor_bytes(model))),
         ("KV cache", f"{config.kv_cache_tokens} tokens, {format_bytes(_tensor_bytes(kv_cache))}"

@@ -164,14 +164,22 @@ def test_server_serves_on_the_socket_bound_first():
     with engine.Engine(ScriptedModel([1, 2], tok.vocab_size), tok, max_model_len=256) as eng:
         server = webapp.make_server(eng, sock=sock, threads=webapp.RESERVED_THREADS + 2)
         assert int(server.effective_port) == port
-        thread = threading.Thread(target=server.run, daemon=True)
+        stop = threading.Event()
+
+        def run() -> None:  # as tests/server_fixtures.LiveServer: short slices, so closing is clean
+            while not stop.is_set():
+                server.asyncore.loop(timeout=0.05, map=server._map, count=1)
+
+        thread = threading.Thread(target=run, daemon=True)
         thread.start()
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=30) as response:
                 assert response.status == 200
         finally:
-            server.close()
+            server.task_dispatcher.shutdown(timeout=5)
+            stop.set()
             thread.join(30)
+            server.close()
 
 
 # ---------------------------------------------------------------- progress
