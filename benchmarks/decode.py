@@ -16,14 +16,11 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+import torch
 
-import torch  # noqa: E402
-
-from benchmarks.common import environment, fmt_stats, print_table, summarize, write_json  # noqa: E402
-from engine.batch import ForwardBatch, single_sequence_batch  # noqa: E402
-from engine.loader import default_model_path, load_model  # noqa: E402
+from benchmarks.common import environment, fmt_stats, print_table, summarize, write_json
+from engine.batch import ForwardBatch, single_sequence_batch
+from engine.loader import default_model_path, load_model
 
 BLOCK_SIZE = 16
 

@@ -18,18 +18,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
+from tokenizers.decoders import DecodeStream
+
+from engine.detokenizer import IncrementalDetokenizer
+from tests import vocabs
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from tokenizers.decoders import DecodeStream  # noqa: E402
-
-from engine.detokenizer import IncrementalDetokenizer  # noqa: E402
-from tests import vocabs  # noqa: E402
-
 NUM_TOKENS = 8192
 BLOCK = 512
 EARLY = (0, BLOCK)

@@ -18,18 +18,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import threading
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.common import environment, fmt_stats, print_table, summarize, write_json  # noqa: E402
-from engine import Engine  # noqa: E402
-from engine.loader import default_model_path, load_model  # noqa: E402
-from engine.params import SamplingParams  # noqa: E402
-from engine.tokenizer import load_tokenizer  # noqa: E402
+from benchmarks.common import environment, fmt_stats, print_table, summarize, write_json
+from engine import Engine
+from engine.loader import default_model_path, load_model
+from engine.params import SamplingParams
+from engine.tokenizer import load_tokenizer
 
 TEXT = (
     "The history of computing is a story of abstraction layered on abstraction. Early machines were "

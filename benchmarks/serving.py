@@ -26,7 +26,6 @@ import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 PROMPTS = [f"Write a short story about a robot named Unit-{i} who learns to paint." for i in range(64)]
 SCRIPT_TEXT = "The quick brown fox jumps over the lazy dog, and then it naps in the warm sun. " * 16
 

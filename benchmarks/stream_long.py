@@ -12,16 +12,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import engine  # noqa: E402
-from engine.loader import default_model_path  # noqa: E402
-from engine.params import SamplingParams  # noqa: E402
-from engine.testing import ScriptedModel  # noqa: E402
+import engine
+from engine.loader import default_model_path
+from engine.params import SamplingParams
+from engine.testing import ScriptedModel
 
 MIXED = (
     "한국어 문장은 이렇게 생겼습니다. 中文的句子是这样的。日本語の文もあります。"

@@ -17,20 +17,16 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import sys
 import threading
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.common import environment, fmt_stats, print_table, summarize, write_json  # noqa: E402
-from benchmarks.decode import raw_decode_tok_s  # noqa: E402
-from engine import Engine  # noqa: E402
-from engine.loader import default_model_path, load_model  # noqa: E402
-from engine.params import SamplingParams  # noqa: E402
-from engine.testing import ScriptedModel  # noqa: E402
-from engine.tokenizer import load_tokenizer  # noqa: E402
+from benchmarks.common import environment, fmt_stats, print_table, summarize, write_json
+from benchmarks.decode import raw_decode_tok_s
+from engine import Engine
+from engine.loader import default_model_path, load_model
+from engine.params import SamplingParams
+from engine.testing import ScriptedModel
+from engine.tokenizer import load_tokenizer
 
 
 def random_prompts(vocab_size: int, num: int, length: int, seed: int) -> list[list[int]]:

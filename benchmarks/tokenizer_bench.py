@@ -11,18 +11,16 @@ import importlib.util
 import json
 import random
 import statistics
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from benchmarks.common import measure
+from engine.gguf_file import read_gguf_metadata
+from engine.tokenizer import load_tokenizer
 
-from engine.gguf_file import read_gguf_metadata  # noqa: E402
-from engine.tokenizer import load_tokenizer  # noqa: E402
-from benchmarks.common import measure  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 
 def default_model_path() -> Path:

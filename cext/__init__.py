@@ -1,1 +1,1 @@
-"""Cython hot paths: utf8 (boundary tracker), chunk (SSE serializer), tick (scheduler)."""
+"""Cython hot paths: utf8 (boundary tracker), chunk (SSE serializer), tick (scheduler), stops (stop-string automaton)."""

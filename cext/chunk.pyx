@@ -4,7 +4,9 @@ A ``ChunkWriter`` belongs to one request. Its constructor renders the constant h
 every chunk (``data: {"id":..,"object":..,"created":..,"model":..,"choices":[{"index":0,``)
 once into its buffer; each ``event()`` then rewinds to the end of that head and writes
 only the escaped delta text, the optional logprobs and the finish_reason, and returns
-the whole SSE event (``data: {...}\\n\\n``) as one ``bytes``.
+the whole SSE event (``data: {...}\\n\\n``) as one ``bytes``. Events of other choices
+(``index`` > 0: n > 1, batched prompts) rewind to ``"choices":[`` and write their index;
+each choice gets its own first-chunk role and its own text offsets.
 
 String escaping (the output is UTF-8 JSON that ``json.loads`` reads back exactly):
 ``"`` and ``\\`` are backslash-escaped; control characters below U+0020 become
@@ -121,10 +123,10 @@ cdef class ChunkWriter:
         self._str(model)
         self._raw(b',"choices":[', 12)
         self.head = PyBytes_FromStringAndSize(self.buf, self.pos)
-        if is_chat:
-            self._raw(b'{"index":0,"delta":{', 20)
-        else:
-            self._raw(b'{"index":0,', 11)
+        self.choices_len = self.pos
+        self.roles_sent = set()
+        self.text_offsets = {}
+        self._choice0_head()
         self.prefix_len = self.pos
 
     def __dealloc__(self):
@@ -279,13 +281,29 @@ cdef class ChunkWriter:
     cdef bytes _take(self):
         return PyBytes_FromStringAndSize(self.buf, self.pos)
 
-    cpdef bytes event(self, str text, object logprobs, object finish_reason):
-        """One SSE event for one StreamEvent: its text, logprobs (list or None), finish_reason."""
-        self.pos = self.prefix_len
+    cpdef bytes event(self, str text, object logprobs, object finish_reason, long long index=0):
+        """One SSE event for one StreamEvent: its text, logprobs (list or None), finish_reason, choice index."""
+        cdef bint is_first
+        cdef long long saved_offset = self.text_offset
+        if index == 0:
+            self.pos = self.prefix_len
+            is_first = self.is_first
+            self.is_first = False
+        else:
+            self.pos = self.choices_len
+            self._raw(b'{"index":', 9)
+            self._int(index)
+            if self.is_chat:
+                self._raw(b',"delta":{', 10)
+            else:
+                self._raw(b',', 1)
+            is_first = index not in self.roles_sent
+            if is_first:
+                self.roles_sent.add(index)
+            self.text_offset = self.text_offsets.get(index, 0)
         if self.is_chat:
-            if self.is_first:
+            if is_first:
                 self._raw(b'"role":"assistant",', 19)
-                self.is_first = False
             self._raw(b'"content":', 10)
             self._str(text)
             self._raw(b'},"logprobs":', 13)
@@ -308,7 +326,19 @@ cdef class ChunkWriter:
             self._raw(b'}],"usage":null}\n\n', 18)
         else:
             self._raw(b"}]}\n\n", 5)
-        return self._take()
+        if index == 0:
+            return self._take()
+        self.text_offsets[index] = self.text_offset
+        self.text_offset = saved_offset
+        chunk = self._take()
+        self.pos = self.choices_len  # put choice 0's head back in buf[:prefix_len]
+        self._choice0_head()
+        return chunk
+
+    cdef int _choice0_head(self) except -1:
+        if self.is_chat:
+            return self._raw(b'{"index":0,"delta":{', 20)
+        return self._raw(b'{"index":0,', 11)
 
     cpdef bytes usage(self, long long prompt_tokens, long long completion_tokens):
         """The final usage chunk of stream_options.include_usage (choices is empty)."""

@@ -1,7 +1,38 @@
 # The scheduler tick: per-slot sequence state in numpy arrays and the batch builder.
-from libc.stdint cimport int8_t, int32_t, int64_t
+cimport cython
+from libc.stdint cimport int32_t, int64_t
 
 
+# What TickState.plan decided for the running sequences.
+@cython.final
+cdef class TickPlan:
+    cdef readonly int num_decodes            # entries 0..num_decodes-1 run one token each
+    cdef readonly int prefill_tokens_left    # prefill budget the running chunks left over
+    cdef readonly int num_new_blocks         # blocks the entries need beyond those they hold
+
+
+# The model inputs of one tick, written back to back into one int64 array by TickState.build;
+# every array attribute is a view of `flat` (B = num_seqs, T = num_tokens, W = width).
+@cython.final
+cdef class BatchLayout:
+    cdef readonly object flat                # [3T + (B+1) + 2B + B*W + T] int64 (logit rows: room for T)
+    cdef readonly int num_seqs               # B
+    cdef readonly int num_tokens             # T
+    cdef readonly int width                  # W, block table columns
+    cdef readonly int num_logit_rows
+    cdef readonly int num_samples            # sequences sampled: the first entries of sample_entries
+    cdef readonly int num_spans              # prompt logprob spans: the first entries of span_*
+    cdef readonly object input_ids           # [T]
+    cdef readonly object positions           # [T]
+    cdef readonly object slot_mapping        # [T]
+    cdef readonly object query_starts        # [B+1]
+    cdef readonly object context_lens        # [B]
+    cdef readonly object prompt_lens         # [B]
+    cdef readonly object block_tables        # [B, W], -1 padded
+    cdef readonly object logit_rows          # [num_logit_rows]
+
+
+@cython.final
 cdef class TickState:
     cdef readonly int max_num_seqs
     cdef readonly int max_model_len
@@ -50,12 +81,12 @@ cdef class TickState:
     cdef int32_t[::1] _span_counts
     cdef int32_t[::1] _span_positions
 
-    cpdef tuple plan(self, const int32_t[::1] running, int num_running, int budget, int max_prefill_tokens,
+    cpdef TickPlan plan(self, const int32_t[::1] running, int num_running, int budget, int max_prefill_tokens,
                      int max_chunk)
     cpdef int top_up(self, int first, int last, int left) except -1
     cpdef int grow(self, const int32_t[::1] block_ids) except -1
     cpdef int add_entry(self, int slot, int num_new) except -1
-    cpdef tuple build(self)
+    cpdef BatchLayout build(self)
     cpdef int commit(self, const int32_t[::1] slots, const int32_t[::1] num_new, const int64_t[::1] epochs,
                      const int32_t[::1] sample_entries, const int64_t[::1] sampled_ids) except -1
     cdef inline int _blocks_for(self, int num_tokens) noexcept nogil

@@ -1,6 +1,29 @@
 """Type stubs for the compiled scheduler tick (cext/tick.pyx)."""
 import numpy as np
 
+class TickPlan:
+    num_decodes: int  # entries 0..num_decodes-1 run one token each
+    prefill_tokens_left: int  # prefill budget the running chunks left over
+    num_new_blocks: int  # blocks the entries need beyond those they hold
+
+class BatchLayout:
+    """One tick's model inputs; every array is an int64 view of ``flat``."""
+    flat: np.ndarray
+    num_seqs: int  # B
+    num_tokens: int  # T
+    width: int  # W
+    num_logit_rows: int
+    num_samples: int
+    num_spans: int
+    input_ids: np.ndarray  # [T]
+    positions: np.ndarray  # [T]
+    slot_mapping: np.ndarray  # [T]
+    query_starts: np.ndarray  # [B+1]
+    context_lens: np.ndarray  # [B]
+    prompt_lens: np.ndarray  # [B]
+    block_tables: np.ndarray  # [B, W]
+    logit_rows: np.ndarray  # [num_logit_rows]
+
 class TickState:
     max_num_seqs: int
     max_model_len: int
@@ -28,11 +51,11 @@ class TickState:
     def __init__(self, max_num_seqs: int, max_model_len: int, block_size: int) -> None: ...
     def plan(
         self, running: np.ndarray, num_running: int, budget: int, max_prefill_tokens: int, max_chunk: int
-    ) -> tuple[int, int, int]: ...
+    ) -> TickPlan: ...
     def top_up(self, first: int, last: int, left: int) -> int: ...
     def grow(self, block_ids: np.ndarray) -> int: ...
     def add_entry(self, slot: int, num_new: int) -> int: ...
-    def build(self) -> tuple[np.ndarray, int, int, int, int, int]: ...
+    def build(self) -> BatchLayout: ...
     def commit(
         self,
         slots: np.ndarray,

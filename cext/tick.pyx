@@ -9,9 +9,37 @@ waiting sequences with ``add_entry``, hands what budget is left back to chunks c
 (``top_up``) and calls ``build`` for the model's arrays.
 """
 cimport cython
-from libc.stdint cimport int8_t, int32_t, int64_t
+from libc.stdint cimport int32_t, int64_t
 
 import numpy as np
+
+
+@cython.final
+cdef class TickPlan:
+    """What ``TickState.plan`` decided: ``num_decodes`` (entries 0..num_decodes-1 run one token
+    each), ``prefill_tokens_left`` (prefill budget the running chunks left over) and
+    ``num_new_blocks`` (blocks the entries need beyond those they hold)."""
+
+    def __repr__(self):
+        return (f"TickPlan(num_decodes={self.num_decodes}, prefill_tokens_left={self.prefill_tokens_left}, "
+                f"num_new_blocks={self.num_new_blocks})")
+
+
+@cython.final
+cdef class BatchLayout:
+    """One tick's model inputs, laid out once here: back to back in the int64 array ``flat``,
+
+        input_ids [T] | positions [T] | slot_mapping [T] | query_starts [B+1] | context_lens [B]
+        | prompt_lens [B] | block_tables [B*W] | logit_rows [num_logit_rows]
+
+    (B = num_seqs, T = num_tokens, W = width), each exposed as a named numpy view of ``flat``.
+    ``num_samples`` / ``num_spans`` count the valid leading entries of the TickState's
+    ``sample_*`` / ``span_*`` arrays. Valid until the next ``build``.
+    """
+
+    def __repr__(self):
+        return (f"BatchLayout(num_seqs={self.num_seqs}, num_tokens={self.num_tokens}, width={self.width}, "
+                f"num_logit_rows={self.num_logit_rows}, num_samples={self.num_samples}, num_spans={self.num_spans})")
 
 
 @cython.final
@@ -65,13 +93,12 @@ cdef class TickState:
     cdef inline int _blocks_for(self, int num_tokens) noexcept nogil:
         return (num_tokens + self.block_size - 1) // self.block_size
 
-    cpdef tuple plan(self, const int32_t[::1] running, int num_running, int budget, int max_prefill_tokens,
-                     int max_chunk):
+    cpdef TickPlan plan(self, const int32_t[::1] running, int num_running, int budget, int max_prefill_tokens,
+                        int max_chunk):
         """Plan the running slots (admission order): decodes first, then prefill chunks.
 
         Decodes take one token each; prefill chunks share ``min(budget - num_decodes,
-        max_prefill_tokens)`` tokens, at most ``max_chunk`` each. Returns (num_decodes,
-        prefill_tokens_left, num_new_blocks): the blocks the entries need beyond those they hold.
+        max_prefill_tokens)`` tokens, at most ``max_chunk`` each. Returns a TickPlan.
         """
         cdef int i, s, rem, k, need, n = 0, num_decodes, left, total_need = 0, num_tokens = 0
         if num_running > self.max_num_seqs or num_running > running.shape[0]:
@@ -114,7 +141,11 @@ cdef class TickState:
                     n += 1
         self.num_entries = n
         self.num_batch_tokens = num_tokens
-        return num_decodes, left, total_need
+        cdef TickPlan result = TickPlan.__new__(TickPlan)
+        result.num_decodes = num_decodes
+        result.prefill_tokens_left = left
+        result.num_new_blocks = total_need
+        return result
 
     cpdef int top_up(self, int first, int last, int left) except -1:
         """Give ``left`` more tokens to entries first..last-1 (prefill chunks cut short), in order.
@@ -175,13 +206,11 @@ cdef class TickState:
         self.num_batch_tokens += num_new
         return 0
 
-    cpdef tuple build(self):
-        """Write the planned entries' model inputs into one flat int64 array.
+    cpdef BatchLayout build(self):
+        """Write the planned entries' model inputs into one flat int64 array: a BatchLayout.
 
-        Returns (flat, num_rows, width, num_logit_rows, num_samples, num_spans). ``flat``
-        holds, back to back: input_ids [T], positions [T], slot_mapping [T],
-        query_starts [B+1], context_lens [B], prompt_lens [B], block_tables [B*W],
-        logit_rows [num_logit_rows] (B = num_entries, T = num_rows, W = width).
+        Also fills ``sample_entries`` / ``sample_logit_idx`` (the sampled entries and their
+        logit rows) and the ``span_*`` arrays (prompt logprob spans).
         """
         cdef int B = self.num_entries, T = self.num_batch_tokens
         cdef int i, j, s, n, c, ctx, nb, k, p, lo, hi, q, pos, t = 0, nl = 0, ns = 0, nsp = 0, width = 1
@@ -238,7 +267,23 @@ cdef class TickState:
                     out[o_logits + nl] = t - 1
                     nl += 1
             out[o_qs + B] = t
-        return flat, T, width, nl, ns, nsp
+        cdef BatchLayout layout = BatchLayout.__new__(BatchLayout)
+        layout.flat = flat
+        layout.num_seqs = B
+        layout.num_tokens = T
+        layout.width = width
+        layout.num_logit_rows = nl
+        layout.num_samples = ns
+        layout.num_spans = nsp
+        layout.input_ids = flat[:T]
+        layout.positions = flat[o_pos:o_slot]
+        layout.slot_mapping = flat[o_slot:o_qs]
+        layout.query_starts = flat[o_qs:o_ctx]
+        layout.context_lens = flat[o_ctx:o_plen]
+        layout.prompt_lens = flat[o_plen:o_bt]
+        layout.block_tables = flat[o_bt:o_logits].reshape(B, width)
+        layout.logit_rows = flat[o_logits:o_logits + nl]
+        return layout
 
     cpdef int commit(self, const int32_t[::1] slots, const int32_t[::1] num_new, const int64_t[::1] epochs,
                      const int32_t[::1] sample_entries, const int64_t[::1] sampled_ids) except -1:

@@ -2,15 +2,15 @@
 cimport cython
 from libc.stdint cimport int64_t, uint8_t
 
-# TokenTable.kinds flags (one uint8 per id).
-cdef enum:
+# TokenTable.kinds flags (one uint8 per id). Python: cext.utf8.TokenKind.KIND_BYTE, ...
+cpdef enum TokenKind:
     KIND_TEXT = 0      # piece bytes join the output as they are
     KIND_BYTE = 1      # a byte-fallback token <0xNN>: its one byte joins the current run
     KIND_SPECIAL = 2   # dropped when the tracker skips special tokens
     KIND_UNKNOWN = 4   # an id the tokenizer does not know: decode drops it
 
-# Utf8Tracker.mode
-cdef enum:
+# Utf8Tracker.mode. Python: cext.utf8.DecodeMode.MODE_BYTES, DecodeMode.MODE_PIECES.
+cpdef enum DecodeMode:
     MODE_BYTES = 0     # byte-level BPE: every piece is bytes, rendered like errors="replace"
     MODE_PIECES = 1    # SentencePiece: text pieces plus runs of byte-fallback tokens
 

@@ -1,11 +1,17 @@
 """Type stubs for cext/utf8.pyx (UTF-8 boundary tracking for incremental detokenization)."""
+from enum import IntEnum
+
 import numpy as np
 
-FLAG_BYTE: int      # kinds flag: a byte-fallback token <0xNN>
-FLAG_SPECIAL: int   # kinds flag: dropped when skipping special tokens
-FLAG_UNKNOWN: int   # kinds flag: an id decode drops
-BYTES: int          # mode: byte-level BPE, concatenated bytes rendered like errors="replace"
-PIECES: int         # mode: SentencePiece text pieces plus byte-fallback runs
+class TokenKind(IntEnum):  # TokenTable.kinds flags
+    KIND_TEXT = 0
+    KIND_BYTE = 1      # a byte-fallback token <0xNN>
+    KIND_SPECIAL = 2   # dropped when skipping special tokens
+    KIND_UNKNOWN = 4   # an id decode drops
+
+class DecodeMode(IntEnum):  # Utf8Tracker.mode
+    MODE_BYTES = 0     # byte-level BPE, concatenated bytes rendered like errors="replace"
+    MODE_PIECES = 1    # SentencePiece text pieces plus byte-fallback runs
 
 class TokenTable:
     blob: bytes

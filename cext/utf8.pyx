@@ -22,12 +22,6 @@ from cpython.mem cimport PyMem_Free, PyMem_Realloc
 from cpython.unicode cimport PyUnicode_DecodeUTF8
 from libc.stdint cimport int64_t, uint8_t
 
-FLAG_BYTE = KIND_BYTE
-FLAG_SPECIAL = KIND_SPECIAL
-FLAG_UNKNOWN = KIND_UNKNOWN
-BYTES = MODE_BYTES
-PIECES = MODE_PIECES
-
 cdef str REPLACEMENT = "\ufffd"
 
 
@@ -108,7 +102,7 @@ cdef class TokenTable:
 cdef class Utf8Tracker:
     def __cinit__(self, TokenTable table=None, int mode=MODE_BYTES, bint skip_special=True, int num_strip=0):
         if mode != MODE_BYTES and mode != MODE_PIECES:
-            raise ValueError(f"mode must be BYTES or PIECES, got {mode}")
+            raise ValueError(f"mode must be DecodeMode.MODE_BYTES or MODE_PIECES, got {mode}")
         if num_strip < 0:
             raise ValueError(f"num_strip must be >= 0, got {num_strip}")
         self.table = table
@@ -172,7 +166,6 @@ cdef class Utf8Tracker:
 
     cpdef str finish(self):
         """Release what is held, rendered as the decoder renders the end of the output."""
-        cdef str text
         if self.mode == MODE_PIECES:
             return self._emit(self._end_run())
         if self.num_pending == 0:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import importlib
 
+__version__ = "0.2.0"
+
 _EXPORTS = {
     "Engine": "api",
     "RequestStream": "api",

@@ -18,21 +18,42 @@ from .runtime import FINISHED, EngineCore
 
 
 class RequestStream:
-    """Iterator over one request's StreamEvents. Closing it (or dropping it) aborts the request."""
+    """Iterator over one request's StreamEvents. Closing it (or dropping it) aborts the request.
+
+    A request with n > 1 choices (or several prompts, ``Engine.submit_batch``) streams the
+    events of all its choices, interleaved; ``StreamEvent.index`` says whose each one is.
+    """
 
     def __init__(self, core: EngineCore, request, prompt_token_ids: list[int], owner: object = None):
         self._core = core
         self._owner = owner  # the Engine: kept alive (its thread running) while a stream is held
         self._request = request
-        self.request_id = request.request_id
+        self._group = request.group
+        self.request_id = self._group.request_id
         self.prompt_token_ids = prompt_token_ids
         self._done = False
         self._pending_error: BaseException | None = None  # met by ready_events(), raised by __next__
 
     @property
+    def num_choices(self) -> int:
+        return len(self._group.requests)
+
+    def choice_prompt_token_ids(self, index: int) -> list[int]:
+        return self._group.requests[index].seq.prompt_token_ids
+
+    @property
     def prompt_logprobs(self) -> list[TokenLogprob | None] | None:
         """Filled once the first event has arrived (the prompt is prefilled by then)."""
         return self._request.prompt_logprobs
+
+    @property
+    def queue_time(self) -> float | None:
+        """Seconds from submission until the engine first scheduled the request (None: not yet)."""
+        seq = self._request.seq
+        return None if seq.first_scheduled_time is None else seq.first_scheduled_time - seq.arrival_time
+
+    def choice_prompt_logprobs(self, index: int) -> list[TokenLogprob | None] | None:
+        return self._group.requests[index].prompt_logprobs
 
     def __iter__(self) -> RequestStream:
         return self
@@ -44,7 +65,7 @@ class RequestStream:
             raise err
         if self._done:
             raise StopIteration
-        outputs = self._request.outputs
+        outputs = self._group.outputs
         while True:
             try:
                 item = outputs.get(timeout=1.0)
@@ -68,7 +89,7 @@ class RequestStream:
         ``next()`` and handles them at once: the SSE path writes them in one chunk.
         """
         events: list[StreamEvent] = []
-        outputs = self._request.outputs
+        outputs = self._group.outputs
         while not self._done and self._pending_error is None and not outputs.empty():
             item = outputs.get_nowait()
             if item is FINISHED:
@@ -82,7 +103,7 @@ class RequestStream:
     def close(self) -> None:
         if not self._done:
             self._done = True
-            if not self._request.is_finished:
+            if not self._group.is_finished:
                 self._core.abort(self.request_id)
 
     def __del__(self) -> None:
@@ -96,17 +117,27 @@ class RequestStream:
 
         ``on_event(event)`` sees every event as it arrives; returning True stops early: the
         request is aborted and the Completion so far comes back with finish_reason "abort".
+        For a request of several choices use ``collect_choices``.
         """
-        fold = CompletionFold(self.request_id)
+        if self.num_choices != 1:
+            raise InvalidParameterError(
+                f"this request has {self.num_choices} choices: use collect_choices()", "n")
+        return self.collect_choices(on_event)[0]
+
+    def collect_choices(self, on_event: Callable[[StreamEvent], bool | None] | None = None) -> list[Completion]:
+        """Like ``collect``, one Completion per choice, in index order (one CompletionFold each)."""
+        folds = [CompletionFold(self.request_id) for _ in range(self.num_choices)]
         try:
             for event in self:
-                fold.add(event)
+                folds[event.index].add(event)
                 if on_event is not None and on_event(event) and event.finish_reason is None:
-                    fold.finish_reason = "abort"
+                    for fold in folds:
+                        fold.finish_reason = fold.finish_reason or "abort"
                     break
         finally:
             self.close()
-        return fold.result(self.prompt_token_ids, self.prompt_logprobs)
+        return [fold.result(self.prompt_token_ids if len(folds) == 1 else self.choice_prompt_token_ids(i),
+                            self.choice_prompt_logprobs(i), index=i) for i, fold in enumerate(folds)]
 
 
 class _FinishQueue(queue.SimpleQueue):
@@ -259,7 +290,7 @@ class Engine:
     def _submit_request(self, prompt_ids, params, request_id, prompt_param, outputs):
         request = self._core.make_request(prompt_ids, params, request_id, prompt_param)
         if outputs is not None:
-            request.outputs = outputs
+            request.group.outputs = outputs
         self._core.submit(request)
         return request
 
@@ -270,10 +301,27 @@ class Engine:
             return list(prompt)
         raise InvalidParameterError("prompt must be a string or a list of token ids", "prompt")
 
+    def submit_batch(self, prompts: list[str | list[int]], params: SamplingParams | None = None,
+                     request_id: str | None = None, prompt_param: str = "prompt",
+                     add_special_tokens: bool = True) -> RequestStream:
+        """Submit several prompts (text, encoded here, or token ids) as one request: one stream whose
+        events carry ``index`` = prompt number * n + choice (the OpenAI order of a batched completion)."""
+        if not prompts:
+            raise InvalidParameterError(f"{prompt_param} must hold at least one prompt", prompt_param)
+        prompts = [self.tokenizer.encode(p, add_special_tokens=add_special_tokens) if isinstance(p, str) else p
+                   for p in prompts]
+        first = self._core.make_request(prompts[0], params, request_id,
+                                        prompt_param if len(prompts) == 1 else f"{prompt_param}[0]")
+        for i, prompt_ids in enumerate(prompts[1:], start=1):
+            self._core.make_request(prompt_ids, params, prompt_param=f"{prompt_param}[{i}]", group=first.group)
+        self._core.submit(first.group)
+        return RequestStream(self._core, first, prompts[0])
+
     # ----- one-shot wrappers -----
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                  progress: bool = False) -> list[Completion]:
-        """Run many prompts batched together; returns completions in prompt order.
+        """Run many prompts batched together; returns completions in prompt order (with n > 1,
+        the n choices of each prompt in a row).
 
         ``progress=True``: a tqdm.auto bar that advances as requests finish (in any order)."""
         pairs = self._generate_pairs(prompts, params)
@@ -290,7 +338,8 @@ class Engine:
                     for _ in streams:
                         self._wait_finished(finished)
                         bar.update(1)
-            return [stream.collect() for stream in streams]  # in prompt order; all done when progress
+            # in prompt order (all finished already when progress)
+            return [c for stream in streams for c in stream.collect_choices()]
         finally:
             for stream in streams:
                 stream.close()
@@ -316,8 +365,10 @@ class Engine:
         return [(prompt, params) for prompt in prompts]
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None,
-             tools: list[dict] | None = None) -> Completion:
-        return self.stream_chat(messages, params, tools=tools).collect()
+             tools: list[dict] | None = None) -> Completion | list[Completion]:
+        """The reply's Completion; with params.n > 1, the list of the n choices' Completions."""
+        stream = self.stream_chat(messages, params, tools=tools)
+        return stream.collect() if stream.num_choices == 1 else stream.collect_choices()
 
     # ----- async twins (engine/async_stream.py): same arguments, never block the event loop -----
     def _asubmit(self, prompt_ids: list[int], params, request_id, prompt_param: str = "prompt"):
@@ -348,11 +399,11 @@ class Engine:
         streams = []
         bar = None
 
-        async def run(stream) -> Completion:
-            completion = await stream.collect()
+        async def run(stream) -> list[Completion]:
+            completions = await stream.collect_choices()
             if bar is not None:
                 bar.update(1)
-            return completion
+            return completions
 
         try:
             for prompt, p in pairs:
@@ -361,7 +412,7 @@ class Engine:
                 from tqdm.auto import tqdm
 
                 bar = tqdm(total=len(streams), desc="generate", unit="req")
-            return list(await asyncio.gather(*(run(stream) for stream in streams)))
+            return [c for choices in await asyncio.gather(*(run(stream) for stream in streams)) for c in choices]
         finally:
             for stream in streams:
                 stream.close()
@@ -369,5 +420,6 @@ class Engine:
                 bar.close()
 
     async def achat(self, messages: list[dict], params: SamplingParams | None = None,
-                    tools: list[dict] | None = None) -> Completion:
-        return await self.astream_chat(messages, params, tools=tools).collect()
+                    tools: list[dict] | None = None) -> Completion | list[Completion]:
+        stream = self.astream_chat(messages, params, tools=tools)
+        return await (stream.collect() if stream.num_choices == 1 else stream.collect_choices())

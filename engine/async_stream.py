@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import queue
 
-from .errors import EngineDead
+from .errors import EngineDead, InvalidParameterError
 from .outputs import Completion, CompletionFold, StreamEvent
 from .runtime import FINISHED
 
@@ -84,14 +84,19 @@ class AsyncRequestStream:
         self._core = core
         self._owner = owner  # the Engine: kept alive while a stream is held
         self._request = request
+        self._group = request.group
         self._outputs = outputs
-        self.request_id = request.request_id
+        self.request_id = self._group.request_id
         self.prompt_token_ids = prompt_token_ids
         self._done = False
 
     @property
     def prompt_logprobs(self):
         return self._request.prompt_logprobs
+
+    @property
+    def num_choices(self) -> int:
+        return len(self._group.requests)
 
     def __aiter__(self) -> AsyncRequestStream:
         return self
@@ -117,7 +122,7 @@ class AsyncRequestStream:
     def close(self) -> None:
         if not self._done:
             self._done = True
-            if not self._request.is_finished:
+            if not self._group.is_finished:
                 self._core.abort(self.request_id)
 
     async def aclose(self) -> None:
@@ -131,10 +136,18 @@ class AsyncRequestStream:
 
     async def collect(self) -> Completion:
         """Run the request to its end and fold its events into one Completion (then close)."""
-        fold = CompletionFold(self.request_id)
+        if self.num_choices != 1:
+            raise InvalidParameterError(f"this request has {self.num_choices} choices: use collect_choices()", "n")
+        return (await self.collect_choices())[0]
+
+    async def collect_choices(self) -> list[Completion]:
+        """One Completion per choice, in index order (one CompletionFold each, as the sync stream)."""
+        folds = [CompletionFold(self.request_id) for _ in range(self.num_choices)]
         try:
             async for event in self:
-                fold.add(event)
+                folds[event.index].add(event)
         finally:
             self.close()
-        return fold.result(self.prompt_token_ids, self.prompt_logprobs)
+        requests = self._group.requests
+        return [fold.result(self.prompt_token_ids if len(folds) == 1 else requests[i].seq.prompt_token_ids,
+                            requests[i].prompt_logprobs, index=i) for i, fold in enumerate(folds)]

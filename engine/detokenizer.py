@@ -9,7 +9,7 @@ can change, and everything else at once: with a byte-level BPE only an incomplet
 character is held; with SentencePiece byte fallback, a run of ``<0xNN>`` tokens is held
 until it ends (a later invalid byte turns every byte of the run into U+FFFD).
 
-Two paths, chosen per tokenizer from its decoder (see engine/token_bytes.py):
+Two paths, chosen per tokenizer from its decoder (see engine/tokenizer/token_bytes.py):
 
 - fast: ``add`` is one call into `cext.utf8.Utf8Tracker` with a per-id byte table; the
   cost per token is constant;
@@ -21,12 +21,12 @@ Token pieces for logprobs: ``TokenPieces(tokenizer)`` (built once per tokenizer,
 ``text_of(id)`` (``TokenLogprob.token``) renders them with ``errors="replace"``, so a piece
 that is not valid UTF-8 on its own (part of a multi-byte character, a byte-fallback
 ``<0xE4>``) shows U+FFFD for each maximal invalid subpart: ``b"\\xe4\\xbd"`` -> ``"\\ufffd"``.
-Clients join ``bytes`` to recover the character. Details in engine/token_bytes.py.
+Clients join ``bytes`` to recover the character. Details in engine/tokenizer/token_bytes.py.
 """
 from __future__ import annotations
 
 from cext.utf8 import Utf8Tracker
-from engine.token_bytes import TokenPieces
+from engine.tokenizer.token_bytes import TokenPieces
 
 __all__ = ["IncrementalDetokenizer", "TokenPieces"]
 

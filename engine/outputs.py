@@ -28,6 +28,7 @@ class StreamEvent:
     token_ids: list[int]
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None  # None | "stop" | "length" | "abort"
+    index: int = 0  # which choice (n > 1, batched prompts) the event belongs to
 
 
 @dataclass(slots=True)
@@ -53,6 +54,7 @@ class Completion:
     prompt_token_ids: list[int]
     prompt_logprobs: list[TokenLogprob | None] | None
     usage: Usage
+    index: int = 0  # the choice's index (n > 1: prompt i's choices are i*n .. i*n+n-1)
 
     def describe(self, show_ids: bool = False) -> str:
         from .display import describe_completion
@@ -100,7 +102,7 @@ class CompletionFold:
             self.logprobs.extend(event.logprobs)
         self.finish_reason = event.finish_reason or self.finish_reason
 
-    def result(self, prompt_token_ids: list[int], prompt_logprobs) -> Completion:
+    def result(self, prompt_token_ids: list[int], prompt_logprobs, index: int = 0) -> Completion:
         return Completion(
             request_id=self.request_id,
             text="".join(self.texts),
@@ -110,4 +112,5 @@ class CompletionFold:
             prompt_token_ids=prompt_token_ids,
             prompt_logprobs=prompt_logprobs,
             usage=Usage(len(prompt_token_ids), len(self.token_ids)),
+            index=index,
         )

@@ -2,11 +2,16 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .errors import InvalidParameterError
+from .stops import check_stop_caps
 
 MAX_TOP_LOGPROBS = 20
+MAX_N = 128  # choices per request
+MAX_LOGIT_BIAS = 100.0  # |bias| bound, as OpenAI
+MAX_BAD_WORDS = 256
+MAX_LOGIT_BIAS_ENTRIES = 1024  # OpenAI's limit is 300; every entry costs a scatter per token
 
 
 def _is_int(value) -> bool:
@@ -32,7 +37,15 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    min_tokens: int = field(default=0)
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    min_p: float = 0.0
+    allowed_token_ids: tuple[int, ...] | list[int] | None = None
+    bad_words: tuple[str, ...] | list[str] = ()
+    n: int = 1
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
@@ -51,6 +64,7 @@ class SamplingParams:
             raise InvalidParameterError(f"stop must be a string or a list of strings, got {self.stop!r}", "stop")
         if any(s == "" for s in self.stop):
             raise InvalidParameterError("stop must not contain an empty string", "stop")
+        check_stop_caps(self.stop)
         self.stop = tuple(self.stop)
         if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
             _is_int(t) and t >= 0 for t in self.stop_token_ids
@@ -72,7 +86,71 @@ class SamplingParams:
                 "prompt_logprobs")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
             raise InvalidParameterError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}", "min_tokens")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not (-2.0 <= value <= 2.0):
+                raise InvalidParameterError(f"{name} must be a number in [-2, 2], got {value!r}", name)
+        if not _is_number(self.repetition_penalty) or not (0 < self.repetition_penalty <= 100):
+            raise InvalidParameterError(
+                f"repetition_penalty must be a number in (0, 100] (1 disables it), got {self.repetition_penalty!r}",
+                "repetition_penalty")
+        if not _is_number(self.min_p) or not (0 <= self.min_p <= 1):
+            raise InvalidParameterError(f"min_p must be a number in [0, 1], got {self.min_p!r}", "min_p")
+        if not _is_int(self.n) or not (1 <= self.n <= MAX_N):
+            raise InvalidParameterError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}", "n")
+        if self.logit_bias is not None:
+            self.logit_bias = _check_logit_bias(self.logit_bias)
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids or not all(
+                _is_int(t) and t >= 0 for t in self.allowed_token_ids
+            ):
+                raise InvalidParameterError(
+                    f"allowed_token_ids must be None or a non-empty list of non-negative integers, "
+                    f"got {self.allowed_token_ids!r}", "allowed_token_ids")
+            self.allowed_token_ids = tuple(sorted(set(self.allowed_token_ids)))
+        if not isinstance(self.bad_words, (list, tuple)) or len(self.bad_words) > MAX_BAD_WORDS or not all(
+            isinstance(w, str) and w.strip() for w in self.bad_words
+        ):
+            raise InvalidParameterError(
+                f"bad_words must be a list of at most {MAX_BAD_WORDS} non-blank strings, got {self.bad_words!r}",
+                "bad_words")
+        self.bad_words = tuple(self.bad_words)
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def has_logits_processing(self) -> bool:
+        """True when the sampler must change this request's logits before choosing (penalties,
+        logit_bias, allowed_token_ids, bad_words, min_tokens); min_p is applied with temperature instead."""
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+            or self.logit_bias or self.allowed_token_ids is not None or self.min_tokens or self.bad_words
+        )
+
+
+def _check_logit_bias(logit_bias) -> dict[int, float]:
+    """{token id: bias}; keys may be ints or decimal strings (JSON object keys), biases in [-100, 100]."""
+    if not isinstance(logit_bias, dict):
+        raise InvalidParameterError(
+            f"logit_bias must be an object mapping token ids to numbers, got {type(logit_bias).__name__}", "logit_bias")
+    if len(logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise InvalidParameterError(
+            f"logit_bias has {len(logit_bias)} entries; at most {MAX_LOGIT_BIAS_ENTRIES} are allowed", "logit_bias")
+    out: dict[int, float] = {}
+    for key, value in logit_bias.items():
+        if _is_int(key):
+            token_id = key
+        elif isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 10:
+            token_id = int(key)
+        else:
+            raise InvalidParameterError(f"logit_bias keys must be token ids (non-negative integers), got {key!r}",
+                                        "logit_bias")
+        if token_id < 0:
+            raise InvalidParameterError(f"logit_bias keys must be non-negative token ids, got {key!r}", "logit_bias")
+        if not _is_number(value) or not (-MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS):
+            raise InvalidParameterError(
+                f"logit_bias[{key!r}] must be a number in [-100, 100], got {value!r}", "logit_bias")
+        out[token_id] = float(value)
+    return out

@@ -26,7 +26,7 @@ from .detokenizer import TokenPieces
 from .errors import EngineDead, EngineError, EngineOverloaded, InvalidParameterError
 from .outputs import StreamEvent, TokenLogprob
 from .params import SamplingParams
-from .request import Request
+from .request import Request, RequestGroup
 from .scheduler import Scheduler, SchedulerConfig
 
 log = logging.getLogger("engine")
@@ -52,8 +52,9 @@ class EngineCore:
         ))
         self.kv_cache = model.make_kv_cache(config.num_blocks, config.block_size)
         self.pieces = TokenPieces(tokenizer)
-        self.requests: dict[str, Request] = {}
-        self._new: collections.deque[Request] = collections.deque()
+        self.requests: dict[str, Request] = {}  # running or waiting choices, by their own id
+        self.groups: dict[str, RequestGroup] = {}  # unfinished submissions, by their public id
+        self._new: collections.deque[RequestGroup] = collections.deque()
         self._aborts: collections.deque[str] = collections.deque()
         self._submit_lock = threading.Lock()  # submit's check-then-append, never taken per token
         self._live_ids: set[str] = set()  # submitted and not finished (added under _submit_lock)
@@ -80,7 +81,7 @@ class EngineCore:
     @property
     def num_waiting(self) -> int:
         """Requests submitted and not yet running: in the hand-over deque or the scheduler's queue."""
-        return len(self._new) + self.scheduler.num_waiting
+        return sum(len(g.requests) for g in list(self._new)) + self.scheduler.num_waiting
 
     def stats(self) -> dict:
         sched = self.scheduler
@@ -93,36 +94,44 @@ class EngineCore:
             "num_ticks": self.num_ticks,
             "num_preemptions": sched.num_preemptions,
             "num_prefix_cache_hit_tokens": sched.num_prefix_cache_hit_tokens,
+            "num_prefix_cache_query_tokens": sched.num_prefix_cache_query_tokens,
         }
 
     def make_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
-                     request_id: str | None = None, prompt_param: str = "prompt") -> Request:
-        """A Request for this engine's model and limits (typed errors name the bad field)."""
-        if request_id is None:
+                     request_id: str | None = None, prompt_param: str = "prompt",
+                     group: RequestGroup | None = None) -> Request:
+        """A Request for this engine's model and limits (typed errors name the bad field): the
+        leader of ``params.n`` choices, added to ``group`` (batched prompts) or to a new group."""
+        if group is not None:
+            request_id = group.request_id
+        elif request_id is None:
             request_id = f"req-{self._id_prefix}-{next(self._ids)}"
         elif not isinstance(request_id, str) or not request_id:
             raise InvalidParameterError(f"request_id must be a non-empty string, got {request_id!r}", "request_id")
         return Request.create(
             request_id, prompt_ids, SamplingParams() if params is None else params, tokenizer=self.tokenizer,
-            vocab_size=self.model.vocab_size, max_model_len=self.max_model_len, prompt_param=prompt_param)
+            vocab_size=self.model.vocab_size, max_model_len=self.max_model_len, prompt_param=prompt_param,
+            group=group)
 
-    def submit(self, request: Request) -> None:
-        """Hand a request to the engine thread. Raises EngineDead, or EngineOverloaded when
-        ``max_waiting`` requests already wait (the ones not yet picked up count too)."""
+    def submit(self, request: Request | RequestGroup) -> None:
+        """Hand a request (all choices of its group) to the engine thread. Raises EngineDead, or
+        EngineOverloaded when ``max_waiting`` requests already wait (the ones not yet picked up count too)."""
+        group = request if isinstance(request, RequestGroup) else request.group
         with self._submit_lock:
             if not self.is_alive():
                 raise EngineDead(self.dead_message)
-            if request.request_id in self._live_ids:
+            if group.request_id in self._live_ids:
                 raise InvalidParameterError(
-                    f"request_id {request.request_id!r} is already in use by a running request", "request_id")
+                    f"request_id {group.request_id!r} is already in use by a running request", "request_id")
             num_waiting = self.num_waiting
             if num_waiting >= self.config.max_waiting:
                 raise EngineOverloaded(f"too many waiting requests ({num_waiting}); retry later")
-            self._live_ids.add(request.request_id)
-            self._new.append(request)
+            self._live_ids.add(group.request_id)
+            self._new.append(group)
         self._wake.set()
 
     def abort(self, request_id: str) -> None:
+        """Abort a submission by its public id (every choice of it)."""
         self._aborts.append(request_id)
         self._wake.set()
 
@@ -152,21 +161,29 @@ class EngineCore:
 
     def _drain_inputs(self) -> None:
         while self._new:
-            req = self._new.popleft()
-            try:
-                self.scheduler.add(req.seq)
-            except ValueError as exc:
-                self._retire(req)
-                req.outputs.put(exc)
-                continue
-            self.requests[req.request_id] = req
+            group = self._new.popleft()
+            self.groups[group.request_id] = group
+            for req in group.leaders:
+                if group.is_finished:  # a leader was refused: the group failed
+                    break
+                self._add(req)
         while self._aborts:
-            request_id = self._aborts.popleft()
-            req = self.requests.pop(request_id, None)
-            if req is None:
+            group = self.groups.get(self._aborts.popleft())
+            if group is None:
                 continue
-            self.scheduler.abort(request_id)
-            self._finish(req, "abort", text="")
+            for req in group.requests:
+                if not req.is_finished:
+                    if self.requests.pop(req.request_id, None) is not None:
+                        self.scheduler.abort(req.request_id)
+                    self._finish(req, "abort", text="")
+
+    def _add(self, req: Request) -> None:
+        try:
+            self.scheduler.add(req.seq)
+        except ValueError as exc:
+            self._fail(req.request_id, exc, req)
+            return
+        self.requests[req.request_id] = req
 
     def _tick(self) -> None:
         out = self.scheduler.schedule()
@@ -191,8 +208,10 @@ class EngineCore:
                 rows = logits.index_select(0, torch.from_numpy(np.asarray(index, dtype=np.int64)))
             else:
                 rows = logits
+            adjusters = [r.adjuster for r in reqs]
             token_ids, row_logprobs = sampling.sample(
-                rows, [r.params for r in reqs], [r.generator for r in reqs]
+                rows, [r.params for r in reqs], [r.generator for r in reqs],
+                adjusters if any(a is not None for a in adjusters) else None,
             )
         else:
             token_ids, row_logprobs = [], []
@@ -208,6 +227,15 @@ class EngineCore:
     def _process_token(self, req: Request, token_id: int, lp) -> None:
         params = req.params
         seq = req.seq
+        if req.adjuster is not None:
+            req.adjuster.add(token_id)
+        if req.followers:  # the leader has prefilled: its choices now find the prompt in the prefix cache
+            followers, req.followers = req.followers, []
+            for follower in followers:
+                if not follower.is_finished:
+                    self._add(follower)
+            if req.is_finished:  # a follower was refused: the group failed
+                return
         logprobs = [self._token_logprob(token_id, lp)] if lp is not None else None
         finish_reason = None
         if token_id in req.stop_ids and seq.num_generated > params.min_tokens:
@@ -221,13 +249,12 @@ class EngineCore:
                 tail, is_stopped = req.text.finish()
                 text += tail
                 finish_reason = "stop" if is_stopped else "length"
-        event = StreamEvent(req.request_id, text, [token_id], logprobs, finish_reason)
+        event = StreamEvent(req.group.request_id, text, [token_id], logprobs, finish_reason, req.index)
         if finish_reason is not None:
             self.scheduler.finish(seq)
             self.requests.pop(req.request_id, None)
-            self._retire(req)
             req.outputs.put(event)
-            req.outputs.put(FINISHED)
+            self._mark_finished(req)
         else:
             req.outputs.put(event)
 
@@ -250,29 +277,47 @@ class EngineCore:
             for target, row in zip(targets, rows):
                 req.prompt_logprobs.append(self._token_logprob(target, row))
 
-    def _retire(self, req: Request) -> None:
-        """The request is over: its id may be used again."""
-        req.is_finished = True
-        self._live_ids.discard(req.request_id)
-
     def _finish(self, req: Request, reason: str, text: str) -> None:
-        self._retire(req)
-        req.outputs.put(StreamEvent(req.request_id, text, [], None, reason))
-        req.outputs.put(FINISHED)
+        req.outputs.put(StreamEvent(req.group.request_id, text, [], None, reason, req.index))
+        self._mark_finished(req)
 
-    def _fail(self, request_id: str, exc: BaseException) -> None:
-        req = self.requests.pop(request_id, None)
+    def _mark_finished(self, req: Request) -> None:
+        """One choice is done; the group's queue ends when its last choice is."""
+        req.is_finished = True
+        group = req.group
+        group.num_unfinished -= 1
+        if group.num_unfinished == 0:
+            self.groups.pop(group.request_id, None)
+            self._live_ids.discard(group.request_id)  # the id may be used again
+            group.outputs.put(FINISHED)
+
+    def _fail(self, request_id: str, exc: BaseException, req: Request | None = None) -> None:
+        """A choice failed: its whole group fails (the caller's stream raises) and its other choices stop."""
+        req = self.requests.get(request_id) if req is None else req
         if req is None:
             return
-        self.scheduler.abort(request_id)
-        self._retire(req)
-        req.outputs.put(EngineError(f"request {request_id} failed: {type(exc).__name__}: {exc}"))
+        group = req.group
+        for choice in group.requests:
+            if self.requests.pop(choice.request_id, None) is not None:
+                self.scheduler.abort(choice.request_id)
+            choice.is_finished = True
+        group.num_unfinished = 0
+        self.groups.pop(group.request_id, None)
+        self._live_ids.discard(group.request_id)
+        if isinstance(exc, ValueError):  # the scheduler refused the request (too long for the KV cache, ...)
+            group.outputs.put(exc)
+        else:
+            group.outputs.put(EngineError(f"request {request_id} failed: {type(exc).__name__}: {exc}"))
 
     def _fail_all(self, exc: BaseException) -> None:
-        pending = list(self.requests.values()) + list(self._new)
+        pending = list(self.groups.values()) + list(self._new)
         self.requests.clear()
+        self.groups.clear()
         self._new.clear()
-        for req in pending:
-            self._retire(req)
-            req.outputs.put(exc)
+        for group in pending:
+            for req in group.requests:
+                req.is_finished = True
+            group.num_unfinished = 0
+            self._live_ids.discard(group.request_id)
+            group.outputs.put(exc)
 

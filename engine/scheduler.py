@@ -76,6 +76,7 @@ class Scheduler:
         self._unpublished: list[Sequence] = []  # running seqs with prompt blocks not yet in the prefix cache
         self.num_preemptions = 0
         self.num_prefix_cache_hit_tokens = 0  # prompt tokens taken from the prefix cache at admission
+        self.num_prefix_cache_query_tokens = 0  # tokens looked up in the prefix cache at admission
 
     # -- queries --
 
@@ -96,9 +97,6 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
-
-    def get(self, request_id: str) -> Sequence | None:
-        return self._seqs.get(request_id)
 
     # -- requests --
 
@@ -160,19 +158,20 @@ class Scheduler:
             if self.waiting and len(self.running) < cfg.max_num_seqs:
                 # Leave room for a waiting request: a short one then starts within a tick.
                 max_chunk = max(1, min(prefill_budget, cfg.max_num_batched_tokens - len(self.running)) // 2)
-            num_decodes, left, num_new_blocks = state.plan(
+            plan = state.plan(
                 self._running_slots, len(self.running), cfg.max_num_batched_tokens, prefill_budget, max_chunk
             )
-            if num_decodes == 0 and prefill_budget < cfg.max_num_batched_tokens:
+            if plan.num_decodes == 0 and prefill_budget < cfg.max_num_batched_tokens:
                 prefill_budget = cfg.max_num_batched_tokens  # no stream to keep pace for: fill the tick
                 continue
-            if num_new_blocks <= bm.num_free_blocks:
+            if plan.num_new_blocks <= bm.num_free_blocks:
                 break
             victim = self.running[-1]
             self._preempt(victim)
             preempted.append(victim)
-        if num_new_blocks:  # about one decode in block_size needs a block each tick
-            state.grow(np.array(bm.allocate(num_new_blocks), dtype=np.int32))
+        if plan.num_new_blocks:  # about one decode in block_size needs a block each tick
+            state.grow(np.array(bm.allocate(plan.num_new_blocks), dtype=np.int32))
+        num_decodes, left = plan.num_decodes, plan.prefill_tokens_left
         num_planned = state.num_entries
         if not preempted:
             left = self._admit(left)
@@ -250,6 +249,9 @@ class Scheduler:
             state.num_blocks[slot] = len(block_ids)
             seq.num_cached_tokens = num_cached
             self.num_prefix_cache_hit_tokens += num_cached
+            self.num_prefix_cache_query_tokens += num_tokens if cfg.enable_prefix_caching else 0
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.perf_counter()
             seq.status = SequenceStatus.RUNNING
             self._running_slots[len(self.running)] = slot
             self.running.append(seq)
@@ -264,8 +266,8 @@ class Scheduler:
 
     def _build_output(self, num_decodes: int, preempted: list[Sequence]) -> SchedulerOutput:
         state = self.state
-        B = state.num_entries
-        flat, T, W, num_logit_rows, num_samples, num_spans = state.build()
+        layout = state.build()
+        B, num_samples, num_spans = layout.num_seqs, layout.num_samples, layout.num_spans
         slots = state.entry_slots[:B].copy()
         slot_seqs = self._slot_seqs
         seqs = [slot_seqs[s] for s in slots.tolist()]
@@ -283,22 +285,18 @@ class Scheduler:
                 state.span_positions[:num_spans].tolist(),
             ):
                 spans.append((seqs[i], first, count, pos))
-        o_qs = 3 * T
-        o_ctx = o_qs + B + 1
-        o_bt = o_ctx + 2 * B
-        o_logits = o_bt + B * W
         tensor = torch.from_numpy
         batch = ForwardBatch(
-            input_ids=tensor(flat[:T]),
-            positions=tensor(flat[T : 2 * T]),
-            slot_mapping=tensor(flat[2 * T : o_qs]),
-            query_starts=tensor(flat[o_qs:o_ctx]),
-            context_lens=tensor(flat[o_ctx : o_ctx + B]),
-            block_tables=tensor(flat[o_bt:o_logits].reshape(B, W)),
-            logit_rows=tensor(flat[o_logits : o_logits + num_logit_rows]),
-            prompt_lens=tensor(flat[o_ctx + B : o_bt]),
-            query_starts_list=flat[o_qs:o_ctx].tolist(),
-            context_lens_list=flat[o_ctx : o_ctx + B].tolist(),
+            input_ids=tensor(layout.input_ids),
+            positions=tensor(layout.positions),
+            slot_mapping=tensor(layout.slot_mapping),
+            query_starts=tensor(layout.query_starts),
+            context_lens=tensor(layout.context_lens),
+            block_tables=tensor(layout.block_tables),
+            logit_rows=tensor(layout.logit_rows),
+            prompt_lens=tensor(layout.prompt_lens),
+            query_starts_list=layout.query_starts.tolist(),
+            context_lens_list=layout.context_lens.tolist(),
             num_decode_seqs=num_decodes,
             block_size=self.block_size,
         )

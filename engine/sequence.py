@@ -9,6 +9,7 @@ tokens back out.
 from __future__ import annotations
 
 import enum
+import time
 
 import numpy as np
 
@@ -30,6 +31,8 @@ class Sequence:
         "block_hashes",
         "num_registered_blocks",
         "num_cached_tokens",
+        "arrival_time",
+        "first_scheduled_time",
         "_buf",
         "_num_tokens",
         "_num_computed",
@@ -58,6 +61,8 @@ class Sequence:
         self.block_hashes: list[int] | None = None  # chained hashes of full prompt blocks
         self.num_registered_blocks = 0  # prompt blocks already published to the prefix cache
         self.num_cached_tokens = 0  # tokens taken from the prefix cache at the last admission
+        self.arrival_time = time.perf_counter()
+        self.first_scheduled_time: float | None = None  # perf_counter at the first admission (queue time)
         self._buf = np.empty(n + max_tokens, dtype=np.int32)  # [capacity]
         self._buf[:n] = prompt
         self._num_tokens = n

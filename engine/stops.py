@@ -5,78 +5,60 @@ the longest suffix of the unreleased text that is a prefix of some stop string (
 window), so text is released as early as possible and never retracted. When a stop string
 completes, the text is cut before the earliest occurrence of any stop (kept if
 ``include_stop_str``); when two stops start at the same place, the shorter one (the one
-that completed first) wins. Each push scans only the held tail plus the new text, so its
-cost does not grow with the length of the output.
+that completed first) wins.
+
+All stop strings share one Aho-Corasick automaton (cext/stops.pyx): a state is the longest
+suffix of the text so far that is a prefix of some stop, so the held-back text is the
+state's depth. Building it takes time and memory linear in the total stop length (16
+bytes per character); a push costs time linear in its text (amortized over the pushes),
+whatever the number of stops and the length of the output. Limits, enforced by ``check_stop_caps``
+in linear time: at most ``MAX_NUM_STOPS`` strings, each at most ``MAX_STOP_LEN``
+characters, ``MAX_TOTAL_STOP_LEN`` characters in all.
 
 The per-token step of a request (detokenizer + stops) is ``engine.text_stream.TextStream``.
 """
 from __future__ import annotations
 
+from cext.stops import StopAutomaton
 
-class StopMatcher:
+from .errors import InvalidParameterError
+
+MAX_NUM_STOPS = 256  # stop strings per request (OpenAI allows 4)
+MAX_STOP_LEN = 131_072  # characters in one stop string
+MAX_TOTAL_STOP_LEN = 1_048_576  # characters over all stop strings of a request (16 MiB of automaton)
+
+
+def check_stop_caps(stops) -> None:
+    """ValueError naming ``stop`` if a sequence of strings is over the caps; linear in its size."""
+    if len(stops) > MAX_NUM_STOPS:
+        raise InvalidParameterError(f"stop must have at most {MAX_NUM_STOPS} strings, got {len(stops)}", "stop")
+    num_chars = 0
+    for s in stops:
+        if len(s) > MAX_STOP_LEN:
+            raise InvalidParameterError(f"stop strings must be at most {MAX_STOP_LEN} characters each, got one of {len(s)}", "stop")
+        num_chars += len(s)
+    if num_chars > MAX_TOTAL_STOP_LEN:
+        raise InvalidParameterError(f"stop strings must total at most {MAX_TOTAL_STOP_LEN} characters, got {num_chars}", "stop")
+
+
+class StopMatcher(StopAutomaton):
     """One request's stop-string state.
 
     ``push(text) -> (released, is_stopped)``; after a stop, ``released`` ends at the cut
     (or just after the stop string with ``include_stop_str``) and later pushes release
     nothing. ``flush()`` returns the held-back tail at the end of a request that did not stop.
+    ``completes_with(tentative)``: whether pushing ``tentative`` would complete a stop (no
+    state change). ``stop_str`` is the stop string that ended the text, else None. The
+    automaton and its loops are cext.stops.StopAutomaton; this class validates the input.
     """
 
-    __slots__ = ("stops", "include_stop_str", "is_stopped", "stop_str", "_held", "_prefixes", "_max_prefix_len")
+    __slots__ = ()
 
     def __init__(self, stops: tuple[str, ...], include_stop_str: bool = False):
-        if isinstance(stops, str) or not all(isinstance(s, str) for s in stops):
-            raise ValueError(f"stop must be a tuple of strings, got {stops!r}")
+        if isinstance(stops, str) or not isinstance(stops, (tuple, list)) or not all(isinstance(s, str) for s in stops):
+            raise InvalidParameterError(f"stop must be a tuple of strings, got {type(stops).__name__}", "stop")
         if any(s == "" for s in stops):
-            raise ValueError("stop must not contain an empty string")
-        self.stops = tuple(dict.fromkeys(stops))
-        self.include_stop_str = include_stop_str
-        self.is_stopped = False
-        self.stop_str: str | None = None  # the stop string that ended the text
-        self._held = ""
-        self._prefixes = frozenset(s[:k] for s in self.stops for k in range(1, len(s)))
-        self._max_prefix_len = max((len(s) - 1 for s in self.stops), default=0)
-
-    def push(self, text: str) -> tuple[str, bool]:
-        if self.is_stopped:
-            return "", True
-        if not self.stops:
-            return text, False
-        if not text:
-            return "", False
-        held = self._held
-        buffer = held + text
-        # A match must end in the new text: it may begin at most len(stop) - 1 chars into `held`.
-        cut, stop_str = -1, None
-        for stop in self.stops:
-            index = buffer.find(stop, max(0, len(held) - len(stop) + 1))
-            if index >= 0 and (cut < 0 or index < cut or (index == cut and len(stop) < len(stop_str))):
-                cut, stop_str = index, stop
-        if stop_str is not None:
-            self.is_stopped = True
-            self.stop_str = stop_str
-            self._held = ""
-            return buffer[: cut + len(stop_str) if self.include_stop_str else cut], True
-        num_held = self._held_suffix_len(buffer)
-        self._held = buffer[len(buffer) - num_held :]
-        return buffer[: len(buffer) - num_held], False
-
-    def completes_with(self, tentative: str) -> bool:
-        """Whether a stop string would complete if ``tentative`` were pushed (no state change)."""
-        if self.is_stopped or not self.stops or not tentative:
-            return False
-        held = self._held
-        buffer = held + tentative
-        return any(buffer.find(stop, max(0, len(held) - len(stop) + 1)) >= 0 for stop in self.stops)
-
-    def _held_suffix_len(self, buffer: str) -> int:
-        """Length of the longest suffix of buffer that is a proper prefix of a stop string."""
-        for k in range(min(len(buffer), self._max_prefix_len), 0, -1):
-            if buffer[-k:] in self._prefixes:
-                return k
-        return 0
-
-    def flush(self) -> str:
-        """The held-back tail, at the end of a request that did not stop."""
-        held, self._held = self._held, ""
-        return "" if self.is_stopped else held
+            raise InvalidParameterError("stop must not contain an empty string", "stop")
+        check_stop_caps(stops)
+        super().__init__(tuple(dict.fromkeys(stops)), include_stop_str)
 

@@ -223,3 +223,19 @@ def test_in_a_starlette_app_under_httpx(tok, script):
     assert one_shot == {"text": reference.text, "finish_reason": "length"}
     assert "".join(texts) == reference.text
     assert idle["num_running"] == 0 and idle["kv_usage"] == 0.0
+
+
+def test_n_choices_async_match_sync(tok, script):
+    params = SamplingParams(max_tokens=len(script), temperature=0, n=3)
+    with make_engine(tok, script) as eng:
+        sync_choices = eng.chat(MESSAGES, params)
+        sync_batch = eng.generate(["a", "b"], params)
+
+        async def main():
+            return await eng.achat(MESSAGES, params), await eng.agenerate(["a", "b"], params)
+
+        choices, batch = asyncio.run(main())
+    assert [(c.index, c.text, c.token_ids) for c in choices] == \
+        [(c.index, c.text, c.token_ids) for c in sync_choices] == [(i, TEXT, script) for i in range(3)]
+    assert [(c.index, c.text) for c in batch] == [(c.index, c.text) for c in sync_batch]
+    assert len(batch) == 6

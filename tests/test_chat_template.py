@@ -1,9 +1,9 @@
-"""engine.chat_template: message validation, the jinja2 sandbox, HF template helpers, transformers parity."""
+"""engine.tokenizer.chat_template: message validation, the jinja2 sandbox, HF template helpers, transformers parity."""
 from __future__ import annotations
 
 import pytest
 
-from engine.chat_template import ChatTemplateError, render_chat_template, validate_messages
+from engine.tokenizer.chat_template import ChatTemplateError, render_chat_template, validate_messages
 
 SIMPLE = "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}" \
          "{% if add_generation_prompt %}[assistant]{% endif %}"
@@ -46,7 +46,7 @@ def user(text):
     ("hello", r"messages must be a list"),
     ([], r"at least one message"),
     (["hi"], r"messages\[0\] must be an object"),
-    ([{"content": "x"}], r"messages\[0\]\.role must be one of system, user, assistant, tool; got None"),
+    ([{"content": "x"}], r"messages\[0\]\.role must be one of system, developer, user, assistant, tool; got None"),
     ([user("a"), {"role": "wizard", "content": "x"}], r"messages\[1\]\.role .* got 'wizard'"),
     ([{"role": "user"}], r"messages\[0\]\.content is missing"),
     ([{"role": "user", "content": 5}], r"messages\[0\]\.content must be a string or a list of text parts"),
@@ -173,7 +173,7 @@ CONVERSATIONS = [
 
 def gguf_template(name: str) -> str:
     from engine.gguf_file import read_gguf_metadata
-    from tokenizer_fixtures import default_model_path, vocab_data_file
+    from tests.tokenizer_fixtures import default_model_path, vocab_data_file
 
     path = default_model_path() if name == "smollm2" else vocab_data_file(f"ggml-vocab-{name}.gguf")
     return read_gguf_metadata(path)["tokenizer.chat_template"]

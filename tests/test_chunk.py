@@ -114,3 +114,23 @@ def test_large_text_grows_buffer():
 
 def test_done_marker():
     assert DONE == b"data: [DONE]\n\n"
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), texts, logprob_lists, finish_reasons), min_size=1, max_size=8),
+       st.booleans(), st.booleans())
+def test_interleaved_choices_match_plain_construction(events, is_chat, include_usage):
+    """n > 1: each choice has its index, its own first-chunk role and its own text offsets."""
+    writer = ChunkWriter("id-1", "m", 3, is_chat, include_usage)
+    seen, offsets = set(), {}
+    for index, text, logprobs, finish_reason in events:
+        got = _load(writer.event(text, logprobs, finish_reason, index))
+        if is_chat:
+            want = protocol.chat_chunk("id-1", "m", 3, text, logprobs, finish_reason, is_first=index not in seen,
+                                       include_usage=include_usage, index=index)
+        else:
+            want = protocol.text_chunk("id-1", "m", 3, text, logprobs, finish_reason,
+                                       text_offset=offsets.get(index, 0), include_usage=include_usage, index=index)
+            offsets[index] = offsets.get(index, 0) + sum(len(lp.token) for lp in logprobs or ())
+        seen.add(index)
+        assert got == want

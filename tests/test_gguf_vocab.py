@@ -10,12 +10,12 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 from engine.gguf_file import read_gguf_metadata
-from engine.gguf_vocab import load_gguf_vocab
-from engine.gguf_vocab_bpe import PRE_NAMES, split_merge
-from engine.gguf_vocab_spm import spm_merges
 from engine.tokenizer import load_tokenizer
-from tokenizer_fixtures import (
-    DATA, CONTROL, NORMAL, USER_DEFINED, default_model_path, read_vocab_tests, vocab_data_file, tiny_bpe_gguf,
+from engine.tokenizer.gguf import TokenType, load_gguf_vocab
+from engine.tokenizer.gguf_bpe import PRE_NAMES, split_merge
+from engine.tokenizer.gguf_spm import spm_merges
+from tests.tokenizer_fixtures import (
+    DATA, default_model_path, read_vocab_tests, vocab_data_file, tiny_bpe_gguf,
     tiny_spm_gguf, write_gguf,
 )
 
@@ -239,7 +239,7 @@ def test_tiny_spm_without_space_prefix(tmp_path):
 def test_spm_merges_ranked_by_merged_score():
     tokens = ["a", "b", "c", "ab", "bc", "abc"]
     scores = [0.0, 0.0, 0.0, -2.0, -1.0, -3.0]
-    merges = spm_merges(tokens, scores, [NORMAL] * 6)
+    merges = spm_merges(tokens, scores, [TokenType.NORMAL] * 6)
     assert merges == [("b", "c"), ("a", "b"), ("a", "bc"), ("ab", "c")]
 
 
@@ -259,4 +259,7 @@ def test_default_model_vocabulary():
     assert vocab.eos_token_ids == [2, 4, 0]
     assert vocab.chat_template.startswith("{% for message in messages %}")
     assert [vocab.backend.id_to_token(i) for i in (0, 1, 2)] == ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    assert USER_DEFINED != CONTROL  # (the fixture constants are llama.cpp's token types)
+
+
+def test_token_types_are_llamacpp_s():
+    assert {t.name: int(t) for t in TokenType if t != TokenType.UNDEFINED} == {t.name: int(t) for t in gguf.TokenType}

@@ -44,7 +44,7 @@ def test_probes_answer_while_every_generation_slot_is_taken():
             assert [r[0] for r in results] == [200, 200]
             assert live.post_json(CHAT, chat_body(max_tokens=2))[0] == 200  # slots were given back
             metrics = live.request("GET", "/metrics")[2].decode()
-            assert 'llm_requests_total{endpoint="chat",status="http_429"} 1.0' in metrics
+            assert 'llm:http_requests_total{endpoint="chat",model_name="default",status="http_429"} 1.0' in metrics
     finally:
         model.open()
         eng.close()
@@ -109,8 +109,8 @@ def test_requests_rejected_while_parsing_are_counted():
             assert live.request("POST", CHAT, b"{not json")[0] == 400
             assert live.post_json(COMPLETIONS, {"model": "x"})[0] == 400
             metrics = live.request("GET", "/metrics")[2].decode()
-            assert 'llm_requests_total{endpoint="chat",status="http_400"} 1.0' in metrics
-            assert 'llm_requests_total{endpoint="completions",status="http_400"} 1.0' in metrics
+            assert 'llm:http_requests_total{endpoint="chat",model_name="default",status="http_400"} 1.0' in metrics
+            assert 'llm:http_requests_total{endpoint="completions",model_name="default",status="http_400"} 1.0' in metrics
     finally:
         eng.close()
 

@@ -31,11 +31,15 @@ def test_chat_fields_map_to_sampling_params():
     req = chat(max_tokens=7, temperature=0, top_p=0.5, top_k=3, seed=11, stop="\n", logprobs=True,
                top_logprobs=2, stream=True, stream_options={"include_usage": True}, ignore_eos=True,
                stop_token_ids=[2], include_stop_str_in_output=True, user="ignored", frequency_penalty=0,
-               some_future_field={"x": 1})
+               some_future_field={"x": 1}, metadata={"a": "b"}, store=False, response_format={"type": "text"},
+               tool_choice="none", tools=[], presence_penalty=0.5, repetition_penalty=1.1, min_p=0.05,
+               logit_bias={"15": -100, "16": 2.5}, n=2, min_tokens=1, allowed_token_ids=[1, 2, 15])
     p = req.params
     assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed) == (7, 0, 0.5, 3, 11)
     assert p.stop == ("\n",) and p.stop_token_ids == (2,) and p.ignore_eos and p.include_stop_str_in_output
     assert p.logprobs and p.top_logprobs == 2
+    assert (p.presence_penalty, p.repetition_penalty, p.min_p, p.n, p.min_tokens) == (0.5, 1.1, 0.05, 2, 1)
+    assert p.logit_bias == {15: -100.0, 16: 2.5} and p.allowed_token_ids == (1, 2, 15)
     assert req.is_stream and req.include_usage
     assert req.messages == [{"role": "user", "content": "hi"}]
 
@@ -49,11 +53,11 @@ def test_defaults_and_aliases():
     assert chat(n=1, stop=None, seed=None).params.stop == ()
 
 
-def test_content_parts_are_joined():
+def test_content_parts_are_joined_with_newlines():
     req = protocol.parse_chat({"messages": [
         {"role": "system", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
         {"role": "assistant", "content": None}, {"role": "user", "content": "q"}]})
-    assert [m["content"] for m in req.messages] == ["ab", "", "q"]
+    assert [m["content"] for m in req.messages] == ["a\nb", "", "q"]  # as in-process (and vLLM)
 
 
 @pytest.mark.parametrize("fields, param", [
@@ -74,7 +78,46 @@ def test_content_parts_are_joined():
     ({"temperature": "hot"}, "temperature"),
     ({"top_p": 0}, "top_p"),
     ({"top_k": -2}, "top_k"),
-    ({"n": 2}, "n"),
+    ({"n": 0}, "n"),
+    ({"n": 129}, "n"),
+    ({"n": "2"}, "n"),
+    ({"presence_penalty": 3}, "presence_penalty"),
+    ({"presence_penalty": "x"}, "presence_penalty"),
+    ({"frequency_penalty": -2.5}, "frequency_penalty"),
+    ({"frequency_penalty": True}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"repetition_penalty": [1]}, "repetition_penalty"),
+    ({"min_p": 1.5}, "min_p"),
+    ({"min_p": "0.1"}, "min_p"),
+    ({"min_tokens": -1}, "min_tokens"),
+    ({"min_tokens": 1.5}, "min_tokens"),
+    ({"logit_bias": "junk"}, "logit_bias"),
+    ({"logit_bias": [1, 2]}, "logit_bias"),
+    ({"logit_bias": {"x": 1}}, "logit_bias"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ({"logit_bias": {"5": "1"}}, "logit_bias"),
+    ({"logit_bias": {"-5": 1}}, "logit_bias"),
+    ({"allowed_token_ids": []}, "allowed_token_ids"),
+    ({"allowed_token_ids": [1, -1]}, "allowed_token_ids"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+    ({"best_of": 2}, "best_of"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+    ({"guided_json": {"type": "object"}}, "guided_json"),
+    ({"guided_regex": "a+"}, "guided_regex"),
+    ({"guided_choice": ["a", "b"]}, "guided_choice"),
+    ({"guided_grammar": "root ::= 'a'"}, "guided_grammar"),
+    ({"functions": [{"name": "f"}]}, "functions"),
+    ({"use_beam_search": True}, "use_beam_search"),
+    ({"bad_words": "x"}, "bad_words"),
+    ({"bad_words": [" "]}, "bad_words"),
+    ({"echo": True}, "echo"),
+    ({"chat_template": "{{ x }}"}, "chat_template"),
+    ({"stream_options": {"continuous_usage_stats": True}}, "stream_options"),
     ({"stop": 5}, "stop"),
     ({"stop": ["a", 1]}, "stop"),
     ({"stop": [""]}, "stop"),
@@ -98,6 +141,10 @@ def test_completion_prompt_forms():
     assert completion(prompt=[1, 2, 3]).prompt == [1, 2, 3]
     assert completion(prompt=["x"]).prompt == "x"
     assert completion(prompt=[[4, 5]]).prompt == [4, 5]
+    assert completion(prompt=["a", "b"]).prompts == ["a", "b"]
+    assert completion(prompt=[[1], [2, 3]]).prompts == [[1], [2, 3]]
+    assert completion(prompt=["a", [2, 3]]).prompts == ["a", [2, 3]]
+    assert completion(echo=True).is_echo and not completion(add_special_tokens=False).add_special_tokens
     req = completion(logprobs=3)
     assert req.params.logprobs and req.params.top_logprobs == 3
     assert completion(logprobs=0).params.logprobs
@@ -106,9 +153,13 @@ def test_completion_prompt_forms():
 
 @pytest.mark.parametrize("fields, param", [
     ({"prompt": ""}, None), ({"prompt": []}, "prompt"), ({"prompt": None}, "prompt"), ({"prompt": 5}, "prompt"),
-    ({"prompt": ["a", "b"]}, "prompt"), ({"prompt": [1, -2]}, "prompt"), ({"prompt": [1, True]}, "prompt"),
-    ({"echo": True}, "echo"), ({"suffix": "x"}, "suffix"), ({"best_of": 3}, "best_of"),
-    ({"logprobs": True}, "logprobs"),
+    ({"prompt": ["a", 5]}, "prompt"), ({"prompt": [1, -2]}, "prompt"), ({"prompt": [1, True]}, "prompt"),
+    ({"prompt": [[1], [-2]]}, "prompt[1]"), ({"prompt": ["a"] * 300}, "prompt"),
+    ({"prompt": ["a", "b"], "n": 200}, "n"),
+    ({"echo": "yes"}, "echo"), ({"echo": True, "logprobs": 1}, "echo"), ({"suffix": "x"}, "suffix"),
+    ({"best_of": 3}, "best_of"), ({"logprobs": True}, "logprobs"), ({"logprobs": 21}, "logprobs"),
+    ({"add_special_tokens": 1}, "add_special_tokens"), ({"guided_json": {}}, "guided_json"),
+    ({"response_format": {"type": "json_object"}}, "response_format"), ({"logit_bias": {"1": 200}}, "logit_bias"),
 ])
 def test_completion_bad_input(fields, param):
     if fields == {"prompt": ""}:  # an empty string is a valid request (the engine adds BOS or rejects)
@@ -146,12 +197,13 @@ def test_response_builders():
         class usage:
             prompt_tokens, completion_tokens = 5, 1
 
-    chat_body = protocol.chat_response("chatcmpl-1", "m", 9, Done)
+    Done.index, Done.prompt_logprobs = 0, None
+    chat_body = protocol.chat_response("chatcmpl-1", "m", 9, [Done])
     assert chat_body["choices"][0]["message"] == {"role": "assistant", "content": "ab"}
     assert chat_body["choices"][0]["logprobs"]["content"][0]["top_logprobs"][1] == {
         "token": "c", "logprob": -9999.0, "bytes": [99]}
     assert chat_body["usage"] == {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6}
-    text_body = protocol.text_response("cmpl-1", "m", 9, Done)
+    text_body = protocol.text_response("cmpl-1", "m", 9, [Done])
     assert text_body["choices"][0]["logprobs"] == {
         "tokens": ["ab"], "token_logprobs": [-0.25], "top_logprobs": [{"ab": -0.25, "c": -9999.0}],
         "text_offset": [0]}

@@ -367,7 +367,8 @@ def test_prefill_budget_adapts_to_the_time_target():
     sched = Scheduler(cfg, clock=clock)
     for i in range(4):
         sched.add(Sequence(f"d{i}", [1, 2, 3], 1000))
-    sched.add(Sequence("long", list(range(3000)), 2))
+    long = Sequence("long", list(range(3000)), 2)
+    sched.add(long)
 
     def cost(out):  # the simulated forward: 0.1 s per tick + 2 ms per prefill token
         b = out.batch
@@ -375,7 +376,7 @@ def test_prefill_budget_adapts_to_the_time_target():
 
     assert sched.prefill_budget() == 64  # nothing timed yet
     ticks = []
-    while sched.get("long").num_generated == 0:
+    while long.num_generated == 0:
         out = sched.schedule()
         clock.now += cost(out)
         ticks.append(cost(out))

@@ -41,11 +41,15 @@ def test_health_models_metrics(server):
     status, headers, raw = server.request("GET", "/metrics")
     text = raw.decode()
     assert status == 200 and headers["content-type"].startswith("text/plain")
-    for name in ("llm_requests_total", "llm_generation_tokens_total", "llm_time_to_first_token_seconds_bucket",
-                 "llm_inter_token_latency_seconds_bucket", "llm_num_requests_running",
-                 "llm_num_requests_waiting", "llm_kv_cache_usage_ratio"):
-        assert name in text
-    assert 'llm_requests_total{endpoint="chat",status="ok"}' in text
+    model = 'model_name="default"'
+    for name in ("llm:http_requests_total", "llm:generation_tokens_total", "llm:prompt_tokens_total",
+                 "llm:time_to_first_token_seconds_bucket", "llm:inter_token_latency_seconds_bucket",
+                 "llm:e2e_request_latency_seconds_bucket", "llm:request_queue_time_seconds_bucket",
+                 "llm:num_requests_running", "llm:num_requests_waiting", "llm:kv_cache_usage_perc",
+                 "llm:prefix_cache_queries_total", "llm:prefix_cache_hits_total", "llm:num_preemptions_total"):
+        assert any(line.startswith(name + "{") and model in line for line in text.splitlines()), name
+    assert 'llm:http_requests_total{endpoint="chat",model_name="default",status="ok"}' in text
+    assert 'llm:request_success_total{finished_reason="length",model_name="default"}' in text
 
 
 def test_chat_stream_equals_non_stream(server):
@@ -99,7 +103,37 @@ BAD_INPUT = [
     (chat_body(max_tokens=-5), 400, "max_tokens"),
     (chat_body(max_tokens="ten"), 400, "max_tokens"),
     (chat_body(temperature=-1), 400, "temperature"),
-    (chat_body(n=3), 400, "n"),
+    (chat_body(n=0), 400, "n"),
+    (chat_body(n=1000), 400, "n"),
+    (chat_body(n="3"), 400, "n"),
+    (chat_body(logit_bias="junk"), 400, "logit_bias"),
+    (chat_body(logit_bias={"abc": 1}), 400, "logit_bias"),
+    (chat_body(logit_bias={"5": 150}), 400, "logit_bias"),
+    (chat_body(logit_bias={"5": "x"}), 400, "logit_bias"),
+    (chat_body(logit_bias={"999999": 1}), 400, "logit_bias"),  # beyond the vocabulary
+    (chat_body(presence_penalty=2.5), 400, "presence_penalty"),
+    (chat_body(presence_penalty="high"), 400, "presence_penalty"),
+    (chat_body(frequency_penalty=-3), 400, "frequency_penalty"),
+    (chat_body(frequency_penalty=[0]), 400, "frequency_penalty"),
+    (chat_body(repetition_penalty=0), 400, "repetition_penalty"),
+    (chat_body(repetition_penalty=-1.5), 400, "repetition_penalty"),
+    (chat_body(min_p=2), 400, "min_p"),
+    (chat_body(min_p=True), 400, "min_p"),
+    (chat_body(min_tokens=-1), 400, "min_tokens"),
+    (chat_body(min_tokens="1"), 400, "min_tokens"),
+    (chat_body(allowed_token_ids=[]), 400, "allowed_token_ids"),
+    (chat_body(allowed_token_ids=[10**7]), 400, "allowed_token_ids"),
+    (chat_body(prompt_logprobs=-1), 400, "prompt_logprobs"),
+    (chat_body(prompt_logprobs=1, stream=True), 400, "prompt_logprobs"),
+    (chat_body(best_of=4), 400, "best_of"),
+    (chat_body(response_format={"type": "json_object"}), 400, "response_format"),
+    (chat_body(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), 400, "tools"),
+    (chat_body(tool_choice="required"), 400, "tool_choice"),
+    (chat_body(guided_json={"type": "object"}), 400, "guided_json"),
+    (chat_body(guided_regex="[a-z]+"), 400, "guided_regex"),
+    (chat_body(guided_choice=["yes", "no"]), 400, "guided_choice"),
+    (chat_body(guided_grammar="root ::= 'x'"), 400, "guided_grammar"),
+    (chat_body(use_beam_search=True), 400, "use_beam_search"),
     (chat_body(max_tokens=10**9), 400, "context_length_exceeded"),
     (chat_body(messages=[{"role": "user", "content": "word " * 300}], max_tokens=10), 400,
      "context_length_exceeded"),
@@ -118,6 +152,41 @@ def test_bad_input_gets_openai_error_and_server_keeps_serving(server, body, stat
         assert detail in (error["param"], error["code"])
     ok, full = server.post_json(CHAT, chat_body(max_tokens=2))
     assert ok == 200 and full["usage"]["completion_tokens"] == 2
+
+
+BAD_COMPLETIONS = [
+    ({"prompt": ["a", 5]}, "prompt"),
+    ({"prompt": [[1, 2], [-1]]}, "prompt[1]"),
+    ({"prompt": "x", "echo": "yes"}, "echo"),
+    ({"prompt": "x", "suffix": "tail"}, "suffix"),
+    ({"prompt": "x", "logprobs": 50}, "logprobs"),
+    ({"prompt": "x", "best_of": 2}, "best_of"),
+    ({"prompt": "x", "add_special_tokens": "no"}, "add_special_tokens"),
+    ({"prompt": "x", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"prompt": ["x"] * 3, "n": 100}, "n"),
+]
+
+
+@pytest.mark.parametrize("body, param", BAD_COMPLETIONS)
+def test_bad_completions_input_names_the_field(server, body, param):
+    got, _, raw = server.request("POST", COMPLETIONS, body)
+    assert got == 400 and json.loads(raw)["error"]["param"] == param
+
+
+def test_harmless_values_of_unimplemented_fields_are_accepted(server):
+    status, full = server.post_json(CHAT, chat_body(max_tokens=2, response_format={"type": "text"}, tools=[],
+                                                    tool_choice="none", user="u", metadata={"k": "v"}, store=False))
+    assert status == 200 and full["usage"]["completion_tokens"] == 2
+
+
+def test_schema_lists_every_declared_field(server):
+    status, _, raw = server.request("GET", "/v1/schema")
+    schema = json.loads(raw)
+    assert status == 200
+    chat = schema["chat"]["properties"]
+    assert {"logit_bias", "presence_penalty", "n", "min_p", "response_format"} <= set(chat)
+    assert chat["response_format"]["anyOf"][0]["properties"]["type"] == {"const": "text"}
+    assert "echo" in schema["completions"]["properties"] and "messages" not in schema["completions"]["properties"]
 
 
 def test_wrong_method_and_path_are_json_errors(server):
@@ -200,7 +269,7 @@ def test_client_disconnect_aborts_request_and_frees_kv():
             # aborted within a few ticks (1-2 measured), not generated on to max_tokens
             assert model.num_forwards - num_before <= 5
             metrics = live.request("GET", "/metrics")[2].decode()
-            assert 'llm_requests_total{endpoint="chat",status="abort"} 1.0' in metrics
+            assert 'llm:http_requests_total{endpoint="chat",model_name="default",status="abort"} 1.0' in metrics
     finally:
         model.open()
         eng.close()
@@ -345,7 +414,7 @@ def _queued_stream(eng, num_ticks: int, max_tokens: int = 8):
 
     eng.model.hold(num_ticks)
     stream = eng.stream("Hi", engine.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
-    assert wait_until(lambda: stream._request.outputs.qsize() >= num_ticks)
+    assert wait_until(lambda: stream._group.outputs.qsize() >= num_ticks)
     return stream
 
 

@@ -1,11 +1,71 @@
-"""StopMatcher: invariant 3 on its own and composed with the detokenizer."""
+"""StopMatcher: invariant 3 on its own and composed with the detokenizer; the automaton
+against the plain quadratic matcher it replaced; linear memory; the caps."""
+import tracemalloc
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.detokenizer import IncrementalDetokenizer
-from engine.stops import StopMatcher
+from engine.params import SamplingParams
+from engine.stops import MAX_NUM_STOPS, MAX_STOP_LEN, MAX_TOTAL_STOP_LEN, StopMatcher
 from tests import vocabs
+from webapp import protocol
+from webapp.errors import APIError
+
+
+class QuadraticStopMatcher:
+    """The reference model: the matcher before the automaton (a set of every prefix of every
+    stop string, so quadratic memory in the stop length), same interface and semantics."""
+
+    def __init__(self, stops, include_stop_str=False):
+        self.stops = tuple(dict.fromkeys(stops))
+        self.include_stop_str = include_stop_str
+        self.is_stopped = False
+        self.stop_str = None
+        self._held = ""
+        self._prefixes = frozenset(s[:k] for s in self.stops for k in range(1, len(s)))
+        self._max_prefix_len = max((len(s) - 1 for s in self.stops), default=0)
+
+    def push(self, text):
+        if self.is_stopped:
+            return "", True
+        if not self.stops:
+            return text, False
+        if not text:
+            return "", False
+        held = self._held
+        buffer = held + text
+        cut, stop_str = -1, None
+        for stop in self.stops:
+            index = buffer.find(stop, max(0, len(held) - len(stop) + 1))
+            if index >= 0 and (cut < 0 or index < cut or (index == cut and len(stop) < len(stop_str))):
+                cut, stop_str = index, stop
+        if stop_str is not None:
+            self.is_stopped = True
+            self.stop_str = stop_str
+            self._held = ""
+            return buffer[: cut + len(stop_str) if self.include_stop_str else cut], True
+        num_held = self._held_suffix_len(buffer)
+        self._held = buffer[len(buffer) - num_held :]
+        return buffer[: len(buffer) - num_held], False
+
+    def completes_with(self, tentative):
+        if self.is_stopped or not self.stops or not tentative:
+            return False
+        held = self._held
+        buffer = held + tentative
+        return any(buffer.find(stop, max(0, len(held) - len(stop) + 1)) >= 0 for stop in self.stops)
+
+    def _held_suffix_len(self, buffer):
+        for k in range(min(len(buffer), self._max_prefix_len), 0, -1):
+            if buffer[-k:] in self._prefixes:
+                return k
+        return 0
+
+    def flush(self):
+        held, self._held = self._held, ""
+        return "" if self.is_stopped else held
 
 
 def run(matcher, chunks):
@@ -149,3 +209,96 @@ def test_completes_with_does_not_change_state():
     assert matcher.push("xab") == ("x", False)
     assert matcher.completes_with("c") and not matcher.completes_with("d") and not matcher.completes_with("")
     assert matcher.push("d") == ("abd", False)
+
+
+# Small alphabets so that stops overlap, nest and match; one 1-byte, one 2-byte and one 4-byte
+# character so that stops and text of different string kinds meet.
+ALPHABET = "ab\u00e9\U0001f642"
+
+
+@settings(max_examples=1500, deadline=None)
+@given(
+    st.lists(st.text(alphabet=ALPHABET, min_size=1, max_size=7), min_size=1, max_size=8),
+    st.text(alphabet=ALPHABET, max_size=60),
+    st.lists(st.integers(0, 60), max_size=20),
+    st.booleans(),
+    st.lists(st.text(alphabet=ALPHABET, max_size=4), min_size=1, max_size=3),
+    st.booleans(),
+)
+def test_automaton_matches_the_quadratic_reference(stops, text, cuts, include, tentatives, is_flushed_midway):
+    """Every push (released text and stop), stop_str, completes_with and flush agree, over
+    random stop sets and random chunkings (empty chunks included) of random text."""
+    bounds = [0, *sorted(cuts), len(text)]
+    chunks = [text[a:b] for a, b in zip(bounds, bounds[1:])]
+    matcher, reference_matcher = StopMatcher(tuple(stops), include), QuadraticStopMatcher(stops, include)
+    for k, chunk in enumerate(chunks):
+        for tentative in tentatives:
+            assert matcher.completes_with(tentative) == reference_matcher.completes_with(tentative)
+        assert matcher.push(chunk) == reference_matcher.push(chunk)
+        assert (matcher.is_stopped, matcher.stop_str) == (reference_matcher.is_stopped, reference_matcher.stop_str)
+        if is_flushed_midway and k == len(chunks) // 2:
+            assert matcher.flush() == reference_matcher.flush()
+    assert matcher.flush() == reference_matcher.flush()
+    assert matcher.push("more") == reference_matcher.push("more")
+
+
+@pytest.mark.parametrize("chunk_len", [1, 7, 4096])
+def test_120000_char_stop_string_takes_linear_memory(chunk_len):
+    """The quadratic matcher needed ~7 GB for this stop; the automaton needs ~16 bytes a char.
+    The held text (119,999 chars) is released piece by piece without being copied per push."""
+    stop = "a" * 119_999 + "b"
+    num_chars = 140_000
+    tracemalloc.start()
+    try:
+        matcher = StopMatcher((stop, "ab" * 50), include_stop_str=True)
+        chunk, num_released, is_any_stopped = "a" * chunk_len, 0, False
+        for _ in range(num_chars // chunk_len):
+            text, is_stopped = matcher.push(chunk)
+            num_released += len(text)
+            is_any_stopped |= is_stopped
+        completes = matcher.completes_with("b")
+        last = matcher.push("bb")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert not is_any_stopped and num_released == num_chars // chunk_len * chunk_len - 119_999
+    assert completes and last == ("a" * 119_999 + "b", True) and matcher.stop_str == stop
+    assert peak < 8 * 2**20, f"peak {peak / 2**20:.1f} MiB"
+
+
+def test_held_text_is_the_longest_live_prefix_after_a_long_run():
+    """Failure links across a long self-overlapping stop: the held text shrinks to the next
+    live prefix, then to nothing."""
+    stop = "ab" * 5000 + "c"
+    matcher = StopMatcher((stop,), False)
+    assert matcher.push("ab" * 6000) == ("ab" * 1000, False)
+    assert matcher.completes_with("c") and not matcher.completes_with("b")
+    assert matcher.push("a") == ("ab", False)  # "ab" * 4999 + "a" is still a prefix
+    assert matcher.push("d") == ("ab" * 4999 + "ad", False)
+    assert matcher.flush() == ""
+
+
+def _distinct(num_strings, length):
+    return [f"{k:08d}".ljust(length, "x") for k in range(num_strings)]
+
+
+@pytest.mark.parametrize("stops, message", [
+    (_distinct(MAX_NUM_STOPS + 1, 8), "at most 256 strings"),
+    (["a" * (MAX_STOP_LEN + 1)], "at most 131072 characters each"),
+    (_distinct(MAX_TOTAL_STOP_LEN // MAX_STOP_LEN + 1, MAX_STOP_LEN), "total at most 1048576 characters"),
+])
+def test_caps_raise_value_error_naming_stop(stops, message):
+    with pytest.raises(ValueError, match=f"^stop.*{message}"):
+        StopMatcher(tuple(stops), False)
+    with pytest.raises(ValueError, match=f"^stop.*{message}"):
+        SamplingParams(stop=stops)
+    with pytest.raises(APIError) as info:
+        protocol.parse_completion({"model": "m", "prompt": "hi", "stop": stops})
+    assert info.value.status == 400 and info.value.param == "stop"
+
+
+def test_stops_at_the_caps_are_accepted():
+    SamplingParams(stop=_distinct(MAX_NUM_STOPS, MAX_TOTAL_STOP_LEN // MAX_NUM_STOPS))
+    SamplingParams(stop=["a" * MAX_STOP_LEN])
+    matcher = StopMatcher(tuple(_distinct(MAX_NUM_STOPS, 8)), False)
+    assert matcher.push("x00000255xx!") == ("x", True) and matcher.stop_str == "00000255"

@@ -16,7 +16,7 @@ import time
 import pytest
 
 from engine.tokenizer import load_tokenizer
-from tokenizer_fixtures import default_model_path
+from tests.tokenizer_fixtures import default_model_path
 
 NUM_CHARS = 1_000_000
 NUM_ATTEMPTS = 5

@@ -10,7 +10,7 @@ from tokenizers import Tokenizer as HFTokenizer, processors
 
 import engine
 from engine.tokenizer import Tokenizer, load_tokenizer
-from tokenizer_fixtures import DATA, bytes_to_unicode, default_model_path, tiny_bpe_gguf
+from tests.tokenizer_fixtures import DATA, bytes_to_unicode, default_model_path, tiny_bpe_gguf
 
 REFERENCE = json.loads((DATA / "smollm2_llamacpp_greedy.json").read_text(encoding="utf-8"))
 SYSTEM_PREFIX = "<|im_start|>system\n"

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cext.utf8 import BYTES, FLAG_BYTE, PIECES, TokenTable, Utf8Tracker
+from cext.utf8 import DecodeMode, TokenKind, TokenTable, Utf8Tracker
 
 # Fragments that stress boundaries: lead bytes alone, truncated sequences, overlongs,
 # surrogates, out-of-range code points, stray continuation bytes.
@@ -109,7 +109,7 @@ items_strategy = st.lists(
 @settings(max_examples=600, deadline=None)
 @given(items_strategy)
 def test_pieces_mode_matches_byte_fallback_model(items):
-    tracker = Utf8Tracker(mode=PIECES, num_strip=1)
+    tracker = Utf8Tracker(mode=DecodeMode.MODE_PIECES, num_strip=1)
     out = []
     for k, (kind, value) in enumerate(items):
         out.append(tracker.push_byte(value) if kind == "b" else tracker.push(value))
@@ -125,7 +125,7 @@ def _leading_space(items):
 
 
 def test_pieces_mode_releases_an_invalid_run_at_once():
-    tracker = Utf8Tracker(mode=PIECES)
+    tracker = Utf8Tracker(mode=DecodeMode.MODE_PIECES)
     assert tracker.push_byte(0xE4) == ""
     assert tracker.push_byte(0xBD) == ""
     assert tracker.push_byte(0x41) == "\ufffd\ufffd\ufffd"  # run turned invalid: all three bytes
@@ -137,18 +137,18 @@ def test_pieces_mode_releases_an_invalid_run_at_once():
 
 
 def test_strip_removes_leading_spaces_of_the_whole_output_only():
-    tracker = Utf8Tracker(mode=PIECES, num_strip=2)
+    tracker = Utf8Tracker(mode=DecodeMode.MODE_PIECES, num_strip=2)
     assert tracker.push(b" ") == ""
     assert tracker.push(b"  a") == " a"
     assert tracker.push(b" b") == " b"
-    one = Utf8Tracker(mode=PIECES, num_strip=1)
+    one = Utf8Tracker(mode=DecodeMode.MODE_PIECES, num_strip=1)
     assert one.push(b"x") + one.push(b" y") == "x y"
 
 
 def make_table(pieces, kinds):
     offsets = np.zeros(len(pieces) + 1, dtype=np.int64)
     offsets[1:] = np.cumsum([len(p) for p in pieces])
-    texts = [None if k & FLAG_BYTE else p.decode("utf-8", "strict") if _valid(p) else None for p, k in zip(pieces, kinds)]
+    texts = [None if k & TokenKind.KIND_BYTE else p.decode("utf-8", "strict") if _valid(p) else None for p, k in zip(pieces, kinds)]
     return TokenTable(b"".join(pieces), offsets, np.array(kinds, dtype=np.uint8), texts)
 
 
@@ -161,12 +161,11 @@ def _valid(piece):
 
 
 def test_table_add_uses_kinds():
-    from cext.utf8 import FLAG_SPECIAL, FLAG_UNKNOWN
 
-    table = make_table([b"a", b"\xe4", b"\xbd\xa0", b"<s>", b""], [0, 0, 0, FLAG_SPECIAL, FLAG_UNKNOWN])
-    tracker = Utf8Tracker(table, BYTES, skip_special=True)
+    table = make_table([b"a", b"\xe4", b"\xbd\xa0", b"<s>", b""], [0, 0, 0, TokenKind.KIND_SPECIAL, TokenKind.KIND_UNKNOWN])
+    tracker = Utf8Tracker(table, DecodeMode.MODE_BYTES, skip_special=True)
     assert [tracker.add(i) for i in (0, 1, 3, 4, 99, -1, 2)] == ["a", "", "", "", "", "", "你"]
-    keep = Utf8Tracker(table, BYTES, skip_special=False)
+    keep = Utf8Tracker(table, DecodeMode.MODE_BYTES, skip_special=False)
     assert [keep.add(i) for i in (1, 3, 2)] == ["", "\ufffd<s>", "\ufffd\ufffd"]
     assert table.piece(2) == b"\xbd\xa0" and table.piece(100) == b""
 

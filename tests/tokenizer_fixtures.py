@@ -8,6 +8,8 @@ from pathlib import Path
 import gguf
 import pytest
 
+from engine.tokenizer.gguf_special import TokenType
+
 REPO = Path(__file__).resolve().parent.parent
 TESTDATA = REPO / ".cache" / "testdata"
 DATA = Path(__file__).resolve().parent / "data"
@@ -73,7 +75,8 @@ def write_gguf(path: Path, **kv) -> Path:
     return path
 
 
-CONTROL, USER_DEFINED, NORMAL, BYTE, UNKNOWN = 3, 4, 1, 6, 2
+CONTROL, USER_DEFINED, NORMAL, BYTE, UNKNOWN = (TokenType.CONTROL, TokenType.USER_DEFINED, TokenType.NORMAL,
+                                             TokenType.BYTE, TokenType.UNKNOWN)
 
 
 def tiny_bpe_gguf(path: Path, pre: str | None = "gpt-2", **overrides) -> Path:

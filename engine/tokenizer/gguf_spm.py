@@ -14,8 +14,9 @@ from __future__ import annotations
 
 from tokenizers import Tokenizer as HFTokenizer, decoders, models, normalizers
 
+from .gguf_special import TokenType
+
 SPACE_MARKER = "\u2581"
-_BYTE_TOKEN_TYPE = 6
 
 
 def spm_merges(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple[str, str]]:
@@ -26,7 +27,7 @@ def spm_merges(tokens: list[str], scores: list[float], types: list[int]) -> list
     token_ids = {text: token_id for token_id, text in enumerate(tokens)}
     ranked = []  # (-score, merged id, split position, left, right)
     for token_id, text in enumerate(tokens):
-        if types[token_id] == _BYTE_TOKEN_TYPE or len(text) < 2:
+        if types[token_id] == TokenType.BYTE or len(text) < 2:
             continue
         for split in range(1, len(text)):
             left, right = text[:split], text[split:]

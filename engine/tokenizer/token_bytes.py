@@ -7,13 +7,13 @@ concatenation of per-token pieces, so one table built per tokenizer is enough:
 
 - ``ByteLevel`` (byte-level BPE): each token's chars map back to bytes (a token with a
   char outside the byte alphabet keeps its UTF-8 bytes); the bytes of all tokens are
-  decoded together like ``errors="replace"``.                       -> mode BYTES
+  decoded together like ``errors="replace"``.                       -> MODE_BYTES
 - ``Sequence`` of ``Replace`` (string patterns), then ``ByteFallback``, ``Fuse``,
   ``Strip(" ", n, 0)`` (SentencePiece): a ``<0xNN>`` token is one byte of a byte run,
   any other token is its replaced text; ``Strip`` removes leading spaces of the whole
-  output.                                                            -> mode PIECES
+  output.                                                            -> MODE_PIECES
 - ``Metaspace``: "▁" becomes a space, except in the first token, where it is dropped
-  (prepend_scheme "first"/"always").                                 -> mode PIECES
+  (prepend_scheme "first"/"always").                                 -> MODE_PIECES
 
 Any other decoder (or none) takes the generic path: re-decoding a short window.
 
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cext.utf8 import BYTES, FLAG_BYTE, FLAG_SPECIAL, FLAG_UNKNOWN, PIECES, TokenTable
+from cext.utf8 import DecodeMode, TokenKind, TokenTable
 
 # `tokenizers`' ByteFallback accepts a 6-byte token "<0x" + u8::from_str_radix(2 chars, 16) + ">".
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2}|\+[0-9A-Fa-f])>")
@@ -70,7 +70,7 @@ def byte_level_bytes(token: str) -> bytes:
 class DecoderPlan:
     """How a decoder renders a token list; ``mode`` is None for the generic path."""
 
-    mode: int | None = None              # cext.utf8.BYTES | cext.utf8.PIECES | None (generic)
+    mode: DecodeMode | None = None       # None: the generic path
     replaces: tuple = ()                 # (pattern, content) applied to every token, in order
     is_byte_fallback: bool = False
     num_strip: int = 0                   # leading spaces removed from the whole output
@@ -83,18 +83,18 @@ def plan_decoder(decoder_json: dict | None) -> DecoderPlan:
         return DecoderPlan()
     kind = decoder_json.get("type")
     if kind == "ByteLevel":
-        return DecoderPlan(BYTES)
+        return DecoderPlan(DecodeMode.MODE_BYTES)
     if kind == "Metaspace":
         replacement = decoder_json.get("replacement", "\u2581")
         scheme = decoder_json.get("prepend_scheme", "always" if decoder_json.get("add_prefix_space", True) else "never")
         if len(replacement) != 1 or scheme not in ("always", "first", "never"):
             return DecoderPlan()
-        return DecoderPlan(PIECES, ((replacement, " "),), first_token_drops=None if scheme == "never" else replacement)
+        return DecoderPlan(DecodeMode.MODE_PIECES, ((replacement, " "),), first_token_drops=None if scheme == "never" else replacement)
     if kind != "Sequence":
         return DecoderPlan()
     steps = _flatten(decoder_json)
     if [s.get("type") for s in steps] == ["ByteLevel"]:
-        return DecoderPlan(BYTES)
+        return DecoderPlan(DecodeMode.MODE_BYTES)
     replaces, is_byte_fallback, is_fused, num_strip = [], False, False, 0
     for step in steps:
         kind = step.get("type")
@@ -111,7 +111,7 @@ def plan_decoder(decoder_json: dict | None) -> DecoderPlan:
             num_strip = int(step.get("start", 0))
         else:
             return DecoderPlan()
-    return DecoderPlan(PIECES, tuple(replaces), is_byte_fallback, num_strip)
+    return DecoderPlan(DecodeMode.MODE_PIECES, tuple(replaces), is_byte_fallback, num_strip)
 
 
 def _flatten(sequence: dict) -> list[dict]:
@@ -167,25 +167,28 @@ class TokenPieces:
 
     def _build_table(self) -> TokenTable:
         plan, id_to_token = self.plan, self.backend.id_to_token
+        is_byte_level = plan.mode == DecodeMode.MODE_BYTES
+        kind_text, kind_byte, kind_special, kind_unknown = (  # plain ints for the loop over every id
+            int(k) for k in (TokenKind.KIND_TEXT, TokenKind.KIND_BYTE, TokenKind.KIND_SPECIAL, TokenKind.KIND_UNKNOWN))
         kinds = np.zeros(self.num_ids, dtype=np.uint8)  # [num_ids]
         pieces, texts = [], []
         for token_id in range(self.num_ids):
             token = id_to_token(token_id)
-            kind = FLAG_SPECIAL if token_id in self.special_token_ids else 0
+            kind = kind_special if token_id in self.special_token_ids else kind_text
             if token is None:
-                piece, kind = b"", FLAG_UNKNOWN
-            elif plan.mode == BYTES:
+                piece, kind = b"", kind_unknown
+            elif is_byte_level:
                 piece = byte_level_bytes(token)
             else:
                 for pattern, content in plan.replaces:
                     token = token.replace(pattern, content)
                 match = _BYTE_TOKEN.fullmatch(token) if plan.is_byte_fallback else None
                 if match is not None:
-                    piece, kind = bytes([int(match.group(1), 16)]), kind | FLAG_BYTE
+                    piece, kind = bytes([int(match.group(1), 16)]), kind | kind_byte
                 else:
                     piece = token.encode("utf-8")
             pieces.append(piece)
-            texts.append(None if kind & FLAG_BYTE else _strict_text(piece))
+            texts.append(None if kind & kind_byte else _strict_text(piece))
             kinds[token_id] = kind
         offsets = np.zeros(self.num_ids + 1, dtype=np.int64)  # [num_ids + 1]
         np.cumsum([len(p) for p in pieces], out=offsets[1:])
@@ -203,7 +206,7 @@ class TokenPieces:
                 skip_special_tokens and token_id in self.special_token_ids
             )
         kind = int(self.table.kinds[token_id])
-        return bool(kind & FLAG_UNKNOWN or (skip_special_tokens and kind & FLAG_SPECIAL))
+        return bool(kind & TokenKind.KIND_UNKNOWN or (skip_special_tokens and kind & TokenKind.KIND_SPECIAL))
 
     def first_piece(self, token_id: int) -> bytes:
         """The piece of a token rendered first in the output (Metaspace drops its marker there)."""

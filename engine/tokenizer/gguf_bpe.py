@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from tokenizers import Regex, Tokenizer as HFTokenizer, decoders, models, normalizers, pre_tokenizers
 
+from .tokenizer import MISSING_BYTE
+
 # Shared regexes, spelled as llama.cpp spells them. `$` there is the end of a fragment
 # (ECMAScript, no multiline); in oniguruma `$` is the end of a line, so we write `\z`.
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
@@ -117,9 +119,6 @@ def split_merge(merge: str) -> tuple[str, str]:
     if position < 0:
         raise ValueError(f"tokenizer.ggml.merges entry {merge!r} has no space separating its two parts")
     return merge[:position], merge[position + 1:]
-
-
-MISSING_BYTE = "<engine:missing-byte>"
 
 
 def build_bpe_backend(metadata: dict, tokens: list[str]) -> tuple[HFTokenizer, int | None]:

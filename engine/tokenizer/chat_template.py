@@ -1,5 +1,13 @@
 """Chat templates: OpenAI-style messages -> prompt text, rendered in a jinja2 sandbox.
 
+`validate_messages` is the one message check of the engine and the HTTP server: roles system,
+developer, user, assistant, tool; content a string or a list of text parts (joined with "\n",
+as vLLM does); an assistant message may have no content (tool calls); other keys
+(`tool_calls`, `tool_call_id`, `name`) pass through to the template; lone surrogates are
+rejected. Role `developer` (OpenAI's newer name for the system role) is rendered as `system`
+by a template that does not mention it, as vLLM's and llama.cpp's servers do; a template that
+handles "developer" itself (gpt-oss) gets it unchanged.
+
 A template embedded in a model file is untrusted input, so it runs in jinja2's
 `ImmutableSandboxedEnvironment` (no attribute access to internals, no mutation of the
 arguments). The environment matches what Hugging Face templates expect (transformers'
@@ -7,11 +15,13 @@ arguments). The environment matches what Hugging Face templates expect (transfor
 keeps non-ASCII text, `raise_exception(message)`, `strftime_now(format)` and a no-op
 `{% generation %}` block.
 
-Every failure is a ChatTemplateError (a ValueError), which the HTTP layer reports as a 400.
+Every failure is a ChatTemplateError, an engine.errors.InvalidParameterError whose `param`
+names the field ("messages[1].content", "tools", or "messages" when the template fails).
 """
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 from functools import lru_cache
 
@@ -20,13 +30,23 @@ import jinja2.ext
 from jinja2 import nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from ..errors import InvalidParameterError
+
 __all__ = ["ChatTemplateError", "KNOWN_ROLES", "validate_messages", "render_chat_template"]
 
-KNOWN_ROLES = ("system", "user", "assistant", "tool")
+KNOWN_ROLES = ("system", "developer", "user", "assistant", "tool")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_MENTIONS_DEVELOPER = re.compile(r"""["']developer["']""")
 
 
-class ChatTemplateError(ValueError):
-    """The messages are invalid, or the chat template is missing, broken, or raised."""
+class ChatTemplateError(InvalidParameterError):
+    """The messages are invalid, or the chat template is missing, broken, or raised.
+
+    ``param`` names the field: "messages[1].role", "messages[0].content[2].text", "tools", or
+    "messages" for the conversation as a whole (a template that rejects it or fails)."""
+
+    def __init__(self, message: str, param: str | None = "messages"):
+        super().__init__(message, param)
 
 
 class _TemplateRaised(Exception):
@@ -69,31 +89,42 @@ def _compile(template: str) -> jinja2.Template:
         raise ChatTemplateError(f"chat template is not valid jinja2 (line {e.lineno}: {e.message})") from None
 
 
+def _check_text(text: str, where: str) -> str:
+    if _SURROGATE.search(text):
+        raise ChatTemplateError(f"{where} contains a lone surrogate (not valid Unicode)", where)
+    return text
+
+
 def _content_text(content, where: str) -> str:
-    """A message's content as text: a string, or a list of {"type": "text", "text": str} parts."""
+    """A message's content as text: a string, or a list of {"type": "text", "text": str} parts
+    joined with "\n"."""
     if isinstance(content, str):
-        return content
+        return _check_text(content, where)
     if not isinstance(content, (list, tuple)):
         raise ChatTemplateError(
-            f"{where} must be a string or a list of text parts, got {type(content).__name__}"
+            f"{where} must be a string or a list of text parts, got {type(content).__name__}", where
         )
     texts = []
     for j, part in enumerate(content):
+        at = f"{where}[{j}]"
         if not isinstance(part, dict):
-            raise ChatTemplateError(f"{where}[{j}] must be an object, got {type(part).__name__}")
+            raise ChatTemplateError(f"{at} must be an object, got {type(part).__name__}", at)
         if part.get("type") != "text":
-            raise ChatTemplateError(f"{where}[{j}].type must be 'text', got {part.get('type')!r}")
+            raise ChatTemplateError(
+                f"{at}.type must be 'text', got {part.get('type')!r}; only text content is supported", at
+            )
         text = part.get("text")
         if not isinstance(text, str):
-            raise ChatTemplateError(f"{where}[{j}].text must be a string, got {type(text).__name__}")
-        texts.append(text)
+            raise ChatTemplateError(f"{at}.text must be a string, got {type(text).__name__}", f"{at}.text")
+        texts.append(_check_text(text, f"{at}.text"))
     return "\n".join(texts)
 
 
 def validate_messages(messages) -> list[dict]:
     """Check OpenAI-style chat messages; return copies whose content is a plain string.
 
-    Raises ChatTemplateError (a ValueError) naming the offending field, e.g. "messages[1].role".
+    Raises ChatTemplateError (an InvalidParameterError) whose ``param`` names the offending
+    field, e.g. "messages[1].role". Validating the result again returns equal messages.
     """
     if not isinstance(messages, (list, tuple)):
         raise ChatTemplateError(f"messages must be a list of message objects, got {type(messages).__name__}")
@@ -103,17 +134,23 @@ def validate_messages(messages) -> list[dict]:
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(message, dict):
-            raise ChatTemplateError(f"{where} must be an object, got {type(message).__name__}")
+            raise ChatTemplateError(f"{where} must be an object, got {type(message).__name__}", where)
         role = message.get("role")
         if role not in KNOWN_ROLES:
-            raise ChatTemplateError(f"{where}.role must be one of {', '.join(KNOWN_ROLES)}; got {role!r}")
+            raise ChatTemplateError(f"{where}.role must be one of {', '.join(KNOWN_ROLES)}; got {role!r}",
+                                    f"{where}.role")
         content = message.get("content")
-        if content is None and role == "assistant" and message.get("tool_calls"):
+        if content is None and role == "assistant":  # a reply that only calls tools
             content = ""
         elif content is None:
-            raise ChatTemplateError(f"{where}.content is missing")
+            raise ChatTemplateError(f"{where}.content is missing", f"{where}.content")
         checked.append({**message, "content": _content_text(content, f"{where}.content")})
     return checked
+
+
+@lru_cache(maxsize=16)
+def _knows_developer_role(template: str) -> bool:
+    return _MENTIONS_DEVELOPER.search(template) is not None
 
 
 def render_chat_template(
@@ -124,15 +161,23 @@ def render_chat_template(
     eos_token: str = "",
     **kwargs,
 ) -> str:
-    """Render `messages` with `template` in the sandbox. All errors are ChatTemplateError."""
+    """Render `messages` with `template` in the sandbox. All errors are ChatTemplateError.
+
+    Extra keyword arguments reach the template as variables; `tools` and `documents` default
+    to None, as transformers passes them."""
     if not template:
         raise ChatTemplateError("this model has no chat template; send a plain prompt instead")
     checked = validate_messages(messages)
     compiled = _compile(template)
-    kwargs.setdefault("tools", None)  # as transformers passes them: templates test `tools is not none`
+    if not _knows_developer_role(template):
+        checked = [{**m, "role": "system"} if m["role"] == "developer" else m for m in checked]
+    tools = kwargs.get("tools")
+    if tools is not None and not (isinstance(tools, (list, tuple)) and all(isinstance(t, dict) for t in tools)):
+        raise ChatTemplateError(f"tools must be a list of tool objects, got {tools!r:.100}", "tools")
+    kwargs.setdefault("tools", None)  # templates test `tools is not none`
     kwargs.setdefault("documents", None)
     try:
-        return compiled.render(
+        text = compiled.render(
             messages=checked, add_generation_prompt=bool(add_generation_prompt),
             bos_token=bos_token, eos_token=eos_token, **kwargs,
         )
@@ -143,3 +188,5 @@ def render_chat_template(
     except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError,
             ZeroDivisionError, OverflowError, RecursionError) as e:
         raise ChatTemplateError(f"chat template failed: {type(e).__name__}: {e}") from None
+    # Other fields (tool calls, names) reach the prompt too; the tokenizer cannot take surrogates.
+    return _check_text(text, "messages")

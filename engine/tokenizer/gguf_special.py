@@ -1,4 +1,4 @@
-"""llama.cpp's special-token heuristics for GGUF vocabularies (src/llama-vocab.cpp, `load`).
+"""llama.cpp's token types and special-token heuristics for GGUF vocabularies (src/llama-vocab.cpp, `load`).
 
 Besides the ids in the header, llama.cpp recognises end-of-turn, fill-in-the-middle and
 end-of-generation tokens by their text, and forces such tokens to be control tokens even when the
@@ -8,17 +8,24 @@ the token types we build the tokenizer from, and the stop ids, are llama.cpp's.
 """
 from __future__ import annotations
 
-CONTROL = 3
-USER_DEFINED = 4
-NORMAL = 1
+from enum import IntEnum
 
-# Texts that end generation, whatever the header says (llama.cpp's `special_eog_ids` loop).
-EOG_TEXTS = (
-    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
-    "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
-    "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
-    "<｜end▁of▁sentence｜>", "[e~[",
-)
+from .tokenizer import EOG_TEXTS
+
+__all__ = ["TokenType", "header_id", "llamacpp_special_tokens"]
+
+
+class TokenType(IntEnum):
+    """llama.cpp's `llama_token_type` as stored in `tokenizer.ggml.token_type`."""
+    UNDEFINED = 0
+    NORMAL = 1
+    UNKNOWN = 2
+    CONTROL = 3
+    USER_DEFINED = 4
+    UNUSED = 5
+    BYTE = 6
+
+
 # header key -> texts llama.cpp looks for when the key is absent; the first token found becomes
 # control. (llama.cpp walks a hash map, so with several candidates its pick is arbitrary; we take
 # the first in this order.)
@@ -46,7 +53,9 @@ _EOG_KEYS = ("tokenizer.ggml.fim_pad_token_id", "tokenizer.ggml.fim_rep_token_id
 _USER_DEFINED_TEXTS = ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>")
 
 
-def _header_id(metadata: dict, key: str, num_tokens: int) -> int | None:
+def header_id(metadata: dict, key: str, num_tokens: int) -> int | None:
+    """The token id the header stores under `key` (or its deprecated name), None when absent or
+    not an id of this vocabulary."""
     value = metadata.get(key)
     if value is None and key in _DEPRECATED_KEYS:
         value = metadata.get(_DEPRECATED_KEYS[key])
@@ -56,18 +65,19 @@ def _header_id(metadata: dict, key: str, num_tokens: int) -> int | None:
 
 
 def llamacpp_special_tokens(metadata: dict, tokens: list[str], types: list[int]) -> tuple[list[int], list[int]]:
-    """(token types as llama.cpp ends up with, end-of-generation ids with the eos id first)."""
+    """(token types as llama.cpp ends up with, end-of-generation ids with the eos id first).
+
+    `types` are TokenType values (plain ints, as the header stores them)."""
     num_tokens = len(tokens)
     types = list(types)
     ids = {text: token_id for token_id, text in enumerate(tokens)}
 
     def force_control(token_id: int) -> None:
-        if types[token_id] != CONTROL:
-            types[token_id] = CONTROL
+        types[token_id] = TokenType.CONTROL
 
     found: dict[str, int | None] = {}
     for key, texts in _DETECTED.items():
-        token_id = _header_id(metadata, key, num_tokens)
+        token_id = header_id(metadata, key, num_tokens)
         if token_id is None:
             token_id = next((ids[t] for t in texts if t in ids), None)
             if token_id is not None:
@@ -81,8 +91,8 @@ def llamacpp_special_tokens(metadata: dict, tokens: list[str], types: list[int])
             eog_ids.append(ids[text])
     for text in _USER_DEFINED_TEXTS:
         if text in ids:
-            types[ids[text]] = USER_DEFINED
-    eos_id = _header_id(metadata, "tokenizer.ggml.eos_token_id", num_tokens)
+            types[ids[text]] = TokenType.USER_DEFINED
+    eos_id = header_id(metadata, "tokenizer.ggml.eos_token_id", num_tokens)
     for token_id in (eos_id, found["tokenizer.ggml.eot_token_id"], found["tokenizer.ggml.eom_token_id"]):
         if token_id is not None:
             eog_ids.append(token_id)
@@ -91,11 +101,11 @@ def llamacpp_special_tokens(metadata: dict, tokens: list[str], types: list[int])
     # o200k_harmony / solar-open: "<|end|>" ends a message, not the generation.
     if "<|end|>" in texts and ({"<|return|>", "<|call|>"} <= texts or {"<|calls|>", "<|flush|>"} <= texts):
         eog_ids = [i for i in eog_ids if tokens[i] != "<|end|>"]
-        types[ids["<|end|>"]] = USER_DEFINED
+        types[ids["<|end|>"]] = TokenType.USER_DEFINED
     # Gemma 4 and PLaMo have an ordinary "</s>" token.
     if "</s>" in texts and texts & {"<|tool_response>", "<|plamo:eos|>"}:
         eog_ids = [i for i in eog_ids if tokens[i] != "</s>"]
-        types[ids["</s>"]] = NORMAL
+        types[ids["</s>"]] = TokenType.NORMAL
 
     eog_ids = list(dict.fromkeys(eog_ids))
     if eos_id in eog_ids:

@@ -1,0 +1,134 @@
+"""Host cost per token of the sampler: all options off, penalties + logit_bias + min_p on, and n=4.
+
+Two sections, each at batch 1 and 32 (requests), configurations interleaved in every repeat:
+  sampler  ``engine.sampling.sample`` alone on [rows, V] logits (V = SmolLM2's 49152), plus the
+           per-token ``LogitsAdjuster.add``; the logits copy is outside the timed region. The
+           adjusters carry a 256-token prompt and 128 generated tokens of history.
+  engine   ``Engine.generate`` over ScriptedModel (no model compute): wall time per generated
+           token of the whole host path (schedule, forward double, sample, detokenize, events).
+Configurations: greedy and random (temperature 0.8), each plain and "all on" (presence 0.5,
+frequency 0.5, repetition 1.1, 16 logit_bias entries, min_p 0.05); n=4 (random, plain: 4 rows
+per request). Target (issue 12): all on <= 2x plain per token and < 20 us per token at batch 32.
+
+Usage: ``python benchmarks/sampling.py [--repeats 5] [--steps 64] [--vocab 49152]``.
+Prints tables and writes benchmarks/results/sampling.json.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from benchmarks.common import environment, fmt_stats, print_table, summarize, write_json  # noqa: E402
+from engine.logits_process import LogitsAdjuster  # noqa: E402
+from engine.params import SamplingParams  # noqa: E402
+from engine.sampling import sample  # noqa: E402
+
+BATCH_SIZES = (1, 32)
+ALL_ON = dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1, min_p=0.05,
+              logit_bias={i * 97: (-1) ** i * 5.0 for i in range(16)})
+CONFIGS = {
+    "greedy plain": (dict(temperature=0), 1),
+    "greedy all-on": (dict(temperature=0, **ALL_ON), 1),
+    "random plain": (dict(temperature=0.8), 1),
+    "random all-on": (dict(temperature=0.8, **ALL_ON), 1),
+    "n=4 random": (dict(temperature=0.8), 4),
+}
+
+
+def sampler_us_per_token(options: dict, n: int, batch: int, steps: int, vocab: int, rng) -> float:
+    rows = batch * n
+    params = [SamplingParams(max_tokens=4096, seed=i, **options) for i in range(rows)]
+    generators = [torch.Generator().manual_seed(i) if not p.is_greedy else None for i, p in enumerate(params)]
+    prompt = rng.integers(0, vocab, 256).tolist()
+    adjusters = [LogitsAdjuster.for_request(p, prompt, {0}, 4096) for p in params]
+    for a in adjusters:
+        if a is not None:
+            for t in rng.integers(0, vocab, 128).tolist():
+                a.add(t)
+    batch_adjusters = adjusters if any(a is not None for a in adjusters) else None
+    base = torch.from_numpy(rng.standard_normal((rows, vocab), dtype=np.float32) * 4)  # [rows, V]
+    total = 0.0
+    for _ in range(steps):
+        logits = base.clone()
+        start = time.perf_counter()
+        token_ids, _ = sample(logits, params, generators, batch_adjusters)
+        if batch_adjusters is not None:
+            for a, t in zip(adjusters, token_ids):
+                a.add(t)
+        total += time.perf_counter() - start
+    return total / (steps * rows) * 1e6
+
+
+def engine_us_per_token(eng, options: dict, n: int, batch: int, steps: int) -> float:
+    params = SamplingParams(max_tokens=steps, ignore_eos=True, seed=1, n=n, **options)
+    prompts = [[1 + (i * 7 + j) % 500 for j in range(32)] for i in range(batch)]
+    start = time.perf_counter()
+    done = eng.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    return elapsed / sum(len(c.token_ids) for c in done) * 1e6
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--vocab", type=int, default=49152)
+    args = parser.parse_args(argv)
+    torch.set_grad_enabled(False)
+    rng = np.random.default_rng(0)
+
+    import engine
+    from engine.loader import default_model_path
+    from engine.testing import ScriptedModel
+
+    tok = engine.load_tokenizer(default_model_path())
+    script = [random.Random(0).randrange(1000, tok.vocab_size) for _ in range(args.steps)]
+    eng = engine.Engine(ScriptedModel(script, tok.vocab_size), tok, max_model_len=1024, max_num_seqs=128,
+                        kv_cache_tokens=128 * 256)
+    sections = ("sampler", "engine")
+    results = {s: {c: {b: [] for b in BATCH_SIZES} for c in CONFIGS} for s in sections}
+    try:
+        engine_us_per_token(eng, {}, 1, 1, 4)  # warm-up
+        for _ in range(args.repeats):
+            for batch in BATCH_SIZES:
+                for name, (options, n) in CONFIGS.items():  # interleaved: every config in every repeat
+                    results["sampler"][name][batch].append(
+                        sampler_us_per_token(options, n, batch, args.steps, args.vocab, rng))
+                    results["engine"][name][batch].append(engine_us_per_token(eng, options, n, batch, args.steps))
+    finally:
+        eng.close()
+
+    summary = {}
+    for section in sections:
+        rows = []
+        for name in CONFIGS:
+            cells = [name]
+            for batch in BATCH_SIZES:
+                stats = summarize(results[section][name][batch])
+                plain = summarize(results[section]["greedy plain" if name.startswith("greedy")
+                                                   else "random plain"][batch])
+                summary.setdefault(section, {}).setdefault(name, {})[batch] = {**stats,
+                                                                              "ratio_to_plain": stats["median"] / plain["median"]}
+                cells += [fmt_stats(stats, ".2f"), f"{stats['median'] / plain['median']:.2f}x"]
+            rows.append(cells)
+        headers = ["config"] + [h for b in BATCH_SIZES for h in (f"us/token b={b}", f"vs plain b={b}")]
+        print_table(headers, rows, title=f"{section}: host microseconds per token, median (min-max) "
+                                         f"over {args.repeats} repeats; ratio to the plain config of its kind")
+    env = environment()
+    print("load average:", env["load_average"])
+    path = write_json("sampling", {"args": vars(args), "environment": env, "results": summary,
+                                   "raw": results})
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()
