@@ -1,4 +1,4 @@
-"""Builds the Cython extensions in cext/.
+"""Builds the Cython extensions in cext/ (the package's metadata is in pyproject.toml).
 
 Compiler directives live here and only here. Build in place with
 ``python setup.py build_ext --inplace`` (the Makefile does it). Set
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 from Cython.Build import cythonize
-from setuptools import Extension, find_packages, setup
+from setuptools import Extension, setup
 
 HERE = Path(__file__).parent
 DEBUG = os.environ.get("CEXT_DEBUG") == "1"
@@ -56,12 +56,5 @@ def extensions():
     return cythonize(exts, compiler_directives=DIRECTIVES, quiet=True)
 
 
-setup(
-    name="llm-engine",
-    version="0.1.0",
-    packages=find_packages(include=["engine", "engine.*", "cext", "webapp", "webapp.*"]),
-    package_data={"cext": ["*.pxd", "*.pyi", "csrc/*.h", "csrc/*.c"], "webapp": ["static/*"]},
-    ext_modules=extensions(),
-    python_requires=">=3.11",
-    zip_safe=False,
-)
+# Name, version, dependencies, packages and the console script live in pyproject.toml.
+setup(ext_modules=extensions(), zip_safe=False)

@@ -19,11 +19,13 @@ __version__ = "0.2.0"
 _EXPORTS = {
     "Engine": "api",
     "RequestStream": "api",
+    "AsyncRequestStream": "async_stream",
     "EngineDead": "errors",
     "EngineError": "errors",
     "EngineOverloaded": "errors",
     "InvalidParameterError": "errors",
     "ContextLengthError": "errors",
+    "ModelFileError": "errors",
     "EngineConfig": "config",
     "Completion": "outputs",
     "StreamEvent": "outputs",

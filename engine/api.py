@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import os
 import queue
+import weakref
 from collections.abc import Callable, Iterator, Sequence as SequenceABC
 
 from .config import EngineConfig
 from .errors import EngineDead, InvalidParameterError
-from .outputs import Completion, StreamEvent, TokenLogprob, Usage
+from .outputs import Completion, CompletionFold, StreamEvent, TokenLogprob
 from .params import SamplingParams
 from .runtime import FINISHED, EngineCore
 
@@ -23,8 +24,9 @@ class RequestStream:
     events of all its choices, interleaved; ``StreamEvent.index`` says whose each one is.
     """
 
-    def __init__(self, core: EngineCore, request, prompt_token_ids: list[int]):
+    def __init__(self, core: EngineCore, request, prompt_token_ids: list[int], owner: object = None):
         self._core = core
+        self._owner = owner  # the Engine: kept alive (its thread running) while a stream is held
         self._request = request
         self._group = request.group
         self.request_id = self._group.request_id
@@ -123,42 +125,42 @@ class RequestStream:
         return self.collect_choices(on_event)[0]
 
     def collect_choices(self, on_event: Callable[[StreamEvent], bool | None] | None = None) -> list[Completion]:
-        """Like ``collect``, one Completion per choice, in index order."""
-        num_choices = self.num_choices
-        texts: list[list[str]] = [[] for _ in range(num_choices)]
-        token_ids: list[list[int]] = [[] for _ in range(num_choices)]
-        logprobs: list[list[TokenLogprob] | None] = [None] * num_choices
-        finish_reasons: list[str | None] = [None] * num_choices
+        """Like ``collect``, one Completion per choice, in index order (one CompletionFold each)."""
+        folds = [CompletionFold(self.request_id) for _ in range(self.num_choices)]
         try:
             for event in self:
-                i = event.index
-                texts[i].append(event.text)
-                token_ids[i].extend(event.token_ids)
-                if event.logprobs is not None:
-                    if logprobs[i] is None:
-                        logprobs[i] = []
-                    logprobs[i].extend(event.logprobs)
-                finish_reasons[i] = event.finish_reason or finish_reasons[i]
+                folds[event.index].add(event)
                 if on_event is not None and on_event(event) and event.finish_reason is None:
-                    finish_reasons = [r or "abort" for r in finish_reasons]
+                    for fold in folds:
+                        fold.finish_reason = fold.finish_reason or "abort"
                     break
         finally:
             self.close()
-        completions = []
-        for i in range(num_choices):
-            prompt_ids = self.prompt_token_ids if num_choices == 1 else self.choice_prompt_token_ids(i)
-            completions.append(Completion(
-                request_id=self.request_id,
-                text="".join(texts[i]),
-                token_ids=token_ids[i],
-                finish_reason=finish_reasons[i],
-                logprobs=logprobs[i],
-                prompt_token_ids=prompt_ids,
-                prompt_logprobs=self.choice_prompt_logprobs(i),
-                usage=Usage(len(prompt_ids), len(token_ids[i])),
-                index=i,
-            ))
-        return completions
+        return [fold.result(self.prompt_token_ids if len(folds) == 1 else self.choice_prompt_token_ids(i),
+                            self.choice_prompt_logprobs(i), index=i) for i, fold in enumerate(folds)]
+
+
+class _FinishQueue(queue.SimpleQueue):
+    """A request's output queue that also reports the request's end (its index) on a shared queue:
+    generate(progress=True) counts requests as they finish, whatever their order."""
+
+    def __init__(self, index: int, finished: queue.SimpleQueue):
+        self.index = index
+        self.finished = finished
+
+    def put(self, item, block: bool = True, timeout: float | None = None) -> None:
+        super().put(item)
+        if item is FINISHED or isinstance(item, BaseException):
+            self.finished.put(self.index)
+
+
+def _display_name(path: str) -> str:
+    return os.path.basename(os.path.normpath(path)).removesuffix(".gguf")
+
+
+# Models loaded by from_pretrained, while some engine still uses them: a second engine over the
+# same file and load options (a re-run notebook cell) shares the weights instead of loading a copy.
+_shared_models: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
 class Engine:
@@ -176,24 +178,51 @@ class Engine:
         self.tokenizer = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
         self.model = model
         self.config = config.resolve(getattr(model, "max_model_len", None))
+        self.model_path: str | None = None  # set by from_pretrained
         self._core = EngineCore(model, self.tokenizer, self.config)
+        # Collected without close() (a re-run notebook cell): stop the thread, which frees the
+        # model and the KV cache. The finalizer holds the core, never the Engine.
+        self._finalizer = weakref.finalize(self, EngineCore.close, self._core)
 
     @classmethod
-    def from_pretrained(cls, model: str | os.PathLike | None = None, **options) -> Engine:
+    def from_pretrained(cls, model: str | os.PathLike | None = None, *, progress: bool = False,
+                        **options) -> Engine:
         """Load a .gguf file or a Hugging Face directory (None: the embedded SmolLM2-135M-Instruct).
 
         ``options``: any EngineConfig field, load options (dtype, quantization, num_threads) included.
+        The files are checked (ModelFileError) and the tokenizer loaded before any weights.
+        ``progress=True`` shows the load's stages (a tqdm bar on a terminal or in Jupyter, log
+        lines otherwise). A model this process already holds for another engine (same file,
+        same load options) is shared, not loaded again.
         """
         from .loader import default_model_path, load_model
         from .models.threads import apply_thread_policy
+        from .startup import LoadProgress, check_model_path
         from .tokenizer import load_tokenizer
 
         config = EngineConfig.from_options(options)
         apply_thread_policy(config.num_threads)
         path = default_model_path() if model is None else os.fspath(model)
-        loaded = load_model(path, dtype=config.dtype or "float32")
         runtime_options = {k: v for k, v in options.items() if k not in config.load_options}
-        return cls(loaded, load_tokenizer(path), **runtime_options)
+        with LoadProgress(_display_name(path), num_stages=4, enabled=progress) as load:
+            load.stage("checking files")
+            check_model_path(path)
+            load.stage("loading tokenizer")
+            tokenizer = load_tokenizer(path)
+            load.stage("loading weights")
+            stat = os.stat(path)
+            key = (os.path.realpath(path), stat.st_mtime_ns, stat.st_size, tuple(sorted(config.load_options.items())))
+            loaded = _shared_models.get(key)
+            if loaded is None:
+                loaded = load_model(path, dtype=config.dtype or "float32")
+                try:
+                    _shared_models[key] = loaded
+                except TypeError:  # a model type without weak references: not shared
+                    pass
+            load.stage("allocating KV cache")
+            eng = cls(loaded, tokenizer, **runtime_options)
+        eng.model_path = path
+        return eng
 
     @property
     def max_model_len(self) -> int:
@@ -203,9 +232,13 @@ class Engine:
     def max_waiting(self) -> int:
         return self.config.max_waiting
 
+    @property
+    def kv_cache(self):
+        return self._core.kv_cache
+
     # ----- lifecycle -----
     def close(self) -> None:
-        self._core.close()
+        self._finalizer()  # EngineCore.close, once
 
     def __enter__(self) -> Engine:
         return self
@@ -219,6 +252,21 @@ class Engine:
     def stats(self) -> dict:
         return self._core.stats()
 
+    def __repr__(self) -> str:
+        state = "running" if self.is_alive() else "closed"
+        name = _display_name(self.model_path) if self.model_path else type(self.model).__name__
+        return f"<Engine {name} max_model_len={self.max_model_len} {state}>"
+
+    def _repr_pretty_(self, printer, cycle: bool) -> None:
+        from .display import describe_engine
+
+        printer.text(repr(self) if cycle else describe_engine(self))
+
+    def _repr_html_(self) -> str:
+        from .display import engine_html
+
+        return engine_html(self)
+
     def abort(self, request_id: str) -> None:
         self._core.abort(request_id)
 
@@ -226,13 +274,7 @@ class Engine:
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None,
                request_id: str | None = None) -> RequestStream:
         """Submit one prompt (text, or token ids) and return its event iterator."""
-        if isinstance(prompt, str):
-            prompt_ids = self.tokenizer.encode(prompt, add_special_tokens=True)
-        elif isinstance(prompt, SequenceABC) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            prompt_ids = list(prompt)
-        else:
-            raise InvalidParameterError("prompt must be a string or a list of token ids", "prompt")
-        return self.submit(prompt_ids, params, request_id)
+        return self.submit(self._prompt_ids(prompt), params, request_id)
 
     def stream_chat(self, messages: list[dict], params: SamplingParams | None = None,
                     request_id: str | None = None, tools: list[dict] | None = None) -> RequestStream:
@@ -241,11 +283,25 @@ class Engine:
         return self.submit(prompt_ids, params, request_id, prompt_param="messages")
 
     def submit(self, prompt_ids: list[int], params: SamplingParams | None = None, request_id: str | None = None,
-               prompt_param: str = "prompt") -> RequestStream:
-        """Submit prompt token ids. ``prompt_param`` names the prompt in errors ("prompt", "messages")."""
+               prompt_param: str = "prompt", outputs: queue.SimpleQueue | None = None) -> RequestStream:
+        """Submit prompt token ids. ``prompt_param`` names the prompt in errors ("prompt", "messages").
+        ``outputs``: the queue the engine thread puts this request's events on (default: a new one)."""
+        return RequestStream(self._core, self._submit_request(prompt_ids, params, request_id, prompt_param, outputs),
+                             prompt_ids, owner=self)
+
+    def _submit_request(self, prompt_ids, params, request_id, prompt_param, outputs):
         request = self._core.make_request(prompt_ids, params, request_id, prompt_param)
+        if outputs is not None:
+            request.group.outputs = outputs
         self._core.submit(request)
-        return RequestStream(self._core, request, prompt_ids)
+        return request
+
+    def _prompt_ids(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=True)
+        if isinstance(prompt, SequenceABC) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return list(prompt)
+        raise InvalidParameterError("prompt must be a string or a list of token ids", "prompt")
 
     def submit_batch(self, prompts: list[str | list[int]], params: SamplingParams | None = None,
                      request_id: str | None = None, prompt_param: str = "prompt",
@@ -267,7 +323,39 @@ class Engine:
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                  progress: bool = False) -> list[Completion]:
         """Run many prompts batched together; returns completions in prompt order (with n > 1,
-        the n choices of each prompt in a row)."""
+        the n choices of each prompt in a row).
+
+        ``progress=True``: a tqdm.auto bar that advances as requests finish (in any order)."""
+        pairs = self._generate_pairs(prompts, params)
+        finished: queue.SimpleQueue = queue.SimpleQueue()
+        streams: list[RequestStream] = []
+        try:
+            for index, (prompt, p) in enumerate(pairs):
+                outputs = _FinishQueue(index, finished) if progress else None
+                streams.append(self.submit(self._prompt_ids(prompt), p, outputs=outputs))
+            if progress:
+                from tqdm.auto import tqdm
+
+                with tqdm(total=len(streams), desc="generate", unit="req") as bar:
+                    for _ in streams:
+                        self._wait_finished(finished)
+                        bar.update(1)
+            # in prompt order (all finished already when progress)
+            return [c for stream in streams for c in stream.collect_choices()]
+        finally:
+            for stream in streams:
+                stream.close()
+
+    def _wait_finished(self, finished: queue.SimpleQueue) -> int:
+        while True:
+            try:
+                return finished.get(timeout=1.0)
+            except queue.Empty:
+                if not self._core.is_alive():
+                    return -1  # collect() raises EngineDead for the requests left
+
+    @staticmethod
+    def _generate_pairs(prompts, params) -> list[tuple[object, SamplingParams | None]]:
         if isinstance(prompts, str):
             prompts = [prompts]
         if not isinstance(prompts, SequenceABC) or not prompts:
@@ -275,32 +363,65 @@ class Engine:
         if isinstance(params, (list, tuple)):
             if len(params) != len(prompts):
                 raise InvalidParameterError(f"params has {len(params)} entries for {len(prompts)} prompts", "params")
-            per_prompt = list(params)
-        else:
-            per_prompt = [params] * len(prompts)
-        streams = []
-        try:
-            for prompt, p in zip(prompts, per_prompt):
-                streams.append(self.stream(prompt, p))
-            bar = None
-            if progress:
-                from tqdm.auto import tqdm
-
-                bar = tqdm(total=len(streams), desc="generate", unit="req")
-            results = []
-            for stream in streams:
-                results.extend(stream.collect_choices())
-                if bar is not None:
-                    bar.update(1)
-            if bar is not None:
-                bar.close()
-            return results
-        finally:
-            for stream in streams:
-                stream.close()
+            return list(zip(prompts, params))
+        return [(prompt, params) for prompt in prompts]
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None,
              tools: list[dict] | None = None) -> Completion | list[Completion]:
         """The reply's Completion; with params.n > 1, the list of the n choices' Completions."""
         stream = self.stream_chat(messages, params, tools=tools)
         return stream.collect() if stream.num_choices == 1 else stream.collect_choices()
+
+    # ----- async twins (engine/async_stream.py): same arguments, never block the event loop -----
+    def _asubmit(self, prompt_ids: list[int], params, request_id, prompt_param: str = "prompt"):
+        import asyncio
+
+        from .async_stream import AsyncRequestStream, LoopQueue
+
+        outputs = LoopQueue(asyncio.get_running_loop())
+        request = self._submit_request(prompt_ids, params, request_id, prompt_param, outputs)
+        return AsyncRequestStream(self._core, request, prompt_ids, outputs, owner=self)
+
+    def astream(self, prompt: str | list[int], params: SamplingParams | None = None,
+                request_id: str | None = None):
+        """``async for event in eng.astream(...)``; call it inside a coroutine (it binds to the running loop)."""
+        return self._asubmit(self._prompt_ids(prompt), params, request_id)
+
+    def astream_chat(self, messages: list[dict], params: SamplingParams | None = None,
+                     request_id: str | None = None, tools: list[dict] | None = None):
+        prompt_ids = self.tokenizer.encode_chat(messages, add_generation_prompt=True, tools=tools)
+        return self._asubmit(prompt_ids, params, request_id, prompt_param="messages")
+
+    async def agenerate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
+                        progress: bool = False) -> list[Completion]:
+        """Like generate; cancelling the awaiting task aborts every request still running."""
+        import asyncio
+
+        pairs = self._generate_pairs(prompts, params)
+        streams = []
+        bar = None
+
+        async def run(stream) -> list[Completion]:
+            completions = await stream.collect_choices()
+            if bar is not None:
+                bar.update(1)
+            return completions
+
+        try:
+            for prompt, p in pairs:
+                streams.append(self.astream(prompt, p))
+            if progress:
+                from tqdm.auto import tqdm
+
+                bar = tqdm(total=len(streams), desc="generate", unit="req")
+            return [c for choices in await asyncio.gather(*(run(stream) for stream in streams)) for c in choices]
+        finally:
+            for stream in streams:
+                stream.close()
+            if bar is not None:
+                bar.close()
+
+    async def achat(self, messages: list[dict], params: SamplingParams | None = None,
+                    tools: list[dict] | None = None) -> Completion | list[Completion]:
+        stream = self.astream_chat(messages, params, tools=tools)
+        return await (stream.collect() if stream.num_choices == 1 else stream.collect_choices())

@@ -5,6 +5,7 @@ which parameter): callers branch on types and read ``param``, never the message 
     └── InvalidParameterError        a request field is wrong; .param names it
         ├── ContextLengthError       prompt + max_tokens do not fit the context
         └── (ChatTemplateError)      messages the chat template cannot render (tokenizer)
+    └── ModelFileError               a model path is missing, incomplete, truncated or corrupt; .path
     RuntimeError
     └── EngineError                  a request failed inside the engine
         ├── EngineDead               the engine thread is gone; nothing can run
@@ -33,6 +34,16 @@ class ContextLengthError(InvalidParameterError):
         self.max_model_len = max_model_len
 
 
+class ModelFileError(ValueError):
+    """A model path cannot be loaded: missing, not a model, an HF directory without its
+    tokenizer or weights, a truncated or corrupt GGUF. ``path`` is the offending path; the
+    message starts with it. Raised before any weights load."""
+
+    def __init__(self, message: str, path: str):
+        super().__init__(message)
+        self.path = path
+
+
 class EngineError(RuntimeError):
     """A request failed inside the engine; the message says why."""
 
@@ -47,4 +58,5 @@ class EngineOverloaded(EngineError):
 
 __all__ = [
     "ContextLengthError", "EngineDead", "EngineError", "EngineOverloaded", "InvalidParameterError",
+    "ModelFileError",
 ]

@@ -41,8 +41,11 @@ class Usage:
         return self.prompt_tokens + self.completion_tokens
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, repr=False)
 class Completion:
+    """One request's result. Its repr shows text, finish reason and usage; ``to_html(show_ids=True)``
+    and ``describe(show_ids=True)`` add the token ids (notebooks render ``_repr_html_``)."""
+
     request_id: str
     text: str
     token_ids: list[int]
@@ -52,3 +55,62 @@ class Completion:
     prompt_logprobs: list[TokenLogprob | None] | None
     usage: Usage
     index: int = 0  # the choice's index (n > 1: prompt i's choices are i*n .. i*n+n-1)
+
+    def describe(self, show_ids: bool = False) -> str:
+        from .display import describe_completion
+
+        return describe_completion(self, show_ids)
+
+    def to_html(self, show_ids: bool = False) -> str:
+        from .display import completion_html
+
+        return completion_html(self, show_ids)
+
+    def __repr__(self) -> str:
+        from .display import short_text
+
+        return (f"Completion(text={short_text(self.text)!r}, finish_reason={self.finish_reason!r}, "
+                f"usage=Usage(prompt_tokens={self.usage.prompt_tokens}, "
+                f"completion_tokens={self.usage.completion_tokens}), request_id={self.request_id!r})")
+
+    def _repr_html_(self) -> str:
+        return self.to_html()
+
+    def _repr_pretty_(self, printer, cycle: bool) -> None:
+        printer.text("Completion(...)" if cycle else self.describe())
+
+
+class CompletionFold:
+    """Folds one request's StreamEvents into its Completion: the one fold, fed by the sync
+    stream (RequestStream.collect) and the async one (AsyncRequestStream.collect) alike."""
+
+    __slots__ = ("request_id", "texts", "token_ids", "logprobs", "finish_reason")
+
+    def __init__(self, request_id: str):
+        self.request_id = request_id
+        self.texts: list[str] = []
+        self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprob] | None = None
+        self.finish_reason: str | None = None
+
+    def add(self, event: StreamEvent) -> None:
+        self.texts.append(event.text)
+        self.token_ids.extend(event.token_ids)
+        if event.logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.extend(event.logprobs)
+        self.finish_reason = event.finish_reason or self.finish_reason
+
+    def result(self, prompt_token_ids: list[int], prompt_logprobs, index: int = 0) -> Completion:
+        return Completion(
+            request_id=self.request_id,
+            text="".join(self.texts),
+            token_ids=self.token_ids,
+            finish_reason=self.finish_reason,
+            logprobs=self.logprobs,
+            prompt_token_ids=prompt_token_ids,
+            prompt_logprobs=prompt_logprobs,
+            usage=Usage(len(prompt_token_ids), len(self.token_ids)),
+            index=index,
+        )

@@ -374,6 +374,7 @@ def test_failed_tick_is_reported_in_band_and_server_keeps_serving():
 
 def test_cli_builds_engine_and_serves_on_localhost_by_default(monkeypatch):
     import engine
+    import engine.startup
     import webapp
     from webapp.__main__ import main
 
@@ -383,20 +384,26 @@ def test_cli_builds_engine_and_serves_on_localhost_by_default(monkeypatch):
         def close(self):
             calls["closed"] = True
 
-    def fake_from_pretrained(model=None, **options):
-        calls["model"], calls["options"] = model, options
+    def fake_from_pretrained(model=None, progress=False, **options):
+        calls["model"], calls["options"], calls["progress"] = model, options, progress
         return FakeEngine()
 
     def fake_serve(eng, **kwargs):
         calls["serve"] = kwargs
 
+    def fake_bind(host, port):  # the port is taken before the model loads
+        assert "model" not in calls
+        calls["bind"] = (host, port)
+        return "bound-socket"
+
     monkeypatch.setattr(engine.Engine, "from_pretrained", staticmethod(fake_from_pretrained))
     monkeypatch.setattr(webapp, "serve", fake_serve)
+    monkeypatch.setattr(engine.startup, "bind_listen_socket", fake_bind)
     main(["--max-model-len", "2048", "--max-num-seqs", "4", "--kv-cache-tokens", "8192", "--api-key", "k",
           "--dtype", "bfloat16"])
-    assert calls["model"] is None
+    assert calls["model"] is None and calls["progress"] is True
     assert calls["options"] == {"dtype": "bfloat16", "max_model_len": 2048, "max_num_seqs": 4, "kv_cache_tokens": 8192}
-    assert calls["serve"]["host"] == "127.0.0.1" and calls["serve"]["port"] == 8000
+    assert calls["bind"] == ("127.0.0.1", 8000) and calls["serve"]["sock"] == "bound-socket"
     assert calls["serve"]["api_key"] == "k" and calls["serve"]["model_name"] == "SmolLM2-135M-Instruct"
     assert calls["closed"]
 

@@ -266,8 +266,11 @@ def _json_error_channel():
 
 def make_server(engine, host: str = "127.0.0.1", port: int = 0, threads: int = DEFAULT_THREADS,
                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_concurrent_requests: int | None = None,
-                channel_timeout: int = CHANNEL_TIMEOUT_S, **app_options):
+                channel_timeout: int = CHANNEL_TIMEOUT_S, sock=None, **app_options):
     """A waitress server bound now (port 0: a free one); ``.run()`` serves, ``.close()`` stops.
+
+    ``sock``: a socket already bound (engine.startup.bind_listen_socket, taken before the model
+    loaded); host and port are then ignored.
 
     ``server.effective_port`` is the bound port. ``threads`` handler threads serve requests;
     at most ``max_concurrent_requests`` (default: threads - RESERVED_THREADS) of them run
@@ -291,10 +294,10 @@ def make_server(engine, host: str = "127.0.0.1", port: int = 0, threads: int = D
     app = create_app(engine, max_body_bytes=max_body_bytes, max_concurrent_requests=max_concurrent_requests,
                      **app_options)
     _raise_open_file_limit(CONNECTION_LIMIT + 256)
+    where = {"sockets": [sock]} if sock is not None else {"host": host, "port": port}
     server = waitress.server.create_server(
         app,
-        host=host,
-        port=port,
+        **where,
         threads=threads,
         channel_request_lookahead=1,  # keep reading the socket: notice disconnects mid-stream
         # waitress 3 defaults to send_bytes=1: each SSE chunk is sent from the handler thread at once
@@ -321,12 +324,16 @@ def _raise_open_file_limit(wanted: int) -> None:
         pass
 
 
-def serve(engine, host: str = "127.0.0.1", port: int = 8000, **options) -> None:
+def serve(engine, host: str = "127.0.0.1", port: int = 8000, sock=None, **options) -> None:
     """Serve ``engine`` on host:port with the production WSGI server (waitress); blocks.
 
-    options: api_key, model_name, threads, max_body_bytes, max_concurrent_requests, allowed_origins.
+    ``sock``: serve on this bound socket instead of binding host:port (python -m webapp binds
+    it before the model loads). options: api_key, model_name, threads, max_body_bytes,
+    max_concurrent_requests, allowed_origins.
     """
-    server = make_server(engine, host, port, **options)
+    server = make_server(engine, host, port, sock=sock, **options)
+    if sock is not None:
+        host = sock.getsockname()[0]
     log.warning("serving on http://%s:%s", host, server.effective_port)
     try:
         server.run()

@@ -1,15 +1,24 @@
-"""python -m webapp [--model PATH] [--host 127.0.0.1] [--port 8000] [--api-key KEY] [engine options]"""
+"""python -m webapp [--model PATH] [--host 127.0.0.1] [--port 8000] [--api-key KEY] [engine options]
+
+Start-up fails fast: the options, the model files and the port are checked (the port is
+bound and held) before any weights load; a user's mistake is one line on stderr and exit
+status 2, never a traceback. The load shows its stages (a bar on a terminal, log lines
+otherwise).
+"""
 from __future__ import annotations
 
 import argparse
 import logging
 import os
+import sys
 
 from engine.config import add_engine_arguments, engine_options_from_args
 
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m webapp", description="OpenAI-compatible LLM server")
+
+def build_parser(prog: str = "python -m webapp") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description="OpenAI-compatible LLM server")
     parser.add_argument("--model", default=None, help=".gguf file or Hugging Face directory (default: embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--served-model-name", default=None, help="model id reported by /v1/models")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
@@ -23,24 +32,57 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--allowed-origins", default=None,
                         help="CORS: comma-separated browser origins allowed to call the API, or '*' (default: none)")
     add_engine_arguments(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m webapp") -> None:
+    parser = build_parser(prog)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+    from engine.config import EngineConfig
+    from engine.errors import ModelFileError
+    from engine.loader import default_model_path
+    from engine.startup import PortInUseError, bind_listen_socket, check_model_path
+
+    from . import RESERVED_THREADS
+    from .cors import parse_origins
+
+    options = engine_options_from_args(args)
+    try:
+        if not 0 <= args.port <= 65535:
+            raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+        if args.threads <= RESERVED_THREADS:
+            raise ValueError(f"--threads must be more than {RESERVED_THREADS} (the threads kept for probes), "
+                             f"got {args.threads}")
+        if args.max_concurrent_requests is not None and args.max_concurrent_requests < 1:
+            raise ValueError(f"--max-concurrent-requests must be a positive integer, got {args.max_concurrent_requests}")
+        EngineConfig.from_options(options)
+        allowed_origins = parse_origins(args.allowed_origins)
+        model_path = default_model_path() if args.model is None else args.model
+        check_model_path(model_path)
+        sock = bind_listen_socket(args.host, args.port)
+    except (ValueError, ModelFileError, PortInUseError, FileNotFoundError) as exc:
+        parser.exit(2, f"{parser.prog}: error: {exc}\n")
 
     import engine
 
     from . import serve
-    from .cors import parse_origins
 
-    eng = engine.Engine.from_pretrained(args.model, **engine_options_from_args(args))
+    try:
+        eng = engine.Engine.from_pretrained(args.model, progress=True, **options)
+    except (ValueError, OSError) as exc:  # a file that passed the checks and still would not load
+        sock.close()
+        parser.exit(2, f"{parser.prog}: error: {exc}\n")
     if args.served_model_name:
         name = args.served_model_name
     elif args.model:
         name = os.path.splitext(os.path.basename(os.path.normpath(args.model)))[0]
     else:
-        name = "SmolLM2-135M-Instruct"
+        name = DEFAULT_MODEL_NAME
     try:
-        serve(eng, host=args.host, port=args.port, api_key=args.api_key, model_name=name, threads=args.threads,
-              max_concurrent_requests=args.max_concurrent_requests, allowed_origins=parse_origins(args.allowed_origins))
+        serve(eng, sock=sock, api_key=args.api_key, model_name=name, threads=args.threads,
+              max_concurrent_requests=args.max_concurrent_requests, allowed_origins=allowed_origins)
     except KeyboardInterrupt:
         pass
     finally:
@@ -48,4 +90,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
