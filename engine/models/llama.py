@@ -16,7 +16,7 @@ from torch import nn
 from engine.batch import ForwardBatch
 from engine.models.config import ModelConfig
 from engine.models.attention import PagedKVCache, paged_attention, plan_attention
-from engine.models.linear import Linear
+from engine.models.linear import Int8Weight, Linear, Weight, cat_rows
 from engine.models.rope import RotaryTable, apply_rope
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -32,7 +32,8 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor | None], pack_weights: bool = True):
+    def __init__(self, config: ModelConfig, weights: dict[str, Weight | None], pack_weights: bool = True,
+                 dtype: torch.dtype = torch.float32, dense_above_rows: int | None = None):
         super().__init__()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
@@ -41,11 +42,12 @@ class DecoderLayer(nn.Module):
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
         self.attn_norm = nn.Parameter(weights["attn_norm"], requires_grad=False)  # [E]
-        self.qkv_proj = Linear(weights["wqkv"], weights["bqkv"], pack_weights)  # [(H + 2 KH) D, E]
-        self.o_proj = Linear(weights["wo"], weights["bo"], pack_weights)  # [E, H D]
+        linear = dict(pack=pack_weights, dtype=dtype, dense_above_rows=dense_above_rows)
+        self.qkv_proj = Linear(weights["wqkv"], weights["bqkv"], **linear)  # [(H + 2 KH) D, E]
+        self.o_proj = Linear(weights["wo"], weights["bo"], **linear)  # [E, H D]
         self.ffn_norm = nn.Parameter(weights["ffn_norm"], requires_grad=False)  # [E]
-        self.gate_up_proj = Linear(weights["w_gate_up"], None, pack_weights)  # [2 I, E]
-        self.down_proj = Linear(weights["w_down"], None, pack_weights)  # [E, I]
+        self.gate_up_proj = Linear(weights["w_gate_up"], None, **linear)  # [2 I, E]
+        self.down_proj = Linear(weights["w_down"], None, **linear)  # [E, I]
         self.norm_shape = (config.hidden_size,)
         self.intermediate_size = config.intermediate_size
 
@@ -69,9 +71,14 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype: str | torch.dtype = "float32",
-                 rope_freq_factors: torch.Tensor | None = None, pack_weights: bool = True):
-        """pack_weights: lay the projection weights out for oneDNN once (engine.models.linear)."""
+    def __init__(self, config: ModelConfig, state_dict: dict[str, Weight], dtype: str | torch.dtype = "float32",
+                 rope_freq_factors: torch.Tensor | None = None, pack_weights: bool = True,
+                 dense_above_rows: int | None = None):
+        """state_dict: Hugging Face names -> dense tensors, or Int4Weight / Int8Weight (projections;
+        Int8Weight also for the embedding and head), as the loader chose (engine.loader).
+        Each entry is read once, layer by layer, so a lazy mapping (the GGUF loader's) converts
+        one tensor at a time. pack_weights: lay dense projection weights out for oneDNN once.
+        dense_above_rows: quantized projections also keep a dense copy for larger products."""
         super().__init__()
         self.config = config
         self.dtype = resolve_dtype(dtype)
@@ -79,17 +86,33 @@ class LlamaModel(nn.Module):
         self.max_model_len = config.max_position_embeddings
         weights = _WeightReader(state_dict, self.dtype)
         E, V = config.hidden_size, config.vocab_size
-        self.embed = nn.Parameter(weights.take("model.embed_tokens.weight", (V, E)), requires_grad=False)  # [V, E]
-        self.layers = nn.ModuleList(DecoderLayer(config, _layer_weights(config, weights, i), pack_weights)
-                                    for i in range(config.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, _layer_weights(config, weights, i), pack_weights, self.dtype, dense_above_rows)
+            for i in range(config.num_layers))
         self.norm = nn.Parameter(weights.take("model.norm.weight", (E,)), requires_grad=False)  # [E]
-        if config.tie_word_embeddings:
-            self.lm_head = self.embed
-        else:
-            self.lm_head = nn.Parameter(weights.take("lm_head.weight", (V, E)), requires_grad=False)  # [V, E]
-        # A packed copy for the product; the dense lm_head stays (embedding rows, bfloat16 refinement).
-        self.head_proj = Linear(self.lm_head, None, pack_weights, keep_dense=True)
+        embed = weights.take("model.embed_tokens.weight", (V, E))
+        head = embed if config.tie_word_embeddings else weights.take("lm_head.weight", (V, E))
+        # The embedding: a dense table [V, E] (F.embedding) or per-row int8 rows dequantized on lookup.
+        self.embed_int8 = embed if isinstance(embed, Int8Weight) else None
+        self.embed = None if self.embed_int8 else nn.Parameter(embed, requires_grad=False)  # [V, E]
+        # The head: a packed copy for the product; the dense lm_head stays (bfloat16 refinement).
+        self.lm_head = None if isinstance(head, Int8Weight) else (
+            self.embed if config.tie_word_embeddings else nn.Parameter(head, requires_grad=False))  # [V, E]
+        self.head_int8 = head if isinstance(head, Int8Weight) else None
+        self.head_proj = Linear(self.head_int8 or self.lm_head, None, pack_weights, keep_dense=True, dtype=self.dtype)
         self.rope = RotaryTable(config, self.dtype, rope_freq_factors)
+
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [T] -> [T, E] in the model dtype."""
+        if self.embed_int8 is not None:
+            return self.embed_int8.rows(ids, self.dtype)
+        return F.embedding(ids, self.embed)
+
+    def head_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [...] -> the head's rows [..., E] in float32 (the weights the product used)."""
+        if self.head_int8 is not None:
+            return self.head_int8.rows(ids, torch.float32)
+        return self.lm_head[ids].float()
 
     def make_kv_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
         c = self.config
@@ -101,7 +124,7 @@ class LlamaModel(nn.Module):
         self.rope.ensure(max(batch.context_lens_list))
         plan = plan_attention(batch, self.config.sliding_window, self.dtype)
         cos, sin = self.rope.lookup(batch.positions)  # [T, 1, D]
-        x = F.embedding(batch.input_ids, self.embed)  # [T, E]
+        x = self.embed_tokens(batch.input_ids)  # [T, E]
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, kv_cache.k[i], kv_cache.v[i], plan)
         x = x.index_select(0, batch.logit_rows)  # [S, E]
@@ -120,19 +143,20 @@ class LlamaModel(nn.Module):
         if self.dtype == torch.float32:
             return logits
         top_ids = logits.topk(min(REFINE_TOP_K, self.vocab_size), dim=-1).indices  # [S, k]
-        rows = self.lm_head[top_ids].float()  # [S, k, E]
+        rows = self.head_rows(top_ids)  # [S, k, E]
         exact = torch.bmm(rows, x.float().unsqueeze(-1)).squeeze(-1)  # [S, k]
         return logits.scatter_(1, top_ids, exact)
 
 
 class _WeightReader:
-    """Takes tensors out of a state dict by name, checking shape and casting to the model dtype."""
+    """Takes weights out of a state dict by name, checking shape; dense tensors are
+    cast to the model dtype, quantized ones stay as they are."""
 
-    def __init__(self, state_dict: dict[str, torch.Tensor], dtype: torch.dtype):
+    def __init__(self, state_dict: dict[str, Weight], dtype: torch.dtype):
         self.state_dict = state_dict
         self.dtype = dtype
 
-    def take(self, name: str, shape: tuple[int, ...], optional: bool = False) -> torch.Tensor | None:
+    def take(self, name: str, shape: tuple[int, ...], optional: bool = False) -> Weight | None:
         tensor = self.state_dict.get(name)
         if tensor is None:
             if optional:
@@ -140,10 +164,12 @@ class _WeightReader:
             raise ValueError(f"missing weight {name!r} (expected shape {list(shape)})")
         if tuple(tensor.shape) != tuple(shape):
             raise ValueError(f"weight {name!r}: shape {list(tensor.shape)}, expected {list(shape)}")
+        if not isinstance(tensor, torch.Tensor):
+            return tensor
         return tensor.to(self.dtype).contiguous()
 
 
-def _layer_weights(config: ModelConfig, weights: _WeightReader, i: int) -> dict[str, torch.Tensor | None]:
+def _layer_weights(config: ModelConfig, weights: _WeightReader, i: int) -> dict[str, Weight | None]:
     E, I = config.hidden_size, config.intermediate_size
     q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     p = f"model.layers.{i}."
@@ -161,11 +187,11 @@ def _layer_weights(config: ModelConfig, weights: _WeightReader, i: int) -> dict[
         bqkv = None
     return {
         "attn_norm": take(p + "input_layernorm.weight", (E,)),
-        "wqkv": torch.cat((wq, wk, wv)),  # [(H + 2 KH) D, E]
+        "wqkv": cat_rows([wq, wk, wv]),  # [(H + 2 KH) D, E]
         "bqkv": bqkv,
         "wo": take(p + "self_attn.o_proj.weight", (E, q_size)),
         "bo": take(p + "self_attn.o_proj.bias", (E,), optional=True),
         "ffn_norm": take(p + "post_attention_layernorm.weight", (E,)),
-        "w_gate_up": torch.cat((take(p + "mlp.gate_proj.weight", (I, E)), take(p + "mlp.up_proj.weight", (I, E)))),
+        "w_gate_up": cat_rows([take(p + "mlp.gate_proj.weight", (I, E)), take(p + "mlp.up_proj.weight", (I, E))]),
         "w_down": take(p + "mlp.down_proj.weight", (E, I)),
     }
