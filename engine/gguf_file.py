@@ -47,6 +47,38 @@ class HeaderReader:
         (num_bytes,) = struct.unpack("<Q", self.take(8))
         return bytes(self.take(num_bytes)).decode("utf-8", errors="replace")
 
+    def strings(self, num_items: int, decode: bool = True) -> list[str] | None:
+        """An array's strings in one tight loop (vocabularies hold 50-150k); decode=False only
+        walks past them."""
+        buffer, offset, size = self.buffer, self.offset, len(self.buffer)
+        out = [] if decode else None
+        for _ in range(num_items):
+            end = offset + 8
+            if end > size:
+                raise ValueError(f"{self.path}: GGUF header is truncated at byte {offset}")
+            num_bytes = int.from_bytes(buffer[offset:end], "little")
+            offset = end + num_bytes
+            if offset > size:
+                raise ValueError(f"{self.path}: GGUF header is truncated at byte {end}")
+            if decode:
+                out.append(str(buffer[end:offset], "utf-8", "replace"))
+        self.offset = offset
+        return out
+
+    def skip_value(self, type_id: int) -> None:
+        """Walk past a value without building it."""
+        if type_id == _TYPE_ARRAY:
+            item_type, num_items = struct.unpack("<IQ", self.take(12))
+            if item_type == _TYPE_STRING:
+                self.strings(num_items, decode=False)
+            elif item_type in _SCALAR_FORMATS:
+                self.take(num_items * struct.calcsize(_SCALAR_FORMATS[item_type]))
+            else:
+                for _ in range(num_items):
+                    self.skip_value(item_type)
+        else:
+            self.value(type_id)
+
     def value(self, type_id: int):
         if type_id == _TYPE_STRING:
             return self.string()
@@ -55,7 +87,7 @@ class HeaderReader:
         if type_id == _TYPE_ARRAY:
             item_type, num_items = struct.unpack("<IQ", self.take(12))
             if item_type == _TYPE_STRING:
-                return [self.string() for _ in range(num_items)]
+                return self.strings(num_items)
             if item_type in _NUMPY_DTYPES:
                 dtype = np.dtype(_NUMPY_DTYPES[item_type]).newbyteorder("<")
                 data = self.take(num_items * dtype.itemsize)
@@ -116,8 +148,10 @@ def _map(path: str) -> mmap.mmap:
             raise ValueError(f"{path}: not a GGUF file (empty)") from None
 
 
-def _read_header(buffer, path: str) -> tuple[HeaderReader, int, dict[str, object]]:
-    """-> (reader positioned after the key/values, number of tensors, metadata)."""
+def _read_header(buffer, path: str, skip_prefix: str | None = None) -> tuple[HeaderReader, int, dict[str, object]]:
+    """-> (reader positioned after the key/values, number of tensors, metadata). Array values
+    of keys starting with skip_prefix are walked past, not read (the model loader skips the
+    vocabulary)."""
     if len(buffer) < 4 or bytes(buffer[:4]) != GGUF_MAGIC:
         raise ValueError(f"{path}: not a GGUF file (bad magic)")
     reader = HeaderReader(buffer, path)
@@ -137,7 +171,10 @@ def _read_header(buffer, path: str) -> tuple[HeaderReader, int, dict[str, object
     for _ in range(num_kv):
         key = reader.string()
         (type_id,) = struct.unpack("<I", reader.take(4))
-        metadata[key] = reader.value(type_id)
+        if skip_prefix is not None and type_id == _TYPE_ARRAY and key.startswith(skip_prefix):
+            reader.skip_value(type_id)
+        else:
+            metadata[key] = reader.value(type_id)
     return reader, num_tensors, metadata
 
 
@@ -169,13 +206,15 @@ class GGUFFile:
 
     A truncated or corrupt file raises ValueError naming the file. Views keep the map alive;
     close() unmaps it once no view is left (otherwise the garbage collector does).
+    with_vocabulary=False leaves the tokenizer's arrays (tokenizer.ggml.*) out of metadata.
     """
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, with_vocabulary: bool = True):
         self.path = os.fspath(path)
         self._buffer = _map(self.path)
         try:
-            reader, num_tensors, self.metadata = _read_header(self._buffer, self.path)
+            skip_prefix = None if with_vocabulary else "tokenizer.ggml."
+            reader, num_tensors, self.metadata = _read_header(self._buffer, self.path, skip_prefix)
             self.alignment = self._alignment()
             self.tensors = self._read_tensor_infos(reader, num_tensors)
         except BaseException:

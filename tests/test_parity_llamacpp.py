@@ -1,4 +1,6 @@
-"""Parity with llama.cpp on the embedded SmolLM2-135M-Instruct Q4_1 GGUF.
+"""Parity with llama.cpp on the embedded SmolLM2-135M-Instruct Q4_1 GGUF, with the default
+weights (quantization="auto": int4 layers, int8 head, bfloat16 activations) and the exact
+float32 dequantization.
 
 tests/data/smollm2_llamacpp_greedy.json holds llama.cpp's greedy continuations of six
 prompts with its top-5 logprobs at each generated position. We teacher-force prompt +
@@ -15,9 +17,7 @@ import pytest
 import torch
 
 from engine.batch import single_sequence_batch
-from engine.loader import default_model_path
-from engine.loader.gguf_loader import load_gguf_state_dict
-from engine.models import LlamaModel
+from engine.loader import default_model_path, load_model
 
 REFERENCE = json.loads((Path(__file__).parent / "data" / "smollm2_llamacpp_greedy.json").read_text())
 MAX_LOGPROB_DIFF = 0.35
@@ -26,15 +26,10 @@ BLOCK_SIZE = 16
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def gguf_weights():
-    return load_gguf_state_dict(default_model_path())
-
-
-@pytest.fixture(scope="module", params=["float32", "bfloat16"])
-def model(request, gguf_weights):
-    config, state_dict, freq_factors = gguf_weights
-    return LlamaModel(config, state_dict, dtype=request.param, rope_freq_factors=freq_factors)
+@pytest.fixture(scope="module", params=["auto", "float32"])
+def model(request):
+    """The default (int4 layers, int8 head, bfloat16 activations) and the exact float32 dequantization."""
+    return load_model(default_model_path(), quantization=request.param)
 
 
 def teacher_forced_logprobs(model, entry) -> torch.Tensor:

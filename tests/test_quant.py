@@ -11,7 +11,7 @@ import torch
 from engine.gguf_file import GGUFFile
 from engine.loader import load_model, resolve_options
 from engine.loader.gguf_loader import GGUFStateDict, read_config
-from engine.loader.repack import Q4_0, Q4_1, Q4_K, int4_from_q4
+from engine.loader.repack import Q4_0, Q4_1, Q4_K, dequantize, int4_from_q4
 from engine.models.linear import Int4Weight, Int8Weight, Linear, cat_rows
 from model_fixtures import qwen_gguf, smollm2_gguf  # noqa: F401 (fixtures)
 
@@ -39,7 +39,7 @@ def gguf_dequantize(raw: np.ndarray, ggml_type: int, num_cols: int) -> torch.Ten
 def assert_int4_product_exact(weight: Int4Weight, exact: torch.Tensor, seed: int = 0) -> None:
     """Linear with float32 activations equals x @ exact.T (the aten int4 op, not our dequantize)."""
     x = torch.randn(3, exact.shape[1], generator=torch.Generator().manual_seed(seed))  # [T, K]
-    y = Linear(weight, dtype=torch.float32)(x)  # [T, N]
+    y = Linear(weight, quantized_dtype=torch.float32)(x)  # [T, N]
     torch.testing.assert_close(y, x @ exact.T, atol=ATOL, rtol=1e-5)
 
 
@@ -52,6 +52,15 @@ def test_int4_repack_is_exact_on_random_blocks(ggml_type):
     assert weight.shape == (48, 512) and int(weight.codes.max()) <= 15
     torch.testing.assert_close(weight.dequantize(), exact, atol=1e-6, rtol=1e-6)
     assert_int4_product_exact(weight, exact)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q5_0", "Q4_0", "Q4_1", "F16", "BF16"])
+def test_own_dequantize_matches_gguf(qtype):
+    ggml_type = gguf.GGMLQuantizationType[qtype]
+    w = np.random.default_rng(3).standard_normal((16, 128)).astype(np.float32)
+    raw = gguf.quants.quantize(w, ggml_type).view(np.uint8).reshape(16, -1)
+    np.testing.assert_array_equal(dequantize(raw, int(ggml_type), (16, 128)),
+                                  gguf_dequantize(raw, int(ggml_type), 128).numpy())
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
@@ -82,7 +91,7 @@ def test_int8_per_row_bounds_and_product():
     step = w.abs().amax(1, keepdim=True) / 127
     assert ((int8.dequantize() - w).abs() <= step / 2 + 1e-7).all()
     x = torch.randn(5, 96)
-    torch.testing.assert_close(Linear(int8, dtype=torch.float32)(x), x @ int8.dequantize().T, atol=ATOL, rtol=1e-5)
+    torch.testing.assert_close(Linear(int8, quantized_dtype=torch.float32)(x), x @ int8.dequantize().T, atol=ATOL, rtol=1e-5)
     ids = torch.tensor([3, 0, 39])
     torch.testing.assert_close(int8.rows(ids, torch.float32), int8.dequantize()[ids])
 

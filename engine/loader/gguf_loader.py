@@ -170,7 +170,7 @@ def load_gguf_state_dict(path: str | os.PathLike, quantization: str = "float32",
                          ) -> tuple[ModelConfig, dict[str, Weight], torch.Tensor | None]:
     """-> (config, state dict with Hugging Face names, rope freq factors or None), materialized
     (tests; load_gguf converts lazily). The default: the exact float32 dequantization."""
-    with GGUFFile(path) as gguf:
+    with GGUFFile(path, with_vocabulary=False) as gguf:
         config = read_config(gguf)
         lazy = GGUFStateDict(gguf, config, quantization, resolve_dtype(dtype))
         state_dict = {name: lazy[name] for name in lazy}
@@ -185,17 +185,19 @@ def _freq_factors(gguf: GGUFFile) -> torch.Tensor | None:
 
 
 def load_gguf(path: str | os.PathLike, dtype: str | torch.dtype = "bfloat16", quantization: str = "auto",
-              pack_weights: bool = True, dense_above_rows: int | None = None):
+              pack_weights: bool = True, dense_above_rows: int | None = None,
+              quantized_dtype: str | torch.dtype | None = None):
     from engine.models import LlamaModel
 
     path = os.fspath(path)
     if not is_gguf_file(path):
         raise ValueError(f"{path}: not a GGUF file (the first bytes are not 'GGUF')")
-    with GGUFFile(path) as gguf:
+    with GGUFFile(path, with_vocabulary=False) as gguf:
         config = read_config(gguf)
         state_dict = GGUFStateDict(gguf, config, quantization, resolve_dtype(dtype))
         try:
             return LlamaModel(config, state_dict, dtype=dtype, rope_freq_factors=_freq_factors(gguf),
-                              pack_weights=pack_weights, dense_above_rows=dense_above_rows)
+                              pack_weights=pack_weights, dense_above_rows=dense_above_rows,
+                              quantized_dtype=quantized_dtype)
         except ValueError as exc:
             raise ValueError(f"{path}: {exc}") from None

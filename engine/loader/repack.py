@@ -17,7 +17,7 @@ import torch
 
 from engine.models.linear import GROUP_SIZE, Int4Weight, Int8Weight
 
-Q4_0, Q4_1, Q4_K = 2, 3, 12
+Q4_0, Q4_1, Q5_0, Q8_0, Q4_K = 2, 3, 6, 8, 12
 INT4_TYPES = (Q4_0, Q4_1, Q4_K)
 PLAIN_TYPES = (0, 1, 30)  # F32, F16, BF16
 
@@ -76,6 +76,15 @@ def dequantize(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> np.nd
         return raw.view(np.float16).reshape(shape).astype(np.float32)
     if ggml_type == 30:
         return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(shape)
+    if ggml_type == Q8_0:  # fp16 d, 32 int8: d * q
+        blocks = raw.reshape(raw.shape[0], -1, 34)
+        return (_f16(blocks, 0)[..., None] * blocks[..., 2:].view(np.int8)).reshape(shape)
+    if ggml_type == Q5_0:  # fp16 d, 32 high bits, 16 bytes of nibbles: d * (q - 16)
+        blocks = raw.reshape(raw.shape[0], -1, 22)
+        high_bits = np.ascontiguousarray(blocks[..., 2:6]).view("<u4")  # [R, blocks, 1]
+        high = ((high_bits >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4  # [R, blocks, 32]
+        codes = (_nibbles(blocks[..., 6:]) | high).astype(np.float32) - 16
+        return (_f16(blocks, 0)[..., None] * codes).reshape(shape)
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize as gguf_dequantize
 

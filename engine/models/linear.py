@@ -10,8 +10,9 @@ keeps the plain weight and ``F.linear``.
 Int4 (``Int4Weight``): codes q in 0..15, w = (q - 8) * scale + zero per group of 32 inputs;
 ``_weight_int4pack_mm_for_cpu`` takes scales_and_zeros [K / 32, N, 2] in the activation dtype.
 Int8 (``Int8Weight``): w = q * scale[row], ``_weight_int8pack_mm`` with scales [N].
-On AVX2 both run fast with bfloat16 activations only (float32 activations take a scalar path,
-~12x slower); float32 activations give the exact reference product for tests.
+On AVX2 both run fast with bfloat16 inputs only (float32 inputs take a scalar path, ~12x
+slower), so quantized products run in bfloat16 whatever the model's activation dtype, with a
+cast in and out; float32 there gives the exact reference product for tests.
 
 Per-row-count policy: a quantized layer may keep a dense copy for products of more than
 ``dense_above_rows`` rows (whole prompts), where oneDNN's dense float32 product wins.
@@ -157,26 +158,31 @@ class DenseLinear:
 
 
 class Linear:
-    """y = x @ W.T + b for x [T, in] -> [T, out], W dense, Int4Weight or Int8Weight.
+    """y = x @ W.T + b for x [T, in] -> [T, out] (in x's dtype), W dense, Int4Weight or Int8Weight.
 
-    dtype: the activation dtype (the int4/int8 ops take scales in it). dense_above_rows: for a
-    quantized W, also keep a dense float32 oneDNN copy and use it for more rows than this.
+    quantized_dtype: the dtype a quantized product runs in (the int4/int8 ops take scales in
+    it); activations of another dtype are cast in and out. bfloat16 by default (the fast
+    kernels on AVX2); float32 gives the exact product. dense_above_rows: for a quantized W,
+    also keep a dense float32 oneDNN copy and use it for more rows than this.
     """
 
-    __slots__ = ("format", "out_features", "bias", "dense", "dense_above_rows", "_int4", "_int8")
+    __slots__ = ("format", "out_features", "bias", "dense", "dense_above_rows", "quantized_dtype", "_int4", "_int8")
 
     def __init__(self, weight: Weight, bias: torch.Tensor | None = None, pack: bool = True,
-                 keep_dense: bool = False, dtype: torch.dtype | None = None, dense_above_rows: int | None = None):
-        dtype = weight.dtype if isinstance(weight, torch.Tensor) else (dtype or torch.bfloat16)
+                 keep_dense: bool = False, quantized_dtype: torch.dtype | None = None,
+                 dense_above_rows: int | None = None):
         self.out_features = weight.shape[0]
-        self.bias = None if bias is None else bias.to(dtype)
         self.dense = None
         self.dense_above_rows = dense_above_rows
         self._int4 = self._int8 = None
         if isinstance(weight, torch.Tensor):
             self.format = "dense"
+            self.quantized_dtype = None
+            self.bias = None if bias is None else bias.to(weight.dtype)
             self.dense = DenseLinear(weight, self.bias, pack, keep_dense)
             return
+        dtype = self.quantized_dtype = quantized_dtype or torch.bfloat16
+        self.bias = None if bias is None else bias.to(dtype)
         if isinstance(weight, Int4Weight):
             self.format = "int4"
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.codes.to(torch.int32), 1)
@@ -205,10 +211,13 @@ class Linear:
             return self.dense(x)
         if self.dense is not None and x.shape[0] > self.dense_above_rows:
             return self.dense(x.float()).to(x.dtype)
+        xq = x.to(self.quantized_dtype).contiguous()
         if self._int4 is not None:
             packed, scales_and_zeros = self._int4
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), packed, GROUP_SIZE, scales_and_zeros)
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(xq, packed, GROUP_SIZE, scales_and_zeros)
         else:
             q, scales = self._int8
-            y = torch._weight_int8pack_mm(x.contiguous(), q, scales)
-        return y if self.bias is None else y.add_(self.bias)
+            y = torch._weight_int8pack_mm(xq, q, scales)
+        if self.bias is not None:
+            y = y.add_(self.bias)
+        return y.to(x.dtype)

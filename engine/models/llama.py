@@ -33,7 +33,7 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, weights: dict[str, Weight | None], pack_weights: bool = True,
-                 dtype: torch.dtype = torch.float32, dense_above_rows: int | None = None):
+                 quantized_dtype: torch.dtype | None = None, dense_above_rows: int | None = None):
         super().__init__()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
@@ -42,7 +42,7 @@ class DecoderLayer(nn.Module):
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
         self.attn_norm = nn.Parameter(weights["attn_norm"], requires_grad=False)  # [E]
-        linear = dict(pack=pack_weights, dtype=dtype, dense_above_rows=dense_above_rows)
+        linear = dict(pack=pack_weights, quantized_dtype=quantized_dtype, dense_above_rows=dense_above_rows)
         self.qkv_proj = Linear(weights["wqkv"], weights["bqkv"], **linear)  # [(H + 2 KH) D, E]
         self.o_proj = Linear(weights["wo"], weights["bo"], **linear)  # [E, H D]
         self.ffn_norm = nn.Parameter(weights["ffn_norm"], requires_grad=False)  # [E]
@@ -73,21 +73,24 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, state_dict: dict[str, Weight], dtype: str | torch.dtype = "float32",
                  rope_freq_factors: torch.Tensor | None = None, pack_weights: bool = True,
-                 dense_above_rows: int | None = None):
+                 dense_above_rows: int | None = None, quantized_dtype: str | torch.dtype | None = None):
         """state_dict: Hugging Face names -> dense tensors, or Int4Weight / Int8Weight (projections;
         Int8Weight also for the embedding and head), as the loader chose (engine.loader).
         Each entry is read once, layer by layer, so a lazy mapping (the GGUF loader's) converts
         one tensor at a time. pack_weights: lay dense projection weights out for oneDNN once.
-        dense_above_rows: quantized projections also keep a dense copy for larger products."""
+        dense_above_rows: quantized projections also keep a dense copy for larger products.
+        quantized_dtype: the dtype int4/int8 products run in (None: bfloat16, the fast one on
+        AVX2; float32: the exact product), whatever the activation dtype `dtype`."""
         super().__init__()
         self.config = config
         self.dtype = resolve_dtype(dtype)
+        quantized_dtype = None if quantized_dtype is None else resolve_dtype(quantized_dtype)
         self.vocab_size = config.vocab_size
         self.max_model_len = config.max_position_embeddings
         weights = _WeightReader(state_dict, self.dtype)
         E, V = config.hidden_size, config.vocab_size
         self.layers = nn.ModuleList(
-            DecoderLayer(config, _layer_weights(config, weights, i), pack_weights, self.dtype, dense_above_rows)
+            DecoderLayer(config, _layer_weights(config, weights, i), pack_weights, quantized_dtype, dense_above_rows)
             for i in range(config.num_layers))
         self.norm = nn.Parameter(weights.take("model.norm.weight", (E,)), requires_grad=False)  # [E]
         embed = weights.take("model.embed_tokens.weight", (V, E))
@@ -99,7 +102,8 @@ class LlamaModel(nn.Module):
         self.lm_head = None if isinstance(head, Int8Weight) else (
             self.embed if config.tie_word_embeddings else nn.Parameter(head, requires_grad=False))  # [V, E]
         self.head_int8 = head if isinstance(head, Int8Weight) else None
-        self.head_proj = Linear(self.head_int8 or self.lm_head, None, pack_weights, keep_dense=True, dtype=self.dtype)
+        self.head_proj = Linear(self.head_int8 or self.lm_head, None, pack_weights, keep_dense=True,
+                                quantized_dtype=quantized_dtype)
         self.rope = RotaryTable(config, self.dtype, rope_freq_factors)
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
@@ -134,13 +138,14 @@ class LlamaModel(nn.Module):
     def compute_logits(self, x: torch.Tensor) -> torch.Tensor:
         """x [S, E] (final-normed) -> logits [S, V] float32.
 
-        In bfloat16 the head's output is rounded to 8 mantissa bits (0.06 at a logit of 15),
+        When the head's product runs in bfloat16 (a bfloat16 model, or the int8 head's product,
+        whatever the activation dtype) its output is rounded to 8 mantissa bits (0.06 at a logit of 15),
         enough to tie or swap near-equal candidates. The top REFINE_TOP_K logits of each row
         are therefore recomputed with a float32 product of the same bf16 weights and
         activations; the tail keeps the bf16 values (its probability mass is negligible).
         """
         logits = self.head_proj(x).float()  # [S, V]
-        if self.dtype == torch.float32:
+        if (self.head_proj.quantized_dtype or self.dtype) == torch.float32:  # a float32 product
             return logits
         top_ids = logits.topk(min(REFINE_TOP_K, self.vocab_size), dim=-1).indices  # [S, k]
         rows = self.head_rows(top_ids)  # [S, k, E]
