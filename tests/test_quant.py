@@ -11,7 +11,7 @@ import torch
 from engine.gguf_file import GGUFFile
 from engine.loader import load_model, resolve_options
 from engine.loader.gguf_loader import GGUFStateDict, read_config
-from engine.loader.repack import Q4_0, Q4_1, Q4_K, dequantize, int4_from_q4
+from engine.loader.repack import Q4_0, Q4_1, Q4_K, MappedRows, dequantize, int4_from_q4
 from engine.models.linear import Int4Weight, Int8Weight, Linear, cat_rows
 from model_fixtures import qwen_gguf, smollm2_gguf  # noqa: F401 (fixtures)
 
@@ -155,6 +155,23 @@ def test_default_model_formats_and_exact_mode(smollm2_gguf):  # noqa: F811
     assert model.dtype == torch.bfloat16
     layer = model.layers[0]
     assert {layer.qkv_proj.format, layer.o_proj.format, layer.gate_up_proj.format, layer.down_proj.format} == {"int4"}
-    assert model.head_proj.format == "int8" and model.embed_int8 is model.head_int8  # tied Q8_0 embedding
+    assert model.head_proj.format == "int8" and model.embed_rows is model.head_int8  # tied Q8_0 embedding
+    exact = load_model(smollm2_gguf, quantization="float32")
+    ids = torch.tensor([[0, 5], [49151, 1234]])
+    torch.testing.assert_close(model.head_rows(ids), exact.lm_head[ids])  # exact rows from the map
+    torch.testing.assert_close(model.embed_tokens(ids[0]), exact.embed[ids[0]].bfloat16())
     dense = load_model(smollm2_gguf, quantization="bfloat16")
     assert dense.layers[0].qkv_proj.format == "dense" and dense.head_proj.format == "dense"
+
+
+def test_qwen_untied_embedding_stays_in_the_map_and_is_exact(qwen_gguf):  # noqa: F811
+    name = "model.embed_tokens.weight"  # Q5_0
+    rows = converted(qwen_gguf, [name], "auto")[name]
+    exact = converted(qwen_gguf, [name], "float32")[name]
+    assert isinstance(rows, MappedRows) and rows.shape == tuple(exact.shape)
+    ids = torch.tensor([[0, 151935], [17, 9000]])
+    torch.testing.assert_close(rows.rows(ids, torch.float32), exact[ids], atol=0, rtol=0)
+    head = converted(qwen_gguf, ["lm_head.weight"], "auto")["lm_head.weight"]  # Q8_0 -> int8 + exact rows
+    exact_head = converted(qwen_gguf, ["lm_head.weight"], "float32")["lm_head.weight"]
+    assert isinstance(head, Int8Weight)
+    torch.testing.assert_close(head.rows(ids, torch.float32), exact_head[ids], atol=0, rtol=0)

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from engine.gguf_file import GGUFFile, is_gguf_file
-from engine.loader.repack import INT4_TYPES, PLAIN_TYPES, dequantize, int4_from_q4
+from engine.loader.repack import INT4_TYPES, PLAIN_TYPES, MappedRows, dequantize, int4_from_q4
 from engine.models.config import ModelConfig
 from engine.models.linear import Int4Weight, Int8Weight, Weight
 from engine.models.llama import resolve_dtype
@@ -88,8 +88,10 @@ class GGUFStateDict(Mapping):
     so the model's one pass over the names holds one tensor's temporaries at a time).
 
     quantization (see engine.loader.QUANTIZATIONS) picks each tensor's format:
-    - "auto": Q4_0/Q4_1/Q4_K projections -> Int4Weight (exact); other quantized projections,
-      the embedding and the head -> per-row Int8Weight; unquantized tensors -> dense.
+    - "auto": Q4_0/Q4_1/Q4_K projections -> Int4Weight (exact); other quantized projections and
+      the head -> per-row Int8Weight (the head's refined logits and a tied embedding read their
+      rows exactly from the map); a quantized untied embedding -> MappedRows (map only);
+      unquantized tensors -> dense.
     - "int4": every projection -> Int4Weight (Q4 exact, others re-quantized); embedding/head int8.
     - "bfloat16" / "float32": everything dense in `dtype` (exact dequantization in float32).
     """
@@ -107,7 +109,7 @@ class GGUFStateDict(Mapping):
         try:
             weight = self._convert(name, info)
         finally:
-            self.gguf.release(info.name)
+            self.gguf.release(info.name)  # pages a MappedRows reads later fault back in
         if self.is_permuted and ".q_proj." in name:
             return _map_rows(weight, lambda t: unpermute_qk(t, self.config.num_heads))
         if self.is_permuted and ".k_proj." in name:
@@ -127,7 +129,12 @@ class GGUFStateDict(Mapping):
             return Int4Weight.from_dense(self._dense(raw, info, torch.float32))
         if is_plain:
             return self._dense(raw, info, self.dtype)
-        return self._int8(raw, info)
+        rows = MappedRows(raw, info.ggml_type, info.shape)
+        if name == "model.embed_tokens.weight" and not self.config.tie_word_embeddings:
+            return rows  # looked up a few rows at a time from the map: no resident copy
+        weight = self._int8(raw, info)  # the head (tied: also the embedding)
+        weight.exact_rows = rows
+        return weight
 
     def _dense(self, raw, info, dtype: torch.dtype) -> torch.Tensor:
         """Dequantized [rows, cols] in dtype, a chunk of rows at a time (no float32 copy of a

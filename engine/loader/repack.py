@@ -101,3 +101,25 @@ def dequantize(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> np.nd
 def int4_from_q4(raw: np.ndarray, ggml_type: int, num_cols: int) -> Int4Weight:
     codes, scales, zeros = q4_to_int4(raw, ggml_type, num_cols)
     return Int4Weight(torch.from_numpy(codes), torch.from_numpy(scales), torch.from_numpy(zeros))
+
+
+class MappedRows:
+    """A quantized [N, K] ggml tensor left in the file's memory map, read a few rows at a time
+    (embedding lookups, the head's refined logits): exact, and resident only where touched."""
+
+    def __init__(self, raw: np.ndarray, ggml_type: int, shape: tuple[int, int]):
+        self.raw = raw  # uint8 [N, bytes per row], a view of the map
+        self.ggml_type = ggml_type
+        self.shape = tuple(shape)
+        self._q8_0 = torch.from_numpy(raw).view(shape[0], -1, 34) if ggml_type == Q8_0 else None
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """ids [...] -> rows [..., K] in dtype."""
+        flat = ids.reshape(-1)
+        if self._q8_0 is not None:  # in torch: gather blocks, d * q
+            blocks = self._q8_0[flat]  # [n, K/32, 34]
+            d = blocks[..., :2].contiguous().view(torch.float16).float()  # [n, K/32, 1]
+            w = d * blocks[..., 2:].contiguous().view(torch.int8).float()  # [n, K/32, 32]
+        else:
+            w = torch.from_numpy(dequantize(self.raw[flat.numpy()], self.ggml_type, (len(flat), self.shape[1])))
+        return w.reshape(*ids.shape, self.shape[1]).to(dtype)

@@ -66,9 +66,12 @@ class Int4Weight:
 
 @dataclass
 class Int8Weight:
-    """q int8 [N, K], scales float32 [N]: w = q * scale[row]."""
+    """q int8 [N, K], scales float32 [N]: w = q * scale[row]. exact_rows: optionally where the
+    weight came from (rows read exactly from a GGUF map, engine.loader.repack.MappedRows) for
+    lookups: the embedding and the head's refined logits."""
     q: torch.Tensor
     scales: torch.Tensor
+    exact_rows: object | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -90,7 +93,10 @@ class Int8Weight:
         return Int8Weight(q, scales)
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """ids [...] -> dequantized rows [..., K] in dtype (an embedding lookup)."""
+        """ids [...] -> rows [..., K] in dtype (an embedding lookup): the exact source rows when
+        known, else the dequantized int8 rows."""
+        if self.exact_rows is not None:
+            return self.exact_rows.rows(ids, dtype)
         return self.q[ids].to(dtype) * self.scales[ids].to(dtype)[..., None]
 
     def dequantize(self) -> torch.Tensor:

@@ -95,9 +95,10 @@ class LlamaModel(nn.Module):
         self.norm = nn.Parameter(weights.take("model.norm.weight", (E,)), requires_grad=False)  # [E]
         embed = weights.take("model.embed_tokens.weight", (V, E))
         head = embed if config.tie_word_embeddings else weights.take("lm_head.weight", (V, E))
-        # The embedding: a dense table [V, E] (F.embedding) or per-row int8 rows dequantized on lookup.
-        self.embed_int8 = embed if isinstance(embed, Int8Weight) else None
-        self.embed = None if self.embed_int8 else nn.Parameter(embed, requires_grad=False)  # [V, E]
+        # The embedding: a dense table [V, E] (F.embedding), or rows looked up from a quantized
+        # source (Int8Weight, or the loader's MappedRows: anything with .rows(ids, dtype)).
+        self.embed_rows = None if isinstance(embed, torch.Tensor) else embed
+        self.embed = None if self.embed_rows is not None else nn.Parameter(embed, requires_grad=False)  # [V, E]
         # The head: a packed copy for the product; the dense lm_head stays (bfloat16 refinement).
         self.lm_head = None if isinstance(head, Int8Weight) else (
             self.embed if config.tie_word_embeddings else nn.Parameter(head, requires_grad=False))  # [V, E]
@@ -108,8 +109,8 @@ class LlamaModel(nn.Module):
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [T] -> [T, E] in the model dtype."""
-        if self.embed_int8 is not None:
-            return self.embed_int8.rows(ids, self.dtype)
+        if self.embed_rows is not None:
+            return self.embed_rows.rows(ids, self.dtype)
         return F.embedding(ids, self.embed)
 
     def head_rows(self, ids: torch.Tensor) -> torch.Tensor:
