@@ -145,21 +145,21 @@ def test_quantization_option_is_validated(tmp_path):
         load_model(tmp_path / "missing.gguf", quantization="int3")
     with pytest.raises(ValueError, match="quantization"):
         resolve_options("float32", "bfloat16")
-    assert resolve_options(None, "auto") == "bfloat16" and resolve_options(None, "float32") == "float32"
-    assert resolve_options("float32", "int4") == "float32"  # the exact reference mode
+    assert resolve_options(None, "auto") == "float32" and resolve_options(None, "bfloat16") == "bfloat16"
+    assert resolve_options("bfloat16", "int4") == "bfloat16"
 
 
 @pytest.mark.slow
 def test_default_model_formats_and_exact_mode(smollm2_gguf):  # noqa: F811
     model = load_model(smollm2_gguf)
-    assert model.dtype == torch.bfloat16
+    assert model.dtype == torch.float32 and model.layers[0].qkv_proj.quantized_dtype == torch.bfloat16
     layer = model.layers[0]
     assert {layer.qkv_proj.format, layer.o_proj.format, layer.gate_up_proj.format, layer.down_proj.format} == {"int4"}
     assert model.head_proj.format == "int8" and model.embed_rows is model.head_int8  # tied Q8_0 embedding
     exact = load_model(smollm2_gguf, quantization="float32")
     ids = torch.tensor([[0, 5], [49151, 1234]])
     torch.testing.assert_close(model.head_rows(ids), exact.lm_head[ids])  # exact rows from the map
-    torch.testing.assert_close(model.embed_tokens(ids[0]), exact.embed[ids[0]].bfloat16())
+    torch.testing.assert_close(model.embed_tokens(ids[0]), exact.embed[ids[0]])
     dense = load_model(smollm2_gguf, quantization="bfloat16")
     assert dense.layers[0].qkv_proj.format == "dense" and dense.head_proj.format == "dense"
 

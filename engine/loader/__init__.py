@@ -40,19 +40,22 @@ QUANTIZATIONS = ("auto", "int4", "bfloat16", "float32")
 
 
 def resolve_options(dtype: str | None, quantization: str) -> str:
-    """Validate the pair and return the compute dtype.
+    """Validate the pair and return the activation dtype.
 
     quantization: the weight format ("auto": quantized GGUF layers stay quantized, int4 for
     4-bit ones; "int4": every projection int4; "bfloat16" / "float32": dense). dtype: the
-    activation dtype, by default bfloat16 except for quantization="float32" (on AVX2, the int4
-    and int8 matmuls are ~12x slower with float32 activations; float32 with "auto" or "int4" is
-    the exact reference mode). Dense weights are held in the activation dtype, so
-    quantization="bfloat16" with dtype="float32" (or the reverse) is rejected.
+    activation dtype (residual, norms, attention, KV cache). Quantized products always run in
+    bfloat16 (on AVX2 the int4/int8 kernels are ~12x slower with float32 inputs), with a cast in
+    and out, so the default is float32 activations except for quantization="bfloat16": this
+    host has no AVX512-BF16, bfloat16 elementwise ops and dense products are emulated, and the
+    float32 residual keeps llama.cpp's near-ties (tests/test_parity_llamacpp.py). Dense weights
+    are held in the activation dtype, so quantization="bfloat16" with dtype="float32" (or the
+    reverse) is rejected.
     """
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization: unsupported {quantization!r}, expected one of {QUANTIZATIONS}")
     if dtype is None:
-        return "float32" if quantization == "float32" else "bfloat16"
+        return "bfloat16" if quantization == "bfloat16" else "float32"
     resolve_dtype(dtype)
     if quantization in ("bfloat16", "float32") and dtype != quantization:
         raise ValueError(f"quantization: {quantization!r} keeps dense weights in {quantization}, "
