@@ -214,7 +214,7 @@ class Engine:
             key = (os.path.realpath(path), stat.st_mtime_ns, stat.st_size, tuple(sorted(config.load_options.items())))
             loaded = _shared_models.get(key)
             if loaded is None:
-                loaded = load_model(path, dtype=config.dtype or "float32")
+                loaded = load_model(path, dtype=config.dtype, quantization=config.quantization)
                 try:
                     _shared_models[key] = loaded
                 except TypeError:  # a model type without weak references: not shared

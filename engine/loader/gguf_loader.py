@@ -1,19 +1,25 @@
-"""GGUF files through the ``gguf`` package: metadata to ModelConfig, weights dequantized
-with ``gguf.quants.dequantize``, renamed to Hugging Face names, and llama.cpp's Q/K row
-permutation undone (``convert_hf_to_gguf`` permutes q_proj/k_proj rows for the "llama"
+"""GGUF files through the project's own reader (engine.gguf_file, a memory map): metadata to
+ModelConfig, tensors renamed to Hugging Face names and converted one at a time to the weight
+formats of engine.models.linear (engine.loader.repack), and llama.cpp's Q/K row permutation
+undone on whatever rows the format has (``convert_hf_to_gguf`` permutes q_proj/k_proj rows for the "llama"
 architecture so ggml can rotate adjacent pairs; Qwen2 uses NeoX rotation and is stored
 unpermuted)."""
 from __future__ import annotations
 
 import os
 import re
-from typing import Any
+from collections.abc import Iterator, Mapping
 
 import numpy as np
 import torch
 
-from engine.gguf_file import is_gguf_file
+from engine.gguf_file import GGUFFile, is_gguf_file
+from engine.loader.repack import INT4_TYPES, PLAIN_TYPES, MappedRows, dequantize, int4_from_q4
 from engine.models.config import ModelConfig
+from engine.models.linear import Int4Weight, Int8Weight, Weight
+from engine.models.llama import resolve_dtype
+
+CHUNK_ROWS = 4096  # rows dequantized at once for dense or int8 conversions (~15 MB of float32)
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -59,83 +65,146 @@ def unpermute_qk(w: torch.Tensor, num_heads: int) -> torch.Tensor:
             .reshape(w.shape))
 
 
-def read_metadata(reader, path: str) -> dict[str, Any]:
-    """Scalar and string metadata of the model (skips the tokenizer's large arrays)."""
-    field = reader.get_field("general.architecture")
-    if field is None:
-        raise ValueError(f"{path}: GGUF metadata has no general.architecture")
-    arch = field.contents()
-    metadata = {"general.architecture": arch}
-    for name, field in reader.fields.items():
-        if name.startswith(arch + "."):
-            metadata[name] = field.contents()
-    return metadata
-
-
-def _dequantize(tensor, path: str) -> torch.Tensor:
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
-
-    qtype = tensor.tensor_type
-    shape = tuple(int(n) for n in reversed(tensor.shape))  # ggml lists dims fastest first
-    if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F64):
-        array = np.asarray(tensor.data, dtype=np.float32)
-    else:
-        try:
-            array = dequantize(tensor.data, qtype)
-        except NotImplementedError:
-            raise ValueError(
-                f"{path}: tensor {tensor.name!r} has quantization type {qtype.name}, "
-                "which gguf.quants cannot dequantize") from None
-    return torch.from_numpy(np.array(array, dtype=np.float32, copy=True).reshape(shape))
-
-
-def load_gguf_state_dict(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Tensor], torch.Tensor | None]:
-    """-> (config, state dict with Hugging Face names in float32, rope freq factors or None)."""
-    from gguf import GGUFReader
-
-    path = os.fspath(path)
-    if not is_gguf_file(path):
-        raise ValueError(f"{path}: not a GGUF file (the first bytes are not 'GGUF')")
-    try:
-        reader = GGUFReader(path)
-    except Exception as exc:
-        raise ValueError(f"{path}: cannot read GGUF file: {exc}") from exc
-    metadata = read_metadata(reader, path)
-    tensors = {t.name: t for t in reader.tensors}
+def read_config(gguf: GGUFFile) -> ModelConfig:
+    metadata = gguf.metadata
+    if "general.architecture" not in metadata:
+        raise ValueError(f"{gguf.path}: GGUF metadata has no general.architecture")
+    tensors = gguf.tensors
     if "token_embd.weight" not in tensors:
-        raise ValueError(f"{path}: GGUF file has no token_embd.weight tensor")
-    vocab_size = int(tensors["token_embd.weight"].shape[1])
+        raise ValueError(f"{gguf.path}: GGUF file has no token_embd.weight tensor")
     try:
-        config = ModelConfig.from_gguf_metadata(
+        return ModelConfig.from_gguf_metadata(
             metadata,
-            vocab_size=vocab_size,
+            vocab_size=int(tensors["token_embd.weight"].dims[1]),
             attention_bias="blk.0.attn_q.bias" in tensors,
             tie_word_embeddings="output.weight" not in tensors,
         )
     except ValueError as exc:
-        raise ValueError(f"{path}: {exc}") from None
-    is_permuted = metadata["general.architecture"] == "llama"
-    state_dict: dict[str, torch.Tensor] = {}
-    for name, tensor in tensors.items():
-        target = hf_name(name)
-        if target is None:
-            continue
-        weight = _dequantize(tensor, path)
-        if is_permuted and ".q_proj." in target:
-            weight = unpermute_qk(weight, config.num_heads)
-        elif is_permuted and ".k_proj." in target:
-            weight = unpermute_qk(weight, config.num_kv_heads)
-        state_dict[target] = weight
-    freq_factors = _dequantize(tensors["rope_freqs.weight"], path) if "rope_freqs.weight" in tensors else None
-    return config, state_dict, freq_factors
+        raise ValueError(f"{gguf.path}: {exc}") from None
 
 
-def load_gguf(path: str | os.PathLike, dtype: str = "float32", pack_weights: bool = True):
+class GGUFStateDict(Mapping):
+    """Hugging Face name -> weight, converted from the memory map when asked (nothing cached,
+    so the model's one pass over the names holds one tensor's temporaries at a time).
+
+    quantization (see engine.loader.QUANTIZATIONS) picks each tensor's format:
+    - "auto": Q4_0/Q4_1/Q4_K projections -> Int4Weight (exact); other quantized projections and
+      the head -> per-row Int8Weight (the head's refined logits and a tied embedding read their
+      rows exactly from the map); a quantized untied embedding -> MappedRows (map only);
+      unquantized tensors -> dense.
+    - "int4": every projection -> Int4Weight (Q4 exact, others re-quantized); embedding/head int8.
+    - "bfloat16" / "float32": everything dense in `dtype` (exact dequantization in float32).
+    """
+
+    def __init__(self, gguf: GGUFFile, config: ModelConfig, quantization: str, dtype: torch.dtype):
+        self.gguf = gguf
+        self.config = config
+        self.quantization = quantization
+        self.dtype = dtype
+        self.is_permuted = gguf.metadata["general.architecture"] == "llama"
+        self.gguf_names = {hf_name(n): n for n in gguf.tensors if hf_name(n) is not None}
+
+    def __getitem__(self, name: str) -> Weight:
+        info = self.gguf.tensors[self.gguf_names[name]]
+        try:
+            weight = self._convert(name, info)
+        finally:
+            self.gguf.release(info.name)  # pages a MappedRows reads later fault back in
+        if self.is_permuted and ".q_proj." in name:
+            return _map_rows(weight, lambda t: unpermute_qk(t, self.config.num_heads))
+        if self.is_permuted and ".k_proj." in name:
+            return _map_rows(weight, lambda t: unpermute_qk(t, self.config.num_kv_heads))
+        return weight
+
+    def _convert(self, name: str, info) -> Weight:
+        raw = self.gguf.raw(info.name)
+        is_plain = info.ggml_type in PLAIN_TYPES
+        is_matrix = len(info.dims) == 2
+        if not is_matrix or self.quantization in ("bfloat16", "float32"):
+            return self._dense(raw, info, self.dtype if is_matrix else torch.float32)
+        is_projection = name.startswith("model.layers.")
+        if is_projection and info.ggml_type in INT4_TYPES:
+            return int4_from_q4(raw, info.ggml_type, info.dims[0])
+        if is_projection and self.quantization == "int4":
+            return Int4Weight.from_dense(self._dense(raw, info, torch.float32))
+        if is_plain:
+            return self._dense(raw, info, self.dtype)
+        rows = MappedRows(raw, info.ggml_type, info.shape)
+        if name == "model.embed_tokens.weight" and not self.config.tie_word_embeddings:
+            return rows  # looked up a few rows at a time from the map: no resident copy
+        weight = self._int8(raw, info)  # the head (tied: also the embedding)
+        weight.exact_rows = rows
+        return weight
+
+    def _dense(self, raw, info, dtype: torch.dtype) -> torch.Tensor:
+        """Dequantized [rows, cols] in dtype, a chunk of rows at a time (no float32 copy of a
+        large embedding)."""
+        out = torch.empty(info.shape, dtype=dtype)
+        flat = out.view(-1, info.dims[0])  # [rows, cols]
+        for start in range(0, flat.shape[0], CHUNK_ROWS):
+            part = raw[start:start + CHUNK_ROWS]
+            flat[start:start + len(part)] = torch.from_numpy(self._dequantize(part, info, len(part)))
+        return out
+
+    def _int8(self, raw, info) -> Int8Weight:
+        num_rows, num_cols = info.shape
+        q = torch.empty(num_rows, num_cols, dtype=torch.int8)
+        scales = torch.empty(num_rows, dtype=torch.float32)
+        for start in range(0, num_rows, CHUNK_ROWS):
+            part = raw[start:start + CHUNK_ROWS]
+            chunk = Int8Weight.from_dense(torch.from_numpy(self._dequantize(part, info, len(part))))
+            q[start:start + len(part)], scales[start:start + len(part)] = chunk.q, chunk.scales
+        return Int8Weight(q, scales)
+
+    def _dequantize(self, raw, info, num_rows: int) -> np.ndarray:
+        try:
+            return dequantize(raw, info.ggml_type, (num_rows, info.dims[0]))
+        except ValueError as exc:
+            raise ValueError(f"{self.gguf.path}: tensor {info.name!r}: {exc}") from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.gguf_names)
+
+    def __len__(self) -> int:
+        return len(self.gguf_names)
+
+
+def _map_rows(weight: Weight, fn) -> Weight:
+    return fn(weight) if isinstance(weight, torch.Tensor) else weight.map_rows(fn)
+
+
+def load_gguf_state_dict(path: str | os.PathLike, quantization: str = "float32", dtype: str | torch.dtype = "float32"
+                         ) -> tuple[ModelConfig, dict[str, Weight], torch.Tensor | None]:
+    """-> (config, state dict with Hugging Face names, rope freq factors or None), materialized
+    (tests; load_gguf converts lazily). The default: the exact float32 dequantization."""
+    with GGUFFile(path, with_vocabulary=False) as gguf:
+        config = read_config(gguf)
+        lazy = GGUFStateDict(gguf, config, quantization, resolve_dtype(dtype))
+        state_dict = {name: lazy[name] for name in lazy}
+        return config, state_dict, _freq_factors(gguf)
+
+
+def _freq_factors(gguf: GGUFFile) -> torch.Tensor | None:
+    if "rope_freqs.weight" not in gguf.tensors:
+        return None
+    info = gguf.tensors["rope_freqs.weight"]
+    return torch.from_numpy(dequantize(gguf.raw(info.name), info.ggml_type, info.shape))
+
+
+def load_gguf(path: str | os.PathLike, dtype: str | torch.dtype = "bfloat16", quantization: str = "auto",
+              pack_weights: bool = True, dense_above_rows: int | None = None,
+              quantized_dtype: str | torch.dtype | None = None):
     from engine.models import LlamaModel
 
-    config, state_dict, freq_factors = load_gguf_state_dict(path)
-    try:
-        return LlamaModel(config, state_dict, dtype=dtype, rope_freq_factors=freq_factors, pack_weights=pack_weights)
-    except ValueError as exc:
-        raise ValueError(f"{os.fspath(path)}: {exc}") from None
+    path = os.fspath(path)
+    if not is_gguf_file(path):
+        raise ValueError(f"{path}: not a GGUF file (the first bytes are not 'GGUF')")
+    with GGUFFile(path, with_vocabulary=False) as gguf:
+        config = read_config(gguf)
+        state_dict = GGUFStateDict(gguf, config, quantization, resolve_dtype(dtype))
+        try:
+            return LlamaModel(config, state_dict, dtype=dtype, rope_freq_factors=_freq_factors(gguf),
+                              pack_weights=pack_weights, dense_above_rows=dense_above_rows,
+                              quantized_dtype=quantized_dtype)
+        except ValueError as exc:
+            raise ValueError(f"{path}: {exc}") from None

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from engine.models.config import ModelConfig
+from engine.models.linear import Int4Weight, Int8Weight, Weight
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -60,11 +61,29 @@ def load_hf_state_dict(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, 
     return config, state_dict
 
 
-def load_hf(path: str | os.PathLike, dtype: str = "float32", pack_weights: bool = True):
+def quantize_int4(state_dict: dict[str, torch.Tensor]) -> dict[str, Weight]:
+    """quantization="int4" for a dense checkpoint: projections -> int4 groups of 32, the
+    embedding and head -> per-row int8 ("auto" keeps a dense checkpoint dense)."""
+    out: dict[str, Weight] = {}
+    for name, tensor in state_dict.items():
+        if tensor.ndim != 2:
+            out[name] = tensor
+        elif name.startswith("model.layers."):
+            out[name] = Int4Weight.from_dense(tensor)
+        else:
+            out[name] = Int8Weight.from_dense(tensor)
+    return out
+
+
+def load_hf(path: str | os.PathLike, dtype: str = "float32", quantization: str = "auto", pack_weights: bool = True,
+            dense_above_rows: int | None = None):
     from engine.models import LlamaModel
 
     config, state_dict = load_hf_state_dict(path)
+    if quantization == "int4":
+        state_dict = quantize_int4(state_dict)
     try:
-        return LlamaModel(config, state_dict, dtype=dtype, pack_weights=pack_weights)
+        return LlamaModel(config, state_dict, dtype=dtype, pack_weights=pack_weights,
+                          dense_above_rows=dense_above_rows)
     except ValueError as exc:
         raise ValueError(f"{os.fspath(path)}: {exc}") from None

@@ -22,7 +22,7 @@ from engine.batch import ForwardBatch
 from engine.models import fused
 from engine.models.config import ModelConfig
 from engine.models.attention import AttentionPlan, PagedKVCache, paged_attention, plan_attention
-from engine.models.linear import Linear
+from engine.models.linear import Int8Weight, Linear, Weight, cat_rows
 from engine.models.rope import RotaryTable, apply_rope
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -38,7 +38,8 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor | None], pack_weights: bool = True):
+    def __init__(self, config: ModelConfig, weights: dict[str, Weight | None], pack_weights: bool = True,
+                 quantized_dtype: torch.dtype | None = None, dense_above_rows: int | None = None):
         super().__init__()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
@@ -47,11 +48,12 @@ class DecoderLayer(nn.Module):
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
         self.attn_norm = nn.Parameter(weights["attn_norm"], requires_grad=False)  # [E]
-        self.qkv_proj = Linear(weights["wqkv"], weights["bqkv"], pack_weights)  # [(H + 2 KH) D, E]
-        self.o_proj = Linear(weights["wo"], weights["bo"], pack_weights)  # [E, H D]
+        linear = dict(pack=pack_weights, quantized_dtype=quantized_dtype, dense_above_rows=dense_above_rows)
+        self.qkv_proj = Linear(weights["wqkv"], weights["bqkv"], **linear)  # [(H + 2 KH) D, E]
+        self.o_proj = Linear(weights["wo"], weights["bo"], **linear)  # [E, H D]
         self.ffn_norm = nn.Parameter(weights["ffn_norm"], requires_grad=False)  # [E]
-        self.gate_up_proj = Linear(weights["w_gate_up"], None, pack_weights)  # [2 I, E]
-        self.down_proj = Linear(weights["w_down"], None, pack_weights)  # [E, I]
+        self.gate_up_proj = Linear(weights["w_gate_up"], None, **linear)  # [2 I, E]
+        self.down_proj = Linear(weights["w_down"], None, **linear)  # [E, I]
         self.norm_shape = (config.hidden_size,)
         self.intermediate_size = config.intermediate_size
 
@@ -94,28 +96,54 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype: str | torch.dtype = "float32",
-                 rope_freq_factors: torch.Tensor | None = None, pack_weights: bool = True):
-        """pack_weights: lay the projection weights out for oneDNN once (engine.models.linear)."""
+    def __init__(self, config: ModelConfig, state_dict: dict[str, Weight], dtype: str | torch.dtype = "float32",
+                 rope_freq_factors: torch.Tensor | None = None, pack_weights: bool = True,
+                 dense_above_rows: int | None = None, quantized_dtype: str | torch.dtype | None = None):
+        """state_dict: Hugging Face names -> dense tensors, or Int4Weight / Int8Weight (projections;
+        Int8Weight also for the embedding and head), as the loader chose (engine.loader).
+        Each entry is read once, layer by layer, so a lazy mapping (the GGUF loader's) converts
+        one tensor at a time. pack_weights: lay dense projection weights out for oneDNN once.
+        dense_above_rows: quantized projections also keep a dense copy for larger products.
+        quantized_dtype: the dtype int4/int8 products run in (None: bfloat16, the fast one on
+        AVX2; float32: the exact product), whatever the activation dtype `dtype`."""
         super().__init__()
         self.config = config
         self.dtype = resolve_dtype(dtype)
+        quantized_dtype = None if quantized_dtype is None else resolve_dtype(quantized_dtype)
         self.vocab_size = config.vocab_size
         self.max_model_len = config.max_position_embeddings
         weights = _WeightReader(state_dict, self.dtype)
         E, V = config.hidden_size, config.vocab_size
-        self.embed = nn.Parameter(weights.take("model.embed_tokens.weight", (V, E)), requires_grad=False)  # [V, E]
-        self.layers = nn.ModuleList(DecoderLayer(config, _layer_weights(config, weights, i), pack_weights)
-                                    for i in range(config.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, _layer_weights(config, weights, i), pack_weights, quantized_dtype, dense_above_rows)
+            for i in range(config.num_layers))
         self.norm = nn.Parameter(weights.take("model.norm.weight", (E,)), requires_grad=False)  # [E]
-        if config.tie_word_embeddings:
-            self.lm_head = self.embed
-        else:
-            self.lm_head = nn.Parameter(weights.take("lm_head.weight", (V, E)), requires_grad=False)  # [V, E]
-        # A packed copy for the product; the dense lm_head stays (embedding rows, bfloat16 refinement).
-        self.head_proj = Linear(self.lm_head, None, pack_weights, keep_dense=True)
+        embed = weights.take("model.embed_tokens.weight", (V, E))
+        head = embed if config.tie_word_embeddings else weights.take("lm_head.weight", (V, E))
+        # The embedding: a dense table [V, E] (F.embedding), or rows looked up from a quantized
+        # source (Int8Weight, or the loader's MappedRows: anything with .rows(ids, dtype)).
+        self.embed_rows = None if isinstance(embed, torch.Tensor) else embed
+        self.embed = None if self.embed_rows is not None else nn.Parameter(embed, requires_grad=False)  # [V, E]
+        # The head: a packed copy for the product; the dense lm_head stays (bfloat16 refinement).
+        self.lm_head = None if isinstance(head, Int8Weight) else (
+            self.embed if config.tie_word_embeddings else nn.Parameter(head, requires_grad=False))  # [V, E]
+        self.head_int8 = head if isinstance(head, Int8Weight) else None
+        self.head_proj = Linear(self.head_int8 or self.lm_head, None, pack_weights, keep_dense=True,
+                                quantized_dtype=quantized_dtype)
         self.rope = RotaryTable(config, self.dtype, rope_freq_factors)
         self.use_fused = fused.default_enabled()  # C kernels between the matmuls (else the torch reference)
+
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [T] -> [T, E] in the model dtype."""
+        if self.embed_rows is not None:
+            return self.embed_rows.rows(ids, self.dtype)
+        return F.embedding(ids, self.embed)
+
+    def head_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [...] -> the head's rows [..., E] in float32 (the weights the product used)."""
+        if self.head_int8 is not None:
+            return self.head_int8.rows(ids, torch.float32)
+        return self.lm_head[ids].float()
 
     def make_kv_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
         c = self.config
@@ -129,7 +157,7 @@ class LlamaModel(nn.Module):
             return self._forward_fused(batch, kv_cache)
         plan = plan_attention(batch, self.config.sliding_window, self.dtype)
         cos, sin = self.rope.lookup(batch.positions)  # [T, 1, D]
-        x = F.embedding(batch.input_ids, self.embed)  # [T, E]
+        x = self.embed_tokens(batch.input_ids)  # [T, E]
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, kv_cache.k[i], kv_cache.v[i], plan)
         x = x.index_select(0, batch.logit_rows)  # [S, E]
@@ -145,7 +173,7 @@ class LlamaModel(nn.Module):
         step = fused.FusedStep(positions.shape[0], self.dtype, c.hidden_size, c.intermediate_size, c.rms_norm_eps,
                                c.num_heads, c.num_kv_heads, c.head_dim, positions, self.rope.cos_half,
                                self.rope.sin_half, plan)
-        resid = F.embedding(batch.input_ids, self.embed).float()  # [T, E] float32 residual stream
+        resid = self.embed_tokens(batch.input_ids).float()  # [T, E] float32 residual stream
         delta = None
         for i, layer in enumerate(self.layers):
             delta = layer.forward_fused(resid, delta, step, kv_cache.k[i], kv_cache.v[i], plan)
@@ -157,28 +185,30 @@ class LlamaModel(nn.Module):
     def compute_logits(self, x: torch.Tensor) -> torch.Tensor:
         """x [S, E] (final-normed) -> logits [S, V] float32.
 
-        In bfloat16 the head's output is rounded to 8 mantissa bits (0.06 at a logit of 15),
+        When the head's product runs in bfloat16 (a bfloat16 model, or the int8 head's product,
+        whatever the activation dtype) its output is rounded to 8 mantissa bits (0.06 at a logit of 15),
         enough to tie or swap near-equal candidates. The top REFINE_TOP_K logits of each row
         are therefore recomputed with a float32 product of the same bf16 weights and
         activations; the tail keeps the bf16 values (its probability mass is negligible).
         """
         logits = self.head_proj(x).float()  # [S, V]
-        if self.dtype == torch.float32:
+        if (self.head_proj.quantized_dtype or self.dtype) == torch.float32:  # a float32 product
             return logits
         top_ids = logits.topk(min(REFINE_TOP_K, self.vocab_size), dim=-1).indices  # [S, k]
-        rows = self.lm_head[top_ids].float()  # [S, k, E]
+        rows = self.head_rows(top_ids)  # [S, k, E]
         exact = torch.bmm(rows, x.float().unsqueeze(-1)).squeeze(-1)  # [S, k]
         return logits.scatter_(1, top_ids, exact)
 
 
 class _WeightReader:
-    """Takes tensors out of a state dict by name, checking shape and casting to the model dtype."""
+    """Takes weights out of a state dict by name, checking shape; dense tensors are
+    cast to the model dtype, quantized ones stay as they are."""
 
-    def __init__(self, state_dict: dict[str, torch.Tensor], dtype: torch.dtype):
+    def __init__(self, state_dict: dict[str, Weight], dtype: torch.dtype):
         self.state_dict = state_dict
         self.dtype = dtype
 
-    def take(self, name: str, shape: tuple[int, ...], optional: bool = False) -> torch.Tensor | None:
+    def take(self, name: str, shape: tuple[int, ...], optional: bool = False) -> Weight | None:
         tensor = self.state_dict.get(name)
         if tensor is None:
             if optional:
@@ -186,10 +216,12 @@ class _WeightReader:
             raise ValueError(f"missing weight {name!r} (expected shape {list(shape)})")
         if tuple(tensor.shape) != tuple(shape):
             raise ValueError(f"weight {name!r}: shape {list(tensor.shape)}, expected {list(shape)}")
+        if not isinstance(tensor, torch.Tensor):
+            return tensor
         return tensor.to(self.dtype).contiguous()
 
 
-def _layer_weights(config: ModelConfig, weights: _WeightReader, i: int) -> dict[str, torch.Tensor | None]:
+def _layer_weights(config: ModelConfig, weights: _WeightReader, i: int) -> dict[str, Weight | None]:
     E, I = config.hidden_size, config.intermediate_size
     q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     p = f"model.layers.{i}."
@@ -207,11 +239,11 @@ def _layer_weights(config: ModelConfig, weights: _WeightReader, i: int) -> dict[
         bqkv = None
     return {
         "attn_norm": take(p + "input_layernorm.weight", (E,)),
-        "wqkv": torch.cat((wq, wk, wv)),  # [(H + 2 KH) D, E]
+        "wqkv": cat_rows([wq, wk, wv]),  # [(H + 2 KH) D, E]
         "bqkv": bqkv,
         "wo": take(p + "self_attn.o_proj.weight", (E, q_size)),
         "bo": take(p + "self_attn.o_proj.bias", (E,), optional=True),
         "ffn_norm": take(p + "post_attention_layernorm.weight", (E,)),
-        "w_gate_up": torch.cat((take(p + "mlp.gate_proj.weight", (I, E)), take(p + "mlp.up_proj.weight", (I, E)))),
+        "w_gate_up": cat_rows([take(p + "mlp.gate_proj.weight", (I, E)), take(p + "mlp.up_proj.weight", (I, E))]),
         "w_down": take(p + "mlp.down_proj.weight", (E, I)),
     }

@@ -1,0 +1,125 @@
+"""ggml weight blocks -> the engine's weight formats (engine.models.linear), without a float32
+copy of the model: one tensor at a time, read from the file's memory map.
+
+Int4: aten's CPU int4 matmul dequantizes group g of a row as ``(q - 8) * scale + zero`` with
+groups of 32 along the input dimension. ggml's 4-bit blocks map onto it exactly:
+- Q4_0 (32 per block): ``d * (q - 8)``         -> scale = d, zero = 0
+- Q4_1 (32 per block): ``d * q + m``           -> scale = d, zero = m + 8 d
+- Q4_K (256 per super-block, 8 sub-blocks of 32 with 6-bit scales and mins):
+  ``d * sc_j * q - dmin * m_j``                -> scale = d sc_j, zero = 8 d sc_j - dmin m_j
+Other types are dequantized (gguf.quants) and re-quantized: per-row int8 (absmax / 127) or
+int4 group-32 (min/max, round to nearest).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from engine.models.linear import GROUP_SIZE, Int4Weight, Int8Weight
+
+Q4_0, Q4_1, Q5_0, Q8_0, Q4_K = 2, 3, 6, 8, 12
+INT4_TYPES = (Q4_0, Q4_1, Q4_K)
+PLAIN_TYPES = (0, 1, 30)  # F32, F16, BF16
+
+
+def _f16(raw: np.ndarray, start: int) -> np.ndarray:
+    """[rows, blocks, bytes] uint8 -> [rows, blocks] float32 of the fp16 at byte `start`."""
+    return np.ascontiguousarray(raw[..., start:start + 2]).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """[..., 16] packed bytes -> [..., 32] codes: low nibbles are elements 0-15, high 16-31."""
+    return np.concatenate((qs & 0x0F, qs >> 4), axis=-1)
+
+
+def _q4_k_scales_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[rows, blocks, 12] 6-bit packed scales/mins -> two [rows, blocks, 8] uint8 (ggml get_scale_min_k4)."""
+    q = packed.astype(np.uint8)
+    low_sc, low_m = q[..., 0:4] & 63, q[..., 4:8] & 63
+    high_sc = (q[..., 8:12] & 0x0F) | ((q[..., 0:4] >> 6) << 4)
+    high_m = (q[..., 8:12] >> 4) | ((q[..., 4:8] >> 6) << 4)
+    return np.concatenate((low_sc, high_sc), -1), np.concatenate((low_m, high_m), -1)
+
+
+def q4_to_int4(raw: np.ndarray, ggml_type: int, num_cols: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """raw uint8 [N, bytes per row] of a Q4_0/Q4_1/Q4_K tensor -> (codes uint8 [N, K] in 0..15,
+    scales float32 [N, K / 32], zeros float32 [N, K / 32]) with w = (q - 8) * scale + zero."""
+    num_rows = raw.shape[0]
+    if ggml_type == Q4_0:
+        blocks = raw.reshape(num_rows, num_cols // 32, 18)
+        d = _f16(blocks, 0)  # [N, K/32]
+        codes = _nibbles(blocks[..., 2:])  # [N, K/32, 32]
+        return codes.reshape(num_rows, num_cols), d, np.zeros_like(d)
+    if ggml_type == Q4_1:
+        blocks = raw.reshape(num_rows, num_cols // 32, 20)
+        d, m = _f16(blocks, 0), _f16(blocks, 2)  # [N, K/32]
+        codes = _nibbles(blocks[..., 4:])
+        return codes.reshape(num_rows, num_cols), d, m + 8 * d
+    if ggml_type == Q4_K:
+        blocks = raw.reshape(num_rows, num_cols // 256, 144)
+        d, dmin = _f16(blocks, 0)[..., None], _f16(blocks, 2)[..., None]  # [N, K/256, 1]
+        sc, mins = _q4_k_scales_mins(blocks[..., 4:16])  # [N, K/256, 8]
+        qs = blocks[..., 16:].reshape(num_rows, num_cols // 256, 4, 32)  # 4 chunks of 64 elements
+        codes = np.stack((qs & 0x0F, qs >> 4), axis=3)  # [N, K/256, 4, 2, 32]: sub-block 2c, 2c + 1
+        scale = d * sc  # [N, K/256, 8]
+        zero = 8 * scale - dmin * mins
+        return (codes.reshape(num_rows, num_cols), scale.reshape(num_rows, -1).astype(np.float32),
+                zero.reshape(num_rows, -1).astype(np.float32))
+    raise ValueError(f"ggml type {ggml_type} is not a 4-bit type with groups of 32")
+
+
+def dequantize(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> np.ndarray:
+    """Any ggml tensor -> float32 [shape] (a new array)."""
+    if ggml_type == 0:
+        return np.array(raw.view(np.float32).reshape(shape))
+    if ggml_type == 1:
+        return raw.view(np.float16).reshape(shape).astype(np.float32)
+    if ggml_type == 30:
+        return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(shape)
+    if ggml_type == Q8_0:  # fp16 d, 32 int8: d * q
+        blocks = raw.reshape(raw.shape[0], -1, 34)
+        return (_f16(blocks, 0)[..., None] * blocks[..., 2:].view(np.int8)).reshape(shape)
+    if ggml_type == Q5_0:  # fp16 d, 32 high bits, 16 bytes of nibbles: d * (q - 16)
+        blocks = raw.reshape(raw.shape[0], -1, 22)
+        high_bits = np.ascontiguousarray(blocks[..., 2:6]).view("<u4")  # [R, blocks, 1]
+        high = ((high_bits >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4  # [R, blocks, 32]
+        codes = (_nibbles(blocks[..., 6:]) | high).astype(np.float32) - 16
+        return (_f16(blocks, 0)[..., None] * codes).reshape(shape)
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize as gguf_dequantize
+
+    try:
+        qtype = GGMLQuantizationType(ggml_type)
+    except ValueError:
+        raise ValueError(f"unknown ggml type {ggml_type}") from None
+    try:
+        return np.asarray(gguf_dequantize(raw, qtype), dtype=np.float32).reshape(shape)
+    except (NotImplementedError, ValueError):
+        raise ValueError(f"ggml type {qtype.name} cannot be dequantized by gguf.quants") from None
+
+
+def int4_from_q4(raw: np.ndarray, ggml_type: int, num_cols: int) -> Int4Weight:
+    codes, scales, zeros = q4_to_int4(raw, ggml_type, num_cols)
+    return Int4Weight(torch.from_numpy(codes), torch.from_numpy(scales), torch.from_numpy(zeros))
+
+
+class MappedRows:
+    """A quantized [N, K] ggml tensor left in the file's memory map, read a few rows at a time
+    (embedding lookups, the head's refined logits): exact, and resident only where touched."""
+
+    def __init__(self, raw: np.ndarray, ggml_type: int, shape: tuple[int, int]):
+        self.raw = raw  # uint8 [N, bytes per row], a view of the map
+        self.ggml_type = ggml_type
+        self.shape = tuple(shape)
+        self._q8_0 = torch.from_numpy(raw).view(shape[0], -1, 34) if ggml_type == Q8_0 else None
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """ids [...] -> rows [..., K] in dtype."""
+        flat = ids.reshape(-1)
+        if self._q8_0 is not None:  # in torch: gather blocks, d * q
+            blocks = self._q8_0[flat]  # [n, K/32, 34]
+            d = blocks[..., :2].contiguous().view(torch.float16).float()  # [n, K/32, 1]
+            w = d * blocks[..., 2:].contiguous().view(torch.int8).float()  # [n, K/32, 32]
+        else:
+            w = torch.from_numpy(dequantize(self.raw[flat.numpy()], self.ggml_type, (len(flat), self.shape[1])))
+        return w.reshape(*ids.shape, self.shape[1]).to(dtype)

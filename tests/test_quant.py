@@ -1,0 +1,177 @@
+"""Quantized weights: ggml 4-bit blocks repacked into aten's int4 format exactly (against
+gguf.quants' dequantization, with float32 activations), on synthetic tensors and on real ones
+of both models (Q/K rows permuted for llama); per-row int8 and the quantization option."""
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from engine.gguf_file import GGUFFile
+from engine.loader import load_model, resolve_options
+from engine.loader.gguf_loader import GGUFStateDict, read_config
+from engine.loader.repack import Q4_0, Q4_1, Q4_K, MappedRows, dequantize, int4_from_q4
+from engine.models.linear import Int4Weight, Int8Weight, Linear, cat_rows
+from model_fixtures import qwen_gguf, smollm2_gguf  # noqa: F401 (fixtures)
+
+ATOL = 1e-4
+
+
+def random_blocks(rng: np.random.Generator, ggml_type: int, num_rows: int, num_cols: int) -> np.ndarray:
+    """Random valid ggml blocks (random codes and 6-bit scales, finite fp16 d / m)."""
+    block_elements, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ggml_type)]
+    num_blocks = num_cols // block_elements
+    raw = rng.integers(0, 256, size=(num_rows, num_blocks, block_bytes), dtype=np.uint8)
+    num_halves = 1 if ggml_type == Q4_0 else 2  # d, or d and m / dmin
+    halves = rng.uniform(-0.05, 0.05, size=(num_rows, num_blocks, num_halves)).astype(np.float16)
+    if ggml_type == Q4_K:
+        halves = np.abs(halves)
+    raw[..., : 2 * num_halves] = halves.view(np.uint8).reshape(num_rows, num_blocks, 2 * num_halves)
+    return raw.reshape(num_rows, num_blocks * block_bytes)
+
+
+def gguf_dequantize(raw: np.ndarray, ggml_type: int, num_cols: int) -> torch.Tensor:
+    out = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(ggml_type))
+    return torch.from_numpy(np.asarray(out, dtype=np.float32).reshape(raw.shape[0], num_cols))
+
+
+def assert_int4_product_exact(weight: Int4Weight, exact: torch.Tensor, seed: int = 0) -> None:
+    """Linear with float32 activations equals x @ exact.T (the aten int4 op, not our dequantize)."""
+    x = torch.randn(3, exact.shape[1], generator=torch.Generator().manual_seed(seed))  # [T, K]
+    y = Linear(weight, quantized_dtype=torch.float32)(x)  # [T, N]
+    torch.testing.assert_close(y, x @ exact.T, atol=ATOL, rtol=1e-5)
+
+
+@pytest.mark.parametrize("ggml_type", [Q4_0, Q4_1, Q4_K])
+def test_int4_repack_is_exact_on_random_blocks(ggml_type):
+    rng = np.random.default_rng(ggml_type)
+    raw = random_blocks(rng, ggml_type, 48, 512)
+    weight = int4_from_q4(raw, ggml_type, 512)
+    exact = gguf_dequantize(raw, ggml_type, 512)
+    assert weight.shape == (48, 512) and int(weight.codes.max()) <= 15
+    torch.testing.assert_close(weight.dequantize(), exact, atol=1e-6, rtol=1e-6)
+    assert_int4_product_exact(weight, exact)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q5_0", "Q4_0", "Q4_1", "F16", "BF16"])
+def test_own_dequantize_matches_gguf(qtype):
+    ggml_type = gguf.GGMLQuantizationType[qtype]
+    w = np.random.default_rng(3).standard_normal((16, 128)).astype(np.float32)
+    raw = gguf.quants.quantize(w, ggml_type).view(np.uint8).reshape(16, -1)
+    np.testing.assert_array_equal(dequantize(raw, int(ggml_type), (16, 128)),
+                                  gguf_dequantize(raw, int(ggml_type), 128).numpy())
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+def test_int4_repack_of_gguf_quantized_weights(qtype):
+    ggml_type = gguf.GGMLQuantizationType[qtype]
+    w = np.random.default_rng(1).standard_normal((64, 256)).astype(np.float32) * 0.02
+    raw = gguf.quants.quantize(w, ggml_type)  # [64, bytes per row]
+    exact = gguf_dequantize(raw, int(ggml_type), 256)
+    assert (exact - torch.from_numpy(w)).abs().max() < 0.02  # really a 4-bit approximation of w
+    assert_int4_product_exact(int4_from_q4(raw, int(ggml_type), 256), exact)
+
+
+def test_fused_rows_and_permutation_keep_codes_scales_zeros_together():
+    rng = np.random.default_rng(7)
+    parts = [int4_from_q4(random_blocks(rng, Q4_1, n, 64), Q4_1, 64) for n in (8, 4, 4)]
+    fused = cat_rows(parts)
+    expected = torch.cat([p.dequantize() for p in parts])
+    torch.testing.assert_close(fused.dequantize(), expected)
+    perm = torch.randperm(16)
+    torch.testing.assert_close(fused.map_rows(lambda t: t[perm]).dequantize(), expected[perm])
+    mixed = cat_rows([parts[0], Int8Weight.from_dense(parts[1].dequantize())])  # a Q8_0 V beside Q4 Q/K
+    assert isinstance(mixed, Int8Weight) and mixed.shape == (12, 64)
+
+
+def test_int8_per_row_bounds_and_product():
+    w = torch.randn(40, 96) * torch.linspace(0.01, 1.0, 40)[:, None]
+    int8 = Int8Weight.from_dense(w)
+    step = w.abs().amax(1, keepdim=True) / 127
+    assert ((int8.dequantize() - w).abs() <= step / 2 + 1e-7).all()
+    x = torch.randn(5, 96)
+    torch.testing.assert_close(Linear(int8, quantized_dtype=torch.float32)(x), x @ int8.dequantize().T, atol=ATOL, rtol=1e-5)
+    ids = torch.tensor([3, 0, 39])
+    torch.testing.assert_close(int8.rows(ids, torch.float32), int8.dequantize()[ids])
+
+
+def test_int4_from_dense_error_is_half_a_step():
+    w = torch.randn(16, 128)
+    int4 = Int4Weight.from_dense(w)
+    groups = w.reshape(16, 4, 32)
+    step = (groups.amax(-1) - groups.amin(-1)) / 15  # [16, 4]
+    error = (int4.dequantize() - w).abs().reshape(16, 4, 32)
+    assert (error <= step[..., None] / 2 + 1e-6).all()
+
+
+def converted(path, names: list[str], quantization: str):
+    with GGUFFile(path) as f:
+        config = read_config(f)
+        lazy = GGUFStateDict(f, config, quantization, torch.float32)
+        return {name: lazy[name] for name in names}
+
+
+@pytest.mark.parametrize("name", ["model.layers.0.self_attn.q_proj.weight",  # permuted rows
+                                  "model.layers.0.self_attn.k_proj.weight",
+                                  "model.layers.7.mlp.down_proj.weight"])
+def test_smollm2_q4_1_tensors_repack_exactly(smollm2_gguf, name):  # noqa: F811
+    int4 = converted(smollm2_gguf, [name], "auto")[name]
+    exact = converted(smollm2_gguf, [name], "float32")[name]  # gguf.quants + unpermute, float32
+    assert isinstance(int4, Int4Weight)
+    torch.testing.assert_close(int4.dequantize(), exact, atol=1e-6, rtol=1e-6)
+    assert_int4_product_exact(int4, exact)
+
+
+def test_qwen_tensors_q4_k_exact_and_others_int8(qwen_gguf):  # noqa: F811
+    with GGUFFile(qwen_gguf) as f:
+        q4_k = [n for n, t in f.tensors.items() if t.ggml_type == Q4_K]
+        types = {t.ggml_type for t in f.tensors.values()}
+    assert q4_k and {6, 8, 14} <= types  # Q4_K beside Q5_0, Q8_0 and Q6_K layers
+    layer = q4_k[0].split(".")[1]
+    names = [f"model.layers.{layer}.mlp.down_proj.weight", "model.layers.0.self_attn.q_proj.weight"]
+    auto, exact = converted(qwen_gguf, names, "auto"), converted(qwen_gguf, names, "float32")
+    down = auto[names[0]]
+    assert isinstance(down, Int4Weight)
+    assert_int4_product_exact(down, exact[names[0]])
+    q = auto[names[1]]  # Q5_0 -> per-row int8, within half an int8 step of the exact weight
+    assert isinstance(q, Int8Weight)
+    step = exact[names[1]].abs().amax(1, keepdim=True) / 127
+    assert ((q.dequantize() - exact[names[1]]).abs() <= step / 2 + 1e-6).all()
+
+
+def test_quantization_option_is_validated(tmp_path):
+    with pytest.raises(ValueError, match="quantization"):
+        load_model(tmp_path / "missing.gguf", quantization="int3")
+    with pytest.raises(ValueError, match="quantization"):
+        resolve_options("float32", "bfloat16")
+    assert resolve_options(None, "auto") == "float32" and resolve_options(None, "bfloat16") == "bfloat16"
+    assert resolve_options("bfloat16", "int4") == "bfloat16"
+
+
+@pytest.mark.slow
+def test_default_model_formats_and_exact_mode(smollm2_gguf):  # noqa: F811
+    model = load_model(smollm2_gguf)
+    assert model.dtype == torch.float32 and model.layers[0].qkv_proj.quantized_dtype == torch.bfloat16
+    layer = model.layers[0]
+    assert {layer.qkv_proj.format, layer.o_proj.format, layer.gate_up_proj.format, layer.down_proj.format} == {"int4"}
+    assert model.head_proj.format == "int8" and model.embed_rows is model.head_int8  # tied Q8_0 embedding
+    exact = load_model(smollm2_gguf, quantization="float32")
+    ids = torch.tensor([[0, 5], [49151, 1234]])
+    torch.testing.assert_close(model.head_rows(ids), exact.lm_head[ids])  # exact rows from the map
+    torch.testing.assert_close(model.embed_tokens(ids[0]), exact.embed[ids[0]])
+    dense = load_model(smollm2_gguf, quantization="bfloat16")
+    assert dense.layers[0].qkv_proj.format == "dense" and dense.head_proj.format == "dense"
+
+
+def test_qwen_untied_embedding_stays_in_the_map_and_is_exact(qwen_gguf):  # noqa: F811
+    name = "model.embed_tokens.weight"  # Q5_0
+    rows = converted(qwen_gguf, [name], "auto")[name]
+    exact = converted(qwen_gguf, [name], "float32")[name]
+    assert isinstance(rows, MappedRows) and rows.shape == tuple(exact.shape)
+    ids = torch.tensor([[0, 151935], [17, 9000]])
+    torch.testing.assert_close(rows.rows(ids, torch.float32), exact[ids], atol=0, rtol=0)
+    head = converted(qwen_gguf, ["lm_head.weight"], "auto")["lm_head.weight"]  # Q8_0 -> int8 + exact rows
+    exact_head = converted(qwen_gguf, ["lm_head.weight"], "float32")["lm_head.weight"]
+    assert isinstance(head, Int8Weight)
+    torch.testing.assert_close(head.rows(ids, torch.float32), exact_head[ids], atol=0, rtol=0)
