@@ -148,6 +148,9 @@ def _map(path: str) -> mmap.mmap:
             raise ValueError(f"{path}: not a GGUF file (empty)") from None
 
 
+MAX_PLAUSIBLE_ENTRIES = 1 << 24  # tensors + header keys of any real model are far fewer
+
+
 def _read_header(buffer, path: str, skip_prefix: str | None = None) -> tuple[HeaderReader, int, dict[str, object]]:
     """-> (reader positioned after the key/values, number of tensors, metadata). Array values
     of keys starting with skip_prefix are walked past, not read (the model loader skips the
@@ -165,8 +168,10 @@ def _read_header(buffer, path: str, skip_prefix: str | None = None) -> tuple[Hea
     # Every key/value and tensor entry takes at least 12 bytes: a count beyond that is corruption,
     # and checking it here keeps the loops below linear in the file size.
     if (num_tensors + num_kv) * 12 > len(buffer):
-        raise ValueError(f"{path}: GGUF header is corrupt ({num_tensors} tensors, {num_kv} keys "
-                         f"in a {len(buffer)}-byte file)")
+        # Plausible counts in too short a file: a cut download; absurd counts: garbage.
+        what = "truncated" if num_tensors + num_kv < MAX_PLAUSIBLE_ENTRIES else "corrupt"
+        raise ValueError(f"{path}: GGUF file is {what}: its header lists {num_tensors} tensors and "
+                         f"{num_kv} keys, which cannot fit in {len(buffer)} bytes")
     metadata: dict[str, object] = {}
     for _ in range(num_kv):
         key = reader.string()

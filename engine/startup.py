@@ -11,26 +11,18 @@ from __future__ import annotations
 
 import errno
 import logging
-import math
-import mmap
 import os
 import socket
-import struct
 import sys
 import threading
 import time
 from pathlib import Path
 
 from .errors import ModelFileError
+from .gguf_file import GGUFFile, is_gguf_file
 
 log = logging.getLogger("engine")
 
-GGUF_MAGIC = b"GGUF"
-GGUF_DEFAULT_ALIGNMENT = 32
-_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-_TYPE_STRING, _TYPE_ARRAY, _TYPE_UINT32 = 8, 9, 4
-_U64 = struct.Struct("<Q")
-MAX_GGUF_ENTRIES = 1 << 24  # more tensors or header values than this: the counts are garbage
 
 
 # ---------------------------------------------------------------- model files
@@ -53,97 +45,20 @@ def check_model_path(path: str | os.PathLike) -> None:
 
 
 def check_gguf_file(path: str | os.PathLike) -> None:
-    """Walk the GGUF header and tensor table (no values decoded) and check that every tensor's
-    bytes lie inside the file. Raises ModelFileError: not a GGUF, truncated, or corrupt."""
+    """Read the GGUF header and tensor table (engine.gguf_file, the loader's own reader; the
+    vocabulary is walked, not decoded) and check that every tensor's bytes lie inside the file.
+    Raises ModelFileError: not a GGUF, truncated, or corrupt."""
     path = str(path)
-    with open(path, "rb") as f:
-        if f.read(4) != GGUF_MAGIC:
-            raise ModelFileError(f"{path}: not a GGUF file (the first bytes are not 'GGUF') "
-                                 "and not a Hugging Face model directory", path)
-        file_size = os.fstat(f.fileno()).st_size
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buffer:
-            try:
-                data_end = _gguf_data_end(buffer, path)
-            except (struct.error, IndexError):
-                raise ModelFileError(f"{path}: truncated GGUF file (the header ends early; "
-                                     f"the file has {file_size} bytes)", path) from None
-    if data_end > file_size:
-        raise ModelFileError(f"{path}: truncated GGUF file (its tensors need {data_end} bytes, "
-                             f"the file has {file_size}): download it again", path)
-
-
-def _gguf_data_end(buffer, path: str) -> int:
-    """The end offset of the last tensor's data, from the header and the tensor table."""
-    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
-
-    version, num_tensors, num_kv = struct.unpack_from("<IQQ", buffer, 4)
-    if version < 2 or version > 0xFFFF:
-        raise ModelFileError(f"{path}: corrupt or unsupported GGUF file (version {version})", path)
-    if num_tensors > MAX_GGUF_ENTRIES or num_kv > MAX_GGUF_ENTRIES:
-        raise ModelFileError(f"{path}: corrupt GGUF file (it claims {num_tensors} tensors and "
-                             f"{num_kv} header values)", path)
-    offset = 24
-    alignment = GGUF_DEFAULT_ALIGNMENT
-    for _ in range(num_kv):
-        key, offset = _string(buffer, offset)
-        (type_id,) = struct.unpack_from("<I", buffer, offset)
-        offset += 4
-        if key == b"general.alignment" and type_id == _TYPE_UINT32:
-            (alignment,) = struct.unpack_from("<I", buffer, offset)
-        offset = _skip_value(buffer, offset, type_id, path)
-    tensor_end = 0
-    for _ in range(num_tensors):
-        name, offset = _string(buffer, offset)
-        (num_dims,) = struct.unpack_from("<I", buffer, offset)
-        if num_dims > 8:
-            raise ModelFileError(f"{path}: corrupt GGUF file (tensor {name!r} has {num_dims} dims)", path)
-        dims = struct.unpack_from(f"<{num_dims}Q", buffer, offset + 4)
-        type_id, data_offset = struct.unpack_from("<IQ", buffer, offset + 4 + 8 * num_dims)
-        offset += 4 + 8 * num_dims + 12
-        try:
-            block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(type_id)]
-        except (ValueError, KeyError):
-            raise ModelFileError(f"{path}: corrupt or unsupported GGUF file (tensor {name.decode(errors='replace')!r} "
-                                 f"has unknown type {type_id})", path) from None
-        num_bytes = math.prod(dims) // block_size * type_size
-        tensor_end = max(tensor_end, data_offset + num_bytes)
-    if alignment < 1:
-        raise ModelFileError(f"{path}: corrupt GGUF file (general.alignment = {alignment})", path)
-    data_start = -(-offset // alignment) * alignment
-    return data_start + tensor_end
-
-
-def _string(buffer, offset: int) -> tuple[bytes, int]:
-    (num_bytes,) = struct.unpack_from("<Q", buffer, offset)
-    end = offset + 8 + num_bytes
-    if end > len(buffer):
-        raise IndexError(end)
-    return bytes(buffer[offset + 8 : end]), end
-
-
-def _skip_value(buffer, offset: int, type_id: int, path: str) -> int:
-    if type_id in _SCALAR_SIZES:
-        return offset + _SCALAR_SIZES[type_id]
-    if type_id == _TYPE_STRING:
-        return _string(buffer, offset)[1]
-    if type_id == _TYPE_ARRAY:
-        item_type, num_items = struct.unpack_from("<IQ", buffer, offset)
-        offset += 12
-        if item_type in _SCALAR_SIZES:
-            return offset + num_items * _SCALAR_SIZES[item_type]
-        if num_items > len(buffer):
-            raise IndexError(num_items)
-        if item_type == _TYPE_STRING:  # a vocabulary: the hot loop of the check
-            unpack_length = _U64.unpack_from
-            for _ in range(num_items):
-                offset += 8 + unpack_length(buffer, offset)[0]
-            if offset > len(buffer):
-                raise IndexError(offset)
-            return offset
-        for _ in range(num_items):
-            offset = _skip_value(buffer, offset, item_type, path)
-        return offset
-    raise ModelFileError(f"{path}: corrupt GGUF file (unknown value type {type_id} at byte {offset})", path)
+    if not is_gguf_file(path):
+        raise ModelFileError(f"{path}: not a GGUF file (the first bytes are not 'GGUF') "
+                             "and not a Hugging Face model directory", path)
+    try:
+        with GGUFFile(path, with_vocabulary=False):
+            pass
+    except ValueError as exc:
+        detail = str(exc).removeprefix(f"{path}: ")
+        kind = "truncated" if "truncated" in detail else "corrupt"
+        raise ModelFileError(f"{path}: {kind} GGUF file ({detail}): download it again", path) from None
 
 
 # ---------------------------------------------------------------- the server's port
