@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -140,6 +141,9 @@ def run_repl(session: ChatSession) -> int:
     is_tty = sys.stdin.isatty() and sys.stdout.isatty()
     readline = None
     if is_tty:
+        # Ctrl-C must stop a reply even when this process was started with SIGINT ignored (a
+        # shell's background job inherits SIG_IGN, and Python then installs no handler of its own).
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         try:
             import readline
         except ImportError:  # not on every platform
