@@ -30,7 +30,7 @@ DIRECTIVES = {
 }
 
 
-C_SOURCES = {"fused": ["cext/csrc/fused_kernels.c"]}
+C_SOURCES = {"fused": ["cext/csrc/fused_kernels.c", "cext/csrc/qgemm.c"]}
 C_FLAGS = {"fused": ["-fopenmp-simd", "-pthread", "-fno-math-errno"]}
 LINK_FLAGS = {"fused": ["-pthread", "-lm"]}
 

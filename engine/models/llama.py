@@ -104,8 +104,9 @@ class LlamaModel(nn.Module):
         Each entry is read once, layer by layer, so a lazy mapping (the GGUF loader's) converts
         one tensor at a time. pack_weights: lay dense projection weights out for oneDNN once.
         dense_above_rows: quantized projections also keep a dense copy for larger products.
-        quantized_dtype: the dtype int4/int8 products run in (None: bfloat16, the fast one on
-        AVX2; float32: the exact product), whatever the activation dtype `dtype`."""
+        quantized_dtype: how int4/int8 products run (None: the C kernels with int8-quantized
+        activations for decode-sized batches, engine.models.linear; float32: the exact product
+        of the dequantized weights), whatever the activation dtype `dtype`."""
         super().__init__()
         self.config = config
         self.dtype = resolve_dtype(dtype)
@@ -192,7 +193,7 @@ class LlamaModel(nn.Module):
         activations; the tail keeps the bf16 values (its probability mass is negligible).
         """
         logits = self.head_proj(x).float()  # [S, V]
-        if (self.head_proj.quantized_dtype or self.dtype) == torch.float32:  # a float32 product
+        if self.head_proj.is_exact:  # a float32 product of float32 weights
             return logits
         top_ids = logits.topk(min(REFINE_TOP_K, self.vocab_size), dim=-1).indices  # [S, k]
         rows = self.head_rows(top_ids)  # [S, k, E]
