@@ -35,9 +35,9 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
     """x [M, K] float32 -> (codes [M, K/32, 32] float64, scales [M, K/32] float64, exact block sums)."""
     blocks = x.float().reshape(x.shape[0], -1, GROUP_SIZE)  # [M, K/32, 32]
     amax = blocks.abs().amax(-1)  # [M, K/32]
-    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros(()))
+    inv = torch.where(amax > 0, torch.tensor(32767.0) / amax, torch.zeros(()))
     codes = torch.round(blocks * inv[..., None])  # half to even, as nearbyintf
-    return codes.double(), (amax / 127).double(), blocks.sum(-1).double()
+    return codes.double(), (amax / 32767).double(), blocks.sum(-1).double()
 
 
 def emulate_int4(x: torch.Tensor, weight: Int4Weight, half: bool) -> torch.Tensor:
