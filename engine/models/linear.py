@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -94,23 +95,26 @@ class Int4Weight:
     def is_half_exact(self) -> bool:
         """Whether every scale and min is an fp16 value (Q4_0 and Q4_1 files: yes; Q4_K's
         products of two scales: in general no)."""
-        return all(bool((t.half().float() == t).all()) for t in (self.scales, self.mins))
+        return all(bool((t.numpy().astype(np.float16).astype(np.float32) == t.numpy()).all())
+                   for t in (self.scales.float(), self.mins.float()))
 
     def blocks(self, half: bool = False) -> torch.Tensor:
         """-> uint8 [N, K / 32 * (20 if half else 24)], the C kernels' layout (cext/csrc/qgemm.h):
         per row the scales, the mins (fp16 if half, else float32), then the codes of blocks 2p
-        and 2p + 1 in the low and high nibbles of 32 bytes. K must be a multiple of 64."""
+        and 2p + 1 in the low and high nibbles of 32 bytes. K must be a multiple of 64.
+        (NumPy: ~20x faster than the same uint8 ops in torch here, which matters at load.)"""
         num_rows, num_cols = self.shape
         if num_cols % (2 * GROUP_SIZE):
             raise ValueError(f"Q4 blocks need K a multiple of {2 * GROUP_SIZE}, got {num_cols}")
         num_groups = num_cols // GROUP_SIZE
-        dtype, width = (torch.float16, 2) if half else (torch.float32, 4)
-        pairs = self.codes.reshape(num_rows, num_groups // 2, 2, GROUP_SIZE)  # [N, K/64, 2, 32]
-        out = torch.empty(num_rows, num_groups * (16 + 2 * width), dtype=torch.uint8)
-        out[:, : num_groups * width] = self.scales.to(dtype).contiguous().view(torch.uint8)
-        out[:, num_groups * width: num_groups * 2 * width] = self.mins.to(dtype).contiguous().view(torch.uint8)
-        out[:, num_groups * 2 * width:] = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(num_rows, -1)
-        return out
+        dtype, width = (np.float16, 2) if half else (np.float32, 4)
+        packed = self.packed.numpy().reshape(num_rows, num_groups // 2, 2, GROUP_SIZE // 2)  # [N, K/64, 2, 16]
+        codes = np.concatenate((packed & 0x0F, packed >> 4), axis=-1)  # [N, K/64, 2, 32] in element order
+        out = np.empty((num_rows, num_groups * (16 + 2 * width)), dtype=np.uint8)
+        out[:, : num_groups * width] = self.scales.numpy().astype(dtype).view(np.uint8)
+        out[:, num_groups * width: num_groups * 2 * width] = self.mins.numpy().astype(dtype).view(np.uint8)
+        out[:, num_groups * 2 * width:] = (codes[:, :, 0] | (codes[:, :, 1] << 4)).reshape(num_rows, -1)
+        return torch.from_numpy(out)
 
 
 @dataclass
