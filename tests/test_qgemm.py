@@ -1,6 +1,6 @@
 """The quantized products of cext/csrc/qgemm.c (through engine.models.linear.Linear) against a
-torch emulation of their definition: x quantized to int8 per block of 32 (scale max|x| / 127,
-round half to even), integer dot products with the 4- or 8-bit codes, the Q4 min term taken
+torch emulation of their definition: x quantized to int16 codes per block of 32 (scale max|x| / 32767,
+round half to even), integer dot products with the 4- or 8-bit codes (int8 with a scale per block of 32), the Q4 min term taken
 with the exact block sums of x. Every instruction-set variant this CPU runs, one thread and
 the pool, float32 and bfloat16 activations, fp16 and float32 Q4 scales; and the layout's
 round trip and the exact (dequantized) product."""
@@ -53,8 +53,8 @@ def emulate_int4(x: torch.Tensor, weight: Int4Weight, half: bool) -> torch.Tenso
 def emulate_int8(x: torch.Tensor, weight: Int8Weight) -> torch.Tensor:
     codes, dx, _ = quantize_activations(x)
     q = weight.q.reshape(weight.q.shape[0], -1, GROUP_SIZE).double()
-    dots = torch.einsum("mbj,nbj->mnb", codes, q)
-    return (dots * dx[:, None]).sum(-1) * weight.scales.double()[None]
+    dots = torch.einsum("mbj,nbj->mnb", codes, q)  # [M, N, K/32]
+    return (dots * dx[:, None] * weight.scales.double()[None]).sum(-1)
 
 
 def _inputs(seed, num_rows, num_out, num_cols, dtype):

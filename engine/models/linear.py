@@ -119,41 +119,51 @@ class Int4Weight:
 
 @dataclass
 class Int8Weight:
-    """q int8 [N, K], scales float32 [N]: w = q * scale[row]. exact_rows: optionally where the
-    weight came from (rows read exactly from a GGUF map, engine.loader.repack.MappedRows) for
-    lookups: the embedding and the head's refined logits."""
+    """q int8 [N, K], scales float32 [N, K / 32]: w = q * scale per block of 32 inputs (ggml's
+    Q8_0, so a Q8_0 tensor loads exactly). is_exact: q and scales are the source's own values
+    (a Q8_0 file), not a re-quantization. exact_rows: optionally where a re-quantized weight
+    came from (rows read exactly from a GGUF map, engine.loader.repack.MappedRows) for lookups:
+    the embedding and the head's refined logits."""
     q: torch.Tensor
     scales: torch.Tensor
     exact_rows: object | None = None
+    is_exact: bool = False
 
     @property
     def shape(self) -> tuple[int, int]:
         return tuple(self.q.shape)
 
     def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Int8Weight:
-        return Int8Weight(fn(self.q), fn(self.scales))
+        return Int8Weight(fn(self.q), fn(self.scales), is_exact=self.is_exact)
 
     @staticmethod
     def cat(parts: list[Int8Weight]) -> Int8Weight:
-        return Int8Weight(torch.cat([p.q for p in parts]), torch.cat([p.scales for p in parts]))
+        return Int8Weight(torch.cat([p.q for p in parts]), torch.cat([p.scales for p in parts]),
+                          is_exact=all(p.is_exact for p in parts))
 
     @staticmethod
     def from_dense(w: torch.Tensor) -> Int8Weight:
-        """w [N, K] float -> symmetric per-row int8 (scale = absmax / 127)."""
-        w = w.float()
-        scales = (w.abs().amax(1) / 127).clamp_min(1e-12)  # [N]
-        q = (w / scales[:, None]).round_().clamp_(-127, 127).to(torch.int8)
-        return Int8Weight(q, scales)
+        """w [N, K] float -> symmetric int8 per block of 32 (scale = absmax / 127)."""
+        num_rows, num_cols = w.shape
+        blocks = w.float().reshape(num_rows, -1, GROUP_SIZE)  # [N, K/32, 32]
+        scales = (blocks.abs().amax(-1) / 127).clamp_min(1e-12)  # [N, K/32]
+        q = (blocks / scales[..., None]).round_().clamp_(-127, 127).to(torch.int8)
+        return Int8Weight(q.reshape(num_rows, num_cols), scales)
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """ids [...] -> rows [..., K] in dtype (an embedding lookup): the exact source rows when
         known, else the dequantized int8 rows."""
-        if self.exact_rows is not None:
+        if self.exact_rows is not None and not self.is_exact:
             return self.exact_rows.rows(ids, dtype)
-        return self.q[ids].to(dtype) * self.scales[ids].to(dtype)[..., None]
+        flat = ids.reshape(-1)
+        q = self.q[flat].float().reshape(len(flat), -1, GROUP_SIZE)  # [n, K/32, 32]
+        w = (q * self.scales[flat][..., None]).reshape(*ids.shape, self.shape[1])
+        return w.to(dtype)
 
     def dequantize(self) -> torch.Tensor:
-        return self.q.float() * self.scales[:, None]
+        num_rows, num_cols = self.shape
+        q = self.q.float().reshape(num_rows, -1, GROUP_SIZE)
+        return (q * self.scales[..., None]).reshape(num_rows, num_cols)
 
 
 Weight = torch.Tensor | Int4Weight | Int8Weight
@@ -161,7 +171,7 @@ Weight = torch.Tensor | Int4Weight | Int8Weight
 
 def cat_rows(parts: list[Weight]) -> Weight:
     """Concatenate weights along the output rows (fused QKV, gate/up). Parts of one format stay
-    in it; a mix (a Q8_0 V beside Q5_0 Q/K) becomes per-row int8."""
+    in it; a mix (a Q8_0 V beside Q5_0 Q/K) becomes int8."""
     kinds = {type(p) for p in parts}
     if len(kinds) == 1:
         kind = kinds.pop()
@@ -258,7 +268,7 @@ class Linear:
                 self._q8 = weight
         elif isinstance(weight, Int8Weight):
             self.format = "int8"
-            self._q8, self._scales = weight.q.contiguous(), weight.scales.float().contiguous()  # [N, K], [N]
+            self._q8, self._scales = weight.q.contiguous(), weight.scales.float().contiguous()  # [N, K], [N, K/32]
         else:
             raise TypeError(f"unsupported weight type {type(weight).__name__}")
         if dense_above_rows is not None:
@@ -284,7 +294,7 @@ class Linear:
     def dequantize(self) -> torch.Tensor:
         """A quantized weight -> float32 [N, K] (a new tensor)."""
         if self.format == "int8":
-            return self._q8.float() * self._scales[:, None]
+            return Int8Weight(self._q8, self._scales).dequantize()
         if self._blocks is None:
             return self._q8.dequantize()  # an Int4Weight the kernels cannot take
         out = torch.empty(self.out_features, self.in_features, dtype=torch.float32)
