@@ -146,9 +146,9 @@ class ToolPlan:
             schema["maxItems"] = 1
         return schema
 
-    def sampling_params(self, params, special_texts: frozenset[str] = frozenset()):
-        """params with the call enforced (json_schema) and the format's markers kept in the text
-        when they are special tokens (``special_texts``: the texts of the vocabulary's special tokens)."""
+    def sampling_params(self, params, keep_markers: bool = False):
+        """params with the call enforced (json_schema), and with special tokens kept in the text when
+        ``keep_markers`` (the format's markers are special tokens, as Mistral's [TOOL_CALLS])."""
         changes = {}
         schema = self.json_schema()
         if schema is not None:
@@ -159,7 +159,7 @@ class ToolPlan:
                 _fail("tool_choice 'required' or a named function cannot be combined with another json_schema "
                       "or response_format", "tool_choice")
             changes["json_schema"] = schema
-        elif self.is_parsing and params.skip_special_tokens and special_texts.intersection(self.parser_class.markers):
+        elif self.is_parsing and keep_markers and params.skip_special_tokens:
             changes["skip_special_tokens"] = False
         return dataclasses.replace(params, **changes) if changes else params
 
