@@ -193,7 +193,8 @@ def create_app(engine, model_name: str | None = None, api_key: str | None = None
         """Template and tokenize on this handler thread (the engine's own prompt path), submit."""
         try:
             if req.is_chat:
-                return engine.stream_chat(req.messages, req.params)
+                return engine.stream_chat(req.messages, req.params, tools=req.tools, tool_choice=req.tool_choice,
+                                          parallel_tool_calls=req.parallel_tool_calls)
             return engine.submit_batch(req.prompts, req.params, add_special_tokens=req.add_special_tokens)
         except Exception as exc:
             raise errors.from_exception(exc) from None

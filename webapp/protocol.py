@@ -39,6 +39,9 @@ class ParsedRequest:
     include_usage: bool = False
     is_echo: bool = False
     add_special_tokens: bool = True
+    tools: list[dict] | None = None  # chat: OpenAI tools, checked by the engine (engine/tools)
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool = True
 
     @property
     def prompt(self) -> str | list[int] | None:
@@ -159,7 +162,9 @@ def parse_chat(body: dict) -> ParsedRequest:
     messages = _messages(body.get("messages"))
     params = _sampling(values, CHAT)
     is_stream, include_usage = _stream_flags(values)
-    return ParsedRequest(True, params, messages=messages, is_stream=is_stream, include_usage=include_usage)
+    return ParsedRequest(True, params, messages=messages, is_stream=is_stream, include_usage=include_usage,
+                         tools=values.get("tools"), tool_choice=values.get("tool_choice"),
+                         parallel_tool_calls=values.get("parallel_tool_calls", True))
 
 
 def parse_completion(body: dict) -> ParsedRequest:
@@ -269,8 +274,12 @@ def usage_dict(prompt_tokens: int, completion_tokens: int) -> dict:
 
 
 def chat_chunk(request_id, model, created, text, logprobs, finish_reason, is_first=False,
-               include_usage=False, index=0) -> dict:
+               include_usage=False, index=0, tool_calls=None) -> dict:
+    """``tool_calls``: the ToolCallDeltas of the event (then an empty ``text`` is content null)."""
     delta = {"role": "assistant", "content": clean_text(text)} if is_first else {"content": clean_text(text)}
+    if tool_calls is not None:
+        delta["content"] = clean_text(text) if text else None
+        delta["tool_calls"] = tool_call_deltas(tool_calls)
     chunk = {"id": clean_text(request_id), "object": "chat.completion.chunk", "created": created,
              "model": clean_text(model),
              "choices": [{"index": index, "delta": delta, "logprobs": chat_logprobs(logprobs),
@@ -278,6 +287,18 @@ def chat_chunk(request_id, model, created, text, logprobs, finish_reason, is_fir
     if include_usage:
         chunk["usage"] = None
     return chunk
+
+
+def tool_call_deltas(deltas) -> list[dict]:
+    """OpenAI's ``delta.tool_calls``: [{index, id?, type?, function: {name?, arguments}}]."""
+    return [d.to_dict() for d in deltas]
+
+
+def chat_message(c) -> dict:
+    """The ``message`` of a chat choice: content null when the reply is only tool calls."""
+    if not c.tool_calls:
+        return {"role": "assistant", "content": c.text}
+    return {"role": "assistant", "content": c.text or None, "tool_calls": [call.to_dict() for call in c.tool_calls]}
 
 
 def text_chunk(request_id, model, created, text, logprobs, finish_reason, text_offset=0,
@@ -318,7 +339,7 @@ def num_prompt_tokens(completions, n: int) -> int:
 
 def chat_response(request_id, model, created, completions, n: int = 1) -> dict:
     body = {"id": request_id, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+            "choices": [{"index": c.index, "message": chat_message(c),
                          "logprobs": chat_logprobs(c.logprobs), "finish_reason": c.finish_reason}
                         for c in completions],
             "usage": usage_dict(num_prompt_tokens(completions, n),

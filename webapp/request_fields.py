@@ -112,12 +112,15 @@ FIELDS: tuple[Field, ...] = (
     # --- cannot change the answer ---
     *(Field(name, {}, _I, "ignored: cannot change the answer") for name in (
         "user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key", "request_id",
-        "priority", "parallel_tool_calls", "prediction", "cache_salt", "kv_transfer_params")),
+        "priority", "prediction", "cache_salt", "kv_transfer_params")),
     # --- not implemented: only the values that change nothing are accepted ---
     Field("response_format", _nullable({"type": "object", "properties": {"type": {"const": "text"}},
                                         "required": ["type"]}), _H, "structured output: not yet"),
-    Field("tools", _nullable({"type": "array", "maxItems": 0}), _H, "tool calling: not yet", _C),
-    Field("tool_choice", _nullable({"enum": ["none", "auto"]}), _H, "only 'none' (or 'auto' without tools)", _C),
+    Field("tools", _nullable({"type": "array", "items": {"type": "object"}}), _R,
+          "function tools (engine/tools checks each definition)", _C),
+    Field("tool_choice", {"anyOf": [{"enum": ["none", "auto", "required"]}, {"type": "object"}, {"type": "null"}]},
+          _R, "none | auto | required | {type: function, function: {name}} (required and named: constrained)", _C),
+    Field("parallel_tool_calls", _nullable(BOOL), _R, "false: tool_choice required makes exactly one call", _C),
     Field("functions", _nullable({"type": "array", "maxItems": 0}), _H, "legacy tools: not supported", _C),
     Field("function_call", _nullable({"enum": ["none", "auto"]}), _H, "legacy tools: not supported", _C),
     Field("modalities", _nullable({"type": "array", "items": {"const": "text"}}), _H, "text only", _C),
