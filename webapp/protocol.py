@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from engine.errors import InvalidParameterError
 from engine.params import SamplingParams
 from engine.tokenizer import validate_messages
+from engine.tools import validate_tool_choice, validate_tools
 
 from .errors import APIError, bad_request
 from .request_fields import CHAT, COMPLETIONS, FIELDS_BY_ENDPOINT, MAX_TOKENS_LIMIT, Fate, check
@@ -157,9 +158,18 @@ def _stream_flags(values: dict) -> tuple[bool, bool]:
     return is_stream, bool(is_stream and include_usage)
 
 
+def _tools(values: dict) -> None:
+    """The engine's own tools check (engine.tools.spec), as a 400 naming the field."""
+    try:
+        validate_tool_choice(values.get("tool_choice"), validate_tools(values.get("tools")))
+    except InvalidParameterError as e:
+        raise bad_request(str(e), e.param) from None
+
+
 def parse_chat(body: dict) -> ParsedRequest:
     values = _fields(body, CHAT)
     messages = _messages(body.get("messages"))
+    _tools(values)
     params = _sampling(values, CHAT)
     is_stream, include_usage = _stream_flags(values)
     return ParsedRequest(True, params, messages=messages, is_stream=is_stream, include_usage=include_usage,
@@ -296,9 +306,10 @@ def tool_call_deltas(deltas) -> list[dict]:
 
 def chat_message(c) -> dict:
     """The ``message`` of a chat choice: content null when the reply is only tool calls."""
-    if not c.tool_calls:
+    tool_calls = getattr(c, "tool_calls", None)
+    if not tool_calls:
         return {"role": "assistant", "content": c.text}
-    return {"role": "assistant", "content": c.text or None, "tool_calls": [call.to_dict() for call in c.tool_calls]}
+    return {"role": "assistant", "content": c.text or None, "tool_calls": [call.to_dict() for call in tool_calls]}
 
 
 def text_chunk(request_id, model, created, text, logprobs, finish_reason, text_offset=0,
