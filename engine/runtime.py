@@ -209,9 +209,11 @@ class EngineCore:
             else:
                 rows = logits
             adjusters = [r.adjuster for r in reqs]
+            grammars = [r.grammar for r in reqs]
             token_ids, row_logprobs = sampling.sample(
                 rows, [r.params for r in reqs], [r.generator for r in reqs],
                 adjusters if any(a is not None for a in adjusters) else None,
+                grammars if any(g is not None for g in grammars) else None,
             )
         else:
             token_ids, row_logprobs = [], []
@@ -229,6 +231,10 @@ class EngineCore:
         seq = req.seq
         if req.adjuster is not None:
             req.adjuster.add(token_id)
+        is_grammar_done = False
+        if req.grammar is not None and token_id not in req.stop_ids:
+            req.grammar.accept(token_id)
+            is_grammar_done = req.grammar.is_finished  # complete: only EOS could follow
         if req.followers:  # the leader has prefilled: its choices now find the prompt in the prefix cache
             followers, req.followers = req.followers, []
             for follower in followers:
@@ -244,6 +250,10 @@ class EngineCore:
         else:
             text, is_stopped = req.text.add(token_id)
             if is_stopped:
+                finish_reason = "stop"
+            elif is_grammar_done:
+                tail, _ = req.text.finish()
+                text += tail
                 finish_reason = "stop"
             elif seq.num_generated >= params.max_tokens or seq.num_tokens >= self.max_model_len:
                 tail, is_stopped = req.text.finish()

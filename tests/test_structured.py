@@ -1,0 +1,223 @@
+"""Structured output through the public Engine on the real default model (SmolLM2-135M-Instruct):
+every constrained output parses and validates, streams end exactly when the grammar is complete,
+bad constraints are ValueErrors naming the field."""
+import json
+import re
+
+import jsonschema
+import llguidance
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import engine
+from engine.errors import InvalidParameterError
+from engine.params import SamplingParams
+from engine.structured import cache_info, compile_grammar, spec_of
+
+NUM_SCHEMAS = 50
+MAX_TOKENS = 200  # every schema below fits well within this (strings, arrays and nesting are bounded)
+
+
+@pytest.fixture(scope="module")
+def eng():
+    with engine.Engine.from_pretrained(max_model_len=1024, max_num_seqs=64, max_num_batched_tokens=512) as e:
+        yield e
+
+
+def chat_prompt(eng, text: str) -> str:
+    return eng.tokenizer.apply_chat_template([{"role": "user", "content": text}])
+
+
+# ---- a bounded strategy of JSON Schemas: objects, arrays, enums, nesting, patterns, bounded numbers ----
+NAMES = st.sampled_from(["id", "name", "age", "city", "tags", "score", "kind", "items", "ok", "note"])
+
+
+def leaf_schemas():
+    integer = st.tuples(st.integers(-1000, 1000), st.integers(0, 1000)).map(
+        lambda t: {"type": "integer", "minimum": t[0], "maximum": t[0] + t[1]})
+    number = st.tuples(st.integers(-100, 100), st.integers(1, 100), st.booleans()).map(
+        lambda t: {"type": "number", "minimum": t[0], "maximum": t[0] + t[1]} if t[2]
+        else {"type": "number", "exclusiveMinimum": t[0], "exclusiveMaximum": t[0] + t[1]})
+    string = st.integers(1, 12).map(lambda n: {"type": "string", "maxLength": n})
+    pattern = st.sampled_from([r"^[a-z]{2,6}$", r"^[A-Z][a-z]{1,5}$", r"^[0-9]{3}-[0-9]{2}$", r"^(yes|no)$"]).map(
+        lambda p: {"type": "string", "pattern": p})
+    enum = st.one_of(
+        st.lists(st.text("abcdefgh", min_size=1, max_size=6), min_size=1, max_size=4, unique=True),
+        st.lists(st.integers(-5, 50), min_size=1, max_size=4, unique=True)).map(lambda v: {"enum": v})
+    return st.one_of(integer, number, string, pattern, enum, st.just({"type": "boolean"}), st.just({"type": "null"}))
+
+
+def container_schemas(children):
+    array = st.tuples(children, st.integers(0, 2), st.integers(0, 2)).map(
+        lambda t: {"type": "array", "items": t[0], "minItems": t[1], "maxItems": t[1] + t[2]})
+    obj = st.lists(st.tuples(NAMES, children, st.booleans()), min_size=1, max_size=4,
+                   unique_by=lambda t: t[0]).map(lambda props: {
+                       "type": "object", "properties": {n: s for n, s, _ in props},
+                       "required": [n for n, _, is_req in props if is_req], "additionalProperties": False})
+    return st.one_of(array, obj)
+
+
+SCHEMAS = st.recursive(leaf_schemas(), container_schemas, max_leaves=6)
+TOP_LEVEL = st.one_of(container_schemas(SCHEMAS), leaf_schemas())
+
+
+@settings(max_examples=1, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(st.lists(TOP_LEVEL, min_size=NUM_SCHEMAS, max_size=NUM_SCHEMAS))
+def test_random_schemas_give_valid_json_greedy_and_seeded(eng, schemas):
+    prompt = chat_prompt(eng, "Reply with a JSON value.")
+    params = [SamplingParams(max_tokens=MAX_TOKENS, json_schema=s, temperature=0 if i % 2 == 0 else 0.8,
+                             seed=None if i % 2 == 0 else i) for i, s in enumerate(schemas)]
+    completions = eng.generate([prompt] * len(schemas), params)
+    for schema, c in zip(schemas, completions):
+        assert c.finish_reason == "stop", (schema, c.text)
+        value = json.loads(c.text)
+        jsonschema.validate(value, schema)
+
+
+def test_json_schema_in_chat_follows_property_order_and_validates(eng):
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+              "required": ["name", "age"], "additionalProperties": False}
+    c = eng.chat([{"role": "user", "content": "Give a person as JSON."}],
+                 SamplingParams(max_tokens=60, temperature=0, json_schema=schema))
+    value = json.loads(c.text)
+    jsonschema.validate(value, schema)
+    assert list(value) == ["name", "age"]  # properties in the schema's order
+    assert c.finish_reason == "stop"
+
+
+REGEXES = [r"[0-9]{3}-[0-9]{4}", r"(cat|dog|bird)s?", r"[A-Z][a-z]{2,8} [A-Z][a-z]{2,8}", r"-?[1-9][0-9]{0,3}\.[0-9]{2}",
+           r"(yes|no), because [a-z ]{5,20}\."]
+
+
+def test_regex_outputs_match_greedy_and_seeded(eng):
+    prompt = chat_prompt(eng, "Answer briefly.")
+    params = [SamplingParams(max_tokens=60, regex=r, temperature=t, seed=7) for r in REGEXES for t in (0, 1.0)]
+    completions = eng.generate([prompt] * len(params), params)
+    for p, c in zip(params, completions):
+        assert re.fullmatch(p.regex, c.text), (p.regex, c.text)
+        if c.finish_reason == "length":  # an unbounded tail ([a-z ]{5,20} is bounded: none here)
+            pytest.fail(f"{p.regex!r} did not complete: {c.text!r}")
+
+
+def test_choice_outputs_are_one_of_the_choices(eng):
+    choices = ["Paris", "London", "Berlin", "a longer answer with spaces"]
+    prompt = chat_prompt(eng, "What is the capital of France?")
+    params = [SamplingParams(max_tokens=20, choice=choices, temperature=t, seed=s) for t, s in
+              [(0, None), (1.0, 1), (1.0, 2), (1.5, 3)]]
+    completions = eng.generate([prompt] * len(params), params)
+    for c in completions:
+        assert c.text in choices and c.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("grammar, pattern", [
+    ('root ::= "The answer is " [0-9]+ "."', r"The answer is [0-9]+\."),  # GBNF (llama.cpp)
+    ('start: "x=" NUM ("," NUM)*\nNUM: /[0-9]{1,3}/', r"x=[0-9]{1,3}(,[0-9]{1,3})*"),  # Lark
+])
+def test_grammar_dialects_gbnf_and_lark(eng, grammar, pattern):
+    c = eng.generate([chat_prompt(eng, "Compute 6 times 7.")], SamplingParams(max_tokens=40, temperature=0,
+                                                                              grammar=grammar))[0]
+    assert re.fullmatch(pattern, c.text), c.text
+
+
+def test_stream_ends_exactly_when_the_grammar_completes(eng):
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 15},
+                                               "ok": {"type": "boolean"}}, "required": ["city", "ok"],
+              "additionalProperties": False}
+    params = SamplingParams(max_tokens=100, temperature=0.7, seed=3, json_schema=schema)
+    events = list(eng.stream(chat_prompt(eng, "A city as JSON."), params))
+    assert [e.finish_reason for e in events[:-1]] == [None] * (len(events) - 1)
+    assert events[-1].finish_reason == "stop"
+    token_ids = [t for e in events for t in e.token_ids]
+    text = "".join(e.text for e in events)
+    jsonschema.validate(json.loads(text), schema)
+    # Replay the ids through a fresh matcher: complete after the last id, not one id earlier.
+    matcher = compile_grammar(spec_of(params), eng.tokenizer, eng.tokenizer.vocab_size).matcher()
+    assert not set(token_ids) & set(eng.tokenizer.eos_token_ids)  # it stopped on the grammar, not on EOS
+    for token_id in token_ids[:-1]:
+        assert matcher.consume_token(token_id)
+        assert not matcher.is_stopped()
+    assert matcher.consume_token(token_ids[-1]) and matcher.is_stopped()
+
+
+def test_n_choices_each_follow_the_schema(eng):
+    schema = {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItems": 1, "maxItems": 3}
+    completions = eng.generate([chat_prompt(eng, "Some colors.")],
+                               SamplingParams(max_tokens=40, temperature=1.0, seed=5, n=3, json_schema=schema))
+    assert len(completions) == 3
+    for c in completions:
+        jsonschema.validate(json.loads(c.text), schema)
+
+
+def test_a_repeated_schema_is_compiled_once(eng):
+    schema = {"type": "object", "properties": {"unique_for_cache_test": {"type": "integer"}}}
+    params = SamplingParams(max_tokens=5, temperature=0, json_schema=schema)
+    eng.generate(["hi"], params)
+    before = cache_info()
+    eng.generate(["hi", "ho"], params)
+    after = cache_info()
+    assert after["misses"] == before["misses"] and after["hits"] == before["hits"] + 2
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"json_schema": {"type": "object", "properties": {"a": {"type": "string", "format": "no-such-format"}}}},
+     "json_schema"),
+    ({"json_schema": {"type": "strange"}}, "json_schema"),
+    ({"json_schema": {"$ref": "#/$defs/missing"}}, "json_schema"),
+    ({"json_schema": "not a dict"}, "json_schema"),
+    ({"json_schema": {"a": float("nan")}}, "json_schema"),
+    ({"regex": "[a-z"}, "regex"),
+    ({"regex": "(unclosed"}, "regex"),
+    ({"regex": ""}, "regex"),
+    ({"regex": "a" * 10_000}, "regex"),
+    ({"choice": []}, "choice"),
+    ({"choice": ["a", 3]}, "choice"),
+    ({"choice": "abc"}, "choice"),
+    ({"grammar": "start: undefined_rule"}, "grammar"),
+    ({"grammar": "root ::= (\"a\""}, "grammar"),
+    ({"json_schema": {"type": "object"}, "regex": "a+"}, "regex"),
+    ({"choice": ["a"], "grammar": "start: \"a\""}, "grammar"),
+])
+def test_bad_constraints_are_value_errors_naming_the_field(eng, fields, param):
+    with pytest.raises(ValueError) as info:
+        eng.generate(["hi"], SamplingParams(max_tokens=5, **fields))
+    assert isinstance(info.value, InvalidParameterError) and info.value.param == param
+
+
+def test_deep_or_huge_schemas_are_refused_before_compiling():
+    deep = {"type": "string"}
+    for _ in range(100):
+        deep = {"type": "array", "items": deep}
+    with pytest.raises(InvalidParameterError, match="deeper") as info:
+        SamplingParams(json_schema=deep)
+    assert info.value.param == "json_schema"
+    huge = {"enum": ["x" * 100] * 1000}
+    with pytest.raises(InvalidParameterError, match="larger") as info:
+        SamplingParams(json_schema=huge)
+    assert info.value.param == "json_schema"
+
+
+def test_gguf_vocabulary_bridge_accepts_our_own_encoding(qwen_vocab):
+    """A Qwen2 GGUF vocabulary (byte-level BPE read by our GGUF loader): the JSON text our tokenizer
+    encodes walks the grammar to completion; a wrong id is refused."""
+    tok = engine.load_tokenizer(qwen_vocab)
+    schema = {"type": "object", "properties": {"名前": {"type": "string"}, "n": {"type": "integer"}},
+              "required": ["名前", "n"], "additionalProperties": False}
+    compiled = compile_grammar(spec_of(SamplingParams(json_schema=schema)), tok, tok.vocab_size + 7)
+    matcher = compiled.matcher()
+    for token_id in tok.encode('{"名前": "ä ö ü 😀", "n": -12}', add_special_tokens=False):
+        assert matcher.consume_token(token_id)
+    assert matcher.is_stopped() and matcher.is_accepting()
+    fresh = compiled.matcher()
+    assert not fresh.consume_token(tok.encode("[", add_special_tokens=False)[0])
+    assert isinstance(fresh, llguidance.LLMatcher)
+
+
+@pytest.fixture(scope="module")
+def qwen_vocab():
+    from tokenizer_fixtures import TESTDATA
+    path = TESTDATA / "ggml-vocab-qwen2.gguf"
+    if not path.is_file():
+        pytest.fail(f"{path} is missing: run `make testdata` first")
+    return path
