@@ -4,6 +4,7 @@ and on Qwen2.5-Coder-0.5B-Instruct: tool_choice "required" and a named tool give
 arguments validate against the tool's schema, streamed and not."""
 from __future__ import annotations
 
+import asyncio
 import json
 from concurrent.futures import ThreadPoolExecutor
 
@@ -15,7 +16,7 @@ import engine
 from cext.chunk import ChunkWriter
 from engine.errors import InvalidParameterError
 from engine.params import SamplingParams
-from engine.tools import ToolCallDelta
+from engine.tools import ToolCallDelta, fold_tool_calls
 from tests.model_fixtures import qwen_model_path
 from tests.server_fixtures import LiveServer, scripted_engine
 from webapp import protocol
@@ -131,6 +132,20 @@ def test_in_process_chat_with_tools_and_errors():
         with pytest.raises(InvalidParameterError) as info:
             eng.chat(ASK, tools=[{"type": "function", "function": {"name": "a b"}}])
         assert info.value.param == "tools[0].function.name"
+
+
+def test_async_chat_with_tools_folds_like_the_stream():
+    async def run():
+        with scripted_engine(REPLY) as eng:
+            done = await eng.achat(ASK, SamplingParams(max_tokens=200), tools=TOOLS)
+            events = [e async for e in eng.astream_chat(ASK, SamplingParams(max_tokens=200), tools=TOOLS)]
+            return done, events
+
+    done, events = asyncio.run(run())
+    assert done.text == "Checking." and done.tool_calls[0].name == "get_weather"
+    assert "".join(e.text for e in events) == done.text and events[-1].finish_reason == "tool_calls"
+    assert fold_tool_calls([d for e in events for d in e.tool_calls or ()])[0].arguments == \
+        done.tool_calls[0].arguments
 
 
 # ---- the real instruct model: enforced calls ----
