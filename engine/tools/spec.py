@@ -161,7 +161,12 @@ class ToolPlan:
             changes["json_schema"] = schema
         elif self.is_parsing and keep_markers and params.skip_special_tokens:
             changes["skip_special_tokens"] = False
-        return dataclasses.replace(params, **changes) if changes else params
+        if not changes:
+            return params
+        try:
+            return dataclasses.replace(params, **changes)
+        except InvalidParameterError as e:  # the enforcing schema is built from the tools: name them
+            raise InvalidParameterError(f"tools (as the schema that enforces tool_choice): {e}", "tools") from None
 
     def new_parser(self) -> ToolParser | None:
         """A parser for one choice of the reply (None: tool_choice "none", the text stays text)."""
