@@ -1,7 +1,8 @@
 """One JSON call object, ``{"name": ..., "arguments" | "parameters": {...}}``, read piece by piece.
 
 ``CallScanner.feed(text)`` scans the new text once (JSON strings, escapes and nesting depth),
-so a call costs linear time however it is split. As soon as the text so far reads
+and the name prefix is matched once, when the first nested value opens, so a call costs
+linear time however it is split. As soon as the text so far reads
 ``{"name": "<name>", "arguments": {`` (the order every template shows the model) the call is
 announced (a delta with id and name) and the arguments' raw JSON text streams from then on,
 exactly as the model wrote it, up to the brace that closes them. A call written in another
@@ -17,13 +18,10 @@ from collections.abc import Callable
 
 from .calls import ToolCallDelta
 
-__all__ = ["CallScanner", "MAX_ANNOUNCE_CHARS"]
+__all__ = ["CallScanner"]
 
 # {"name": "<name>", "arguments": {   (or "parameters", Llama 3.x's key)
 _ANNOUNCE = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*\{')
-# Past this many characters without the announce prefix, the call is read whole at its end
-# (keeps the prefix check linear: it runs on at most this much text per piece).
-MAX_ANNOUNCE_CHARS = 4096
 ARGUMENT_KEYS = ("arguments", "parameters")
 
 
@@ -31,7 +29,7 @@ class CallScanner:
     """Reads one call object. ``feed`` -> (deltas, leftover); leftover is the text after the
     object's closing brace (None while the object is open)."""
 
-    __slots__ = ("_pieces", "_length", "_depth", "_in_string", "_escaped", "_started", "is_done",
+    __slots__ = ("_pieces", "_length", "_depth", "_in_string", "_escaped", "_started", "is_done", "_nested_at",
                  "_args_start", "_args_end", "_emitted", "_next_index", "_make_id", "index", "is_invalid")
 
     def __init__(self, next_index: Callable[[], int], make_id: Callable[[], str]):
@@ -43,6 +41,7 @@ class CallScanner:
         self._started = False     # the opening brace was seen
         self.is_done = False      # the closing brace was seen
         self.is_invalid = False   # the text does not start with "{": no call
+        self._nested_at = -1      # offset of the first value nested in the object (its "{" or "[")
         self._args_start = -1     # offset of the arguments' "{" once announced
         self._args_end = -1       # offset just past the arguments' closing brace
         self._emitted = 0         # arguments text sent up to this offset
@@ -66,10 +65,12 @@ class CallScanner:
         self._pieces.append(own)
         self._length += len(own)
         deltas: list[ToolCallDelta] = []
-        if not self.is_announced and not self.is_invalid and self._length <= MAX_ANNOUNCE_CHARS + len(own):
+        # The prefix can only newly match when the first nested value opens (its "{" ends the match):
+        # checked once, on the text before it.
+        if not self.is_announced and start <= self._nested_at < self._length:
             whole = self.text()
-            match = _ANNOUNCE.match(whole)
-            if match is not None:
+            match = _ANNOUNCE.match(whole, 0, self._nested_at + 1)
+            if match is not None and match.end() == self._nested_at + 1:
                 name = _json_string(match.group(1))
                 if name is not None:
                     self.index = self._next_index()
@@ -111,6 +112,8 @@ class CallScanner:
                         self._depth, self._in_string, self._escaped = depth, in_string, escaped
                         return i
                     self._started = True
+                elif depth == 1 and self._nested_at < 0:
+                    self._nested_at = base + i
                 depth += 1
             elif ch == "}" or ch == "]":
                 depth -= 1
