@@ -216,9 +216,10 @@ def parse_tokenize(body: dict) -> TokenizeRequest:
     """{"prompt", "add_special_tokens"=true} or {"messages", "add_generation_prompt"=true, "tools"}."""
     return_token_strs = _flag(body, "return_token_strs", False)
     if body.get("messages") is not None:
-        tools = body.get("tools")
-        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
-            raise bad_request("tools must be an array of objects", "tools")
+        try:
+            tools = validate_tools(body.get("tools"))
+        except InvalidParameterError as e:
+            raise bad_request(str(e), e.param) from None
         if _flag(body, "add_special_tokens", False):
             raise bad_request("add_special_tokens is not supported with messages: the template adds what it needs",
                               "add_special_tokens")
