@@ -10,7 +10,8 @@ The formats (chosen per model family by ``engine.tools.parser_for``):
                      number, text around them is content
     Llama3JsonParser Llama 3.x: the whole reply is ``{"name": .., "parameters": {..}}`` (optional
                      ``<|python_tag|>`` first; several calls separated by ";")
-    MistralParser    Mistral: ``[TOOL_CALLS][{"name": .., "arguments": {..}}, ...]``
+    MistralParser    Mistral: ``[TOOL_CALLS][{"name": .., "arguments": {..}}, ...]``, and the newer
+                     (tokenizer v11+) ``[TOOL_CALLS]name[ARGS]{..}`` / ``[TOOL_CALLS]name{..}``
     RequiredParser   tool_choice "required" (constrained output): ``[{"name": .., "parameters": {..}}, ...]``
     NamedParser      a named tool_choice (constrained output): the reply is the arguments object
 
@@ -150,16 +151,62 @@ class HermesParser(ToolParser):
         return self._finish_content()
 
 
+class _ObjectEnd:
+    """Finds where a JSON object that arrives in pieces closes (strings and escapes respected)."""
+
+    __slots__ = ("depth", "in_string", "escaped", "is_invalid")
+
+    def __init__(self):
+        self.depth, self.in_string, self.escaped, self.is_invalid = 0, False, False, False
+
+    def feed(self, text: str) -> int:
+        """Characters of text up to and including the closing brace, or -1 (open, or invalid)."""
+        for i, ch in enumerate(text):
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif ch == "\\":
+                    self.escaped = True
+                elif ch == '"':
+                    self.in_string = False
+            elif ch == '"':
+                self.in_string = True
+            elif ch == "{" or ch == "[":
+                if self.depth == 0 and ch == "[":
+                    self.is_invalid = True
+                    return -1
+                self.depth += 1
+            elif ch == "}" or ch == "]":
+                self.depth -= 1
+                if self.depth == 0:
+                    return i + 1
+            elif self.depth == 0 and not ch.isspace():
+                self.is_invalid = True
+                return -1
+        return -1
+
+
+_NAME_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
+_MAX_NAME = 64
+
+
 class _CallList:
-    """JSON call objects between ``open`` and ``close`` (None: none), separated by ``separator``.
+    """JSON call objects between ``open`` and ``close`` (None: none), separated by ``separator``;
+    with ``allow_named``, also Mistral's newer ``name[ARGS]{...}`` / ``name{...}`` (one call).
 
     ``feed`` -> the text after the list (None while it is open); ``failed`` holds the text
-    of a list that turned out not to be calls."""
+    of a list that turned out not to be calls (None: it was calls, or some calls were sent)."""
 
-    WAIT_OPEN, IN_CALL, AFTER_CALL, DONE = range(4)
+    WAIT_OPEN, IN_CALL, AFTER_CALL, DONE, NAME, ARGS = range(6)
+    ARGS_TAG = "[ARGS]"
 
-    def __init__(self, parser: ToolParser, open_: str | None, separator: str, close: str | None):
+    def __init__(self, parser: ToolParser, open_: str | None, separator: str, close: str | None,
+                 allow_named: bool = False):
         self.parser = parser
+        self.allow_named = allow_named
+        self.name = ""  # NAME: the function name so far
+        self.object_end: _ObjectEnd | None = None  # ARGS: where the arguments close
+        self.call_index = -1
         self.open, self.separator, self.close = open_, separator, close
         self.state = self.WAIT_OPEN if open_ else self.IN_CALL
         self.scanner: CallScanner | None = parser._new_scanner() if open_ is None else None
@@ -176,9 +223,30 @@ class _CallList:
                 if not stripped:
                     return None
                 if not stripped.startswith(self.open):
+                    if self.allow_named and stripped[0] in _NAME_CHARS:
+                        text, self.state = stripped, self.NAME
+                        continue
                     return self._fail(stripped)
                 text, self.state = stripped[len(self.open):], self.IN_CALL
                 self.scanner = self.parser._new_scanner()
+            elif self.state == self.NAME:
+                text = self._feed_name(text)
+                if text is None:
+                    return None
+                if self.state == self.DONE:
+                    return text
+            elif self.state == self.ARGS:
+                end = self.object_end.feed(text)
+                if self.object_end.is_invalid:
+                    return self._fail(text)
+                piece = text if end < 0 else text[:end]
+                if piece:
+                    self.parser._deltas.append(ToolCallDelta(self.call_index, arguments=piece))
+                if end < 0:
+                    return None
+                self.parser._call_starts()
+                self.state = self.DONE
+                return text[end:]
             elif self.state == self.IN_CALL:
                 deltas, rest = self.scanner.feed(text)
                 self.parser._deltas.extend(deltas)
@@ -205,15 +273,38 @@ class _CallList:
                     return stripped
         return None
 
+    def _feed_name(self, text: str) -> str | None:
+        """NAME: letters up to "[ARGS]" or "{"; then the call is announced and ARGS begins.
+        Returns the text after the name (None: wait for more; DONE state: not a name)."""
+        name = self.name + text
+        tag = name.find(self.ARGS_TAG)
+        brace = name.find("{")
+        ends = [k for k in (tag, brace) if k >= 0]
+        cut = min(ends) if ends else len(name) - _partial_suffix(name, self.ARGS_TAG)
+        candidate = name[:cut]
+        if len(candidate) > _MAX_NAME or not all(ch in _NAME_CHARS for ch in candidate) or (ends and not candidate):
+            return self._fail(text)  # not a name: all of it is content
+        if not ends:
+            self.name = name
+            return None
+        after = name[cut + len(self.ARGS_TAG):] if cut == tag else name[cut:]
+        self.call_index = self.parser._next_index()
+        self.parser._deltas.append(ToolCallDelta(self.call_index, self.parser.make_id(), candidate, ""))
+        self.object_end = _ObjectEnd()
+        self.state = self.ARGS
+        return after
+
     def _fail(self, rest: str) -> str:
         """Not calls after all: everything seen becomes content (calls already sent stay sent)."""
         self.state = self.DONE
         seen = "".join(self.seen)
-        self.failed = seen[:len(seen) - len(rest)] if self.parser.num_calls == 0 else ""
+        self.failed = seen[:len(seen) - len(rest)] if self.parser.num_calls == 0 else None
         return rest
 
     def finish(self) -> None:
-        if self.state == self.IN_CALL and self.scanner is not None:
+        if self.state == self.NAME and self.parser.num_calls == 0:
+            self.failed = "".join(self.seen)
+        elif self.state == self.IN_CALL and self.scanner is not None:
             ended = self.scanner.finish()
             if ended is None:
                 if self.parser.num_calls == 0:
@@ -263,7 +354,7 @@ class _ListAfterMarker(ToolParser):
 
     def _end_list(self) -> None:
         call_list, self._list = self._list, None
-        if call_list.failed:
+        if call_list.failed is not None:
             self._emit((self.START or "") + call_list.failed)
 
     def finish(self) -> Output:
@@ -282,7 +373,7 @@ class MistralParser(_ListAfterMarker):
     default_make_id = staticmethod(new_mistral_call_id)
 
     def _new_list(self) -> _CallList:
-        return _CallList(self, "[", ",", "]")
+        return _CallList(self, "[", ",", "]", allow_named=True)
 
 
 class RequiredParser(_ListAfterMarker):
@@ -338,7 +429,7 @@ class Llama3JsonParser(ToolParser):
     def _end_list(self, rest: str) -> None:
         failed = self._list.failed
         self._is_text = True
-        if failed:  # no call after all: the reply's text, as it came
+        if failed is not None:  # no call after all: the reply's text, as it came
             self._emit(self._prefix + failed)
         self._emit(rest)
 
