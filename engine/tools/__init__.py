@@ -9,6 +9,7 @@ The package, one module per concern:
     spec.py       validation of tools and tool_choice; the JSON Schemas that enforce a call
     calls.py      ToolCall, ToolCallDelta, fold_tool_calls, call ids
     json_call.py  one JSON call object read piece by piece (arguments streamed as they come)
+    call_list.py  calls in a row (arrays, ";"-separated) and Mistral's name[ARGS]{...} calls
     parsers.py    the per-format streaming parsers (Hermes/Qwen2.5, Llama 3.x JSON, Mistral,
                   and the constrained "required" / named replies)
     stream.py     ToolEvents: a request's StreamEvents with content and tool_calls
