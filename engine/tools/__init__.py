@@ -1,6 +1,6 @@
 """Tools and tool calling: OpenAI ``tools`` / ``tool_choice`` in, ``tool_calls`` out.
 
-    plan = plan_tools(tokenizer, tools, tool_choice)   # validated; None when no tools
+    plan = plan_tools(tok.chat_template, tools, tool_choice)  # validated; None when no tools
     params = plan.sampling_params(params)              # json_schema for "required" / a named tool
     parser = plan.new_parser()                         # per choice: text -> content + call deltas
 
@@ -12,7 +12,8 @@ The package, one module per concern:
     call_list.py  calls in a row (arrays, ";"-separated) and Mistral's name[ARGS]{...} calls
     parsers.py    the per-format streaming parsers (Hermes/Qwen2.5, Llama 3.x JSON, Mistral,
                   and the constrained "required" / named replies)
-    stream.py     ToolEvents: a request's StreamEvents with content and tool_calls
+    stream.py     prepare_chat (prompt, params, event filter of a chat request) and
+                  ToolEventFilter: a request's StreamEvents -> content + tool_calls
 """
 from __future__ import annotations
 
