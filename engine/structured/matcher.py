@@ -48,6 +48,11 @@ class GrammarMatcher:
         return is_ok
 
     @property
+    def error(self) -> str | None:
+        """Why the matcher failed (a resource limit hit while computing a mask, a rejected token), or None."""
+        return self.matcher.get_error() if self.matcher.is_error() else None
+
+    @property
     def is_finished(self) -> bool:
         """Complete (only EOS may follow) or failed."""
         return self.matcher.is_stopped()
