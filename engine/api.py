@@ -147,11 +147,14 @@ class Engine:
 
         ``tools`` / ``tool_choice``: OpenAI's (engine/tools): events then carry content as ``text``
         and call pieces as ``tool_calls``."""
-        from .tools.stream import prepare_chat
+        from .tools.stream import prepare_chat, tools_error
 
         prompt_ids, params, event_filter = prepare_chat(self.tokenizer, messages, params, tools, tool_choice,
                                                         parallel_tool_calls)
-        return self.submit(prompt_ids, params, request_id, prompt_param="messages", event_filter=event_filter)
+        try:
+            return self.submit(prompt_ids, params, request_id, prompt_param="messages", event_filter=event_filter)
+        except InvalidParameterError as exc:
+            raise tools_error(exc, event_filter) from None
 
     def submit(self, prompt_ids: list[int], params: SamplingParams | None = None, request_id: str | None = None,
                prompt_param: str = "prompt", outputs: queue.SimpleQueue | None = None,
@@ -266,11 +269,14 @@ class Engine:
     def astream_chat(self, messages: list[dict], params: SamplingParams | None = None,
                      request_id: str | None = None, tools: list[dict] | None = None, tool_choice=None,
                      parallel_tool_calls: bool = True):
-        from .tools.stream import prepare_chat
+        from .tools.stream import prepare_chat, tools_error
 
         prompt_ids, params, event_filter = prepare_chat(self.tokenizer, messages, params, tools, tool_choice,
                                                         parallel_tool_calls)
-        return self._asubmit(prompt_ids, params, request_id, prompt_param="messages", event_filter=event_filter)
+        try:
+            return self._asubmit(prompt_ids, params, request_id, prompt_param="messages", event_filter=event_filter)
+        except InvalidParameterError as exc:
+            raise tools_error(exc, event_filter) from None
 
     async def agenerate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                         progress: bool = False) -> list[Completion]:

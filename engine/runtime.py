@@ -232,9 +232,12 @@ class EngineCore:
         if req.adjuster is not None:
             req.adjuster.add(token_id)
         is_grammar_done = False
-        if req.grammar is not None and token_id not in req.stop_ids:
-            req.grammar.accept(token_id)
-            is_grammar_done = req.grammar.is_finished  # complete: only EOS could follow
+        if req.grammar is not None:
+            if token_id not in req.stop_ids:
+                req.grammar.accept(token_id)
+                is_grammar_done = req.grammar.is_finished  # complete: only EOS could follow
+            if req.grammar.error is not None:  # never silently "stop" on a failed grammar
+                raise EngineError(f"structured output failed: {req.grammar.error}")
         if req.followers:  # the leader has prefilled: its choices now find the prompt in the prefix cache
             followers, req.followers = req.followers, []
             for follower in followers:

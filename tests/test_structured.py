@@ -6,6 +6,8 @@ import re
 
 import jsonschema
 import llguidance
+import llguidance.numpy
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -14,6 +16,7 @@ import engine
 from engine.errors import InvalidParameterError
 from engine.params import SamplingParams
 from engine.structured import cache_info, compile_grammar, spec_of
+from engine.structured.matcher import mask_logits
 
 NUM_SCHEMAS = 50
 MAX_TOKENS = 200  # every schema below fits well within this (strings, arrays and nesting are bounded)
@@ -221,3 +224,21 @@ def qwen_vocab():
     if not path.is_file():
         pytest.fail(f"{path} is missing: run `make testdata` first")
     return path
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 6), st.integers(1, 200), st.data())
+def test_mask_logits_matches_llguidance_reference(num_rows, vocab_size, data):
+    """Our unpack-and-mask against llguidance's own NumPy reference (apply_token_bitmask_inplace)."""
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    logits = rng.standard_normal((num_rows, vocab_size)).astype(np.float32)  # [S, V]
+    row_ids = sorted(data.draw(st.sets(st.integers(0, num_rows - 1), min_size=1)))
+    bitmask = rng.integers(-2**31, 2**31, size=(len(row_ids), (vocab_size + 31) // 32), dtype=np.int64).astype(
+        np.int32)  # [R, W]
+    expected = logits.copy()
+    sub = expected[row_ids]
+    llguidance.numpy.apply_token_bitmask_inplace(sub, bitmask)
+    expected[row_ids] = sub
+    got = logits.copy()
+    mask_logits(got, row_ids, bitmask)
+    np.testing.assert_array_equal(got, expected)

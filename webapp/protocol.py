@@ -18,12 +18,14 @@ import re
 from dataclasses import dataclass, field
 
 from engine.errors import InvalidParameterError
+from engine.params import CONSTRAINT_FIELDS as PARAMS_CONSTRAINT_FIELDS
 from engine.params import SamplingParams
 from engine.tokenizer import validate_messages
 from engine.tools import validate_tool_choice, validate_tools
 
+from .constraints import constraint
 from .errors import APIError, bad_request
-from .request_fields import CHAT, COMPLETIONS, FIELDS_BY_ENDPOINT, MAX_TOKENS_LIMIT, Fate, check
+from .request_fields import CHAT, COMPLETIONS, CONSTRAINT_FIELDS, FIELDS_BY_ENDPOINT, MAX_TOKENS_LIMIT, Fate, check
 
 MAX_PROMPTS = 256  # prompts in one batched /v1/completions request
 MAX_CHOICES = 256  # prompts * n
@@ -43,6 +45,7 @@ class ParsedRequest:
     tools: list[dict] | None = None  # chat: OpenAI tools, checked by the engine (engine/tools)
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool = True
+    constraint_param: str | None = None  # the client's structured-output field, named by a later compile error
 
     @property
     def prompt(self) -> str | list[int] | None:
@@ -118,13 +121,16 @@ def _fields(body: dict, endpoint: str) -> dict:
         f = fields.get(name)
         if f is None or f.fate is Fate.IGNORED or value is None or name in _OWN_PARSERS:
             continue
-        values[name] = check(value, f)
+        values[name] = value if name in CONSTRAINT_FIELDS else check(value, f)  # webapp.constraints checks those
     return values
 
 
-def _sampling(values: dict, endpoint: str) -> SamplingParams:
+def _sampling(values: dict, endpoint: str, found: tuple | None = None) -> SamplingParams:
+    """``found``: the request's structured-output constraint (webapp.constraints.constraint)."""
     fields = FIELDS_BY_ENDPOINT[endpoint]
     kwargs = {}
+    if found is not None:
+        kwargs[found[1]] = found[2]
     for name, value in values.items():
         f = fields[name]
         if f.fate is Fate.SAMPLING:
@@ -147,6 +153,8 @@ def _sampling(values: dict, endpoint: str) -> SamplingParams:
     try:
         return SamplingParams(**kwargs)
     except InvalidParameterError as e:
+        if found is not None and e.param in PARAMS_CONSTRAINT_FIELDS:
+            raise bad_request(f"{found[0]}: {e}", found[0]) from None
         raise bad_request(str(e), e.param) from None
 
 
@@ -170,17 +178,20 @@ def parse_chat(body: dict) -> ParsedRequest:
     values = _fields(body, CHAT)
     messages = _messages(body.get("messages"))
     _tools(values)
-    params = _sampling(values, CHAT)
+    found = constraint(values)  # (client field, SamplingParams field, value) or None
+    params = _sampling(values, CHAT, found)
     is_stream, include_usage = _stream_flags(values)
     return ParsedRequest(True, params, messages=messages, is_stream=is_stream, include_usage=include_usage,
-                         tools=values.get("tools"), tool_choice=values.get("tool_choice"),
+                         constraint_param=found[0] if found else None, tools=values.get("tools"),
+                         tool_choice=values.get("tool_choice"),
                          parallel_tool_calls=values.get("parallel_tool_calls", True))
 
 
 def parse_completion(body: dict) -> ParsedRequest:
     values = _fields(body, COMPLETIONS)
     prompts = _prompts(body.get("prompt"))
-    params = _sampling(values, COMPLETIONS)
+    found = constraint(values)
+    params = _sampling(values, COMPLETIONS, found)
     if len(prompts) * params.n > MAX_CHOICES:
         raise bad_request(f"{len(prompts)} prompts x n={params.n} choices exceeds {MAX_CHOICES}", "n")
     is_echo = values.get("echo", False)
@@ -188,7 +199,8 @@ def parse_completion(body: dict) -> ParsedRequest:
         raise bad_request("echo together with logprobs is not supported", "echo")
     is_stream, include_usage = _stream_flags(values)
     return ParsedRequest(False, params, prompts=prompts, is_stream=is_stream, include_usage=include_usage,
-                         is_echo=is_echo, add_special_tokens=values.get("add_special_tokens", True))
+                         is_echo=is_echo, add_special_tokens=values.get("add_special_tokens", True),
+                         constraint_param=found[0] if found else None)
 
 
 # ---- /tokenize and /detokenize (vLLM's shapes) ----

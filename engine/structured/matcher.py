@@ -48,6 +48,11 @@ class GrammarMatcher:
         return is_ok
 
     @property
+    def error(self) -> str | None:
+        """Why the matcher failed (a resource limit hit while computing a mask, a rejected token), or None."""
+        return self.matcher.get_error() if self.matcher.is_error() else None
+
+    @property
     def is_finished(self) -> bool:
         """Complete (only EOS may follow) or failed."""
         return self.matcher.is_stopped()
@@ -83,10 +88,14 @@ def fill_bitmask(matchers: list[GrammarMatcher], vocab_size: int) -> np.ndarray:
 def apply_token_masks(logits: np.ndarray, matchers: list[GrammarMatcher | None]) -> None:
     """Set every token a row's grammar disallows to -inf in ``logits`` [S, V] (float32, in place)."""
     row_ids = [row for row, m in enumerate(matchers) if m is not None]
-    if not row_ids:
-        return
+    if row_ids:
+        mask_logits(logits, row_ids, fill_bitmask([matchers[r] for r in row_ids], logits.shape[1]))
+
+
+def mask_logits(logits: np.ndarray, row_ids: list[int], bitmask: np.ndarray) -> None:
+    """``logits[row_ids[j], t] = -inf`` where bit t of ``bitmask[j]`` is 0 (logits [S, V] float32,
+    bitmask [len(row_ids), ceil(V / 32)] int32, little-endian bit order within each word)."""
     vocab_size = logits.shape[1]
-    bitmask = fill_bitmask([matchers[r] for r in row_ids], vocab_size)  # [R, W]
     bits = np.unpackbits(bitmask.view(np.uint8), axis=1, count=vocab_size, bitorder="little")  # [R, V] uint8
     is_banned = bits == 0  # [R, V]
     if len(row_ids) == logits.shape[0]:
@@ -96,4 +105,4 @@ def apply_token_masks(logits: np.ndarray, matchers: list[GrammarMatcher | None])
             np.copyto(logits[row], np.float32(-np.inf), where=is_banned[j])
 
 
-__all__ = ["GrammarMatcher", "apply_token_masks", "fill_bitmask"]
+__all__ = ["GrammarMatcher", "apply_token_masks", "fill_bitmask", "mask_logits"]

@@ -11,12 +11,13 @@ choice that called tools and stopped says finish_reason "tool_calls".
 """
 from __future__ import annotations
 
+from ..errors import InvalidParameterError
 from ..outputs import StreamEvent
 from ..params import SamplingParams
 from .parsers import ToolParser
 from .spec import ToolPlan, plan_tools
 
-__all__ = ["ToolEventFilter", "prepare_chat"]
+__all__ = ["ToolEventFilter", "prepare_chat", "tools_error"]
 
 
 class ToolEventFilter:
@@ -61,3 +62,11 @@ def prepare_chat(tokenizer, messages, params: SamplingParams | None, tools=None,
     params = plan.sampling_params(params if params is not None else SamplingParams(),
                                   keep_markers=_markers_are_special(tokenizer, plan.parser_class))
     return prompt_ids, params, ToolEventFilter(plan) if plan.is_parsing else None
+
+
+def tools_error(exc: InvalidParameterError, event_filter: ToolEventFilter | None) -> InvalidParameterError:
+    """A json_schema error of a request whose schema was built from its tools (tool_choice
+    "required" or named: the tool's parameters did not compile) names ``tools`` instead."""
+    if event_filter is not None and exc.param == "json_schema" and event_filter.plan.json_schema() is not None:
+        return InvalidParameterError(f"tools (as the schema that enforces tool_choice): {exc}", "tools")
+    return exc
