@@ -4,7 +4,7 @@
     content, deltas = parser.add(text)      # for each piece of generated text
     content, deltas = parser.finish()       # when the choice ends
 
-The formats (chosen per model family by ``engine.tools.parser_for``):
+The formats (chosen per model family by ``engine.tools.parser_class_for``):
 
     HermesParser     Qwen2.5, Hermes: ``<tool_call>{"name": .., "arguments": {..}}</tool_call>``, any
                      number, text around them is content
@@ -26,8 +26,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .calls import ToolCallDelta, new_call_id, new_mistral_call_id
 from .call_list import CallList, partial_suffix
+from .calls import ToolCallDelta, new_call_id, new_mistral_call_id
 from .json_call import CallScanner
 
 __all__ = ["HermesParser", "Llama3JsonParser", "MistralParser", "NamedParser", "RequiredParser", "ToolParser"]
