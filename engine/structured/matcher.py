@@ -96,8 +96,9 @@ def mask_logits(logits: np.ndarray, row_ids: list[int], bitmask: np.ndarray) -> 
     """``logits[row_ids[j], t] = -inf`` where bit t of ``bitmask[j]`` is 0 (logits [S, V] float32,
     bitmask [len(row_ids), ceil(V / 32)] int32, little-endian bit order within each word)."""
     vocab_size = logits.shape[1]
-    bits = np.unpackbits(bitmask.view(np.uint8), axis=1, count=vocab_size, bitorder="little")  # [R, V] uint8
-    is_banned = bits == 0  # [R, V]
+    banned_words = np.invert(bitmask)  # [R, W] int32: a 1 bit is a banned token
+    is_banned = np.unpackbits(banned_words.view(np.uint8), axis=1, count=vocab_size,
+                              bitorder="little").view(np.bool_)  # [R, V] 0/1 bytes read as bools
     if len(row_ids) == logits.shape[0]:
         np.copyto(logits, np.float32(-np.inf), where=is_banned)
     else:
