@@ -182,6 +182,19 @@ def test_stream_ends_exactly_when_the_grammar_completes(eng):
     assert matcher.consume_token(token_ids[-1]) and matcher.is_stopped()
 
 
+def test_logprobs_of_a_constrained_request_are_over_the_allowed_tokens(eng):
+    """As vLLM: the mask comes before the logprobs, so the alternatives are tokens the grammar allows
+    and their probabilities sum to at most 1 among themselves."""
+    params = SamplingParams(max_tokens=5, temperature=0, regex="[0-9]{3}", logprobs=True, top_logprobs=5)
+    c = eng.generate([chat_prompt(eng, "Pick a number.")], params)[0]
+    assert re.fullmatch("[0-9]{3}", c.text) and len(c.logprobs) == len(c.token_ids)
+    for entry in c.logprobs:
+        finite = [(token, lp) for _, token, _, lp in entry.top if lp != float("-inf")]
+        assert finite and all(re.fullmatch("[0-9]+", token) for token, _ in finite), entry.top
+        assert entry.logprob == finite[0][1]  # greedy took the best allowed token
+        assert sum(np.exp(lp) for _, lp in finite) <= 1.0 + 1e-4
+
+
 def test_n_choices_each_follow_the_schema(eng):
     schema = {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItems": 1, "maxItems": 3}
     completions = eng.generate([chat_prompt(eng, "Some colors.")],
