@@ -28,6 +28,7 @@ from .outputs import StreamEvent, TokenLogprob
 from .params import SamplingParams
 from .request import Request, RequestGroup
 from .scheduler import Scheduler, SchedulerConfig
+from .structured import mask_rows
 
 log = logging.getLogger("engine")
 
@@ -208,12 +209,13 @@ class EngineCore:
                 rows = logits.index_select(0, torch.from_numpy(np.asarray(index, dtype=np.int64)))
             else:
                 rows = logits
-            adjusters = [r.adjuster for r in reqs]
             grammars = [r.grammar for r in reqs]
+            if any(g is not None for g in grammars):  # structured output: before sampling and logprobs (vLLM)
+                rows = mask_rows(rows, grammars)
+            adjusters = [r.adjuster for r in reqs]
             token_ids, row_logprobs = sampling.sample(
                 rows, [r.params for r in reqs], [r.generator for r in reqs],
                 adjusters if any(a is not None for a in adjusters) else None,
-                grammars if any(g is not None for g in grammars) else None,
             )
         else:
             token_ids, row_logprobs = [], []

@@ -2,9 +2,8 @@
 
 Greedy rows take an argmax and never pay for a softmax unless they want logprobs.
 Rows whose request asks for logits processing (penalties, logit_bias, ...: an
-engine.logits_process.LogitsAdjuster) are adjusted first, for the whole batch at once, then
-rows with a structured-output grammar (engine.structured.GrammarMatcher) get its token mask
-(one batched bitmask per tick); both the greedy argmax and the draw use the result.
+engine.logits_process.LogitsAdjuster) are adjusted first, for the whole batch at once, and
+both the greedy argmax and the draw use the adjusted logits.
 Random rows take softmax(logits / temperature) in NumPy, mask by min-p, top-k and top-p,
 and invert the CDF at one uniform drawn from the request's own torch.Generator, so a
 seeded request gives the same tokens whatever else is in the batch (and one random number
@@ -20,7 +19,6 @@ import torch
 
 from .logits_process import LogitsAdjuster, adjust
 from .params import SamplingParams
-from .structured import GrammarMatcher, apply_token_masks
 
 
 @dataclass(slots=True)
@@ -75,13 +73,11 @@ def sample(
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
     adjusters: list[LogitsAdjuster | None] | None = None,
-    grammars: list[GrammarMatcher | None] | None = None,
 ) -> tuple[list[int], list[RowLogprobs | None]]:
     """Sample one token per row of logits [S, V]; returns ids and per-row logprobs (or None).
 
     ``adjusters``: per row, the request's LogitsAdjuster or None; None for the whole batch
-    when no row has one (the fast path). ``grammars``: likewise, per row the request's
-    GrammarMatcher or None. The rows of ``logits`` are adjusted and masked in place.
+    when no row has one (the fast path). The rows of ``logits`` are adjusted in place.
     """
     num_rows = logits.shape[0]
     if num_rows == 0:
@@ -90,13 +86,11 @@ def sample(
         logits = logits.float()
     # Logprobs describe the model's own distribution: taken before any processing.
     raw_logprobs = torch.log_softmax(logits, dim=-1) if any(p.logprobs for p in params) else None  # [S, V]
-    if (adjusters is not None or grammars is not None) and not logits.is_contiguous():
+    if adjusters is not None and not logits.is_contiguous():
         logits = logits.contiguous()
     array = logits.numpy()  # [S, V] a view: adjusted in place
     if adjusters is not None:
         adjust(array, adjusters)
-    if grammars is not None:
-        apply_token_masks(array, grammars)
     # numpy's single-threaded argmax: torch's wakes its thread pool, which costs ~10x on a busy CPU.
     token_ids = array.argmax(axis=1).tolist()
     for row, p in enumerate(params):

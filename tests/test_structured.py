@@ -1,6 +1,7 @@
 """Structured output through the public Engine on the real default model (SmolLM2-135M-Instruct):
 every constrained output parses and validates, streams end exactly when the grammar is complete,
 bad constraints are ValueErrors naming the field."""
+import functools
 import json
 import re
 
@@ -39,10 +40,11 @@ NAMES = st.sampled_from(["id", "name", "age", "city", "tags", "score", "kind", "
 def leaf_schemas():
     integer = st.tuples(st.integers(-1000, 1000), st.integers(0, 1000)).map(
         lambda t: {"type": "integer", "minimum": t[0], "maximum": t[0] + t[1]})
-    number = st.tuples(st.integers(-100, 100), st.integers(1, 100), st.booleans()).map(
-        lambda t: {"type": "number", "minimum": t[0], "maximum": t[0] + t[1]} if t[2]
-        else {"type": "number", "exclusiveMinimum": t[0], "exclusiveMaximum": t[0] + t[1]})
-    string = st.integers(1, 12).map(lambda n: {"type": "string", "maxLength": n})
+    # multipleOf bounds the digits: a bare "number" lets a small model write decimals forever.
+    number = st.tuples(st.integers(-100, 100), st.integers(1, 100), st.booleans(), st.sampled_from([0.25, 0.5])).map(
+        lambda t: {"type": "number", "minimum": t[0], "maximum": t[0] + t[1], "multipleOf": t[3]} if t[2]
+        else {"type": "number", "exclusiveMinimum": t[0], "exclusiveMaximum": t[0] + t[1], "multipleOf": t[3]})
+    string = st.integers(1, 10).map(lambda n: {"type": "string", "maxLength": n})
     pattern = st.sampled_from([r"^[a-z]{2,6}$", r"^[A-Z][a-z]{1,5}$", r"^[0-9]{3}-[0-9]{2}$", r"^(yes|no)$"]).map(
         lambda p: {"type": "string", "pattern": p})
     enum = st.one_of(
@@ -51,23 +53,59 @@ def leaf_schemas():
     return st.one_of(integer, number, string, pattern, enum, st.just({"type": "boolean"}), st.just({"type": "null"}))
 
 
-def container_schemas(children):
-    array = st.tuples(children, st.integers(0, 2), st.integers(0, 2)).map(
+def array_schemas(children):
+    return st.tuples(children, st.integers(0, 2), st.integers(0, 2)).map(
         lambda t: {"type": "array", "items": t[0], "minItems": t[1], "maxItems": t[1] + t[2]})
-    obj = st.lists(st.tuples(NAMES, children, st.booleans()), min_size=1, max_size=4,
-                   unique_by=lambda t: t[0]).map(lambda props: {
-                       "type": "object", "properties": {n: s for n, s, _ in props},
-                       "required": [n for n, _, is_req in props if is_req], "additionalProperties": False})
-    return st.one_of(array, obj)
 
 
-SCHEMAS = st.recursive(leaf_schemas(), container_schemas, max_leaves=6)
-TOP_LEVEL = st.one_of(container_schemas(SCHEMAS), leaf_schemas())
+def object_schemas(children):
+    return st.lists(st.tuples(NAMES, children, st.booleans()), min_size=1, max_size=3,
+                    unique_by=lambda t: t[0]).map(lambda props: {
+                        "type": "object", "properties": {n: s for n, s, _ in props},
+                        "required": [n for n, _, is_req in props if is_req], "additionalProperties": False})
 
 
-@settings(max_examples=1, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
-@given(st.lists(TOP_LEVEL, min_size=NUM_SCHEMAS, max_size=NUM_SCHEMAS))
-def test_random_schemas_give_valid_json_greedy_and_seeded(eng, schemas):
+def container_schemas(children):
+    return st.one_of(object_schemas(children), array_schemas(children))
+
+
+SCHEMAS = st.recursive(leaf_schemas(), container_schemas, max_leaves=4)
+TOP_OBJECTS = object_schemas(SCHEMAS)  # what response_format users send
+TOP_OTHERS = st.one_of(array_schemas(SCHEMAS), leaf_schemas())
+
+
+@functools.cache
+def draw_schemas(count: int) -> list[dict]:
+    """60% objects at the top level, the rest arrays and bare values."""
+    num_objects = count * 3 // 5
+    return draw(TOP_OBJECTS, num_objects) + draw(TOP_OTHERS, count - num_objects)
+
+
+def draw(strategy, count: int) -> list[dict]:
+    """``count`` distinct schemas: hypothesis draws a few lists of them (derandomized, so every run
+    checks the same ones; its first list is the minimal one) and the most varied list wins. The
+    engine then runs them all in one batch, which keeps 50 real generations within seconds."""
+    lists: list[list[dict]] = []
+
+    @settings(max_examples=4, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
+    @given(st.lists(strategy, min_size=count, max_size=count, unique_by=lambda s: json.dumps(s, sort_keys=True)))
+    def collect(schemas):
+        lists.append(schemas)
+
+    collect()
+    return max(lists, key=lambda schemas: len(json.dumps(schemas)))
+
+
+def test_schema_strategy_covers_the_features():
+    text = json.dumps(draw_schemas(NUM_SCHEMAS))
+    for feature in ('"type": "object"', '"type": "array"', '"enum"', '"pattern"', '"exclusiveMinimum"',
+                    '"type": "number"', '"type": "integer"', '"maxLength"', '"required"'):
+        assert feature in text, feature
+    assert re.search(r'"properties": \{[^{}]*"type": "object"', text) or '"items": {"type": "object"' in text
+
+
+def test_random_schemas_give_valid_json_greedy_and_seeded(eng):
+    schemas = draw_schemas(NUM_SCHEMAS)
     prompt = chat_prompt(eng, "Reply with a JSON value.")
     params = [SamplingParams(max_tokens=MAX_TOKENS, json_schema=s, temperature=0 if i % 2 == 0 else 0.8,
                              seed=None if i % 2 == 0 else i) for i, s in enumerate(schemas)]
@@ -142,6 +180,19 @@ def test_stream_ends_exactly_when_the_grammar_completes(eng):
         assert matcher.consume_token(token_id)
         assert not matcher.is_stopped()
     assert matcher.consume_token(token_ids[-1]) and matcher.is_stopped()
+
+
+def test_logprobs_of_a_constrained_request_are_over_the_allowed_tokens(eng):
+    """As vLLM: the mask comes before the logprobs, so the alternatives are tokens the grammar allows
+    and their probabilities sum to at most 1 among themselves."""
+    params = SamplingParams(max_tokens=5, temperature=0, regex="[0-9]{3}", logprobs=True, top_logprobs=5)
+    c = eng.generate([chat_prompt(eng, "Pick a number.")], params)[0]
+    assert re.fullmatch("[0-9]{3}", c.text) and len(c.logprobs) == len(c.token_ids)
+    for entry in c.logprobs:
+        finite = [(token, lp) for _, token, _, lp in entry.top if lp != float("-inf")]
+        assert finite and all(re.fullmatch("[0-9]+", token) for token, _ in finite), entry.top
+        assert entry.logprob == finite[0][1]  # greedy took the best allowed token
+        assert sum(np.exp(lp) for _, lp in finite) <= 1.0 + 1e-4
 
 
 def test_n_choices_each_follow_the_schema(eng):

@@ -82,9 +82,7 @@ def _grammar_text(spec: GrammarSpec) -> str:
             choices = json.loads(spec.text)
             return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
         return llguidance.LLMatcher.grammar_from_lark(any_to_lark(spec.text))
-    except (ValueError, TypeError) as exc:  # not a valid JSON object; a GBNF the converter cannot read
-        raise InvalidParameterError(f"{spec.kind} is invalid: {exc}", spec.kind) from None
-    except Exception as exc:  # the GBNF converter's own error type
+    except Exception as exc:  # ValueError (not a JSON object), GbnfToLarkError (a GBNF it cannot read), ...
         raise InvalidParameterError(f"{spec.kind} is invalid: {exc}", spec.kind) from None
 
 

@@ -7,9 +7,11 @@ with each sampled token (on the engine thread), ``is_finished`` says the grammar
 ``apply_token_masks(logits, matchers)`` masks a whole batch each tick: llguidance's executor fills
 one bitmask row per constrained sequence (in parallel, without the GIL) into a reused int32 buffer
 [R, ceil(V / 32)], the bits are unpacked once for the batch and every disallowed logit becomes -inf.
-Rows without a matcher are untouched. Masks are applied to the logits the sampler chooses from;
-logprobs are taken before (they describe the model's raw distribution, as vLLM's default
-``raw_logprobs``).
+Rows without a matcher are untouched. The engine masks a tick's rows (``mask_rows``) before it
+samples, so, as in vLLM (whose model runner applies the grammar bitmask before the sampler takes
+its logprobs), a constrained request's logprobs are those of the masked distribution: banned
+tokens never appear among the top logprobs and the allowed ones are renormalized among
+themselves. Unconstrained rows in the same batch are untouched.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import threading
 
 import llguidance
 import numpy as np
+import torch
 
 from .compiler import CompiledGrammar
 
@@ -85,6 +88,15 @@ def fill_bitmask(matchers: list[GrammarMatcher], vocab_size: int) -> np.ndarray:
     return rows
 
 
+def mask_rows(logits: torch.Tensor, matchers: list[GrammarMatcher | None]) -> torch.Tensor:
+    """The engine tick's hook: ``logits`` [S, V] with each constrained row masked, as float32 and
+    contiguous (in place when it already was)."""
+    if logits.dtype != torch.float32 or not logits.is_contiguous():
+        logits = logits.float().contiguous()
+    apply_token_masks(logits.numpy(), matchers)
+    return logits
+
+
 def apply_token_masks(logits: np.ndarray, matchers: list[GrammarMatcher | None]) -> None:
     """Set every token a row's grammar disallows to -inf in ``logits`` [S, V] (float32, in place)."""
     row_ids = [row for row, m in enumerate(matchers) if m is not None]
@@ -96,8 +108,9 @@ def mask_logits(logits: np.ndarray, row_ids: list[int], bitmask: np.ndarray) -> 
     """``logits[row_ids[j], t] = -inf`` where bit t of ``bitmask[j]`` is 0 (logits [S, V] float32,
     bitmask [len(row_ids), ceil(V / 32)] int32, little-endian bit order within each word)."""
     vocab_size = logits.shape[1]
-    bits = np.unpackbits(bitmask.view(np.uint8), axis=1, count=vocab_size, bitorder="little")  # [R, V] uint8
-    is_banned = bits == 0  # [R, V]
+    banned_words = np.invert(bitmask)  # [R, W] int32: a 1 bit is a banned token
+    is_banned = np.unpackbits(banned_words.view(np.uint8), axis=1, count=vocab_size,
+                              bitorder="little").view(np.bool_)  # [R, V] 0/1 bytes read as bools
     if len(row_ids) == logits.shape[0]:
         np.copyto(logits, np.float32(-np.inf), where=is_banned)
     else:
@@ -105,4 +118,4 @@ def mask_logits(logits: np.ndarray, row_ids: list[int], bitmask: np.ndarray) -> 
             np.copyto(logits[row], np.float32(-np.inf), where=is_banned[j])
 
 
-__all__ = ["GrammarMatcher", "apply_token_masks", "fill_bitmask", "mask_logits"]
+__all__ = ["GrammarMatcher", "apply_token_masks", "fill_bitmask", "mask_logits", "mask_rows"]
