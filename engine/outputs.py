@@ -73,7 +73,8 @@ class Completion:
     def __repr__(self) -> str:
         from .display import short_text
 
-        return (f"Completion(text={short_text(self.text)!r}, finish_reason={self.finish_reason!r}, "
+        calls = f"tool_calls={[c.name for c in self.tool_calls]!r}, " if self.tool_calls else ""
+        return (f"Completion(text={short_text(self.text)!r}, {calls}finish_reason={self.finish_reason!r}, "
                 f"usage=Usage(prompt_tokens={self.usage.prompt_tokens}, "
                 f"completion_tokens={self.usage.completion_tokens}), request_id={self.request_id!r})")
 

@@ -122,6 +122,7 @@ def test_in_process_chat_with_tools_and_errors():
         done = eng.chat(ASK, SamplingParams(max_tokens=200), tools=TOOLS)
         assert done.text == "Checking." and done.finish_reason == "tool_calls"
         assert [c.name for c in done.tool_calls] == ["get_weather"]
+        assert "tool_calls=['get_weather']" in repr(done) and "tool call: get_weather(" in done.describe()
         events = list(eng.stream_chat(ASK, SamplingParams(max_tokens=200), tools=TOOLS))
         assert "".join(e.text for e in events) == done.text
         for tool_choice, param in [("required", "tool_choice"), ({"type": "function", "function": {"name": "x"}},
