@@ -141,17 +141,29 @@ class Engine:
         return self.submit(self._prompt_ids(prompt), params, request_id)
 
     def stream_chat(self, messages: list[dict], params: SamplingParams | None = None,
-                    request_id: str | None = None, tools: list[dict] | None = None) -> RequestStream:
-        """Apply the chat template to OpenAI-style messages and stream the reply."""
-        prompt_ids = self.tokenizer.encode_chat(messages, add_generation_prompt=True, tools=tools)
-        return self.submit(prompt_ids, params, request_id, prompt_param="messages")
+                    request_id: str | None = None, tools: list[dict] | None = None, tool_choice=None,
+                    parallel_tool_calls: bool = True) -> RequestStream:
+        """Apply the chat template to OpenAI-style messages and stream the reply.
+
+        ``tools`` / ``tool_choice``: OpenAI's (engine/tools): events then carry content as ``text``
+        and call pieces as ``tool_calls``."""
+        from .tools.stream import prepare_chat, tools_error
+
+        prompt_ids, params, event_filter = prepare_chat(self.tokenizer, messages, params, tools, tool_choice,
+                                                        parallel_tool_calls)
+        try:
+            return self.submit(prompt_ids, params, request_id, prompt_param="messages", event_filter=event_filter)
+        except InvalidParameterError as exc:
+            raise tools_error(exc, event_filter) from None
 
     def submit(self, prompt_ids: list[int], params: SamplingParams | None = None, request_id: str | None = None,
-               prompt_param: str = "prompt", outputs: queue.SimpleQueue | None = None) -> RequestStream:
+               prompt_param: str = "prompt", outputs: queue.SimpleQueue | None = None,
+               event_filter=None) -> RequestStream:
         """Submit prompt token ids. ``prompt_param`` names the prompt in errors ("prompt", "messages").
-        ``outputs``: the queue the engine thread puts this request's events on (default: a new one)."""
+        ``outputs``: the queue the engine thread puts this request's events on (default: a new one).
+        ``event_filter``: applied to every event the stream hands out (tool-call parsing)."""
         return RequestStream(self._core, self._submit_request(prompt_ids, params, request_id, prompt_param, outputs),
-                             prompt_ids, owner=self)
+                             prompt_ids, owner=self, event_filter=event_filter)
 
     def _submit_request(self, prompt_ids, params, request_id, prompt_param, outputs):
         request = self._core.make_request(prompt_ids, params, request_id, prompt_param)
@@ -231,20 +243,23 @@ class Engine:
         return [(prompt, params) for prompt in prompts]
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None,
-             tools: list[dict] | None = None) -> Completion | list[Completion]:
-        """The reply's Completion; with params.n > 1, the list of the n choices' Completions."""
-        stream = self.stream_chat(messages, params, tools=tools)
+             tools: list[dict] | None = None, tool_choice=None,
+             parallel_tool_calls: bool = True) -> Completion | list[Completion]:
+        """The reply's Completion; with params.n > 1, the list of the n choices' Completions.
+        With tools, ``Completion.tool_calls`` holds the calls and ``text`` the content around them."""
+        stream = self.stream_chat(messages, params, tools=tools, tool_choice=tool_choice,
+                                  parallel_tool_calls=parallel_tool_calls)
         return stream.collect() if stream.num_choices == 1 else stream.collect_choices()
 
     # ----- async twins (engine/async_stream.py): same arguments, never block the event loop -----
-    def _asubmit(self, prompt_ids: list[int], params, request_id, prompt_param: str = "prompt"):
+    def _asubmit(self, prompt_ids: list[int], params, request_id, prompt_param: str = "prompt", event_filter=None):
         import asyncio
 
         from .async_stream import AsyncRequestStream, LoopQueue
 
         outputs = LoopQueue(asyncio.get_running_loop())
         request = self._submit_request(prompt_ids, params, request_id, prompt_param, outputs)
-        return AsyncRequestStream(self._core, request, prompt_ids, outputs, owner=self)
+        return AsyncRequestStream(self._core, request, prompt_ids, outputs, owner=self, event_filter=event_filter)
 
     def astream(self, prompt: str | list[int], params: SamplingParams | None = None,
                 request_id: str | None = None):
@@ -252,9 +267,16 @@ class Engine:
         return self._asubmit(self._prompt_ids(prompt), params, request_id)
 
     def astream_chat(self, messages: list[dict], params: SamplingParams | None = None,
-                     request_id: str | None = None, tools: list[dict] | None = None):
-        prompt_ids = self.tokenizer.encode_chat(messages, add_generation_prompt=True, tools=tools)
-        return self._asubmit(prompt_ids, params, request_id, prompt_param="messages")
+                     request_id: str | None = None, tools: list[dict] | None = None, tool_choice=None,
+                     parallel_tool_calls: bool = True):
+        from .tools.stream import prepare_chat, tools_error
+
+        prompt_ids, params, event_filter = prepare_chat(self.tokenizer, messages, params, tools, tool_choice,
+                                                        parallel_tool_calls)
+        try:
+            return self._asubmit(prompt_ids, params, request_id, prompt_param="messages", event_filter=event_filter)
+        except InvalidParameterError as exc:
+            raise tools_error(exc, event_filter) from None
 
     async def agenerate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                         progress: bool = False) -> list[Completion]:
@@ -286,6 +308,8 @@ class Engine:
                 bar.close()
 
     async def achat(self, messages: list[dict], params: SamplingParams | None = None,
-                    tools: list[dict] | None = None) -> Completion | list[Completion]:
-        stream = self.astream_chat(messages, params, tools=tools)
+                    tools: list[dict] | None = None, tool_choice=None,
+                    parallel_tool_calls: bool = True) -> Completion | list[Completion]:
+        stream = self.astream_chat(messages, params, tools=tools, tool_choice=tool_choice,
+                                   parallel_tool_calls=parallel_tool_calls)
         return await (stream.collect() if stream.num_choices == 1 else stream.collect_choices())

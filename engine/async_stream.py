@@ -80,8 +80,10 @@ class LoopQueue(queue.SimpleQueue):
 class AsyncRequestStream:
     """Async iterator over one request's StreamEvents; ``aclose()`` or cancelling aborts the request."""
 
-    def __init__(self, core, request, prompt_token_ids: list[int], outputs: LoopQueue, owner: object = None):
+    def __init__(self, core, request, prompt_token_ids: list[int], outputs: LoopQueue, owner: object = None,
+                 event_filter=None):
         self._core = core
+        self._filter = event_filter  # applied to every event handed out (tool-call parsing)
         self._owner = owner  # the Engine: kept alive while a stream is held
         self._request = request
         self._group = request.group
@@ -117,7 +119,7 @@ class AsyncRequestStream:
         if isinstance(item, BaseException):
             self._done = True
             raise item
-        return item
+        return item if self._filter is None else self._filter(item)
 
     def close(self) -> None:
         if not self._done:

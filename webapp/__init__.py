@@ -20,6 +20,8 @@ from flask import Flask, Response, request, send_from_directory
 from werkzeug.exceptions import HTTPException
 
 from cext.chunk import ChunkWriter
+from engine.errors import InvalidParameterError
+from engine.params import CONSTRAINT_FIELDS
 
 from . import cors, errors, protocol, request_fields, sse
 from .errors import APIError
@@ -193,8 +195,13 @@ def create_app(engine, model_name: str | None = None, api_key: str | None = None
         """Template and tokenize on this handler thread (the engine's own prompt path), submit."""
         try:
             if req.is_chat:
-                return engine.stream_chat(req.messages, req.params)
+                return engine.stream_chat(req.messages, req.params, tools=req.tools, tool_choice=req.tool_choice,
+                                          parallel_tool_calls=req.parallel_tool_calls)
             return engine.submit_batch(req.prompts, req.params, add_special_tokens=req.add_special_tokens)
+        except InvalidParameterError as exc:
+            if req.constraint_param and exc.param in CONSTRAINT_FIELDS:  # the schema / grammar did not compile
+                raise errors.bad_request(f"{req.constraint_param}: {exc}", req.constraint_param) from None
+            raise errors.from_exception(exc) from None
         except Exception as exc:
             raise errors.from_exception(exc) from None
 

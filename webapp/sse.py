@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
+import json
 import logging
 
 from cext.chunk import DONE, ChunkWriter
@@ -29,6 +30,13 @@ log = logging.getLogger("webapp")
 def error_event(exc: BaseException) -> bytes:
     """An SSE error event for a failure after the 200 headers went out (the openai client raises it)."""
     return b"data: " + from_exception(exc).body() + b"\n\n"
+
+
+def tool_chunk(writer: ChunkWriter, event) -> bytes:
+    """The chunk of an event with tool call deltas (requests with tools only; the deltas are few
+    and small, so they go through json.dumps; the text still goes through the serializer)."""
+    deltas = json.dumps([d.to_dict() for d in event.tool_calls], ensure_ascii=False).encode("utf-8", "replace")
+    return writer.tool_event(event.text, deltas, event.logprobs, event.finish_reason, event.index)
 
 
 def _never() -> bool:
@@ -50,7 +58,10 @@ def stream_chunks(
         if echo_texts:
             yield b"".join(writer.event(text, None, None, index) for index, text in enumerate(echo_texts))
         for event in stream:
-            chunk = writer.event(event.text, event.logprobs, event.finish_reason, event.index)
+            if event.tool_calls is None:
+                chunk = writer.event(event.text, event.logprobs, event.finish_reason, event.index)
+            else:
+                chunk = tool_chunk(writer, event)
             if event.token_ids:
                 record.tokens(len(event.token_ids))
             if event.finish_reason is not None:
@@ -59,7 +70,8 @@ def stream_chunks(
             if later:
                 parts = [chunk]
                 for event in later:
-                    parts.append(writer.event(event.text, event.logprobs, event.finish_reason, event.index))
+                    parts.append(writer.event(event.text, event.logprobs, event.finish_reason, event.index)
+                                 if event.tool_calls is None else tool_chunk(writer, event))
                     if event.token_ids:
                         record.tokens(len(event.token_ids))
                     if event.finish_reason is not None:
