@@ -77,7 +77,7 @@ def silu_mul(intptr_t gate_up, intptr_t out, int64_t num_rows, int64_t inter, in
 def q4_matmul(intptr_t x, int64_t x_stride, int64_t num_rows, int64_t num_cols, intptr_t blocks, bint half,
               int64_t num_out, intptr_t bias, intptr_t y, int64_t y_stride, int dtype):
     """y [M, N] = x [M, K] @ W.T (+ bias float32 [N], 0: none) for W in Q4 rows [N, K / 32 * (20 if half
-    else 24)] (csrc/qgemm.h); x quantized to int8 per block of 32."""
+    else 24)] (csrc/qgemm.h); x quantized to int16 codes per block of 32."""
     cdef int rc
     with nogil:
         rc = fk_q4_matmul(<const void*>x, x_stride, num_rows, num_cols, <const unsigned char*>blocks, half, num_out,
@@ -87,7 +87,8 @@ def q4_matmul(intptr_t x, int64_t x_stride, int64_t num_rows, int64_t num_cols, 
 
 def q8_matmul(intptr_t x, int64_t x_stride, int64_t num_rows, int64_t num_cols, intptr_t q, intptr_t scales,
               int64_t num_out, intptr_t bias, intptr_t y, int64_t y_stride, int dtype):
-    """y [M, N] = x [M, K] @ (q [N, K] int8 * scales [N]).T (+ bias); x quantized to int8 per block of 32."""
+    """y [M, N] = x [M, K] @ W.T (+ bias) for W = q [N, K] int8 * scales [N, K / 32] per block of 32;
+    x quantized to int16 codes per block of 32."""
     cdef int rc
     with nogil:
         rc = fk_q8_matmul(<const void*>x, x_stride, num_rows, num_cols, <const signed char*>q, <const float*>scales,

@@ -152,9 +152,9 @@ static void q8_range_scalar(const void *p, int64_t n0, int64_t n1, float *scratc
                 const int16_t *xq = a->qx + i * a->num_cols + b * QK_BLOCK;
                 int32_t dot = 0;
                 for (int j = 0; j < QK_BLOCK; j++) dot += w[j] * xq[j];
-                acc += a->dx[i * nb + b] * (float)dot;
+                acc += a->scales[n * nb + b] * a->dx[i * nb + b] * (float)dot;
             }
-            store_out(a, i, n, acc * a->scales[n] + bias);
+            store_out(a, i, n, acc + bias);
         }
     }
 }
@@ -257,15 +257,23 @@ __attribute__((target("avx2,fma,f16c"))) static void q4_range_avx2(const void *p
     }
 }
 
-__attribute__((target("avx2,fma"), always_inline)) static inline void q8_tile_avx2(
-        const QArgs *a, int64_t n, int nr, int64_t i0, const int TR, const int8_t *const *rows) {
+__attribute__((target("avx2,fma,f16c"), always_inline)) static inline void q8_tile_avx2(
+        const QArgs *a, int64_t n, int nr, int64_t i0, const int TR, const int8_t *const *rows,
+        const float *const *wscales, float *scales) {
     const int64_t nb = a->num_cols / QK_BLOCK;
     __m256 acc[QG_NR][QG_TR];
-    for (int k = 0; k < QG_NR; k++)
-        for (int r = 0; r < TR; r++) acc[k][r] = _mm256_setzero_ps();
+    for (int r = 0; r < TR; r++) {
+        const float *dx = a->dx + (i0 + r) * nb;
+        for (int k = 0; k < QG_NR; k++) {
+            float *sc = scales + (k * QG_TR + r) * nb;
+            int64_t b = 0;
+            for (; b + 8 <= nb; b += 8)
+                _mm256_storeu_ps(sc + b, _mm256_mul_ps(_mm256_loadu_ps(wscales[k] + b), _mm256_loadu_ps(dx + b)));
+            for (; b < nb; b++) sc[b] = wscales[k][b] * dx[b];
+            acc[k][r] = _mm256_setzero_ps();
+        }
+    }
     for (int64_t b = 0; b < nb; b++) {
-        __m256 dx[QG_TR];
-        for (int r = 0; r < TR; r++) dx[r] = _mm256_broadcast_ss(a->dx + (i0 + r) * nb + b);
         for (int k = 0; k < QG_NR; k++) {
             const __m256i w = _mm256_loadu_si256((const __m256i *)(rows[k] + b * QK_BLOCK));
             const __m256i w0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(w));
@@ -274,27 +282,34 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void q8_tile_av
                 const int16_t *x = a->qx + (i0 + r) * a->num_cols + b * QK_BLOCK;
                 const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)x)),
                                                      _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(x + 16))));
-                acc[k][r] = _mm256_fmadd_ps(dx[r], _mm256_cvtepi32_ps(dot), acc[k][r]);
+                const float *sc = scales + (k * QG_TR + r) * nb + b;
+                acc[k][r] = _mm256_fmadd_ps(_mm256_broadcast_ss(sc), _mm256_cvtepi32_ps(dot), acc[k][r]);
             }
         }
     }
     for (int k = 0; k < nr; k++)
         for (int r = 0; r < TR; r++) {
             const float bias = a->bias ? a->bias[n + k] : 0.0f;
-            store_out(a, i0 + r, n + k, hsum_avx2(acc[k][r]) * a->scales[n + k] + bias);
+            store_out(a, i0 + r, n + k, hsum_avx2(acc[k][r]) + bias);
         }
 }
 
-__attribute__((target("avx2,fma"))) static void q8_range_avx2(const void *p, int64_t n0, int64_t n1, float *scratch) {
-    (void)scratch;
+__attribute__((target("avx2,fma,f16c"))) static void q8_range_avx2(const void *p, int64_t n0, int64_t n1,
+                                                                  float *scratch) {
     const QArgs *a = (const QArgs *)p;
+    const int64_t nb = a->num_cols / QK_BLOCK;
     for (int64_t n = n0; n < n1; n += QG_NR) {
         const int nr = n1 - n < QG_NR ? (int)(n1 - n) : QG_NR;
         const int8_t *rows[QG_NR];
-        for (int k = 0; k < QG_NR; k++) rows[k] = a->q8 + (n + (k < nr ? k : 0)) * a->num_cols;
+        const float *wscales[QG_NR];
+        for (int k = 0; k < QG_NR; k++) {
+            const int64_t row = n + (k < nr ? k : 0);
+            rows[k] = a->q8 + row * a->num_cols;
+            wscales[k] = a->scales + row * nb;
+        }
         int64_t i0 = 0;
-        for (; i0 + QG_TR <= a->num_rows; i0 += QG_TR) q8_tile_avx2(a, n, nr, i0, QG_TR, rows);
-        if (i0 < a->num_rows) q8_tile_avx2(a, n, nr, i0, 1, rows);
+        for (; i0 + QG_TR <= a->num_rows; i0 += QG_TR) q8_tile_avx2(a, n, nr, i0, QG_TR, rows, wscales, scratch);
+        if (i0 < a->num_rows) q8_tile_avx2(a, n, nr, i0, 1, rows, wscales, scratch);
     }
 }
 #endif

@@ -1,18 +1,19 @@
 /* Quantized weight products for decode-sized batches: y [M, N] = x [M, K] @ W.T (+ bias).
  *
- * The activations are quantized per row in blocks of 32 to int8 (dx = max|x| / 127,
- * round to nearest), as llama.cpp does for its 4-bit dot products; the weights stay in
- * their 4- or 8-bit codes and the integer dot products run 32 multiply-adds per
- * instruction (AVX2 maddubs). Weights:
+ * The activations are quantized per row in blocks of 32 to int16 codes (dx = max|x| / 32767,
+ * round half to even: a relative error below 2^-15 per element, where llama.cpp's int8
+ * codes move logprobs by tenths); the weights stay in their 4- or 8-bit codes, widened to
+ * int16 in registers, and the integer dot products run 16 multiply-adds per instruction
+ * (AVX2 madd_epi16). Weights:
  *
  * - Q4 rows: for K / 32 blocks b of 32 inputs, w = d[b] * q + m[b] with q in 0..15 (Q4_0,
  *   Q4_1 and Q4_K sub-blocks map onto this exactly: engine/loader/repack.py). Row n is
  *   d [K / 32], m [K / 32] (float32, or fp16 when `half`: 24 or 20 bytes per block in all),
- *   then the codes in pairs of
- *   blocks, 32 bytes per pair: byte j holds element j of block 2p in its low nibble and
+ *   then the codes in pairs of blocks, 32 bytes per pair: byte j holds element j of block 2p in its low nibble and
  *   element j of block 2p + 1 in its high nibble (one load, two masks: both blocks). K must
  *   be a multiple of 64. The m term uses the exact block sum of x.
- * - Q8 rows: int8 q [N, K] and float32 scales [N]: w = q * scale[n].
+ * - Q8 rows: int8 q [N, K] and float32 scales [N, K / 32]: w = q * scale per block of 32
+ *   (ggml's Q8_0).
  *
  * For Q8, K must be a multiple of 32. x and y are float32 or bfloat16 (FK_FLOAT32 / FK_BFLOAT16),
  * row-major with row strides in elements; bias is float32 [N] or NULL. Work is split over
