@@ -130,22 +130,11 @@ def create_app(engine, model_name: str | None = None, api_key: str | None = None
 
     @app.post("/tokenize")
     def tokenize():
-        req = protocol.parse_tokenize(_read_body())
-        try:
-            if req.messages is not None:
-                ids = tokenizer.encode_chat(req.messages, add_generation_prompt=req.add_generation_prompt,
-                                            tools=req.tools)
-            else:
-                ids = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
-        except Exception as exc:
-            raise errors.from_exception(exc) from None
-        strs = [tokenizer.decode([t], skip_special_tokens=False) for t in ids] if req.return_token_strs else None
-        return _json({"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": strs})
+        return _json(generation.tokenize_body(tokenizer, _read_body(), max_model_len))
 
     @app.post("/detokenize")
     def detokenize():
-        ids = protocol.parse_detokenize(_read_body(), tokenizer.vocab_size)
-        return _json({"prompt": tokenizer.decode(ids, skip_special_tokens=False)})
+        return _json(generation.detokenize_body(tokenizer, _read_body()))
 
     @app.get("/version")
     def version():

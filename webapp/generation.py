@@ -95,3 +95,22 @@ def response_body(req: protocol.ParsedRequest, request_id: str, model_name: str,
     if req.is_chat:
         return protocol.chat_response(request_id, model_name, created, completions, req.params.n)
     return protocol.text_response(request_id, model_name, created, completions, req.params.n, echo)
+
+
+def tokenize_body(tokenizer, body: dict, max_model_len: int | None) -> dict:
+    """POST /tokenize (vLLM's shape): a prompt or chat messages -> their token ids."""
+    req = protocol.parse_tokenize(body)
+    try:
+        if req.messages is not None:
+            ids = tokenizer.encode_chat(req.messages, add_generation_prompt=req.add_generation_prompt, tools=req.tools)
+        else:
+            ids = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+    except Exception as exc:
+        raise errors.from_exception(exc) from None
+    strs = [tokenizer.decode([t], skip_special_tokens=False) for t in ids] if req.return_token_strs else None
+    return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": strs}
+
+
+def detokenize_body(tokenizer, body: dict) -> dict:
+    ids = protocol.parse_detokenize(body, tokenizer.vocab_size)
+    return {"prompt": tokenizer.decode(ids, skip_special_tokens=False)}
