@@ -184,3 +184,64 @@ def build_deployment(spec: EngineSpec, num_replicas: int = 1, max_ongoing_reques
         max_constructor_retry_count=CONSTRUCTOR_RETRIES,
     )
     return ingress.bind(engines, options)
+
+
+APP_NAME = "llm-engine"
+
+
+class DeployError(RuntimeError):
+    """The application did not come up (a replica could not load its model, ...)."""
+
+
+def deploy(spec: EngineSpec, host: str, port: int, app_name: str = APP_NAME, **options) -> None:
+    """Start Serve's HTTP proxy on host:port (on a running Ray) and deploy the app; returns once it
+    serves. A replica that fails to start fails the deployment (one retry): DeployError, not a hang."""
+    serve.start(http_options={"host": host, "port": port})
+    try:
+        serve.run(build_deployment(spec, **options), name=app_name, route_prefix=f"/{app_name}"
+                  if app_name != APP_NAME else "/")
+    except RuntimeError as exc:
+        message = _failure_message(app_name) or str(exc)
+        serve.delete(app_name)
+        raise DeployError(message) from None
+
+
+def _failure_message(app_name: str) -> str | None:
+    """The failed deployment's status carries the replica's traceback: keep the line a user can act on
+    (the exception's type and message)."""
+    app = serve.status().applications.get(app_name)
+    for name, deployment in (app.deployments.items() if app else ()):
+        lines = [line.strip() for line in (deployment.message or "").splitlines() if line.strip()]
+        raised = [line for line in lines if line.split(":", 1)[0].endswith(("Error", "Exception"))]
+        if raised:
+            return f"{name} replica failed to start: {raised[-1]}"
+    return None
+
+
+def serve_on_ray(spec: EngineSpec, host: str, port: int, num_replicas: int, address: str | None = None,
+                 **options) -> None:
+    """``python -m webapp --ray-replicas N`` (a local Ray, started and stopped here) or
+    ``--ray-address ADDR`` (an existing cluster: the app is deleted on exit, the cluster stays). Blocks."""
+    import os
+    import time
+
+    import ray
+
+    num_cpus_per_replica = float(spec.kwargs.get("num_threads") or 1)
+    is_local = address is None
+    if is_local:  # room for every replica, even on a small machine (they then share its cores)
+        num_cpus = max(os.cpu_count() or 1, int(num_replicas * num_cpus_per_replica + 0.999))
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False)
+    else:
+        ray.init(address=address)
+    try:
+        deploy(spec, host, port, num_replicas=num_replicas, num_cpus_per_replica=num_cpus_per_replica, **options)
+        log.warning("serving on http://%s:%s (Ray Serve, %d engine replicas)", host, port, num_replicas)
+        while True:
+            time.sleep(3600)
+    finally:
+        if is_local:
+            serve.shutdown()
+        else:
+            serve.delete(APP_NAME)
+        ray.shutdown()
