@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-import ray  # noqa: E402  (ray[serve]: requirements-test.txt)
+import ray  # noqa: E402  (ray[serve]: requirements-ray.txt)
 from ray import serve  # noqa: E402
 
 from tests.server_fixtures import LiveServer, parse_sse, scripted_engine, wait_until  # noqa: E402
@@ -192,3 +192,15 @@ def test_replica_that_cannot_load_its_model_fails_the_deployment(ray_url):
     with pytest.raises(DeployError) as failure:
         deploy(spec, "127.0.0.1", port, app_name="broken", num_replicas=1, num_cpus_per_replica=0)
     assert "does not exist" in str(failure.value)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--ray-replicas", "0"], "--ray-replicas must be a positive integer"),
+    (["--ray-replicas", "2", "--allowed-origins", "*"], "--allowed-origins is not supported with Ray Serve"),
+])
+def test_cli_rejects_bad_ray_options_before_starting_ray(argv, message, capsys):
+    from webapp.__main__ import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--port", "0", *argv])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err

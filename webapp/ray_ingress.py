@@ -111,18 +111,18 @@ def build_app(engine_handle, model_name: str = "default", api_key: str | None = 
                 raise errors.from_http_status(413, f"The request body exceeds {max_body_bytes} bytes.")
         return protocol.decode_body(bytes(raw))
 
-    def endpoint(handler):
-        """Auth first; APIErrors (and anything unexpected) become OpenAI error bodies, counted."""
+    def endpoint(path: str, handler):
+        """Auth first; APIErrors (and anything unexpected) become OpenAI error bodies, counted.
+        ``path`` is the route's own (the app may be mounted under a prefix)."""
         async def run(request: Request) -> Response:
             try:
-                generation.check_api_key(expected_auth, request.url.path, request.method,
-                                         request.headers.get("authorization"))
+                generation.check_api_key(expected_auth, path, request.method, request.headers.get("authorization"))
                 return await handler(request)
             except Exception as exc:
                 if not isinstance(exc, APIError):
-                    log.exception("unhandled error in %s %s", request.method, request.url.path)
+                    log.exception("unhandled error in %s %s", request.method, path)
                 err = errors.from_exception(exc)
-                name = GENERATION_ENDPOINTS.get(request.url.path)
+                name = GENERATION_ENDPOINTS.get(path)
                 if name is not None:
                     metrics.count(name, f"http_{err.status}")
                 return _error_response(err)
@@ -248,19 +248,20 @@ def build_app(engine_handle, model_name: str = "default", api_key: str | None = 
             raise errors.from_http_status(404, "Not Found")
         return FileResponse(path)
 
-    routes = [
-        Route("/v1/chat/completions", endpoint(chat), methods=["POST"]),
-        Route("/v1/completions", endpoint(completions), methods=["POST"]),
-        Route("/v1/models", endpoint(models), methods=["GET"]),
-        Route("/health", endpoint(health), methods=["GET"]),
-        Route("/metrics", endpoint(metrics_endpoint), methods=["GET"]),
-        Route("/tokenize", endpoint(tokenize), methods=["POST"]),
-        Route("/detokenize", endpoint(detokenize), methods=["POST"]),
-        Route("/version", endpoint(version), methods=["GET"]),
-        Route("/v1/schema", endpoint(schema), methods=["GET"]),
-        Route("/", endpoint(index), methods=["GET"]),
-        Route("/static/{name:path}", endpoint(static_file), methods=["GET"]),
+    table = [
+        ("/v1/chat/completions", "POST", chat),
+        ("/v1/completions", "POST", completions),
+        ("/v1/models", "GET", models),
+        ("/health", "GET", health),
+        ("/metrics", "GET", metrics_endpoint),
+        ("/tokenize", "POST", tokenize),
+        ("/detokenize", "POST", detokenize),
+        ("/version", "GET", version),
+        ("/v1/schema", "GET", schema),
+        ("/", "GET", index),
+        ("/static/{name:path}", "GET", static_file),
     ]
+    routes = [Route(path, endpoint(path, handler), methods=[method]) for path, method, handler in table]
     app = Starlette(routes=routes, exception_handlers={
         404: lambda request, exc: _error_response(errors.from_http_status(404, "Not Found")),
         405: lambda request, exc: _error_response(errors.from_http_status(405, "Method Not Allowed")),

@@ -84,7 +84,10 @@ class PrefixTable:
 class PrefixAffinityRouter(FIFOMixin, RequestRouter):
     """``request_router_config=RequestRouterConfig(request_router_class=PrefixAffinityRouter)``."""
 
-    def initialize_state(self, imbalance_threshold: int = DEFAULT_IMBALANCE_THRESHOLD, max_keys: int = MAX_KEYS):
+    def initialize_state(self, is_affine: bool = True, imbalance_threshold: int = DEFAULT_IMBALANCE_THRESHOLD,
+                         max_keys: int = MAX_KEYS):
+        """``is_affine=False``: least-loaded only (the baseline the hit rate is measured against)."""
+        self.is_affine = is_affine
         self.imbalance_threshold = imbalance_threshold
         self.table = PrefixTable(max_keys)
         self.num_routed = 0
@@ -105,9 +108,8 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         self.replicas = [r for r in self.replicas if r.replica_id != replica_id]
         self.table.forget(replica_id)
 
-    @staticmethod
-    def _keys(pending_request: PendingRequest | None) -> list[int]:
-        if pending_request is None or not pending_request.args:
+    def _keys(self, pending_request: PendingRequest | None) -> list[int]:
+        if not self.is_affine or pending_request is None or not pending_request.args:
             return []
         req = pending_request.args[0]
         if not hasattr(req, "messages"):  # not a generation request (tokenize, health): no affinity

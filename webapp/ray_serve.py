@@ -21,6 +21,7 @@ arguments), never from a pickled engine: each replica loads its own model.
 """
 from __future__ import annotations
 
+import asyncio
 import importlib
 import logging
 from dataclasses import dataclass, field
@@ -36,6 +37,10 @@ log = logging.getLogger("webapp")
 ROUTING_STATS_PERIOD_S = 1.0  # how often Ray polls each replica's engine stats (routing, /metrics)
 HEALTH_CHECK_PERIOD_S = 2.0
 CONSTRUCTOR_RETRIES = 1  # a replica whose model will not load fails the deployment, no restart loop
+# A replica sends a stream's events at most once per this interval (the first at once): each Ray
+# streaming item costs ~0.5-1 ms of CPU per hop, more than a token of a host-bound model.
+# A real model's tokens are further apart than this, so they still travel one by one.
+STREAM_INTERVAL_S = 0.01
 INGRESS_EXTRA_REQUESTS = 8  # ingress slots beyond the generation bound: /health, /metrics, 429s
 INGRESS_QUEUE = 64  # requests the proxy holds for a busy ingress before its own 429
 
@@ -76,8 +81,9 @@ class EngineReplica:
     """One Engine. ``generate`` streams: a StreamHead (or an APIError), then lists of StreamEvents
     that arrived together (streamed requests), or one list of Completions (the engine's fold)."""
 
-    def __init__(self, spec: EngineSpec):
+    def __init__(self, spec: EngineSpec, stream_interval_s: float = 0.0):
         self.engine = spec.build()
+        self.stream_interval_s = stream_interval_s
         self.replica_id = serve.get_replica_context().replica_id.to_full_id_str()
         log.info("replica %s ready: %r", self.replica_id, self.engine)
 
@@ -96,9 +102,16 @@ class EngineReplica:
             if not req.is_stream:
                 yield await stream.collect_choices()
                 return
+            loop = asyncio.get_running_loop()
+            sent_at = None
             async for event in stream:
+                if sent_at is not None and self.stream_interval_s > 0:  # coalesce: one Ray item per interval
+                    wait_s = sent_at + self.stream_interval_s - loop.time()
+                    if wait_s > 0:
+                        await asyncio.sleep(wait_s)
                 later = stream.ready_events()
                 yield [event, *later] if later else [event]
+                sent_at = loop.time()
         except Exception as exc:  # the engine failed mid-stream: the ingress writes it in-band
             yield errors.from_exception(exc)
         finally:
@@ -151,7 +164,7 @@ class Ingress:
 def build_deployment(spec: EngineSpec, num_replicas: int = 1, max_ongoing_requests: int | None = None,
                      max_queued_requests: int | None = None, num_cpus_per_replica: float = 1.0,
                      api_key: str | None = None, max_concurrent_requests: int = 56,
-                     prefix_routing: bool = True):
+                     prefix_routing: bool = True, stream_interval_s: float = STREAM_INTERVAL_S):
     """The Ray Serve application (pass it to ``serve.run``).
 
     Per replica, ``max_ongoing_requests`` (default: the engine's max_num_seqs) run at once;
@@ -165,17 +178,18 @@ def build_deployment(spec: EngineSpec, num_replicas: int = 1, max_ongoing_reques
         max_ongoing_requests = int(spec.kwargs.get("max_num_seqs", 64))
     if max_queued_requests is None:
         max_queued_requests = max_ongoing_requests * num_replicas
-    router_config = RequestRouterConfig(request_routing_stats_period_s=ROUTING_STATS_PERIOD_S)
-    if prefix_routing:  # by import path: Ray imports it in the ingress process
-        router_config = RequestRouterConfig(request_router_class="webapp.ray_router.PrefixAffinityRouter",
-                                            request_routing_stats_period_s=ROUTING_STATS_PERIOD_S)
+    # By import path: Ray ships the class to the ingress. prefix_routing=False keeps the router (its
+    # least-loaded fallback and the replicas' stats for /metrics) without the affinity.
+    router_config = RequestRouterConfig(request_router_class="webapp.ray_router.PrefixAffinityRouter",
+                                        request_router_kwargs={"is_affine": prefix_routing},
+                                        request_routing_stats_period_s=ROUTING_STATS_PERIOD_S)
     engines = serve.deployment(
         EngineReplica, name="EngineReplica", num_replicas=num_replicas,
         max_ongoing_requests=max_ongoing_requests, max_queued_requests=max_queued_requests,
         ray_actor_options={"num_cpus": num_cpus_per_replica},
         health_check_period_s=HEALTH_CHECK_PERIOD_S, max_constructor_retry_count=CONSTRUCTOR_RETRIES,
         request_router_config=router_config,
-    ).bind(spec)
+    ).bind(spec, stream_interval_s)
     options = {"model_name": spec.model_name, "api_key": api_key, "max_concurrent_requests": max_concurrent_requests}
     ingress = serve.deployment(
         Ingress, name="Ingress", num_replicas=1, ray_actor_options={"num_cpus": 0},
