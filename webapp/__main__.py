@@ -106,10 +106,9 @@ def _serve_on_ray(parser: argparse.ArgumentParser, args, options: dict, name: st
     from .ray_serve import DeployError, EngineSpec, serve_on_ray
 
     spec = EngineSpec(kwargs={"model": args.model, **options}, model_name=name)
-    max_concurrent = args.max_concurrent_requests or args.threads - 8
-    try:
+    try:  # --max-concurrent-requests unset: the replicas' own limits (max_num_seqs, queue) bind first
         serve_on_ray(spec, args.host, args.port, args.ray_replicas or 1, address=args.ray_address,
-                     api_key=args.api_key, max_concurrent_requests=max_concurrent)
+                     api_key=args.api_key, max_concurrent_requests=args.max_concurrent_requests)
     except DeployError as exc:
         parser.exit(2, f"{parser.prog}: error: {exc}\n")
     except KeyboardInterrupt:

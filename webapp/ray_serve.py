@@ -163,21 +163,26 @@ class Ingress:
 
 def build_deployment(spec: EngineSpec, num_replicas: int = 1, max_ongoing_requests: int | None = None,
                      max_queued_requests: int | None = None, num_cpus_per_replica: float = 1.0,
-                     api_key: str | None = None, max_concurrent_requests: int = 56,
+                     api_key: str | None = None, max_concurrent_requests: int | None = None,
                      prefix_routing: bool = True, stream_interval_s: float = STREAM_INTERVAL_S):
     """The Ray Serve application (pass it to ``serve.run``).
 
     Per replica, ``max_ongoing_requests`` (default: the engine's max_num_seqs) run at once;
     ``max_queued_requests`` (default: as many again per replica) more wait in the ingress's
     router; one beyond that is a 429 with Retry-After, as is one beyond the ingress's own
-    ``max_concurrent_requests`` (the single-process server's bound).
+    ``max_concurrent_requests`` (the single-process server's bound; default: running + queued,
+    so the replicas' limits bind first).
     """
     if not isinstance(num_replicas, int) or num_replicas < 1:
         raise ValueError(f"ray replicas must be a positive integer, got {num_replicas!r}")
     if max_ongoing_requests is None:
-        max_ongoing_requests = int(spec.kwargs.get("max_num_seqs", 64))
+        from engine.config import EngineConfig
+
+        max_ongoing_requests = int(spec.kwargs.get("max_num_seqs") or EngineConfig().max_num_seqs)
     if max_queued_requests is None:
         max_queued_requests = max_ongoing_requests * num_replicas
+    if max_concurrent_requests is None:
+        max_concurrent_requests = max_ongoing_requests * num_replicas + max_queued_requests
     # By import path: Ray ships the class to the ingress. prefix_routing=False keeps the router (its
     # least-loaded fallback and the replicas' stats for /metrics) without the affinity.
     router_config = RequestRouterConfig(request_router_class="webapp.ray_router.PrefixAffinityRouter",
