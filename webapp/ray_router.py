@@ -69,8 +69,10 @@ class PrefixTable:
         return best, num_matched
 
     def record(self, keys: list[int], replica_id: ReplicaID) -> None:
+        """Deepest key first, so a prefix's first blocks are its most recently used: eviction
+        shortens a remembered prefix from its end, never leaves a tail without its head."""
         owner = self._owner
-        for key in keys:
+        for key in reversed(keys):
             owner[key] = replica_id
             owner.move_to_end(key)
         while len(owner) > self.max_keys:
