@@ -139,7 +139,7 @@ class EngineReplica:
 
     def record_routing_stats(self) -> dict:
         """Polled by Ray every ROUTING_STATS_PERIOD_S; the ingress sums them into /metrics."""
-        return {**self.engine.stats(), "is_alive": self.engine.is_alive()}
+        return {**self.engine.stats(), "is_alive": self.engine.is_alive(), "replica_id": self.replica_id}
 
     def __del__(self) -> None:
         engine = getattr(self, "engine", None)
