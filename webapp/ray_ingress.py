@@ -84,6 +84,21 @@ def _json(obj, headers: dict | None = None) -> Response:
     return Response(json.dumps(obj, allow_nan=False), media_type="application/json", headers=headers)
 
 
+class _Once:
+    """Ends a stream once, from its body's ``finally`` or when a body that never ran is collected:
+    cancels the replica's stream (the request is aborted there) and frees the admission slot."""
+
+    def __init__(self, response, admission: generation.Admission):
+        self._parts: tuple | None = (response, admission)
+
+    def __call__(self) -> None:
+        parts, self._parts = self._parts, None
+        if parts is not None:
+            response, admission = parts
+            response.cancel()
+            admission.leave()
+
+
 def _error_response(err: APIError) -> Response:
     return Response(err.body(), status_code=err.status, media_type="application/json", headers=err.headers)
 
@@ -143,7 +158,7 @@ def build_app(engine_handle, model_name: str = "default", api_key: str | None = 
                     raise errors.from_exception(_replica_gone(exc)) from None
                 log.warning("engine replica died before answering; retrying once: %s", exc)
 
-    async def stream_body(response, writer, record, include_usage, echo_texts):
+    async def stream_body(response, writer, record, include_usage, echo_texts, release):
         status = "abort"
         try:
             if echo_texts:
@@ -161,8 +176,7 @@ def build_app(engine_handle, model_name: str = "default", api_key: str | None = 
             log.warning("engine replica died mid-stream: %s", exc)
             yield sse.error_end(_replica_gone(exc))
         finally:
-            response.cancel()  # the client left: the replica's stream is closed, the request aborted
-            admission.leave()
+            release()
             metrics.finish(record, status)
 
     async def generate(request: Request, endpoint_name: str, parse) -> Response:
@@ -180,7 +194,9 @@ def build_app(engine_handle, model_name: str = "default", api_key: str | None = 
             headers = {"X-Replica-Id": head.replica_id}
             if req.is_stream:
                 writer = ChunkWriter(request_id, model_name, created, req.is_chat, req.include_usage)
-                body = stream_body(response, writer, record, req.include_usage, head.echo_texts)
+                release = _Once(response, admission)
+                body = stream_body(response, writer, record, req.include_usage, head.echo_texts, release)
+                weakref.finalize(body, release)  # a body never started (the client left first) is dropped
                 is_admitted = False
                 return StreamingResponse(body, media_type="text/event-stream", headers={**sse.STREAM_HEADERS, **headers})
             try:
