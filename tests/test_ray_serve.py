@@ -9,6 +9,7 @@ from __future__ import annotations
 import faulthandler
 import json
 import os
+import re
 import socket
 import threading
 
@@ -123,6 +124,22 @@ def test_prefix_sharing_requests_land_on_one_replica(ray_url):
         assert response.status_code == 200, response.text
         replica_ids.add(response.headers["x-replica-id"])
     assert len(replica_ids) == 1  # random choice among 2 replicas would split 6 requests 31 times in 32
+
+
+def test_metrics_count_requests_at_the_ingress_and_sum_the_replicas_engine_stats(ray_url):
+    def metric(text: str, name: str) -> float:
+        line = next(line for line in text.splitlines() if line.startswith(f"llm:{name}{{"))
+        return float(line.rsplit(" ", 1)[1])
+
+    def scrape() -> str:
+        return httpx.get(ray_url + "/metrics", timeout=30).text
+
+    # engine counters come from the replicas' stats, which Ray refreshes every second
+    assert wait_until(lambda: metric(scrape(), "prefix_cache_queries_total") > 0, timeout=30, interval=0.5)
+    text = scrape()
+    assert metric(text, "engine_alive") == 1.0
+    assert re.search(r'^llm:http_requests_total\{[^}]*endpoint="chat"[^}]*status="ok"[^}]*\} [1-9]', text, re.M)
+    assert metric(text, "time_to_first_token_seconds_count") > 0  # measured at the ingress
 
 
 def _long_stream_body(max_tokens: int = 900) -> dict:
