@@ -140,6 +140,7 @@ def test_metrics_count_requests_at_the_ingress_and_sum_the_replicas_engine_stats
     assert metric(text, "engine_alive") == 1.0
     assert re.search(r'^llm:http_requests_total\{[^}]*endpoint="chat"[^}]*status="ok"[^}]*\} [1-9]', text, re.M)
     assert metric(text, "time_to_first_token_seconds_count") > 0  # measured at the ingress
+    assert metric(text, "request_queue_time_seconds_count") > 0  # reported by the replicas
 
 
 def _long_stream_body(max_tokens: int = 900) -> dict:

@@ -37,6 +37,7 @@ from engine.errors import EngineDead
 from . import DEFAULT_MAX_BODY_BYTES, STATIC_DIR, _version, errors, generation, protocol, request_fields, sse
 from .errors import APIError
 from .metrics import RequestRecord, ServerMetrics
+from .ray_serve import StreamEnd
 
 log = logging.getLogger("webapp")
 
@@ -164,6 +165,9 @@ def build_app(engine_handle, model_name: str = "default", api_key: str | None = 
             if echo_texts:
                 yield sse.echo_chunk(writer, echo_texts)
             async for item in response:
+                if isinstance(item, StreamEnd):
+                    record.queue_s = item.queue_s
+                    continue
                 if isinstance(item, APIError):  # the engine failed mid-stream
                     status = "error"
                     yield sse.error_end(item)
@@ -201,12 +205,14 @@ def build_app(engine_handle, model_name: str = "default", api_key: str | None = 
                 return StreamingResponse(body, media_type="text/event-stream", headers={**sse.STREAM_HEADERS, **headers})
             try:
                 completions = await response.__anext__()
+                end = await response.__anext__() if not isinstance(completions, APIError) else None
             except (RayActorError, DeploymentUnavailableError) as exc:
                 metrics.finish(record, "error")
                 raise errors.from_exception(_replica_gone(exc)) from None
             if isinstance(completions, APIError):
                 metrics.finish(record, "error")
                 raise completions
+            record.queue_s = end.queue_s
             for c in completions:
                 record.finish_reasons.append(c.finish_reason)
             record.tokens(sum(c.usage.completion_tokens for c in completions))

@@ -77,9 +77,17 @@ class StreamHead:
     replica_id: str
 
 
+@dataclass(frozen=True)
+class StreamEnd:
+    """A replica's last item for a request that ran to its end."""
+
+    queue_s: float | None  # submission -> first scheduled (the request_queue_time metric)
+
+
 class EngineReplica:
     """One Engine. ``generate`` streams: a StreamHead (or an APIError), then lists of StreamEvents
-    that arrived together (streamed requests), or one list of Completions (the engine's fold)."""
+    that arrived together (streamed requests) or one list of Completions (the engine's fold),
+    then a StreamEnd; an APIError instead when the engine fails mid-way."""
 
     def __init__(self, spec: EngineSpec, stream_interval_s: float = 0.0):
         self.engine = spec.build()
@@ -101,6 +109,7 @@ class EngineReplica:
                              generation.echo_texts(self.engine.tokenizer, req), self.replica_id)
             if not req.is_stream:
                 yield await stream.collect_choices()
+                yield StreamEnd(stream.queue_time)
                 return
             loop = asyncio.get_running_loop()
             sent_at = None
@@ -112,6 +121,7 @@ class EngineReplica:
                 later = stream.ready_events()
                 yield [event, *later] if later else [event]
                 sent_at = loop.time()
+            yield StreamEnd(stream.queue_time)
         except Exception as exc:  # the engine failed mid-stream: the ingress writes it in-band
             yield errors.from_exception(exc)
         finally:
