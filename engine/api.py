@@ -184,6 +184,10 @@ class Engine:
                      add_special_tokens: bool = True) -> RequestStream:
         """Submit several prompts (text, encoded here, or token ids) as one request: one stream whose
         events carry ``index`` = prompt number * n + choice (the OpenAI order of a batched completion)."""
+        first, prompts = self._submit_group(prompts, params, request_id, prompt_param, add_special_tokens, None)
+        return RequestStream(self._core, first, prompts[0])
+
+    def _submit_group(self, prompts, params, request_id, prompt_param, add_special_tokens, outputs):
         if not prompts:
             raise InvalidParameterError(f"{prompt_param} must hold at least one prompt", prompt_param)
         prompts = [self.tokenizer.encode(p, add_special_tokens=add_special_tokens) if isinstance(p, str) else p
@@ -192,8 +196,10 @@ class Engine:
                                         prompt_param if len(prompts) == 1 else f"{prompt_param}[0]")
         for i, prompt_ids in enumerate(prompts[1:], start=1):
             self._core.make_request(prompt_ids, params, prompt_param=f"{prompt_param}[{i}]", group=first.group)
+        if outputs is not None:
+            first.group.outputs = outputs
         self._core.submit(first.group)
-        return RequestStream(self._core, first, prompts[0])
+        return first, prompts
 
     # ----- one-shot wrappers -----
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
@@ -277,6 +283,18 @@ class Engine:
             return self._asubmit(prompt_ids, params, request_id, prompt_param="messages", event_filter=event_filter)
         except InvalidParameterError as exc:
             raise tools_error(exc, event_filter) from None
+
+    def asubmit_batch(self, prompts: list[str | list[int]], params: SamplingParams | None = None,
+                      request_id: str | None = None, prompt_param: str = "prompt",
+                      add_special_tokens: bool = True):
+        """The async twin of ``submit_batch``; call it inside a coroutine (it binds to the running loop)."""
+        import asyncio
+
+        from .async_stream import AsyncRequestStream, LoopQueue
+
+        outputs = LoopQueue(asyncio.get_running_loop())
+        first, prompts = self._submit_group(prompts, params, request_id, prompt_param, add_special_tokens, outputs)
+        return AsyncRequestStream(self._core, first, prompts[0], outputs, owner=self)
 
     async def agenerate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                         progress: bool = False) -> list[Completion]:

@@ -26,6 +26,8 @@ from .metrics import RequestRecord, ServerMetrics
 
 log = logging.getLogger("webapp")
 
+STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
 
 def error_event(exc: BaseException) -> bytes:
     """An SSE error event for a failure after the 200 headers went out (the openai client raises it)."""
@@ -43,6 +45,40 @@ def _never() -> bool:
     return False
 
 
+# The bytes of a stream, in order: echo_chunk (completions' echo), events_chunk per batch of
+# events, then end_chunk, or error_end after a failure. Both front-ends (the WSGI generator
+# below, the Ray Serve ingress's async one) write exactly these.
+
+def echo_chunk(writer: ChunkWriter, echo_texts: list[str]) -> bytes:
+    """Per choice, the prompt text sent as its first chunk."""
+    return b"".join(writer.event(text, None, None, index) for index, text in enumerate(echo_texts))
+
+
+def events_chunk(writer: ChunkWriter, events, record: RequestRecord) -> bytes:
+    """Events that arrived together, as one write; their tokens and finish reasons go to ``record``."""
+    parts = []
+    for event in events:
+        parts.append(writer.event(event.text, event.logprobs, event.finish_reason, event.index)
+                     if event.tool_calls is None else tool_chunk(writer, event))
+        if event.token_ids:
+            record.tokens(len(event.token_ids))
+        if event.finish_reason is not None:
+            record.finish_reasons.append(event.finish_reason)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+def end_chunk(writer: ChunkWriter, record: RequestRecord, include_usage: bool) -> bytes:
+    """The usage chunk (stream_options.include_usage), then [DONE]."""
+    if include_usage:
+        return writer.usage(record.num_prompt_tokens, record.num_generated) + DONE
+    return DONE
+
+
+def error_end(exc: BaseException) -> bytes:
+    """A failure mid-stream: the error event, then [DONE]."""
+    return error_event(exc) + DONE
+
+
 def stream_chunks(
     stream,
     writer: ChunkWriter,
@@ -56,39 +92,18 @@ def stream_chunks(
     status = "abort"
     try:
         if echo_texts:
-            yield b"".join(writer.event(text, None, None, index) for index, text in enumerate(echo_texts))
+            yield echo_chunk(writer, echo_texts)
         for event in stream:
-            if event.tool_calls is None:
-                chunk = writer.event(event.text, event.logprobs, event.finish_reason, event.index)
-            else:
-                chunk = tool_chunk(writer, event)
-            if event.token_ids:
-                record.tokens(len(event.token_ids))
-            if event.finish_reason is not None:
-                record.finish_reasons.append(event.finish_reason)
             later = stream.ready_events()  # queued meanwhile: sent in the same write
-            if later:
-                parts = [chunk]
-                for event in later:
-                    parts.append(writer.event(event.text, event.logprobs, event.finish_reason, event.index)
-                                 if event.tool_calls is None else tool_chunk(writer, event))
-                    if event.token_ids:
-                        record.tokens(len(event.token_ids))
-                    if event.finish_reason is not None:
-                        record.finish_reasons.append(event.finish_reason)
-                chunk = b"".join(parts)
-            yield chunk
-            if event.finish_reason is None and is_disconnected():
+            yield events_chunk(writer, [event, *later] if later else (event,), record)
+            if (later[-1] if later else event).finish_reason is None and is_disconnected():
                 return
-        if include_usage:
-            yield writer.usage(record.num_prompt_tokens, record.num_generated)
-        yield DONE
+        yield end_chunk(writer, record, include_usage)
         status = "ok"
     except Exception as exc:  # the engine failed mid-stream: tell the client in-band, then end
         status = "error"
         log.exception("stream failed")
-        yield error_event(exc)
-        yield DONE
+        yield error_end(exc)
     finally:
         stream.close()  # aborts the request if it is still running
         record.queue_s = stream.queue_time
