@@ -118,7 +118,7 @@ class OursWorker:
 
         model, sched = self.engine.model, self.engine.config
         cfg = model.config
-        element_size = torch.empty((), dtype=getattr(model, "dtype", torch.float32)).element_size()
+        element_size = torch.empty((), dtype=getattr(model, "kv_cache_dtype", torch.float32)).element_size()
         return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * element_size * sched.num_blocks * sched.block_size
 
 

@@ -6,6 +6,7 @@ cdef extern from "csrc/fused_kernels.h" nogil:
     enum:
         FK_FLOAT32
         FK_BFLOAT16
+        FK_FLOAT16
         FK_ISA_AUTO
         FK_ISA_BASELINE
         FK_ISA_AVX2
@@ -22,11 +23,12 @@ cdef extern from "csrc/fused_kernels.h" nogil:
     int fk_rope_kv_write(void* qkv, int64_t num_rows, int64_t row_stride, int num_heads, int num_kv_heads,
                          int head_dim, const int64_t* positions, const float* cos, const float* sin,
                          int64_t num_positions, const int64_t* slots, void* k_cache, void* v_cache,
-                         int64_t num_slots, int dtype)
+                         int64_t num_slots, int dtype, int cache_dtype)
     int fk_decode_attention(const void* q, int64_t q_row_stride, const void* k_cache, const void* v_cache,
                             int64_t num_blocks, int block_size, const int64_t* block_tables, int64_t table_stride,
                             const int64_t* context_lens, int num_seqs, int num_heads, int num_kv_heads,
-                            int head_dim, int64_t sliding_window, float scale, void* out, int dtype)
+                            int head_dim, int64_t sliding_window, float scale, void* out, int dtype,
+                            int cache_dtype)
     int fk_silu_mul(const void* gate_up, void* out, int64_t num_rows, int64_t inter, int dtype)
     int fk_set_num_threads(int num_threads)
     int fk_get_num_threads()

@@ -1,5 +1,6 @@
 """Fused small ops of a decode step (add + RMSNorm, RoPE + KV write, paged decode attention,
-SiLU * up) in C, for float32 or bfloat16 activations, accumulating in float32.
+SiLU * up) in C, for float32 or bfloat16 activations (KV caches also float16), accumulating in
+float32.
 
 Arguments are raw addresses (``tensor.data_ptr()``) and sizes: this module knows nothing
 of torch. The caller (``engine.models.fused``) checks dtypes, shapes and contiguity; the
@@ -11,6 +12,7 @@ from libc.stdint cimport int64_t, intptr_t
 
 FLOAT32 = FK_FLOAT32
 BFLOAT16 = FK_BFLOAT16
+FLOAT16 = FK_FLOAT16
 ISA_NAMES = {FK_ISA_BASELINE: "baseline", FK_ISA_AVX2: "avx2", FK_ISA_AVX512: "avx512"}
 _ISA_CODES = {name: code for code, name in ISA_NAMES.items()}
 
@@ -42,27 +44,28 @@ def add_rmsnorm(intptr_t resid, intptr_t delta, intptr_t weight, intptr_t out, i
 
 def rope_kv_write(intptr_t qkv, int64_t num_rows, int64_t row_stride, int num_heads, int num_kv_heads,
                   int head_dim, intptr_t positions, intptr_t cos, intptr_t sin, int64_t num_positions,
-                  intptr_t slots, intptr_t k_cache, intptr_t v_cache, int64_t num_slots, int dtype):
-    """Rotates q and k of qkv [T, row_stride] in place; copies k, v to the caches at slots [T]."""
+                  intptr_t slots, intptr_t k_cache, intptr_t v_cache, int64_t num_slots, int dtype,
+                  int cache_dtype):
+    """Rotates q and k of qkv [T, row_stride] in place; copies k, v to the caches (cache_dtype) at slots [T]."""
     cdef int rc
     with nogil:
         rc = fk_rope_kv_write(<void*>qkv, num_rows, row_stride, num_heads, num_kv_heads, head_dim,
                               <const int64_t*>positions, <const float*>cos, <const float*>sin, num_positions,
-                              <const int64_t*>slots, <void*>k_cache, <void*>v_cache, num_slots, dtype)
+                              <const int64_t*>slots, <void*>k_cache, <void*>v_cache, num_slots, dtype, cache_dtype)
     _check(rc)
 
 
 def decode_attention(intptr_t q, int64_t q_row_stride, intptr_t k_cache, intptr_t v_cache, int64_t num_blocks,
                      int block_size, intptr_t block_tables, int64_t table_stride, intptr_t context_lens,
                      int num_seqs, int num_heads, int num_kv_heads, int head_dim, int64_t sliding_window,
-                     float scale, intptr_t out, int dtype):
-    """One query row per sequence over its paged context -> out [B, H * D]."""
+                     float scale, intptr_t out, int dtype, int cache_dtype):
+    """One query row per sequence over its paged context (caches in cache_dtype) -> out [B, H * D]."""
     cdef int rc
     with nogil:
         rc = fk_decode_attention(<const void*>q, q_row_stride, <const void*>k_cache, <const void*>v_cache,
                                  num_blocks, block_size, <const int64_t*>block_tables, table_stride,
                                  <const int64_t*>context_lens, num_seqs, num_heads, num_kv_heads, head_dim,
-                                 sliding_window, scale, <void*>out, dtype)
+                                 sliding_window, scale, <void*>out, dtype, cache_dtype)
     _check(rc)
 
 

@@ -74,6 +74,25 @@ def tiny_models():
             for i, (name, overrides) in enumerate(CONFIGS.items())}
 
 
+def test_quantized_float32_models_keep_float16_kv_caches():
+    assert load_model(None).make_kv_cache(2, BLOCK_SIZE).k.dtype == torch.float16  # the default: int4 weights
+    assert load_model(None, quantization="float32").kv_cache_dtype == torch.float32  # exact mode
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_tiny_float16_cache_fused_tracks_reference(tiny_models, name):
+    """A float16 KV cache: both paths round K and V once on write; what is left is float16
+    rounding met at different points, far below the logits' scale."""
+    model = tiny_models[name]
+    model.kv_cache_dtype = torch.float16
+    ids = random.Random(1).choices(range(97), k=23)
+    got, expected = _both(model, lambda m: _chunked_then_decode(m, ids, [5, 1, 7], seed=2))
+    torch.testing.assert_close(got, expected, atol=2e-3, rtol=1e-3)
+    got, expected = _both(model, lambda m: _mixed_batch(m, seed=3))
+    torch.testing.assert_close(got, expected, atol=2e-3, rtol=1e-3)
+    model.kv_cache_dtype = torch.float32
+
+
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_tiny_float32_fused_equals_reference(tiny_models, name):
     model = tiny_models[name]

@@ -7,10 +7,17 @@
 #define FK_CAT(a, b) FK_CAT2(a, b)
 #define FK_FN(name) FK_CAT(name, FK_SUFFIX)
 
-/* bfloat16 -> float32: the 16 bits are the top half of the float. */
+/* bfloat16 -> float32: the 16 bits are the top half of the float; float16 (KV caches only)
+ * through _Float16 (one vcvtph2ps per 8 values where the variant has F16C). */
 static inline void FK_FN(load_row)(float *dst, const void *src, int64_t n, int dtype) {
     if (dtype == FK_FLOAT32) {
         memcpy(dst, src, (size_t)n * sizeof(float));
+        return;
+    }
+    if (dtype == FK_FLOAT16) {
+        const _Float16 *h = (const _Float16 *)src;
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) dst[i] = (float)h[i];
         return;
     }
     const uint16_t *s = (const uint16_t *)src;
@@ -23,10 +30,17 @@ static inline void FK_FN(load_row)(float *dst, const void *src, int64_t n, int d
     }
 }
 
-/* float32 -> bfloat16, round to nearest even (NaN stays a quiet NaN), as torch rounds. */
+/* float32 -> bfloat16, round to nearest even (NaN stays a quiet NaN), as torch rounds;
+ * -> float16 round to nearest even (the hardware conversion, as torch's). */
 static inline void FK_FN(store_row)(void *dst, const float *src, int64_t n, int dtype) {
     if (dtype == FK_FLOAT32) {
         memcpy(dst, src, (size_t)n * sizeof(float));
+        return;
+    }
+    if (dtype == FK_FLOAT16) {
+        _Float16 *h = (_Float16 *)dst;
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) h[i] = (_Float16)src[i];
         return;
     }
     uint16_t *d = (uint16_t *)dst;
@@ -89,6 +103,7 @@ static void FK_FN(rope_kv_rows)(const RopeArgs *a, int64_t begin, int64_t end, f
     const int dim = a->head_dim, half = dim / 2;
     const int num_kv = a->num_kv_heads, num_rot = a->num_heads + a->num_kv_heads;
     const size_t esize = a->dtype == FK_FLOAT32 ? 4 : 2;
+    const size_t cache_esize = a->cache_dtype == FK_FLOAT32 ? 4 : 2;
     float *head = scratch;          /* [D] */
     float *rot = scratch + dim;     /* [D] */
     for (int64_t t = begin; t < end; t++) {
@@ -96,8 +111,8 @@ static void FK_FN(rope_kv_rows)(const RopeArgs *a, int64_t begin, int64_t end, f
         const float *c = a->cos + a->positions[t] * half;
         const float *s = a->sin + a->positions[t] * half;
         const int64_t slot = a->slots[t];
-        char *k_dst = (char *)a->k_cache + (size_t)(slot * num_kv * dim) * esize;
-        char *v_dst = (char *)a->v_cache + (size_t)(slot * num_kv * dim) * esize;
+        char *k_dst = (char *)a->k_cache + (size_t)(slot * num_kv * dim) * cache_esize;
+        char *v_dst = (char *)a->v_cache + (size_t)(slot * num_kv * dim) * cache_esize;
         for (int h = 0; h < num_rot; h++) {
             char *src = row + (size_t)h * dim * esize;
             FK_FN(load_row)(head, src, dim, a->dtype);
@@ -109,9 +124,18 @@ static void FK_FN(rope_kv_rows)(const RopeArgs *a, int64_t begin, int64_t end, f
             FK_FN(store_row)(src, rot, dim, a->dtype);
         }
         /* k (now rotated) and v are adjacent in the row: [KH, D] each. */
-        const size_t kv_bytes = (size_t)num_kv * dim * esize;
-        memcpy(k_dst, row + (size_t)a->num_heads * dim * esize, kv_bytes);
-        memcpy(v_dst, row + (size_t)num_rot * dim * esize, kv_bytes);
+        if (a->cache_dtype == a->dtype) {
+            const size_t kv_bytes = (size_t)num_kv * dim * esize;
+            memcpy(k_dst, row + (size_t)a->num_heads * dim * esize, kv_bytes);
+            memcpy(v_dst, row + (size_t)num_rot * dim * esize, kv_bytes);
+        } else {
+            for (int h = 0; h < 2 * num_kv; h++) {  /* k heads, then v heads */
+                FK_FN(load_row)(head, row + (size_t)(a->num_heads + h) * dim * esize, dim, a->dtype);
+                char *dst = h < num_kv ? k_dst + (size_t)h * dim * cache_esize
+                                       : v_dst + (size_t)(h - num_kv) * dim * cache_esize;
+                FK_FN(store_row)(dst, head, dim, a->cache_dtype);
+            }
+        }
     }
 }
 
@@ -122,6 +146,7 @@ static void FK_FN(attention_items)(const AttnArgs *a, int64_t begin, int64_t end
     const int groups = a->num_heads / num_kv;
     const int bs = a->block_size;
     const size_t esize = a->dtype == FK_FLOAT32 ? 4 : 2;
+    const size_t cache_esize = a->cache_dtype == FK_FLOAT32 ? 4 : 2;
     float *qf = scratch;                     /* [G, D] scaled queries */
     float *acc = qf + groups * dim;          /* [G, D] */
     float *krow = acc + groups * dim;        /* [D] */
@@ -164,15 +189,15 @@ static void FK_FN(attention_items)(const AttnArgs *a, int64_t begin, int64_t end
             if (count > len - pos) count = len - pos;
             if (count > FK_CHUNK) count = FK_CHUNK;
             const int64_t slot0 = block * bs + offset;
-            const size_t slot_stride = (size_t)num_kv * dim * esize;
-            const char *k_base = (const char *)a->k_cache + (size_t)(slot0 * num_kv + kvh) * dim * esize;
-            const char *v_base = (const char *)a->v_cache + (size_t)(slot0 * num_kv + kvh) * dim * esize;
+            const size_t slot_stride = (size_t)num_kv * dim * cache_esize;
+            const char *k_base = (const char *)a->k_cache + (size_t)(slot0 * num_kv + kvh) * dim * cache_esize;
+            const char *v_base = (const char *)a->v_cache + (size_t)(slot0 * num_kv + kvh) * dim * cache_esize;
             for (int64_t j = 0; j < count; j++) {
                 const float *k;
-                if (a->dtype == FK_FLOAT32) {
+                if (a->cache_dtype == FK_FLOAT32) {
                     k = (const float *)(k_base + j * slot_stride);
                 } else {
-                    FK_FN(load_row)(krow, k_base + j * slot_stride, dim, a->dtype);
+                    FK_FN(load_row)(krow, k_base + j * slot_stride, dim, a->cache_dtype);
                     k = krow;
                 }
                 for (int g = 0; g < groups; g++) {
@@ -204,10 +229,10 @@ static void FK_FN(attention_items)(const AttnArgs *a, int64_t begin, int64_t end
             }
             for (int64_t j = 0; j < count; j++) {
                 const float *v;
-                if (a->dtype == FK_FLOAT32) {
+                if (a->cache_dtype == FK_FLOAT32) {
                     v = (const float *)(v_base + j * slot_stride);
                 } else {
-                    FK_FN(load_row)(vrow, v_base + j * slot_stride, dim, a->dtype);
+                    FK_FN(load_row)(vrow, v_base + j * slot_stride, dim, a->cache_dtype);
                     v = vrow;
                 }
                 for (int g = 0; g < groups; g++) {

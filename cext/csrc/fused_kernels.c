@@ -20,13 +20,13 @@ typedef struct {
 typedef struct {
     void *qkv; int64_t row_stride; int num_heads, num_kv_heads, head_dim;
     const int64_t *positions; const float *cos, *sin; const int64_t *slots;
-    void *k_cache, *v_cache; int dtype;
+    void *k_cache, *v_cache; int dtype, cache_dtype;
 } RopeArgs;
 
 typedef struct {
     const void *q; int64_t q_row_stride; const void *k_cache, *v_cache; int block_size;
     const int64_t *block_tables; int64_t table_stride; const int64_t *context_lens;
-    int num_heads, num_kv_heads, head_dim; int64_t sliding_window; float scale; void *out; int dtype;
+    int num_heads, num_kv_heads, head_dim; int64_t sliding_window; float scale; void *out; int dtype, cache_dtype;
     int num_splits;   /* key ranges per (sequence, kv head); > 1: partials merged after */
     float *partials;  /* [B * KH * num_splits, G * (D + 2)] when num_splits > 1 */
 } AttnArgs;
@@ -49,14 +49,14 @@ typedef struct {
 #if defined(__x86_64__) && defined(__GNUC__)
 #define FK_HAVE_X86 1
 #pragma GCC push_options
-#pragma GCC target("avx2,fma")
+#pragma GCC target("avx2,fma,f16c")
 #define FK_SUFFIX avx2
 #include "fused_impl.h"
 #undef FK_SUFFIX
 #pragma GCC pop_options
 
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
 #define FK_SUFFIX avx512
 #include "fused_impl.h"
 #undef FK_SUFFIX
@@ -298,13 +298,13 @@ int fk_add_rmsnorm(float *resid, const void *delta, const void *weight, void *ou
 int fk_rope_kv_write(void *qkv, int64_t num_rows, int64_t row_stride, int num_heads, int num_kv_heads,
                      int head_dim, const int64_t *positions, const float *cos, const float *sin,
                      int64_t num_positions, const int64_t *slots, void *k_cache, void *v_cache,
-                     int64_t num_slots, int dtype) {
+                     int64_t num_slots, int dtype, int cache_dtype) {
     for (int64_t t = 0; t < num_rows; t++) {
         if (positions[t] < 0 || positions[t] >= num_positions) return FK_BAD_POSITION;
         if (slots[t] < 0 || slots[t] >= num_slots) return FK_BAD_SLOT;
     }
     RopeArgs args = {qkv, row_stride, num_heads, num_kv_heads, head_dim, positions, cos, sin, slots,
-                     k_cache, v_cache, dtype};
+                     k_cache, v_cache, dtype, cache_dtype};
     int64_t work = num_rows * (num_heads + num_kv_heads) * head_dim * 4;
     return parallel_for(rope_kv_range, &args, num_rows, work, (size_t)head_dim * 2);
 }
@@ -347,7 +347,8 @@ static int merge_partials(const AttnArgs *a, int64_t num_pairs) {
 int fk_decode_attention(const void *q, int64_t q_row_stride, const void *k_cache, const void *v_cache,
                         int64_t num_blocks, int block_size, const int64_t *block_tables, int64_t table_stride,
                         const int64_t *context_lens, int num_seqs, int num_heads, int num_kv_heads,
-                        int head_dim, int64_t sliding_window, float scale, void *out, int dtype) {
+                        int head_dim, int64_t sliding_window, float scale, void *out, int dtype,
+                        int cache_dtype) {
     int64_t total_keys = 0;
     for (int b = 0; b < num_seqs; b++) {
         int64_t len = context_lens[b];
@@ -383,7 +384,8 @@ int fk_decode_attention(const void *q, int64_t q_row_stride, const void *k_cache
         if (partials == NULL) return FK_NO_MEMORY;
     }
     AttnArgs args = {q, q_row_stride, k_cache, v_cache, block_size, block_tables, table_stride, context_lens,
-                     num_heads, num_kv_heads, head_dim, sliding_window, scale, out, dtype, num_splits, partials};
+                     num_heads, num_kv_heads, head_dim, sliding_window, scale, out, dtype, cache_dtype, num_splits,
+                     partials};
     size_t floats = (size_t)groups * head_dim * 2 + (size_t)head_dim * 2 + (size_t)groups * FK_CHUNK + 2 * (size_t)groups;
     int rc = parallel_for(attention_range, &args, num_pairs * num_splits, work, floats);
     if (rc == FK_OK && partials != NULL) rc = merge_partials(&args, num_pairs);

@@ -13,7 +13,8 @@
 
 #include <stdint.h>
 
-enum { FK_FLOAT32 = 0, FK_BFLOAT16 = 1 };
+/* Activations are float32 or bfloat16; KV caches also float16 (cache_dtype). */
+enum { FK_FLOAT32 = 0, FK_BFLOAT16 = 1, FK_FLOAT16 = 2 };
 enum { FK_ISA_AUTO = -1, FK_ISA_BASELINE = 0, FK_ISA_AVX2 = 1, FK_ISA_AVX512 = 2 };
 
 /* Error codes (0 = success). */
@@ -27,20 +28,21 @@ int fk_add_rmsnorm(float *resid, const void *delta, const void *weight, void *ou
 /* qkv [T, row_stride]: row t holds q [H, D], k [KH, D], v [KH, D] from column 0.
  * Rotates q and k in place (rotate-half: dims [0, D/2) pair with [D/2, D)) with
  * cos/sin [num_positions, D/2] float32 at positions[t], then copies k and v to
- * k_cache/v_cache [num_slots, KH, D] at slot slots[t]. */
+ * k_cache/v_cache [num_slots, KH, D] (cache_dtype) at slot slots[t]. */
 int fk_rope_kv_write(void *qkv, int64_t num_rows, int64_t row_stride, int num_heads, int num_kv_heads,
                      int head_dim, const int64_t *positions, const float *cos, const float *sin,
                      int64_t num_positions, const int64_t *slots, void *k_cache, void *v_cache,
-                     int64_t num_slots, int dtype);
+                     int64_t num_slots, int dtype, int cache_dtype);
 
 /* Decode attention, one query row per sequence: q [B, q_row_stride] (heads [H, D] from
  * column 0), caches [num_blocks * block_size, KH, D], block_tables [B, table_stride] int64,
  * context_lens [B] int64; sliding_window 0 = none, else the last sliding_window keys.
- * out [B, H * D]. GQA: query head h reads kv head h / (H / KH). */
+ * out [B, H * D]; the caches in cache_dtype, q and out in dtype. GQA: query head h reads kv head h / (H / KH). */
 int fk_decode_attention(const void *q, int64_t q_row_stride, const void *k_cache, const void *v_cache,
                         int64_t num_blocks, int block_size, const int64_t *block_tables, int64_t table_stride,
                         const int64_t *context_lens, int num_seqs, int num_heads, int num_kv_heads,
-                        int head_dim, int64_t sliding_window, float scale, void *out, int dtype);
+                        int head_dim, int64_t sliding_window, float scale, void *out, int dtype,
+                        int cache_dtype);
 
 /* gate_up [T, 2 I] -> out [T, I] = silu(gate) * up. */
 int fk_silu_mul(const void *gate_up, void *out, int64_t num_rows, int64_t inter, int dtype);

@@ -200,6 +200,15 @@ def _freq_factors(gguf: GGUFFile) -> torch.Tensor | None:
     return torch.from_numpy(dequantize(gguf.raw(info.name), info.ggml_type, info.shape))
 
 
+def kv_cache_dtype(dtype, quantization: str) -> torch.dtype:
+    """float16 K and V beside float32 activations when the weights are quantized (the fast
+    default, as llama.cpp); the exact modes ("float32", "bfloat16") keep the activations' dtype."""
+    resolved = resolve_dtype(dtype)
+    if resolved == torch.float32 and quantization in ("auto", "int4"):
+        return torch.float16
+    return resolved
+
+
 def load_gguf(path: str | os.PathLike, dtype: str | torch.dtype = "bfloat16", quantization: str = "auto",
               pack_weights: bool = True, dense_above_rows: int | None = None,
               quantized_dtype: str | torch.dtype | None = None):
@@ -214,6 +223,6 @@ def load_gguf(path: str | os.PathLike, dtype: str | torch.dtype = "bfloat16", qu
         try:
             return LlamaModel(config, state_dict, dtype=dtype, rope_freq_factors=_freq_factors(gguf),
                               pack_weights=pack_weights, dense_above_rows=dense_above_rows,
-                              quantized_dtype=quantized_dtype)
+                              quantized_dtype=quantized_dtype, kv_cache_dtype=kv_cache_dtype(dtype, quantization))
         except ValueError as exc:
             raise ValueError(f"{path}: {exc}") from None

@@ -77,6 +77,7 @@ def quantize_int4(state_dict: dict[str, torch.Tensor]) -> dict[str, Weight]:
 
 def load_hf(path: str | os.PathLike, dtype: str = "float32", quantization: str = "auto", pack_weights: bool = True,
             dense_above_rows: int | None = None):
+    from engine.loader.gguf_loader import kv_cache_dtype
     from engine.models import LlamaModel
 
     config, state_dict = load_hf_state_dict(path)
@@ -84,6 +85,6 @@ def load_hf(path: str | os.PathLike, dtype: str = "float32", quantization: str =
         state_dict = quantize_int4(state_dict)
     try:
         return LlamaModel(config, state_dict, dtype=dtype, pack_weights=pack_weights,
-                          dense_above_rows=dense_above_rows)
+                          dense_above_rows=dense_above_rows, kv_cache_dtype=kv_cache_dtype(dtype, quantization))
     except ValueError as exc:
         raise ValueError(f"{os.fspath(path)}: {exc}") from None

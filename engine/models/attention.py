@@ -160,8 +160,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
                                              plan.block_size, plan.sliding_window))  # [B, H * D]
     elif nd:
         qd = q[:nd].view(nd, num_kv_heads, groups, head_dim)  # [B, KH, G, D]
-        kd = k_cache[plan.decode_slots].transpose(1, 2)  # [B, KH, L, D]
-        vd = v_cache[plan.decode_slots].transpose(1, 2)  # [B, KH, L, D]
+        kd = k_cache[plan.decode_slots].transpose(1, 2).to(q.dtype)  # [B, KH, L, D]
+        vd = v_cache[plan.decode_slots].transpose(1, 2).to(q.dtype)  # [B, KH, L, D]
         out = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=plan.decode_mask)  # [B, KH, G, D]
         pieces.append(out.reshape(nd, num_heads * head_dim))
     for seq in plan.prefills:
@@ -178,8 +178,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
                 ks, vs = k_cache[span], v_cache[span]  # [C, KH, D] views
             else:
                 ks, vs = k_cache[seq.kv_slots], v_cache[seq.kv_slots]  # [C, KH, D] gathered
-            ks = ks.transpose(0, 1).unsqueeze(0)  # [1, KH, C, D]
-            vs = vs.transpose(0, 1).unsqueeze(0)  # [1, KH, C, D]
+            ks = ks.transpose(0, 1).unsqueeze(0).to(q.dtype)  # [1, KH, C, D] (a float16 cache: widened)
+            vs = vs.transpose(0, 1).unsqueeze(0).to(q.dtype)  # [1, KH, C, D]
             out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=seq.mask, enable_gqa=groups > 1)
         pieces.append(out[0].transpose(0, 1).reshape(seq.row_end - seq.row_start, num_heads * head_dim))  # [T, H*D]
     if len(pieces) == 1:

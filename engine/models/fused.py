@@ -3,8 +3,8 @@
 Each op has a kernel wrapper (checks dtypes, shapes and contiguity, then passes
 ``data_ptr()``s to C) and a ``*_reference`` twin in plain torch with the same contract,
 which the tests compare against and which the model runs when the fused path is off.
-Activations are float32 or bfloat16; the residual stream is float32; every kernel
-accumulates in float32 and rounds once on store.
+Activations are float32 or bfloat16, KV caches float32, bfloat16 or float16; the residual
+stream is float32; every kernel accumulates in float32 and rounds once on store.
 
 The fused path is on by default where the compiled module exists; ``ENGINE_FUSED=0``
 (read at model construction) or ``LlamaModel(..., use_fused=False)`` selects the
@@ -24,6 +24,7 @@ except ImportError:  # not built: the model falls back to the reference path
     _fused = None
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+_CACHE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # KV caches may also be float16
 
 
 def is_available() -> bool:
@@ -39,6 +40,13 @@ def _code(t: torch.Tensor) -> int:
     code = _DTYPE_CODES.get(t.dtype)
     if code is None:
         raise ValueError(f"dtype: fused kernels take float32 or bfloat16, got {t.dtype}")
+    return code
+
+
+def _cache_code(t: torch.Tensor) -> int:
+    code = _CACHE_CODES.get(t.dtype)
+    if code is None:
+        raise ValueError(f"k_cache/v_cache: float32, bfloat16 or float16, got {t.dtype}")
     return code
 
 
@@ -84,7 +92,8 @@ def rope_kv_write(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim
     code = _code(qkv)
     _require(qkv.stride(1) == 1 and qkv.shape[1] >= (num_heads + 2 * num_kv_heads) * head_dim,
              "qkv: rows must be contiguous and hold q, k, v")
-    _require(k_cache.dtype == qkv.dtype and v_cache.dtype == qkv.dtype, "k_cache/v_cache: must match qkv's dtype")
+    cache_code = _cache_code(k_cache)
+    _require(v_cache.dtype == k_cache.dtype, "k_cache/v_cache: must have one dtype")
     _require(k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
              and k_cache.shape[1:] == (num_kv_heads, head_dim), "k_cache/v_cache: must be contiguous [S, KH, D]")
     _require(cos.dtype == torch.float32 and sin.dtype == torch.float32 and cos.is_contiguous()
@@ -95,7 +104,7 @@ def rope_kv_write(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim
              "positions/slots: must be contiguous int64 [T]")
     _fused.rope_kv_write(qkv.data_ptr(), num_rows, qkv.stride(0), num_heads, num_kv_heads, head_dim,
                          positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), cos.shape[0], slots.data_ptr(),
-                         k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[0], code)
+                         k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[0], code, cache_code)
 
 
 def rope_kv_write_reference(qkv, num_heads, num_kv_heads, head_dim, positions, cos, sin, slots, k_cache,
@@ -109,8 +118,8 @@ def rope_kv_write_reference(qkv, num_heads, num_kv_heads, head_dim, positions, c
     rotated = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)  # [T, H + KH, D]
     qkv[:, : num_rot * head_dim] = rotated.reshape(num_rows, -1).to(qkv.dtype)
     kv = qkv[:, num_heads * head_dim: (num_rot + num_kv_heads) * head_dim]
-    k_cache[slots] = kv[:, : num_kv_heads * head_dim].reshape(num_rows, num_kv_heads, head_dim)
-    v_cache[slots] = kv[:, num_kv_heads * head_dim:].reshape(num_rows, num_kv_heads, head_dim)
+    k_cache[slots] = kv[:, : num_kv_heads * head_dim].reshape(num_rows, num_kv_heads, head_dim).to(k_cache.dtype)
+    v_cache[slots] = kv[:, num_kv_heads * head_dim:].reshape(num_rows, num_kv_heads, head_dim).to(v_cache.dtype)
 
 
 # ---- paged decode attention ----
@@ -124,9 +133,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     num_kv_heads = k_cache.shape[1]
     code = _code(q)
     _require(q.stride(2) == 1 and q.stride(1) == head_dim, "q: heads of a row must be contiguous")
-    _require(k_cache.dtype == q.dtype and v_cache.dtype == q.dtype and k_cache.is_contiguous()
+    cache_code = _cache_code(k_cache)
+    _require(v_cache.dtype == k_cache.dtype and k_cache.is_contiguous()
              and v_cache.is_contiguous() and k_cache.shape == v_cache.shape and k_cache.shape[2] == head_dim,
-             "k_cache/v_cache: must be contiguous [S, KH, D] in q's dtype")
+             "k_cache/v_cache: must be contiguous [S, KH, D] of one dtype")
     _require(num_heads % num_kv_heads == 0, "num_kv_heads: must divide num_heads")
     _require(k_cache.shape[0] % block_size == 0, "block_size: must divide the cache's slot count")
     _require(block_tables.dtype == torch.int64 and block_tables.is_contiguous() and block_tables.shape[0] >= num_seqs,
@@ -138,7 +148,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     _fused.decode_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
                             k_cache.shape[0] // block_size, block_size, block_tables.data_ptr(),
                             block_tables.shape[1], context_lens.data_ptr(), num_seqs, num_heads, num_kv_heads,
-                            head_dim, sliding_window or 0, 1.0 / math.sqrt(head_dim), out.data_ptr(), code)
+                            head_dim, sliding_window or 0, 1.0 / math.sqrt(head_dim), out.data_ptr(), code,
+                            cache_code)
     return out
 
 
@@ -228,7 +239,7 @@ class FusedStep:
         _fused.rope_kv_write(qkv.data_ptr(), self.num_rows, qkv.shape[1], self.num_heads, self.num_kv_heads,
                              self.head_dim, self.positions.data_ptr(), self.cos.data_ptr(), self.sin.data_ptr(),
                              self.cos.shape[0], self.slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                             k_cache.shape[0], self.code)
+                             k_cache.shape[0], self.code, _CACHE_CODES[k_cache.dtype])
 
     def decode_attention(self, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         """The decode rows (the first B of qkv, already roped) -> [B, H D] in the step's buffer."""
@@ -237,7 +248,8 @@ class FusedStep:
                                 k_cache.shape[0] // plan.block_size, plan.block_size, plan.block_tables.data_ptr(),
                                 plan.block_tables.shape[1], plan.context_lens.data_ptr(), plan.num_decode_seqs,
                                 self.num_heads, self.num_kv_heads, self.head_dim, plan.sliding_window or 0,
-                                1.0 / math.sqrt(self.head_dim), self.attn.data_ptr(), self.code)
+                                1.0 / math.sqrt(self.head_dim), self.attn.data_ptr(), self.code,
+                                _CACHE_CODES[k_cache.dtype])
         return self.attn
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:

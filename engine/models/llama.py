@@ -37,6 +37,17 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     raise ValueError(f"dtype: unsupported {dtype!r}, expected one of {tuple(DTYPES)}")
 
 
+KV_CACHE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _resolve_kv_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype) and dtype in KV_CACHE_DTYPES.values():
+        return dtype
+    if dtype in KV_CACHE_DTYPES:
+        return KV_CACHE_DTYPES[dtype]
+    raise ValueError(f"kv_cache_dtype: unsupported {dtype!r}, expected one of {tuple(KV_CACHE_DTYPES)}")
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, weights: dict[str, Weight | None], pack_weights: bool = True,
                  quantized_dtype: torch.dtype | None = None, dense_above_rows: int | None = None):
@@ -66,8 +77,8 @@ class DecoderLayer(nn.Module):
         q = qk[:, : self.num_heads]  # [T, H, D]
         k = qk[:, self.num_heads:]  # [T, KH, D]
         v = qkv[:, self.q_size + self.kv_size:].view(num_rows, self.num_kv_heads, self.head_dim)  # [T, KH, D]
-        k_cache.index_copy_(0, plan.slot_mapping, k)
-        v_cache.index_copy_(0, plan.slot_mapping, v)
+        k_cache.index_copy_(0, plan.slot_mapping, k.to(k_cache.dtype))
+        v_cache.index_copy_(0, plan.slot_mapping, v.to(v_cache.dtype))
         attn = paged_attention(q, k, v, k_cache, v_cache, plan)  # [T, H D]
         x = x + self.o_proj(attn)  # [T, E]
         h = F.rms_norm(x, self.norm_shape, self.ffn_norm, self.eps)
@@ -98,7 +109,8 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, state_dict: dict[str, Weight], dtype: str | torch.dtype = "float32",
                  rope_freq_factors: torch.Tensor | None = None, pack_weights: bool = True,
-                 dense_above_rows: int | None = None, quantized_dtype: str | torch.dtype | None = None):
+                 dense_above_rows: int | None = None, quantized_dtype: str | torch.dtype | None = None,
+                 kv_cache_dtype: str | torch.dtype | None = None):
         """state_dict: Hugging Face names -> dense tensors, or Int4Weight / Int8Weight (projections;
         Int8Weight also for the embedding and head), as the loader chose (engine.loader).
         Each entry is read once, layer by layer, so a lazy mapping (the GGUF loader's) converts
@@ -132,6 +144,10 @@ class LlamaModel(nn.Module):
         self.head_proj = Linear(self.head_int8 or self.lm_head, None, pack_weights, keep_dense=True,
                                 quantized_dtype=quantized_dtype)
         self.rope = RotaryTable(config, self.dtype, rope_freq_factors)
+        # The KV cache's dtype (None: the activations'). The loaders pick float16 beside float32
+        # activations for quantized weights (as llama.cpp keeps K and V): a decode step reads
+        # the whole context's K and V, so at long contexts their bytes rival the weights'.
+        self.kv_cache_dtype = self.dtype if kv_cache_dtype is None else _resolve_kv_dtype(kv_cache_dtype)
         self.use_fused = fused.default_enabled()  # C kernels between the matmuls (else the torch reference)
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
@@ -148,7 +164,7 @@ class LlamaModel(nn.Module):
 
     def make_kv_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
         c = self.config
-        return PagedKVCache(c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim, self.dtype)
+        return PagedKVCache(c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim, self.kv_cache_dtype)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_cache: PagedKVCache) -> torch.Tensor:
