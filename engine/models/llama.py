@@ -29,23 +29,23 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 REFINE_TOP_K = 64  # bfloat16: logits recomputed in float32 for this many best tokens per row
 
 
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+def _resolve(dtype: str | torch.dtype, table: dict[str, torch.dtype], what: str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype) and dtype in table.values():
         return dtype
-    if dtype in DTYPES:
-        return DTYPES[dtype]
-    raise ValueError(f"dtype: unsupported {dtype!r}, expected one of {tuple(DTYPES)}")
+    if dtype in table:
+        return table[dtype]
+    raise ValueError(f"{what}: unsupported {dtype!r}, expected one of {tuple(table)}")
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    return _resolve(dtype, DTYPES, "dtype")
 
 
 KV_CACHE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _resolve_kv_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype) and dtype in KV_CACHE_DTYPES.values():
-        return dtype
-    if dtype in KV_CACHE_DTYPES:
-        return KV_CACHE_DTYPES[dtype]
-    raise ValueError(f"kv_cache_dtype: unsupported {dtype!r}, expected one of {tuple(KV_CACHE_DTYPES)}")
+    return _resolve(dtype, KV_CACHE_DTYPES, "kv_cache_dtype")
 
 
 class DecoderLayer(nn.Module):
