@@ -6,9 +6,10 @@ only a few ids per row (the biased ones, the prompt's and the output's), so the 
 keeps those ids in one array with, per id, what happens to its logit: ``bias`` (added),
 ``scale`` (the repetition penalty, 1 for an id not yet seen) and ``sub`` (frequency * count +
 presence). ``add(token_id)`` updates them in O(1) per generated token: never a re-scan of
-the history. Per tick, ``adjust(logits, adjusters)`` concatenates the rows' slices and does
-one gather, one vectorized update and one scatter for the whole batch:
-``l = rep(l + bias) - sub``; rows without an adjuster pay nothing.
+the history. Per tick the sampler kernel (cext/sampler.pyx) reads those arrays, with
+``allowed_ids`` and ``masked_ids_now()``, and applies ``l = rep(l + bias) - sub`` to the
+touched ids of each row; ``adjust(logits, adjusters)`` is the same in NumPy for a whole batch
+(the reference the tests compare the kernel with). Rows without an adjuster pay nothing.
 
 Definitions (vLLM's order; ``l`` is a row of logits):
   allowed_token_ids   l[i] = -inf for every i not allowed
@@ -87,6 +88,21 @@ class LogitsAdjuster:
         return [last for prefix, last in self.bad_sequences
                 if len(prefix) <= len(recent) and tuple(recent[len(recent) - len(prefix):]) == prefix]
 
+    def masked_ids_now(self) -> np.ndarray | None:
+        """The ids set to -inf at this step (min_tokens stop ids, bad words), int64, or None."""
+        parts = []
+        if self.min_token_ids is not None and self.num_generated < self.min_tokens:
+            parts.append(self.min_token_ids)
+        if self.banned_ids is not None:
+            parts.append(self.banned_ids)
+        if self.bad_sequences:
+            banned = self.banned_now()
+            if banned:
+                parts.append(np.array(banned, dtype=np.int64))
+        if not parts:
+            return None
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
     def add(self, token_id: int) -> None:
         """Count one generated id: O(1)."""
         self.num_generated += 1
@@ -117,7 +133,10 @@ class LogitsAdjuster:
 
 def adjust(logits: np.ndarray, adjusters: list[LogitsAdjuster | None]) -> None:
     """Apply each row's adjuster to ``logits`` [S, V] (float32, C-contiguous, in place); None rows
-    are untouched. Per row only slices are collected; the arithmetic is one pass for the batch."""
+    are untouched. Per row only slices are collected; the arithmetic is one pass for the batch.
+
+    The NumPy reference of the processing: the engine's sampler does the same per row in the
+    kernel (cext.sampler, through engine.sampling.process); tests compare the two."""
     if not logits.flags.c_contiguous:
         raise ValueError("adjust needs C-contiguous logits (it scatters through a flat view)")
     vocab_size = logits.shape[1]
@@ -131,14 +150,9 @@ def adjust(logits: np.ndarray, adjusters: list[LogitsAdjuster | None]) -> None:
             kept = logits[row, a.allowed_ids]
             logits[row] = -np.inf
             logits[row, a.allowed_ids] = kept
-        if a.min_token_ids is not None and a.num_generated < a.min_tokens:
-            mask_index.append(a.min_token_ids + row * vocab_size)
-        if a.banned_ids is not None:
-            mask_index.append(a.banned_ids + row * vocab_size)
-        if a.bad_sequences:
-            banned = a.banned_now()
-            if banned:
-                mask_index.append(np.array(banned, dtype=np.int64) + row * vocab_size)
+        masked = a.masked_ids_now()
+        if masked is not None:
+            mask_index.append(masked + row * vocab_size)
         k = a.num_ids
         if k:
             offsets.append(row * vocab_size)

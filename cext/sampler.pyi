@@ -1,0 +1,17 @@
+"""Type stubs for the compiled sampler kernel (cext/sampler.pyx)."""
+from typing import Any
+
+import numpy as np
+
+class RandomStream:
+    """torch.Generator's MT19937 stream and float64 uniforms, in C."""
+    def __init__(self, seed: int) -> None: ...
+    def random(self) -> float: ...
+
+def sample_rows(
+    logits: np.ndarray, params: list[Any], streams: list[RandomStream | None], adjusters: list[Any] | None = ...,
+    process_only: bool = ...,
+) -> tuple[list[int], list[tuple[float, int, list[int], list[float]] | None]] | None: ...
+def logprob_rows(
+    logits: np.ndarray, target_ids: np.ndarray, num_top: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]: ...
