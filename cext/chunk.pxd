@@ -29,3 +29,4 @@ cdef class ChunkWriter:
     cdef int _choice0_head(self) except -1
     cpdef bytes event(self, str text, object logprobs, object finish_reason, long long index=*)
     cpdef bytes usage(self, long long prompt_tokens, long long completion_tokens)
+    cpdef advance_text_offset(self, long long index, long long num_chars)

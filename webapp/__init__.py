@@ -21,7 +21,7 @@ from werkzeug.exceptions import HTTPException
 
 from cext.chunk import ChunkWriter
 
-from . import cors, errors, protocol, request_fields, sse
+from . import cors, errors, prompt_echo, protocol, request_fields, sse
 from .errors import APIError
 from .metrics import RequestRecord, ServerMetrics
 
@@ -198,13 +198,6 @@ def create_app(engine, model_name: str | None = None, api_key: str | None = None
         except Exception as exc:
             raise errors.from_exception(exc) from None
 
-    def _echo_texts(req: protocol.ParsedRequest) -> list[str] | None:
-        """Per choice, its prompt as text (completions' echo)."""
-        if not req.is_echo:
-            return None
-        texts = [p if isinstance(p, str) else tokenizer.decode(p, skip_special_tokens=False) for p in req.prompts]
-        return [text for text in texts for _ in range(req.params.n)]
-
     def _generate(req: protocol.ParsedRequest, endpoint: str):
         record = RequestRecord(endpoint, 0)  # the clock starts before templating
         stream = _submit(req)
@@ -213,19 +206,26 @@ def create_app(engine, model_name: str | None = None, api_key: str | None = None
         request_id = ("chatcmpl-" if req.is_chat else "cmpl-") + stream.request_id
         created = int(time.time())
         is_disconnected = request.environ.get("waitress.client_disconnected") or sse._never
-        echo_texts = _echo_texts(req)
+        echo_texts = prompt_echo.echo_texts(req, tokenizer)
         if req.is_stream:
             writer = ChunkWriter(request_id, model_name, created, req.is_chat, req.include_usage)
+            opening = None
+            if prompt_echo.OpeningChunks.is_needed(req):  # sent with each choice's first event
+                opening, echo_texts = prompt_echo.OpeningChunks(req, stream, writer, tokenizer, echo_texts), None
             body = sse.stream_chunks(stream, writer, record, metrics, req.include_usage, is_disconnected,
-                                     echo_texts)
+                                     echo_texts, opening)
             headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
             return Response(body, mimetype="text/event-stream", headers=headers)
         done = sse.collect(stream, record, metrics, is_disconnected)
         if done is None:
             return Response(status=499)
         if req.is_chat:
-            return _json(protocol.chat_response(request_id, model_name, created, done, n))
-        return _json(protocol.text_response(request_id, model_name, created, done, n, echo_texts))
+            return _json(protocol.chat_response(request_id, model_name, created, done, n,
+                                                req.is_prompt_logprobs_shown))
+        first_texts = ([prompt_echo.first_token_text(tokenizer, stream, i) for i in range(len(done))]
+                       if echo_texts is not None and req.params.logprobs else None)
+        return _json(protocol.text_response(request_id, model_name, created, done, n, echo_texts, first_texts,
+                                            req.is_prompt_logprobs_shown))
 
     return app
 

@@ -43,14 +43,26 @@ def stream_chunks(
     include_usage: bool,
     is_disconnected: Callable[[], bool] = _never,
     echo_texts: list[str] | None = None,
+    opening: Callable[[int], bytes] | None = None,
 ) -> Iterator[bytes]:
-    """``echo_texts``: per choice, the prompt text sent as its first chunk (completions' echo)."""
+    """``echo_texts``: per choice, the prompt text sent as its first chunk (completions' echo).
+    ``opening(index)``: the chunk sent just before a choice's first event (echo with logprobs,
+    prompt_logprobs: webapp.prompt_echo)."""
     status = "abort"
+    opened: set[int] = set()
+
+    def event_chunk(event) -> bytes:
+        head = b""
+        if opening is not None and event.index not in opened:  # first: it moves the writer's offsets
+            opened.add(event.index)
+            head = opening(event.index)
+        return head + writer.event(event.text, event.logprobs, event.finish_reason, event.index)
+
     try:
         if echo_texts:
             yield b"".join(writer.event(text, None, None, index) for index, text in enumerate(echo_texts))
         for event in stream:
-            chunk = writer.event(event.text, event.logprobs, event.finish_reason, event.index)
+            chunk = event_chunk(event)
             if event.token_ids:
                 record.tokens(len(event.token_ids))
             if event.finish_reason is not None:
@@ -59,7 +71,7 @@ def stream_chunks(
             if later:
                 parts = [chunk]
                 for event in later:
-                    parts.append(writer.event(event.text, event.logprobs, event.finish_reason, event.index))
+                    parts.append(event_chunk(event))
                     if event.token_ids:
                         record.tokens(len(event.token_ids))
                     if event.finish_reason is not None:
