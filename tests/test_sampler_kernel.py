@@ -129,3 +129,43 @@ def test_out_of_vocabulary_ids_raise_instead_of_writing_outside_the_row():
         sample(torch.zeros(1, 8), [params], [None], [adjuster])
     with pytest.raises(IndexError, match="outside the vocabulary"):
         prompt_logprobs(torch.zeros(1, 8), [8], k=1)
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data(), num_rows=st.integers(1, 4))
+def test_processing_then_choice_matches_the_reference_over_many_blocks(data, num_rows):
+    # vocab 300: several blocks of the kernel's block maxima, which the processing must keep exact
+    # (a penalty or mask that lowers a block's max, a bias that raises one).
+    from engine.logits_process import LogitsAdjuster, adjust
+    vocab = 300
+    ids = st.integers(0, vocab - 1)
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    logits = (rng.standard_normal((num_rows, vocab)) * 3).astype(np.float32)  # distinct values: one max per block
+    params, adjusters, streams = [], [], []
+    for row in range(num_rows):
+        top = [int(i) for i in np.argsort(-logits[row])[:3]]  # aim the options at the leaders
+        options = data.draw(st.fixed_dictionaries({}, optional={
+            "presence_penalty": st.floats(-2, 2), "frequency_penalty": st.floats(0, 2),
+            "repetition_penalty": st.floats(0.5, 3),
+            "logit_bias": st.dictionaries(st.sampled_from(top) | ids, st.floats(-100, 100), max_size=4),
+            "allowed_token_ids": st.lists(ids, min_size=1, max_size=5)}))
+        p = data.draw(st.builds(SamplingParams, max_tokens=st.just(50), temperature=st.sampled_from([0, 0.5, 1.5]),
+                                top_k=st.integers(0, 20), min_p=st.sampled_from([0.0, 0.1]),
+                                seed=st.integers(0, 2**32), **{k: st.just(v) for k, v in options.items()}))
+        a = LogitsAdjuster.for_request(p, data.draw(st.lists(st.sampled_from(top) | ids, max_size=8)), (), 50)
+        for t in data.draw(st.lists(st.sampled_from(top) | ids, max_size=8)):
+            if a is not None:
+                a.add(t)
+        params.append(p)
+        adjusters.append(a)
+        streams.append(None if p.is_greedy else RandomStream(p.seed))
+    expected = logits.copy()
+    adjust(expected, adjusters)
+    got_ids, _ = sample(torch.from_numpy(logits.copy()), params, streams, adjusters)
+    for row, (p, token_id) in enumerate(zip(params, got_ids)):
+        if p.is_greedy:
+            assert token_id == int(np.argmax(expected[row]))
+        else:
+            u = RandomStream(p.seed).random()
+            if np.isfinite(expected[row]).any() and not _is_borderline(expected[row], p, u):
+                assert token_id == draw(weights(expected[row], p), u)

@@ -62,6 +62,7 @@ typedef struct {
     int32_t *cand;  /* [V] candidate ids, ascending */
     Pair *pairs;    /* [V] top-k heap, top-p candidates */
     float *bmax;    /* [V / SK_BLOCK_MAX + 1] the row's block maxima */
+    uint8_t *dirty; /* [V / SK_BLOCK_MAX + 1] blocks whose max the processing may have lowered */
 } Scratch;
 
 static __thread Scratch scratch;
@@ -69,15 +70,16 @@ static __thread Scratch scratch;
 static Scratch *scratch_for(int64_t vocab) {
     Scratch *s = &scratch;
     if (s->capacity >= vocab) return s;
-    free(s->w); free(s->copy); free(s->vals); free(s->cand); free(s->pairs); free(s->bmax);
+    free(s->w); free(s->copy); free(s->vals); free(s->cand); free(s->pairs); free(s->bmax); free(s->dirty);
     s->bmax = malloc((vocab / SK_BLOCK_MAX + 1) * sizeof(float));
+    s->dirty = calloc(vocab / SK_BLOCK_MAX + 1, 1);
     s->w = malloc(vocab * sizeof(float));
     s->copy = malloc(vocab * sizeof(float));
     s->vals = malloc(vocab * sizeof(float));
     s->cand = malloc(vocab * sizeof(int32_t));
     s->pairs = malloc(vocab * sizeof(Pair));
-    if (!s->w || !s->copy || !s->vals || !s->cand || !s->pairs || !s->bmax) {
-        free(s->w); free(s->copy); free(s->vals); free(s->cand); free(s->pairs); free(s->bmax);
+    if (!s->w || !s->copy || !s->vals || !s->cand || !s->pairs || !s->bmax || !s->dirty) {
+        free(s->w); free(s->copy); free(s->vals); free(s->cand); free(s->pairs); free(s->bmax); free(s->dirty);
         memset(s, 0, sizeof(*s));
         return NULL;
     }
@@ -311,8 +313,8 @@ static int64_t apply_top_p(const float *w, int32_t *cand, int64_t n, double z, d
     return kept;
 }
 
-static int64_t choose_random(const float *row, int64_t vocab, const sk_row *r, Scratch *s) {
-    float m = block_maxes(row, vocab, s->bmax);
+/* m and s->bmax: the row's max and block maxima. */
+static int64_t choose_random(const float *row, int64_t vocab, const sk_row *r, Scratch *s, float m) {
     if (!(m > -INFINITY)) return argmax_blocks(row, vocab, s->bmax, m); /* everything masked */
     float inv_t = 1.0f / r->temperature, shift = m * inv_t;
     float *w = s->w;
@@ -359,7 +361,13 @@ static int64_t choose_random(const float *row, int64_t vocab, const sk_row *r, S
 
 /* ---- processing and logprobs ---- */
 
-static int process_row(float *row, int64_t vocab, const sk_row *r, Scratch *s) {
+/* Applies the row's processing in place after block_maxes (the row is in cache by then) and
+ * keeps s->bmax exact: a raised value raises its block's max, a lowered one that was its block's
+ * max marks the block for a rescan. Returns SK_OK or SK_BAD_ID; *m becomes the new row max. */
+static int process_row(float *row, int64_t vocab, const sk_row *r, Scratch *s, float *m) {
+    float *bmax = s->bmax;
+    uint8_t *dirty = s->dirty;
+    int is_any_dirty = 0;
     if (r->allowed_ids != NULL) {
         for (int64_t j = 0; j < r->num_allowed; j++) {
             int64_t id = r->allowed_ids[j];
@@ -368,19 +376,35 @@ static int process_row(float *row, int64_t vocab, const sk_row *r, Scratch *s) {
         }
         for (int64_t i = 0; i < vocab; i++) row[i] = -INFINITY;
         for (int64_t j = 0; j < r->num_allowed; j++) row[r->allowed_ids[j]] = s->vals[j];
+        block_maxes(row, vocab, bmax);
     }
     for (int64_t j = 0; j < r->num_masked; j++) {
         int64_t id = r->masked_ids[j];
         if (id < 0 || id >= vocab) return SK_BAD_ID;
+        if (row[id] == bmax[id / SK_BLOCK_MAX]) dirty[id / SK_BLOCK_MAX] = is_any_dirty = 1;
         row[id] = -INFINITY;
     }
     for (int64_t j = 0; j < r->num_touched; j++) {
-        int64_t id = r->ids[j];
+        int64_t id = r->ids[j], b = id / SK_BLOCK_MAX;
         if (id < 0 || id >= vocab) return SK_BAD_ID;
-        float v = row[id] + r->bias[j];
+        float old = row[id], v = old + r->bias[j];
         v = v > 0.0f ? v / r->scale[j] : v * r->scale[j];
-        row[id] = v - r->sub[j];
+        v -= r->sub[j];
+        row[id] = v;
+        if (v > bmax[b]) bmax[b] = v;
+        else if (old == bmax[b] && v < old) dirty[b] = is_any_dirty = 1;
     }
+    int64_t num_blocks = (vocab + SK_BLOCK_MAX - 1) / SK_BLOCK_MAX;
+    float new_m = -INFINITY;
+    for (int64_t b = 0; b < num_blocks; b++) {
+        if (is_any_dirty && dirty[b]) {
+            dirty[b] = 0;
+            int64_t start = b * SK_BLOCK_MAX;
+            bmax[b] = max_of(row + start, start + SK_BLOCK_MAX <= vocab ? SK_BLOCK_MAX : vocab - start);
+        }
+        new_m = bmax[b] > new_m ? bmax[b] : new_m;
+    }
+    *m = new_m;
     return SK_OK;
 }
 
@@ -415,18 +439,17 @@ int sk_sample_rows(float *logits, int64_t num_rows, int64_t vocab, const sk_row 
             memcpy(s->copy, row, vocab * sizeof(float));
             raw = s->copy;
         }
+        float m = block_maxes(row, vocab, s->bmax);
         if (is_processed) {
-            int rc = process_row(row, vocab, r, s);
+            int rc = process_row(row, vocab, r, s, &m);
             if (rc != SK_OK) return rc;
         }
         if (process_only) continue;
         sk_result *out = &results[i];
-        if (r->temperature > 0.0f && r->rng != NULL) {
-            out->token_id = choose_random(row, vocab, r, s);
-        } else {
-            float m = block_maxes(row, vocab, s->bmax);
+        if (r->temperature > 0.0f && r->rng != NULL)
+            out->token_id = choose_random(row, vocab, r, s, m);
+        else
             out->token_id = argmax_blocks(row, vocab, s->bmax, m);
-        }
         if (r->num_top >= 0)
             row_logprobs(raw, vocab, out->token_id, r->num_top, s, &out->logprob, &out->rank, out->top_ids,
                          out->top_logprobs);
