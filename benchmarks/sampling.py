@@ -7,7 +7,9 @@ Three sections, each at batch 1 and 32 (requests), configurations interleaved in
              tokens of history.
   reference  the same work through the NumPy path (``logits_process.adjust`` for the batch, then
              per row ``sampling_reference``: argmax, or float64 softmax, masks and the CDF draw):
-             what the kernel replaced, for the ratio.
+             what the kernel replaced, for the ratio (steps / 8: it is slow).
+  Both also as CPU time of the calling thread (``time.thread_time``): on a shared, busy host the
+  wall clock counts time the thread spent descheduled.
   engine     ``Engine.generate`` over ScriptedModel (no model compute): wall time per generated
              token of the whole host path (schedule, forward double, sample, detokenize, events).
 Configurations: greedy and random (temperature 0.8), each plain and "all on" (presence 0.5,
@@ -62,7 +64,8 @@ def reference_sample(logits: torch.Tensor, params, generators, adjusters) -> lis
 
 
 def sampler_us_per_token(options: dict, n: int, batch: int, steps: int, vocab: int, rng,
-                         is_reference: bool = False) -> float:
+                         is_reference: bool = False) -> tuple[float, float]:
+    """(wall, CPU) microseconds per token; CPU time (this thread's) is less at the mercy of a busy host."""
     rows = batch * n
     params = [SamplingParams(max_tokens=4096, seed=i, **options) for i in range(rows)]
     generators = [random_stream(i) if not p.is_greedy else None for i, p in enumerate(params)]
@@ -74,10 +77,10 @@ def sampler_us_per_token(options: dict, n: int, batch: int, steps: int, vocab: i
                 a.add(t)
     batch_adjusters = adjusters if any(a is not None for a in adjusters) else None
     base = torch.from_numpy(rng.standard_normal((rows, vocab), dtype=np.float32) * 4)  # [rows, V]
-    total = 0.0
+    total = total_cpu = 0.0
     for _ in range(steps):
         logits = base.clone()
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.thread_time()
         if is_reference:
             token_ids = reference_sample(logits, params, generators, batch_adjusters)
         else:
@@ -86,7 +89,8 @@ def sampler_us_per_token(options: dict, n: int, batch: int, steps: int, vocab: i
             for a, t in zip(adjusters, token_ids):
                 a.add(t)
         total += time.perf_counter() - start
-    return total / (steps * rows) * 1e6
+        total_cpu += time.thread_time() - start_cpu
+    return total / (steps * rows) * 1e6, total_cpu / (steps * rows) * 1e6
 
 
 def engine_us_per_token(eng, options: dict, n: int, batch: int, steps: int) -> float:
@@ -115,7 +119,7 @@ def main(argv=None) -> None:
     script = [random.Random(0).randrange(1000, tok.vocab_size) for _ in range(args.steps)]
     eng = engine.Engine(ScriptedModel(script, tok.vocab_size), tok, max_model_len=1024, max_num_seqs=128,
                         kv_cache_tokens=128 * 256)
-    sections = ("sampler", "reference", "engine")
+    sections = ("sampler", "sampler CPU", "reference", "reference CPU", "engine")
     load_before = environment()["load_average"]
     results = {s: {c: {b: [] for b in BATCH_SIZES} for c in CONFIGS} for s in sections}
     try:
@@ -123,10 +127,11 @@ def main(argv=None) -> None:
         for _ in range(args.repeats):
             for batch in BATCH_SIZES:
                 for name, (options, n) in CONFIGS.items():  # interleaved: every config in every repeat
-                    results["sampler"][name][batch].append(
-                        sampler_us_per_token(options, n, batch, args.steps, args.vocab, rng))
-                    results["reference"][name][batch].append(
-                        sampler_us_per_token(options, n, batch, args.steps, args.vocab, rng, is_reference=True))
+                    for section, is_reference, steps in (("sampler", False, args.steps),
+                                                         ("reference", True, max(4, args.steps // 8))):
+                        wall, cpu = sampler_us_per_token(options, n, batch, steps, args.vocab, rng, is_reference)
+                        results[section][name][batch].append(wall)
+                        results[f"{section} CPU"][name][batch].append(cpu)
                     results["engine"][name][batch].append(engine_us_per_token(eng, options, n, batch, args.steps))
     finally:
         eng.close()
@@ -145,11 +150,12 @@ def main(argv=None) -> None:
                 cells += [fmt_stats(stats, ".2f"), f"{stats['median'] / plain['median']:.2f}x"]
             rows.append(cells)
         headers = ["config"] + [h for b in BATCH_SIZES for h in (f"us/token b={b}", f"vs plain b={b}")]
-        print_table(headers, rows, title=f"{section}: host microseconds per token, median (min-max) "
+        clock = "CPU (this thread)" if section.endswith("CPU") else "wall"
+        print_table(headers, rows, title=f"{section}: host microseconds per token ({clock}), median (min-max) "
                                          f"over {args.repeats} repeats; ratio to the plain config of its kind")
-    ratios = [[name] + [f"{summarize(results['reference'][name][b])['median'] / summarize(results['sampler'][name][b])['median']:.1f}x"
-                        for b in BATCH_SIZES] for name in CONFIGS]
-    print_table(["config"] + [f"reference / kernel b={b}" for b in BATCH_SIZES], ratios,
+    ratios = [[name] + [f"{summarize(results[f'reference{c}'][name][b])['median'] / summarize(results[f'sampler{c}'][name][b])['median']:.1f}x"
+                        for c in ("", " CPU") for b in BATCH_SIZES] for name in CONFIGS]
+    print_table(["config"] + [f"reference / kernel b={b}{c}" for c in ("", " CPU") for b in BATCH_SIZES], ratios,
                 title="speed-up of the kernel over the NumPy path (medians)")
     env = environment()
     print("load average before:", load_before, "after:", env["load_average"])

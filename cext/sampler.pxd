@@ -50,3 +50,28 @@ cdef extern from "csrc/sampler_kernels.h" nogil:
 @cython.final
 cdef class RandomStream:
     cdef sk_mt19937 mt
+
+
+# One request's touched ids (biased, seen in the prompt or output) with what happens to each
+# logit: l = rep(l + bias) - sub, rep(x) = x / scale if x > 0 else x * scale. add() is O(1).
+@cython.final
+cdef class TouchedIds:
+    cdef readonly object ids                 # [capacity] int64
+    cdef readonly object bias                # [capacity] float32
+    cdef readonly object scale               # [capacity] float32, 1: not seen
+    cdef readonly object sub                 # [capacity] float32, frequency * count + presence
+    cdef readonly object counts              # [capacity] int32, generated count per touched id
+    cdef readonly int64_t num_ids
+    cdef readonly int64_t capacity
+    cdef dict slot_of                        # token id -> its index
+    cdef double repetition_penalty
+    cdef double frequency_penalty
+    cdef double presence_penalty
+    cdef bint is_counted                     # frequency or presence penalty
+    cdef int64_t* _ids
+    cdef float* _bias
+    cdef float* _scale
+    cdef float* _sub
+    cdef int32_t* _counts
+
+    cpdef add(self, int64_t token_id)

@@ -6,7 +6,8 @@ and top logprobs of the raw row. See cext/csrc/sampler_kernels.h for the definit
 
 The Python side (``engine.sampling``) passes the batch's ``SamplingParams``, streams and
 ``engine.logits_process.LogitsAdjuster`` objects; this module reads their fields once per row
-and hands the C kernel raw pointers to the adjusters' arrays.
+and hands the C kernel raw pointers to the adjusters' arrays (``TouchedIds``, kept here so
+that counting a generated id is a few C operations).
 """
 cimport cython
 cimport numpy as cnp
@@ -41,6 +42,66 @@ cdef class RandomStream:
         return sk_mt_uniform(&self.mt)
 
 
+@cython.final
+cdef class TouchedIds:
+    """The ids a request's logit_bias and penalties change, and per id its bias, scale (the
+    repetition penalty once seen) and sub (frequency * count + presence), for the kernel to
+    apply as l = rep(l + bias) - sub. ``add(token_id)`` counts one generated id in O(1)."""
+
+    def __init__(self, list touched_ids, list bias_values, set seen_ids, int64_t capacity,
+                 double repetition_penalty, double frequency_penalty, double presence_penalty):
+        cdef int64_t j, num = len(touched_ids)
+        if capacity < num:
+            raise ValueError("capacity must hold the touched ids")
+        self.capacity = capacity
+        self.ids = np.zeros(capacity, dtype=np.int64)
+        self.bias = np.zeros(capacity, dtype=np.float32)
+        self.scale = np.ones(capacity, dtype=np.float32)
+        self.sub = np.zeros(capacity, dtype=np.float32)
+        self.counts = np.zeros(capacity, dtype=np.int32)
+        self._ids = <int64_t*>cnp.PyArray_DATA(<cnp.ndarray>self.ids)
+        self._bias = <float*>cnp.PyArray_DATA(<cnp.ndarray>self.bias)
+        self._scale = <float*>cnp.PyArray_DATA(<cnp.ndarray>self.scale)
+        self._sub = <float*>cnp.PyArray_DATA(<cnp.ndarray>self.sub)
+        self._counts = <int32_t*>cnp.PyArray_DATA(<cnp.ndarray>self.counts)
+        self.repetition_penalty = repetition_penalty
+        self.frequency_penalty = frequency_penalty
+        self.presence_penalty = presence_penalty
+        self.is_counted = frequency_penalty != 0.0 or presence_penalty != 0.0
+        self.slot_of = {}
+        for j in range(num):
+            token_id = touched_ids[j]
+            self._ids[j] = token_id
+            self.slot_of[token_id] = j
+            if j < len(bias_values):
+                self._bias[j] = bias_values[j]
+            if token_id in seen_ids:
+                self._scale[j] = repetition_penalty
+        self.num_ids = num
+
+    cpdef add(self, int64_t token_id):
+        """Count one generated id: O(1)."""
+        cdef int64_t j
+        cdef bint is_repeated = self.repetition_penalty != 1.0
+        if not self.is_counted and not is_repeated:
+            return
+        slot = self.slot_of.get(token_id)
+        if slot is None:
+            j = self.num_ids
+            if j >= self.capacity:
+                raise IndexError("TouchedIds is full: more generated ids than max_tokens")
+            self._ids[j] = token_id
+            self.slot_of[token_id] = j
+            self.num_ids = j + 1
+        else:
+            j = slot
+        if is_repeated:
+            self._scale[j] = self.repetition_penalty
+        if self.is_counted:
+            self._sub[j] += self.frequency_penalty + (self.presence_penalty if self._counts[j] == 0 else 0.0)
+        self._counts[j] += 1
+
+
 cdef inline const void* _data(object array, int typenum, str field) except NULL:
     cdef cnp.ndarray arr = <cnp.ndarray?>array
     if cnp.PyArray_TYPE(arr) != typenum or not cnp.PyArray_IS_C_CONTIGUOUS(arr):
@@ -49,7 +110,6 @@ cdef inline const void* _data(object array, int typenum, str field) except NULL:
 
 
 cdef int _fill_row(sk_row* row, object params, object stream, object adjuster, list keep) except -1:
-    cdef int64_t num
     memset(row, 0, sizeof(sk_row))
     row.top_p = 1.0
     row.num_top = params.top_logprobs if params.logprobs else -1
@@ -70,15 +130,14 @@ cdef int _fill_row(sk_row* row, object params, object stream, object adjuster, l
         keep.append(masked)
         row.masked_ids = <const int64_t*>_data(masked, cnp.NPY_INT64, "masked_ids_now()")
         row.num_masked = cnp.PyArray_SIZE(<cnp.ndarray>masked)
-    num = adjuster.num_ids
-    if num:
-        row.ids = <const int64_t*>_data(adjuster.ids, cnp.NPY_INT64, "ids")
-        row.bias = <const float*>_data(adjuster.bias, cnp.NPY_FLOAT32, "bias")
-        row.scale = <const float*>_data(adjuster.scale, cnp.NPY_FLOAT32, "scale")
-        row.sub = <const float*>_data(adjuster.sub, cnp.NPY_FLOAT32, "sub")
-        if num > cnp.PyArray_SIZE(<cnp.ndarray>adjuster.ids):
-            raise ValueError("LogitsAdjuster.num_ids exceeds its arrays")
-        row.num_touched = num
+    cdef TouchedIds touched = <TouchedIds?>adjuster.touched
+    if touched.num_ids:
+        row.ids = touched._ids
+        row.bias = touched._bias
+        row.scale = touched._scale
+        row.sub = touched._sub
+        row.num_touched = touched.num_ids
+    keep.append(touched)
     return 0
 
 

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from cext.sampler import TouchedIds
+
 from .params import SamplingParams
 
 
@@ -33,8 +35,7 @@ class LogitsAdjuster:
     """One request's logits processing and the token counts it needs."""
 
     __slots__ = (
-        "min_tokens", "min_token_ids", "allowed_ids", "num_generated", "repetition_penalty",
-        "frequency_penalty", "presence_penalty", "slot_of", "counts", "ids", "bias", "scale", "sub", "num_ids",
+        "min_tokens", "min_token_ids", "allowed_ids", "num_generated", "touched",
         "banned_ids", "bad_sequences", "recent_ids", "num_recent",
     )
 
@@ -50,25 +51,35 @@ class LogitsAdjuster:
         self.min_token_ids = np.array(sorted(stop_ids), dtype=np.int64) if params.min_tokens and stop_ids else None
         allowed = params.allowed_token_ids
         self.allowed_ids = np.array(allowed, dtype=np.int64) if allowed is not None else None
-        self.repetition_penalty = float(params.repetition_penalty)
-        self.frequency_penalty = float(params.frequency_penalty)
-        self.presence_penalty = float(params.presence_penalty)
         bias = params.logit_bias or {}
-        seen = set(prompt_ids) if self.repetition_penalty != 1.0 else set()
+        seen = set(prompt_ids) if params.repetition_penalty != 1.0 else set()
         touched = list(bias) + [t for t in seen if t not in bias]
-        capacity = len(touched) + max_tokens
-        self.slot_of: dict[int, int] = {t: j for j, t in enumerate(touched)}  # touched id -> its index
-        self.counts: dict[int, int] = {}  # generated id -> count (frequency / presence)
-        self.ids = np.zeros(capacity, dtype=np.int64)  # [capacity] the touched ids
-        self.bias = np.zeros(capacity, dtype=np.float32)  # added first
-        self.scale = np.ones(capacity, dtype=np.float32)  # then: l / scale if l > 0 else l * scale
-        self.sub = np.zeros(capacity, dtype=np.float32)  # then subtracted
-        self.num_ids = len(touched)
-        if touched:
-            self.ids[: len(touched)] = touched
-            self.bias[: len(bias)] = list(bias.values())
-            if seen:
-                self.scale[: len(touched)] = [self.repetition_penalty if t in seen else 1.0 for t in touched]
+        self.touched = TouchedIds(touched, list(bias.values()), seen, len(touched) + max_tokens,
+                                  params.repetition_penalty, params.frequency_penalty, params.presence_penalty)
+
+    @property
+    def num_ids(self) -> int:
+        return self.touched.num_ids
+
+    @property
+    def ids(self) -> np.ndarray:
+        """[capacity] int64: the touched ids (the first num_ids)."""
+        return self.touched.ids
+
+    @property
+    def bias(self) -> np.ndarray:
+        """[capacity] float32, added first."""
+        return self.touched.bias
+
+    @property
+    def scale(self) -> np.ndarray:
+        """[capacity] float32, then l / scale if l > 0 else l * scale (1: not seen)."""
+        return self.touched.scale
+
+    @property
+    def sub(self) -> np.ndarray:
+        """[capacity] float32, then subtracted: frequency * count + presence."""
+        return self.touched.sub
 
     @classmethod
     def for_request(cls, params: SamplingParams, prompt_ids, stop_ids, max_tokens: int,
@@ -110,25 +121,7 @@ class LogitsAdjuster:
             self.recent_ids.append(token_id)
             if len(self.recent_ids) > self.num_recent:
                 del self.recent_ids[0]
-        is_penalized = self.frequency_penalty or self.presence_penalty
-        if not is_penalized and self.repetition_penalty == 1.0:
-            return
-        j = self.slot_of.get(token_id)
-        if j is None:
-            j = self.num_ids
-            self.ids[j] = token_id
-            self.slot_of[token_id] = j
-            self.num_ids = j + 1
-            if self.repetition_penalty != 1.0:
-                self.scale[j] = self.repetition_penalty
-        elif self.repetition_penalty != 1.0 and token_id not in self.counts:
-            self.scale[j] = self.repetition_penalty  # a biased id not in the prompt, now seen
-        if is_penalized:
-            count = self.counts.get(token_id, 0)
-            self.sub[j] += self.frequency_penalty + (self.presence_penalty if count == 0 else 0.0)
-            self.counts[token_id] = count + 1
-        else:
-            self.counts[token_id] = 1
+        self.touched.add(token_id)
 
 
 def adjust(logits: np.ndarray, adjusters: list[LogitsAdjuster | None]) -> None:

@@ -361,6 +361,17 @@ static int64_t choose_random(const float *row, int64_t vocab, const sk_row *r, S
 
 /* ---- processing and logprobs ---- */
 
+/* is_a ? a : b without a branch (the condition is a coin flip per id: a branch mispredicts). */
+static inline float select_f(int is_a, float a, float b) {
+    uint32_t ua, ub, mask = (uint32_t)0 - (uint32_t)(is_a != 0);
+    memcpy(&ua, &a, sizeof(ua));
+    memcpy(&ub, &b, sizeof(ub));
+    uint32_t out = (ua & mask) | (ub & ~mask);
+    float f;
+    memcpy(&f, &out, sizeof(f));
+    return f;
+}
+
 /* Applies the row's processing in place after block_maxes (the row is in cache by then) and
  * keeps s->bmax exact: a raised value raises its block's max, a lowered one that was its block's
  * max marks the block for a rescan. Returns SK_OK or SK_BAD_ID; *m becomes the new row max. */
@@ -384,15 +395,17 @@ static int process_row(float *row, int64_t vocab, const sk_row *r, Scratch *s, f
         if (row[id] == bmax[id / SK_BLOCK_MAX]) dirty[id / SK_BLOCK_MAX] = is_any_dirty = 1;
         row[id] = -INFINITY;
     }
+    const int64_t *ids = r->ids;
+    const float *bias = r->bias, *scale = r->scale, *sub = r->sub;
     for (int64_t j = 0; j < r->num_touched; j++) {
-        int64_t id = r->ids[j], b = id / SK_BLOCK_MAX;
+        int64_t id = ids[j], b = id / SK_BLOCK_MAX;
         if (id < 0 || id >= vocab) return SK_BAD_ID;
-        float old = row[id], v = old + r->bias[j];
-        v = v > 0.0f ? v / r->scale[j] : v * r->scale[j];
-        v -= r->sub[j];
+        float old = row[id], v = old + bias[j];
+        v = select_f(v > 0.0f, v / scale[j], v * scale[j]) - sub[j];
         row[id] = v;
-        if (v > bmax[b]) bmax[b] = v;
-        else if (old == bmax[b] && v < old) dirty[b] = is_any_dirty = 1;
+        float block_max = bmax[b];
+        bmax[b] = v > block_max ? v : block_max;
+        if (old == block_max && v < old) dirty[b] = is_any_dirty = 1;
     }
     int64_t num_blocks = (vocab + SK_BLOCK_MAX - 1) / SK_BLOCK_MAX;
     float new_m = -INFINITY;
