@@ -152,6 +152,8 @@ def sample_rows(float[:, ::1] logits, list params, list streams, list adjusters=
     cdef int64_t num_rows = logits.shape[0], vocab = logits.shape[1], i, j, max_top = 0
     if len(params) != num_rows or len(streams) != num_rows or (adjusters is not None and len(adjusters) != num_rows):
         raise ValueError("params, streams and adjusters need one entry per row of logits")
+    if vocab >= (1 << 31):
+        raise ValueError("the sampler keeps token ids in 32 bits: the vocabulary must be < 2**31")
     if num_rows == 0:
         return None if process_only else ([], [])
     cdef sk_row* rows = <sk_row*>malloc(num_rows * sizeof(sk_row))
