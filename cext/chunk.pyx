@@ -351,6 +351,55 @@ cdef class ChunkWriter:
         else:
             self.text_offsets[index] = self.text_offsets.get(index, 0) + num_chars
 
+    cpdef bytes tool_event(self, str text, bytes tool_calls_json, object logprobs, object finish_reason,
+                           long long index=0):
+        """A chat event with tool call deltas: ``tool_calls_json`` is the JSON array of
+        ``delta.tool_calls`` (written as is); ``content`` is null when ``text`` is empty.
+        Requests with tools only: the per-token ``event`` path stays as it is."""
+        cdef bint is_first
+        if not self.is_chat:
+            raise ValueError("tool calls exist only in chat chunks")
+        if index == 0:
+            self.pos = self.prefix_len
+            is_first = self.is_first
+            self.is_first = False
+        else:
+            self.pos = self.choices_len
+            self._raw(b'{"index":', 9)
+            self._int(index)
+            self._raw(b',"delta":{', 10)
+            is_first = index not in self.roles_sent
+            if is_first:
+                self.roles_sent.add(index)
+        if is_first:
+            self._raw(b'"role":"assistant",', 19)
+        self._raw(b'"content":', 10)
+        if text:
+            self._str(text)
+        else:
+            self._raw(b"null", 4)
+        self._raw(b',"tool_calls":', 14)
+        self._raw(tool_calls_json, len(tool_calls_json))
+        self._raw(b'},"logprobs":', 13)
+        if logprobs is None:
+            self._raw(b"null", 4)
+        else:
+            self._chat_logprobs(logprobs)
+        self._raw(b',"finish_reason":', 17)
+        if finish_reason is None:
+            self._raw(b"null", 4)
+        else:
+            self._str(finish_reason)
+        if self.include_usage:
+            self._raw(b'}],"usage":null}\n\n', 18)
+        else:
+            self._raw(b"}]}\n\n", 5)
+        chunk = self._take()
+        if index != 0:
+            self.pos = self.choices_len  # put choice 0's head back in buf[:prefix_len]
+            self._choice0_head()
+        return chunk
+
     cdef int _choice0_head(self) except -1:
         if self.is_chat:
             return self._raw(b'{"index":0,"delta":{', 20)

@@ -18,7 +18,7 @@ _ERRORS = {
     FK_BAD_BLOCK: "block table entry outside the cache (or -1) within a context",
     FK_BAD_SLOT: "slot outside the cache",
     FK_BAD_POSITION: "position outside the rotary table",
-    FK_BAD_LENGTH: "context length < 1 or longer than the block table",
+    FK_BAD_LENGTH: "context length < 1 or longer than the block table (or a product's K not a multiple of 32)",
 }
 
 
@@ -71,6 +71,36 @@ def silu_mul(intptr_t gate_up, intptr_t out, int64_t num_rows, int64_t inter, in
     cdef int rc
     with nogil:
         rc = fk_silu_mul(<const void*>gate_up, <void*>out, num_rows, inter, dtype)
+    _check(rc)
+
+
+def q4_matmul(intptr_t x, int64_t x_stride, int64_t num_rows, int64_t num_cols, intptr_t blocks, bint half,
+              int64_t num_out, intptr_t bias, intptr_t y, int64_t y_stride, int dtype):
+    """y [M, N] = x [M, K] @ W.T (+ bias float32 [N], 0: none) for W in Q4 rows [N, K / 32 * (20 if half
+    else 24)] (csrc/qgemm.h); x quantized to int16 codes per block of 32."""
+    cdef int rc
+    with nogil:
+        rc = fk_q4_matmul(<const void*>x, x_stride, num_rows, num_cols, <const unsigned char*>blocks, half, num_out,
+                          <const float*>bias, <void*>y, y_stride, dtype)
+    _check(rc)
+
+
+def q8_matmul(intptr_t x, int64_t x_stride, int64_t num_rows, int64_t num_cols, intptr_t q, intptr_t scales,
+              int64_t num_out, intptr_t bias, intptr_t y, int64_t y_stride, int dtype):
+    """y [M, N] = x [M, K] @ W.T (+ bias) for W = q [N, K] int8 * scales [N, K / 32] per block of 32;
+    x quantized to int16 codes per block of 32."""
+    cdef int rc
+    with nogil:
+        rc = fk_q8_matmul(<const void*>x, x_stride, num_rows, num_cols, <const signed char*>q, <const float*>scales,
+                          num_out, <const float*>bias, <void*>y, y_stride, dtype)
+    _check(rc)
+
+
+def q4_dequantize(intptr_t blocks, bint half, int64_t num_out, int64_t num_cols, intptr_t w):
+    """Q4 rows [N, K / 32 * (20 if half else 24)] -> float32 w [N, K]."""
+    cdef int rc
+    with nogil:
+        rc = fk_q4_dequantize(<const unsigned char*>blocks, half, num_out, num_cols, <float*>w)
     _check(rc)
 
 

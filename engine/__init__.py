@@ -32,6 +32,8 @@ _EXPORTS = {
     "TokenLogprob": "outputs",
     "Usage": "outputs",
     "SamplingParams": "params",
+    "ToolCall": "tools",
+    "ToolCallDelta": "tools",
     "Tokenizer": "tokenizer",
     "load_tokenizer": "tokenizer",
 }

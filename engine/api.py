@@ -141,17 +141,29 @@ class Engine:
         return self.submit(self._prompt_ids(prompt), params, request_id)
 
     def stream_chat(self, messages: list[dict], params: SamplingParams | None = None,
-                    request_id: str | None = None, tools: list[dict] | None = None) -> RequestStream:
-        """Apply the chat template to OpenAI-style messages and stream the reply."""
-        prompt_ids = self.tokenizer.encode_chat(messages, add_generation_prompt=True, tools=tools)
-        return self.submit(prompt_ids, params, request_id, prompt_param="messages")
+                    request_id: str | None = None, tools: list[dict] | None = None, tool_choice=None,
+                    parallel_tool_calls: bool = True) -> RequestStream:
+        """Apply the chat template to OpenAI-style messages and stream the reply.
+
+        ``tools`` / ``tool_choice``: OpenAI's (engine/tools): events then carry content as ``text``
+        and call pieces as ``tool_calls``."""
+        from .tools.stream import prepare_chat, tools_error
+
+        prompt_ids, params, event_filter = prepare_chat(self.tokenizer, messages, params, tools, tool_choice,
+                                                        parallel_tool_calls)
+        try:
+            return self.submit(prompt_ids, params, request_id, prompt_param="messages", event_filter=event_filter)
+        except InvalidParameterError as exc:
+            raise tools_error(exc, event_filter) from None
 
     def submit(self, prompt_ids: list[int], params: SamplingParams | None = None, request_id: str | None = None,
-               prompt_param: str = "prompt", outputs: queue.SimpleQueue | None = None) -> RequestStream:
+               prompt_param: str = "prompt", outputs: queue.SimpleQueue | None = None,
+               event_filter=None) -> RequestStream:
         """Submit prompt token ids. ``prompt_param`` names the prompt in errors ("prompt", "messages").
-        ``outputs``: the queue the engine thread puts this request's events on (default: a new one)."""
+        ``outputs``: the queue the engine thread puts this request's events on (default: a new one).
+        ``event_filter``: applied to every event the stream hands out (tool-call parsing)."""
         return RequestStream(self._core, self._submit_request(prompt_ids, params, request_id, prompt_param, outputs),
-                             prompt_ids, owner=self)
+                             prompt_ids, owner=self, event_filter=event_filter)
 
     def _submit_request(self, prompt_ids, params, request_id, prompt_param, outputs):
         request = self._core.make_request(prompt_ids, params, request_id, prompt_param)
@@ -172,6 +184,10 @@ class Engine:
                      add_special_tokens: bool = True) -> RequestStream:
         """Submit several prompts (text, encoded here, or token ids) as one request: one stream whose
         events carry ``index`` = prompt number * n + choice (the OpenAI order of a batched completion)."""
+        first, prompts = self._submit_group(prompts, params, request_id, prompt_param, add_special_tokens, None)
+        return RequestStream(self._core, first, prompts[0])
+
+    def _submit_group(self, prompts, params, request_id, prompt_param, add_special_tokens, outputs):
         if not prompts:
             raise InvalidParameterError(f"{prompt_param} must hold at least one prompt", prompt_param)
         prompts = [self.tokenizer.encode(p, add_special_tokens=add_special_tokens) if isinstance(p, str) else p
@@ -180,8 +196,10 @@ class Engine:
                                         prompt_param if len(prompts) == 1 else f"{prompt_param}[0]")
         for i, prompt_ids in enumerate(prompts[1:], start=1):
             self._core.make_request(prompt_ids, params, prompt_param=f"{prompt_param}[{i}]", group=first.group)
+        if outputs is not None:
+            first.group.outputs = outputs
         self._core.submit(first.group)
-        return RequestStream(self._core, first, prompts[0])
+        return first, prompts
 
     # ----- one-shot wrappers -----
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
@@ -231,20 +249,23 @@ class Engine:
         return [(prompt, params) for prompt in prompts]
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None,
-             tools: list[dict] | None = None) -> Completion | list[Completion]:
-        """The reply's Completion; with params.n > 1, the list of the n choices' Completions."""
-        stream = self.stream_chat(messages, params, tools=tools)
+             tools: list[dict] | None = None, tool_choice=None,
+             parallel_tool_calls: bool = True) -> Completion | list[Completion]:
+        """The reply's Completion; with params.n > 1, the list of the n choices' Completions.
+        With tools, ``Completion.tool_calls`` holds the calls and ``text`` the content around them."""
+        stream = self.stream_chat(messages, params, tools=tools, tool_choice=tool_choice,
+                                  parallel_tool_calls=parallel_tool_calls)
         return stream.collect() if stream.num_choices == 1 else stream.collect_choices()
 
     # ----- async twins (engine/async_stream.py): same arguments, never block the event loop -----
-    def _asubmit(self, prompt_ids: list[int], params, request_id, prompt_param: str = "prompt"):
+    def _asubmit(self, prompt_ids: list[int], params, request_id, prompt_param: str = "prompt", event_filter=None):
         import asyncio
 
         from .async_stream import AsyncRequestStream, LoopQueue
 
         outputs = LoopQueue(asyncio.get_running_loop())
         request = self._submit_request(prompt_ids, params, request_id, prompt_param, outputs)
-        return AsyncRequestStream(self._core, request, prompt_ids, outputs, owner=self)
+        return AsyncRequestStream(self._core, request, prompt_ids, outputs, owner=self, event_filter=event_filter)
 
     def astream(self, prompt: str | list[int], params: SamplingParams | None = None,
                 request_id: str | None = None):
@@ -252,9 +273,28 @@ class Engine:
         return self._asubmit(self._prompt_ids(prompt), params, request_id)
 
     def astream_chat(self, messages: list[dict], params: SamplingParams | None = None,
-                     request_id: str | None = None, tools: list[dict] | None = None):
-        prompt_ids = self.tokenizer.encode_chat(messages, add_generation_prompt=True, tools=tools)
-        return self._asubmit(prompt_ids, params, request_id, prompt_param="messages")
+                     request_id: str | None = None, tools: list[dict] | None = None, tool_choice=None,
+                     parallel_tool_calls: bool = True):
+        from .tools.stream import prepare_chat, tools_error
+
+        prompt_ids, params, event_filter = prepare_chat(self.tokenizer, messages, params, tools, tool_choice,
+                                                        parallel_tool_calls)
+        try:
+            return self._asubmit(prompt_ids, params, request_id, prompt_param="messages", event_filter=event_filter)
+        except InvalidParameterError as exc:
+            raise tools_error(exc, event_filter) from None
+
+    def asubmit_batch(self, prompts: list[str | list[int]], params: SamplingParams | None = None,
+                      request_id: str | None = None, prompt_param: str = "prompt",
+                      add_special_tokens: bool = True):
+        """The async twin of ``submit_batch``; call it inside a coroutine (it binds to the running loop)."""
+        import asyncio
+
+        from .async_stream import AsyncRequestStream, LoopQueue
+
+        outputs = LoopQueue(asyncio.get_running_loop())
+        first, prompts = self._submit_group(prompts, params, request_id, prompt_param, add_special_tokens, outputs)
+        return AsyncRequestStream(self._core, first, prompts[0], outputs, owner=self)
 
     async def agenerate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                         progress: bool = False) -> list[Completion]:
@@ -286,6 +326,8 @@ class Engine:
                 bar.close()
 
     async def achat(self, messages: list[dict], params: SamplingParams | None = None,
-                    tools: list[dict] | None = None) -> Completion | list[Completion]:
-        stream = self.astream_chat(messages, params, tools=tools)
+                    tools: list[dict] | None = None, tool_choice=None,
+                    parallel_tool_calls: bool = True) -> Completion | list[Completion]:
+        stream = self.astream_chat(messages, params, tools=tools, tool_choice=tool_choice,
+                                   parallel_tool_calls=parallel_tool_calls)
         return await (stream.collect() if stream.num_choices == 1 else stream.collect_choices())

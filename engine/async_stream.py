@@ -80,8 +80,10 @@ class LoopQueue(queue.SimpleQueue):
 class AsyncRequestStream:
     """Async iterator over one request's StreamEvents; ``aclose()`` or cancelling aborts the request."""
 
-    def __init__(self, core, request, prompt_token_ids: list[int], outputs: LoopQueue, owner: object = None):
+    def __init__(self, core, request, prompt_token_ids: list[int], outputs: LoopQueue, owner: object = None,
+                 event_filter=None):
         self._core = core
+        self._filter = event_filter  # applied to every event handed out (tool-call parsing)
         self._owner = owner  # the Engine: kept alive while a stream is held
         self._request = request
         self._group = request.group
@@ -89,6 +91,7 @@ class AsyncRequestStream:
         self.request_id = self._group.request_id
         self.prompt_token_ids = prompt_token_ids
         self._done = False
+        self._pending: object = None  # the end or an error met by ready_events(), for __anext__
 
     @property
     def prompt_logprobs(self):
@@ -98,14 +101,38 @@ class AsyncRequestStream:
     def num_choices(self) -> int:
         return len(self._group.requests)
 
+    def choice_prompt_token_ids(self, index: int) -> list[int]:
+        return self._group.requests[index].seq.prompt_token_ids
+
+    @property
+    def queue_time(self) -> float | None:
+        """Seconds from submission until the engine first scheduled the request (None: not yet)."""
+        seq = self._request.seq
+        return None if seq.first_scheduled_time is None else seq.first_scheduled_time - seq.arrival_time
+
+    def ready_events(self) -> list[StreamEvent]:
+        """The events already queued, taken without waiting (as ``RequestStream.ready_events``); an
+        error or the end met here is left for the next ``__anext__``."""
+        events: list[StreamEvent] = []
+        outputs = self._outputs
+        while not self._done and not outputs.empty():
+            item = outputs.get_nowait()
+            if item is FINISHED or isinstance(item, BaseException):
+                self._pending = item
+                break
+            events.append(item)
+        return events
+
     def __aiter__(self) -> AsyncRequestStream:
         return self
 
     async def __anext__(self) -> StreamEvent:
         if self._done:
             raise StopAsyncIteration
+        item, self._pending = self._pending, None
         try:
-            item = await self._outputs.next_item(self._core.is_alive)
+            if item is None:
+                item = await self._outputs.next_item(self._core.is_alive)
         except BaseException as exc:  # cancelled (or the engine died): the request goes too
             self.close()
             if isinstance(exc, EngineDead):
@@ -117,7 +144,7 @@ class AsyncRequestStream:
         if isinstance(item, BaseException):
             self._done = True
             raise item
-        return item
+        return item if self._filter is None else self._filter(item)
 
     def close(self) -> None:
         if not self._done:

@@ -29,6 +29,8 @@ def _completion_rows(completion, show_ids: bool) -> list[tuple[str, str]]:
         ("usage", f"{usage.prompt_tokens} prompt + {usage.completion_tokens} completion tokens"),
         ("request_id", completion.request_id),
     ]
+    calls = getattr(completion, "tool_calls", None) or ()
+    rows[:0] = [("tool call", f"{call.name}({call.arguments})  id={call.id}") for call in calls]
     if show_ids:
         rows.append(("prompt_token_ids", str(completion.prompt_token_ids)))
         rows.append(("token_ids", str(completion.token_ids)))

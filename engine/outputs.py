@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .tools.calls import ToolCall, ToolCallDelta, fold_tool_calls
+
 
 @dataclass(slots=True)
 class TokenLogprob:
@@ -30,8 +32,9 @@ class StreamEvent:
     text: str
     token_ids: list[int]
     logprobs: list[TokenLogprob] | None = None
-    finish_reason: str | None = None  # None | "stop" | "length" | "abort"
+    finish_reason: str | None = None  # None | "stop" | "length" | "abort" | "tool_calls"
     index: int = 0  # which choice (n > 1, batched prompts) the event belongs to
+    tool_calls: list[ToolCallDelta] | None = None  # pieces of tool calls (chat with tools); text is then content
 
 
 @dataclass(slots=True)
@@ -58,6 +61,7 @@ class Completion:
     prompt_logprobs: list[TokenLogprob | None] | None
     usage: Usage
     index: int = 0  # the choice's index (n > 1: prompt i's choices are i*n .. i*n+n-1)
+    tool_calls: list[ToolCall] | None = None  # the calls of a chat with tools (text: the content around them)
 
     def describe(self, show_ids: bool = False) -> str:
         from .display import describe_completion
@@ -72,7 +76,8 @@ class Completion:
     def __repr__(self) -> str:
         from .display import short_text
 
-        return (f"Completion(text={short_text(self.text)!r}, finish_reason={self.finish_reason!r}, "
+        calls = f"tool_calls={[c.name for c in self.tool_calls]!r}, " if self.tool_calls else ""
+        return (f"Completion(text={short_text(self.text)!r}, {calls}finish_reason={self.finish_reason!r}, "
                 f"usage=Usage(prompt_tokens={self.usage.prompt_tokens}, "
                 f"completion_tokens={self.usage.completion_tokens}), request_id={self.request_id!r})")
 
@@ -87,7 +92,7 @@ class CompletionFold:
     """Folds one request's StreamEvents into its Completion: the one fold, fed by the sync
     stream (RequestStream.collect) and the async one (AsyncRequestStream.collect) alike."""
 
-    __slots__ = ("request_id", "texts", "token_ids", "logprobs", "finish_reason")
+    __slots__ = ("request_id", "texts", "token_ids", "logprobs", "finish_reason", "tool_deltas")
 
     def __init__(self, request_id: str):
         self.request_id = request_id
@@ -95,6 +100,7 @@ class CompletionFold:
         self.token_ids: list[int] = []
         self.logprobs: list[TokenLogprob] | None = None
         self.finish_reason: str | None = None
+        self.tool_deltas: list[ToolCallDelta] | None = None
 
     def add(self, event: StreamEvent) -> None:
         self.texts.append(event.text)
@@ -104,6 +110,10 @@ class CompletionFold:
                 self.logprobs = []
             self.logprobs.extend(event.logprobs)
         self.finish_reason = event.finish_reason or self.finish_reason
+        if event.tool_calls:
+            if self.tool_deltas is None:
+                self.tool_deltas = []
+            self.tool_deltas.extend(event.tool_calls)
 
     def result(self, prompt_token_ids: list[int], prompt_logprobs, index: int = 0) -> Completion:
         return Completion(
@@ -116,4 +126,5 @@ class CompletionFold:
             prompt_logprobs=prompt_logprobs,
             usage=Usage(len(prompt_token_ids), len(self.token_ids)),
             index=index,
+            tool_calls=None if self.tool_deltas is None else fold_tool_calls(self.tool_deltas),
         )

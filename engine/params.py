@@ -12,6 +12,12 @@ MAX_N = 128  # choices per request
 MAX_LOGIT_BIAS = 100.0  # |bias| bound, as OpenAI
 MAX_BAD_WORDS = 256
 MAX_LOGIT_BIAS_ENTRIES = 1024  # OpenAI's limit is 300; every entry costs a scatter per token
+# Structured output (engine.structured): sizes bound the compile work done on the caller's thread.
+MAX_GRAMMAR_CHARS = 65_536  # json_schema (serialized), grammar, and all of choice together
+MAX_REGEX_CHARS = 8_192
+MAX_CHOICES = 1_024
+MAX_SCHEMA_DEPTH = 64  # nesting of objects/arrays in json_schema
+CONSTRAINT_FIELDS = ("json_schema", "regex", "choice", "grammar")
 
 
 def _is_int(value) -> bool:
@@ -46,6 +52,10 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] | list[int] | None = None
     bad_words: tuple[str, ...] | list[str] = ()
     n: int = 1
+    json_schema: dict | None = None  # the output is JSON valid under this schema
+    regex: str | None = None  # the whole output matches this regex
+    choice: tuple[str, ...] | list[str] | None = None  # the output is one of these strings
+    grammar: str | None = None  # the output is a sentence of this Lark or GBNF grammar
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
@@ -115,6 +125,13 @@ class SamplingParams:
                 f"bad_words must be a list of at most {MAX_BAD_WORDS} non-blank strings, got {self.bad_words!r}",
                 "bad_words")
         self.bad_words = tuple(self.bad_words)
+        _check_constraint(self)
+
+    @property
+    def has_constraint(self) -> bool:
+        """True when one of json_schema / regex / choice / grammar constrains the output."""
+        return (self.json_schema is not None or self.regex is not None or self.choice is not None
+                or self.grammar is not None)
 
     @property
     def is_greedy(self) -> bool:
@@ -128,6 +145,70 @@ class SamplingParams:
             self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
             or self.logit_bias or self.allowed_token_ids is not None or self.min_tokens or self.bad_words
         )
+
+
+def _check_constraint(params: SamplingParams) -> None:
+    """At most one of json_schema / regex / choice / grammar, each of bounded size (linear time).
+    Whether the schema or grammar compiles is checked by engine.structured when the request is made."""
+    present = [name for name in CONSTRAINT_FIELDS if getattr(params, name) is not None]
+    if len(present) > 1:
+        raise InvalidParameterError(
+            f"only one of json_schema, regex, choice, grammar may be set, got {' and '.join(present)}", present[1])
+    if params.json_schema is not None:
+        if not isinstance(params.json_schema, dict):
+            raise InvalidParameterError(
+                f"json_schema must be a JSON Schema object (dict), got {type(params.json_schema).__name__}",
+                "json_schema")
+        _check_schema_size(params.json_schema)
+    for name, limit in (("regex", MAX_REGEX_CHARS), ("grammar", MAX_GRAMMAR_CHARS)):
+        value = getattr(params, name)
+        if value is not None and (not isinstance(value, str) or not value.strip() or len(value) > limit):
+            raise InvalidParameterError(
+                f"{name} must be a non-empty string of at most {limit} characters, got "
+                f"{type(value).__name__ if not isinstance(value, str) else f'{len(value)} characters'}", name)
+    if params.choice is not None:
+        choice = params.choice
+        if (not isinstance(choice, (list, tuple)) or not choice or len(choice) > MAX_CHOICES
+                or not all(isinstance(c, str) and c for c in choice)):
+            raise InvalidParameterError(
+                f"choice must be a list of 1 to {MAX_CHOICES} non-empty strings, got {_short(choice)}", "choice")
+        if sum(len(c) for c in choice) > MAX_GRAMMAR_CHARS:
+            raise InvalidParameterError(f"choice strings exceed {MAX_GRAMMAR_CHARS} characters in total", "choice")
+        params.choice = tuple(choice)
+
+
+def _check_schema_size(schema: dict) -> None:
+    """JSON values only, nesting <= MAX_SCHEMA_DEPTH, <= MAX_GRAMMAR_CHARS of keys and strings
+    (one iterative pass, stops as soon as a bound is passed)."""
+    stack = [(schema, 1)]
+    num_chars = 0
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_SCHEMA_DEPTH:
+            raise InvalidParameterError(f"json_schema nests deeper than {MAX_SCHEMA_DEPTH} levels", "json_schema")
+        if isinstance(value, dict):
+            for key, item in value.items():
+                if not isinstance(key, str):
+                    raise InvalidParameterError(f"json_schema keys must be strings, got {key!r}", "json_schema")
+                num_chars += len(key) + 4
+                stack.append((item, depth + 1))
+        elif isinstance(value, (list, tuple)):
+            num_chars += 2 + len(value)
+            stack.extend((item, depth + 1) for item in value)
+        elif isinstance(value, str):
+            num_chars += len(value) + 2
+        elif value is None or isinstance(value, (bool, int)) or (isinstance(value, float) and math.isfinite(value)):
+            num_chars += 8
+        else:
+            raise InvalidParameterError(
+                f"json_schema must hold JSON values only, got {type(value).__name__}", "json_schema")
+        if num_chars > MAX_GRAMMAR_CHARS:
+            raise InvalidParameterError(f"json_schema is larger than {MAX_GRAMMAR_CHARS} characters", "json_schema")
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _check_logit_bias(logit_bias) -> dict[int, float]:

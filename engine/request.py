@@ -2,7 +2,8 @@
 
 ``Request.create`` is the one place a request is made from prompt ids and SamplingParams:
 it checks the ids and the context length (typed errors), fills ``max_tokens=None`` in as
-"the rest of the context", seeds the sampler and builds the text pipeline.
+"the rest of the context", seeds the sampler, builds the text pipeline and compiles the
+structured-output grammar (on the caller's thread, cached: engine.structured).
 
 A submission is a ``RequestGroup``: its choices (``n`` per prompt; several prompts for a
 batched /v1/completions) share one output queue, and events carry the choice's ``index``.
@@ -22,6 +23,7 @@ from .outputs import TokenLogprob
 from .params import SamplingParams
 from .sampling import RandomStream, random_stream
 from .sequence import Sequence
+from .structured import GrammarMatcher, compile_grammar, spec_of
 from .text_stream import TextStream
 
 
@@ -57,6 +59,7 @@ class Request:
     group: RequestGroup
     index: int = 0  # the choice's index in the group's events
     adjuster: LogitsAdjuster | None = None  # logits processing, None on the fast path
+    grammar: GrammarMatcher | None = None  # structured output: the token mask and its state
     leader: Request | None = None  # for a follower: the choice whose prefill it waits for
     followers: list[Request] = field(default_factory=list)  # choices waiting for this one's prefill
     prompt_logprobs: list[TokenLogprob | None] | None = None
@@ -105,6 +108,8 @@ class Request:
             stop_ids.update(tokenizer.eos_token_ids)
         stop_ids = frozenset(stop_ids)
         bad_words_ids = _bad_words_ids(tokenizer, params.bad_words, vocab_size) if params.bad_words else []
+        spec = spec_of(params)
+        compiled = compile_grammar(spec, tokenizer, vocab_size) if spec is not None else None  # this thread
         if group is None:
             group = RequestGroup(request_id)
         leader = None
@@ -114,6 +119,8 @@ class Request:
             seed = None if params.seed is None else params.seed + choice  # vLLM: choice i draws with seed + i
             req = cls._choice(choice_id, prompt_ids, params, seed, stop_ids, bad_words_ids, tokenizer, group, index,
                               leader)
+            if compiled is not None:
+                req.grammar = GrammarMatcher(compiled)
             if leader is None:
                 leader = req
             else:

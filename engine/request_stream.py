@@ -10,7 +10,7 @@ from __future__ import annotations
 import queue
 from collections.abc import Callable
 
-from .errors import EngineDead
+from .errors import EngineDead, InvalidParameterError
 from .outputs import Completion, CompletionFold, StreamEvent, TokenLogprob
 from .runtime import FINISHED, EngineCore
 
@@ -22,8 +22,10 @@ class RequestStream:
     events of all its choices, interleaved; ``StreamEvent.index`` says whose each one is.
     """
 
-    def __init__(self, core: EngineCore, request, prompt_token_ids: list[int], owner: object = None):
+    def __init__(self, core: EngineCore, request, prompt_token_ids: list[int], owner: object = None,
+                 event_filter: Callable[[StreamEvent], StreamEvent] | None = None):
         self._core = core
+        self._filter = event_filter  # applied to every event handed out (tool-call parsing, engine/tools)
         self._owner = owner  # the Engine: kept alive (its thread running) while a stream is held
         self._request = request
         self._group = request.group
@@ -78,7 +80,7 @@ class RequestStream:
         if isinstance(item, BaseException):
             self._done = True
             raise item
-        return item
+        return item if self._filter is None else self._filter(item)
 
     def ready_events(self) -> list[StreamEvent]:
         """The events already queued, taken without waiting (the queue's lock is taken only to wait).
@@ -95,7 +97,7 @@ class RequestStream:
             elif isinstance(item, BaseException):
                 self._pending_error = item
             else:
-                events.append(item)
+                events.append(item if self._filter is None else self._filter(item))
         return events
 
     def close(self) -> None:

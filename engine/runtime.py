@@ -28,6 +28,7 @@ from .outputs import StreamEvent, TokenLogprob
 from .params import SamplingParams
 from .request import Request, RequestGroup
 from .scheduler import Scheduler, SchedulerConfig
+from .structured import mask_rows
 
 log = logging.getLogger("engine")
 
@@ -208,6 +209,9 @@ class EngineCore:
                 rows = logits.index_select(0, torch.from_numpy(np.asarray(index, dtype=np.int64)))
             else:
                 rows = logits
+            grammars = [r.grammar for r in reqs]
+            if any(g is not None for g in grammars):  # structured output: before sampling and logprobs (vLLM)
+                rows = mask_rows(rows, grammars)
             adjusters = [r.adjuster for r in reqs]
             token_ids, row_logprobs = sampling.sample(
                 rows, [r.params for r in reqs], [r.generator for r in reqs],
@@ -229,6 +233,13 @@ class EngineCore:
         seq = req.seq
         if req.adjuster is not None:
             req.adjuster.add(token_id)
+        is_grammar_done = False
+        if req.grammar is not None:
+            if token_id not in req.stop_ids:
+                req.grammar.accept(token_id)
+                is_grammar_done = req.grammar.is_finished  # complete: only EOS could follow
+            if req.grammar.error is not None:  # never silently "stop" on a failed grammar
+                raise EngineError(f"structured output failed: {req.grammar.error}")
         if req.followers:  # the leader has prefilled: its choices now find the prompt in the prefix cache
             followers, req.followers = req.followers, []
             for follower in followers:
@@ -244,6 +255,10 @@ class EngineCore:
         else:
             text, is_stopped = req.text.add(token_id)
             if is_stopped:
+                finish_reason = "stop"
+            elif is_grammar_done:
+                tail, _ = req.text.finish()
+                text += tail
                 finish_reason = "stop"
             elif seq.num_generated >= params.max_tokens or seq.num_tokens >= self.max_model_len:
                 tail, is_stopped = req.text.finish()

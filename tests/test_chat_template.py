@@ -69,13 +69,45 @@ def test_content_parts_become_text():
     assert render(SIMPLE, [{"role": "user", "content": parts}]) == "[user]one\ntwo[assistant]"
 
 
+CALL = {"id": "1", "type": "function", "function": {"name": "f", "arguments": '{"a": [1, "x"]}'}}
+
+
 def test_assistant_tool_calls_without_content():
-    messages = [user("q"), {"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]},
+    messages = [user("q"), {"role": "assistant", "content": None, "tool_calls": [CALL]},
                 {"role": "tool", "content": "42", "tool_call_id": "1"}]
     checked = validate_messages(messages)
-    assert checked[1]["content"] == "" and checked[1]["tool_calls"] == [{"id": "1"}]
-    assert messages[1]["content"] is None  # the caller's dicts are not modified
+    assert checked[1]["content"] == ""
+    # arguments as JSON text become the object templates serialize (transformers' server does this)
+    assert checked[1]["tool_calls"] == [{**CALL, "function": {"name": "f", "arguments": {"a": [1, "x"]}}}]
+    assert validate_messages(checked) == checked
+    assert messages[1]["content"] is None and isinstance(CALL["function"]["arguments"], str)  # caller's dicts kept
     assert render(SIMPLE, messages, add_generation_prompt=False) == "[user]q[assistant][tool]42"
+
+
+def test_keys_set_to_none_are_dropped():
+    checked = validate_messages([{"role": "user", "content": "q", "name": None, "tool_calls": None}])
+    assert checked == [{"role": "user", "content": "q"}]
+
+
+@pytest.mark.parametrize("message, param", [
+    ({"role": "assistant", "content": None, "tool_calls": {"id": "1"}}, "messages[0].tool_calls"),
+    ({"role": "assistant", "content": None, "tool_calls": [3]}, "messages[0].tool_calls[0]"),
+    ({"role": "assistant", "content": None, "tool_calls": [{**CALL, "type": "code"}]}, "messages[0].tool_calls[0].type"),
+    ({"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}, "messages[0].tool_calls[0].function"),
+    ({"role": "assistant", "content": None, "tool_calls": [{**CALL, "function": {"arguments": "{}"}}]},
+     "messages[0].tool_calls[0].function.name"),
+    ({"role": "assistant", "content": None, "tool_calls": [{**CALL, "function": {"name": "f", "arguments": "{x"}}]},
+     "messages[0].tool_calls[0].function.arguments"),
+    ({"role": "assistant", "content": None, "tool_calls": [{**CALL, "function": {"name": "f", "arguments": "[1]"}}]},
+     "messages[0].tool_calls[0].function.arguments"),
+    ({"role": "user", "content": "q", "tool_calls": [CALL]}, "messages[0].tool_calls"),
+    ({"role": "tool", "content": "42"}, "messages[0].tool_call_id"),
+    ({"role": "tool", "content": "42", "tool_call_id": 7}, "messages[0].tool_call_id"),
+])
+def test_bad_tool_messages_name_the_field(message, param):
+    with pytest.raises(ChatTemplateError) as info:
+        validate_messages([message])
+    assert info.value.param == param
 
 
 # ------------------------------------------------------------------ rendering

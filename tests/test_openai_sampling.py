@@ -124,7 +124,9 @@ def test_tokenize_detokenize_version(live):
     assert status == 200 and back == {"prompt": "Hello world"}
     for path, bad, param in (("/tokenize", {"prompt": 5}, "prompt"), ("/tokenize", {"messages": "x"}, "messages"),
                              ("/detokenize", {"tokens": [-1]}, "tokens"), ("/detokenize", {"tokens": "x"}, "tokens"),
-                             ("/tokenize", {"prompt": "x", "add_special_tokens": "no"}, "add_special_tokens")):
+                             ("/tokenize", {"prompt": "x", "add_special_tokens": "no"}, "add_special_tokens"),
+                             ("/tokenize", {"messages": MESSAGES, "tools": [{"type": "function"}]},
+                              "tools[0].function")):
         status, err = live.post_json(path, bad)
         assert status == 400 and err["error"]["param"] == param
     status, _, raw = live.request("GET", "/version")

@@ -7,9 +7,11 @@ Qwen file with llama-cpp-python 0.3.36 built from its sdist). We teacher-force p
 ids in one forward and require, at every generated position: our argmax in llama.cpp's top-3,
 llama.cpp's token in our top-3, and its logprob within 0.35 of llama.cpp's (llama.cpp quantizes
 activations, so exact equality is not expected). Each model runs with the default weights
-(quantization="auto": int4 layers and an int8 head with bfloat16 products, float32
-activations) and with the exact float32 dequantization; llama.cpp's top-3 counts tokens within
-NEAR_TIE of its 3rd as tied.
+(quantization="auto": int4 layers and an int8 head, float32 activations) and with the exact
+float32 dequantization; llama.cpp's top-3 counts tokens within NEAR_TIE of its 3rd as tied.
+The whole-sequence forward takes the prompt path (products of more than KERNEL_MAX_ROWS rows
+dequantize the weights); the decode-path test checks the first DECODE_STEPS positions one
+token at a time, as a stream computes them (the quantized C kernels).
 """
 from __future__ import annotations
 
@@ -58,6 +60,20 @@ def model(request):
     return name, load_model(model_path(name), quantization=quantization)
 
 
+def decode_path_logprobs(model, entry, num_steps: int) -> torch.Tensor:
+    """The same, one decode step per generated token (the path a stream takes: decode-sized
+    products in the C kernels, paged decode attention): -> [num_steps, V]."""
+    ids = entry["prompt_ids"] + entry["greedy_ids"]
+    num_prompt = len(entry["prompt_ids"])
+    num_blocks = -(-len(ids) // BLOCK_SIZE)
+    cache = model.make_kv_cache(num_blocks, BLOCK_SIZE)
+    blocks = list(range(num_blocks))
+    rows = [model.forward(single_sequence_batch(ids[:num_prompt], 0, blocks, BLOCK_SIZE), cache)[-1]]
+    for t in range(num_prompt, num_prompt + num_steps - 1):
+        rows.append(model.forward(single_sequence_batch(ids[t:t + 1], t, blocks, BLOCK_SIZE), cache)[-1])
+    return torch.log_softmax(torch.stack(rows).float(), dim=-1)
+
+
 def teacher_forced_logprobs(model, entry) -> torch.Tensor:
     """-> log_softmax [num_generated, V] float32 at the generated positions."""
     ids = entry["prompt_ids"] + entry["greedy_ids"]
@@ -87,11 +103,7 @@ def test_reference_prompts_tokenize_alike(name):
         assert tokenizer.encode(entry["prompt"], add_special_tokens=False) == entry["prompt_ids"], entry["prompt"]
 
 
-@pytest.mark.parametrize("index", range(6))
-def test_teacher_forced_matches_llamacpp(model, index):
-    name, model = model
-    entry = REFERENCES[name][index]
-    logprobs = teacher_forced_logprobs(model, entry)
+def _mismatches(entry, logprobs) -> list[str]:
     failures = []
     for i, (token, top5) in enumerate(zip(entry["greedy_ids"], entry["top5"])):
         ref_top3 = [t for t, _ in top5[:3]]
@@ -104,4 +116,27 @@ def test_teacher_forced_matches_llamacpp(model, index):
         if our_top3[0] not in ref_top3_ties or token not in our_top3 or diff > MAX_LOGPROB_DIFF:
             failures.append(f"position {i}: llama.cpp token {token} (logprob {ref_logprob:.3f}, ours "
                             f"{ours[token].item():.3f}), llama.cpp top3 {ref_top3}, ours {our_top3}")
+    return failures
+
+
+@pytest.mark.parametrize("index", range(6))
+def test_teacher_forced_matches_llamacpp(model, index):
+    name, model = model
+    entry = REFERENCES[name][index]
+    failures = _mismatches(entry, teacher_forced_logprobs(model, entry))
     assert not failures, f"{name} {model.layers[0].qkv_proj.format} {model.dtype} prompt {entry['prompt']!r}:\n" + "\n".join(failures)
+
+
+DECODE_STEPS = 16  # generated positions per prompt checked one decode step at a time
+
+
+@pytest.mark.parametrize("index", range(6))
+def test_decode_path_matches_llamacpp(model, index):
+    """The same bounds one token at a time: with the default weights every projection of a
+    decode step runs in the quantized C kernels (activations as int16 blocks)."""
+    name, model = model
+    entry = REFERENCES[name][index]
+    num_steps = min(DECODE_STEPS, len(entry["greedy_ids"]))
+    truncated = dict(entry, greedy_ids=entry["greedy_ids"][:num_steps], top5=entry["top5"][:num_steps])
+    failures = _mismatches(truncated, decode_path_logprobs(model, entry, num_steps))
+    assert not failures, f"{name} decode path, prompt {entry['prompt']!r}:\n" + "\n".join(failures)

@@ -1,6 +1,7 @@
 """Quantized weights: ggml 4-bit blocks repacked into aten's int4 format exactly (against
 gguf.quants' dequantization, with float32 activations), on synthetic tensors and on real ones
-of both models (Q/K rows permuted for llama); per-row int8 and the quantization option."""
+of both models (Q/K rows permuted for llama); int8 per block of 32 (Q8_0 exact) and the
+quantization option."""
 from __future__ import annotations
 
 import gguf
@@ -85,15 +86,29 @@ def test_fused_rows_and_permutation_keep_codes_scales_zeros_together():
     assert isinstance(mixed, Int8Weight) and mixed.shape == (12, 64)
 
 
-def test_int8_per_row_bounds_and_product():
+def block_step(w: torch.Tensor) -> torch.Tensor:
+    """The int8 step of each weight's block of 32 (absmax / 127), [N, K]."""
+    blocks = w.reshape(w.shape[0], -1, 32)
+    return (blocks.abs().amax(-1, keepdim=True) / 127).expand_as(blocks).reshape(w.shape)
+
+
+def test_int8_block_bounds_and_product():
     w = torch.randn(40, 96) * torch.linspace(0.01, 1.0, 40)[:, None]
     int8 = Int8Weight.from_dense(w)
-    step = w.abs().amax(1, keepdim=True) / 127
-    assert ((int8.dequantize() - w).abs() <= step / 2 + 1e-7).all()
+    assert int8.scales.shape == (40, 3) and not int8.is_exact
+    assert ((int8.dequantize() - w).abs() <= block_step(w) / 2 + 1e-7).all()
     x = torch.randn(5, 96)
     torch.testing.assert_close(Linear(int8, quantized_dtype=torch.float32)(x), x @ int8.dequantize().T, atol=ATOL, rtol=1e-5)
     ids = torch.tensor([3, 0, 39])
     torch.testing.assert_close(int8.rows(ids, torch.float32), int8.dequantize()[ids])
+
+
+def test_q8_0_loads_as_its_own_codes_and_scales(smollm2_gguf):  # noqa: F811
+    name = "model.embed_tokens.weight"  # SmolLM2: Q8_0, tied to the head
+    head = converted(smollm2_gguf, [name], "auto")[name]
+    exact = converted(smollm2_gguf, [name], "float32")[name]
+    assert isinstance(head, Int8Weight) and head.is_exact and head.exact_rows is None
+    torch.testing.assert_close(head.dequantize(), exact, atol=0, rtol=0)
 
 
 def test_int4_from_dense_error_is_half_a_step():
@@ -134,10 +149,9 @@ def test_qwen_tensors_q4_k_exact_and_others_int8(qwen_gguf):  # noqa: F811
     down = auto[names[0]]
     assert isinstance(down, Int4Weight)
     assert_int4_product_exact(down, exact[names[0]])
-    q = auto[names[1]]  # Q5_0 -> per-row int8, within half an int8 step of the exact weight
-    assert isinstance(q, Int8Weight)
-    step = exact[names[1]].abs().amax(1, keepdim=True) / 127
-    assert ((q.dequantize() - exact[names[1]]).abs() <= step / 2 + 1e-6).all()
+    q = auto[names[1]]  # Q5_0 -> int8 per block, within half an int8 step of the exact weight
+    assert isinstance(q, Int8Weight) and not q.is_exact
+    assert ((q.dequantize() - exact[names[1]]).abs() <= block_step(exact[names[1]]) / 2 + 1e-6).all()
 
 
 def test_quantization_option_is_validated(tmp_path):
@@ -152,7 +166,7 @@ def test_quantization_option_is_validated(tmp_path):
 @pytest.mark.slow
 def test_default_model_formats_and_exact_mode(smollm2_gguf):  # noqa: F811
     model = load_model(smollm2_gguf)
-    assert model.dtype == torch.float32 and model.layers[0].qkv_proj.quantized_dtype == torch.bfloat16
+    assert model.dtype == torch.float32 and not model.layers[0].qkv_proj.is_exact  # the C kernels' product
     layer = model.layers[0]
     assert {layer.qkv_proj.format, layer.o_proj.format, layer.gate_up_proj.format, layer.down_proj.format} == {"int4"}
     assert model.head_proj.format == "int8" and model.embed_rows is model.head_int8  # tied Q8_0 embedding

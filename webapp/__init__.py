@@ -10,18 +10,15 @@ cext.chunk) the moment it arrives; otherwise it folds the events with the engine
 """
 from __future__ import annotations
 
-import hmac
 import logging
 import os
-import threading
 import time
 
 from flask import Flask, Response, request, send_from_directory
 from werkzeug.exceptions import HTTPException
 
 from cext.chunk import ChunkWriter
-
-from . import cors, errors, prompt_echo, protocol, request_fields, sse
+from . import cors, errors, generation, prompt_echo, protocol, request_fields, sse
 from .errors import APIError
 from .metrics import RequestRecord, ServerMetrics
 
@@ -71,8 +68,7 @@ def create_app(engine, model_name: str | None = None, api_key: str | None = None
     one more gets 429 with Retry-After at once instead of waiting for a handler thread.
     ``allowed_origins`` (off by default): browser origins that may call the API (CORS; "*": any).
     """
-    if not isinstance(max_concurrent_requests, int) or max_concurrent_requests < 1:
-        raise ValueError(f"max_concurrent_requests must be a positive integer, got {max_concurrent_requests!r}")
+    admission = generation.Admission(max_concurrent_requests)
     app = Flask(__name__, static_folder=None)
     app.config["MAX_CONTENT_LENGTH"] = max_body_bytes
     model_name = model_name or getattr(engine, "model_name", None) or "default"
@@ -81,8 +77,7 @@ def create_app(engine, model_name: str | None = None, api_key: str | None = None
     app.extensions["llm_metrics"] = metrics
     tokenizer = engine.tokenizer
     max_model_len = getattr(engine, "max_model_len", None)
-    generation_slots = threading.BoundedSemaphore(max_concurrent_requests)
-    expected_auth = f"Bearer {api_key}".encode() if api_key else None
+    expected_auth = generation.expected_authorization(api_key)
 
     def _counted(err: APIError) -> Response:
         endpoint = GENERATION_ENDPOINTS.get(request.path)
@@ -108,10 +103,7 @@ def create_app(engine, model_name: str | None = None, api_key: str | None = None
 
     @app.before_request
     def _check_api_key():
-        if expected_auth is not None and request.path.startswith("/v1/") and request.method != "OPTIONS":
-            got = request.headers.get("Authorization", "").encode()
-            if not hmac.compare_digest(got, expected_auth):
-                raise errors.unauthorized()
+        generation.check_api_key(expected_auth, request.path, request.method, request.headers.get("Authorization"))
 
     @app.get("/")
     def index():
@@ -133,29 +125,15 @@ def create_app(engine, model_name: str | None = None, api_key: str | None = None
 
     @app.get("/v1/models")
     def models():
-        card = {"id": model_name, "object": "model", "created": 0, "owned_by": "llm-engine"}
-        if max_model_len:
-            card["max_model_len"] = max_model_len
-        return _json({"object": "list", "data": [card]})
+        return _json(generation.models_body(model_name, max_model_len))
 
     @app.post("/tokenize")
     def tokenize():
-        req = protocol.parse_tokenize(_read_body())
-        try:
-            if req.messages is not None:
-                ids = tokenizer.encode_chat(req.messages, add_generation_prompt=req.add_generation_prompt,
-                                            tools=req.tools)
-            else:
-                ids = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
-        except Exception as exc:
-            raise errors.from_exception(exc) from None
-        strs = [tokenizer.decode([t], skip_special_tokens=False) for t in ids] if req.return_token_strs else None
-        return _json({"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": strs})
+        return _json(generation.tokenize_body(tokenizer, _read_body(), max_model_len))
 
     @app.post("/detokenize")
     def detokenize():
-        ids = protocol.parse_detokenize(_read_body(), tokenizer.vocab_size)
-        return _json({"prompt": tokenizer.decode(ids, skip_special_tokens=False)})
+        return _json(generation.detokenize_body(tokenizer, _read_body()))
 
     @app.get("/version")
     def version():
@@ -176,37 +154,26 @@ def create_app(engine, model_name: str | None = None, api_key: str | None = None
 
     def _limited(handle) -> Response:
         """Run a generation request in one of the bounded slots, held until its response closes."""
-        if not generation_slots.acquire(blocking=False):
-            raise errors.overloaded("too many concurrent requests")
+        admission.enter()
         try:
             response = handle()
         except BaseException:
-            generation_slots.release()
+            admission.leave()
             raise
-        response.call_on_close(generation_slots.release)
+        response.call_on_close(admission.leave)
         return response
 
     def _read_body() -> dict:
         return protocol.decode_body(request.get_data(cache=False))
 
-    def _submit(req: protocol.ParsedRequest):
-        """Template and tokenize on this handler thread (the engine's own prompt path), submit."""
-        try:
-            if req.is_chat:
-                return engine.stream_chat(req.messages, req.params)
-            return engine.submit_batch(req.prompts, req.params, add_special_tokens=req.add_special_tokens)
-        except Exception as exc:
-            raise errors.from_exception(exc) from None
-
     def _generate(req: protocol.ParsedRequest, endpoint: str):
         record = RequestRecord(endpoint, 0)  # the clock starts before templating
-        stream = _submit(req)
-        n = req.params.n
-        record.num_prompt_tokens = sum(len(stream.choice_prompt_token_ids(i)) for i in range(0, stream.num_choices, n))
-        request_id = ("chatcmpl-" if req.is_chat else "cmpl-") + stream.request_id
+        stream = generation.submit(engine, req)
+        record.num_prompt_tokens = generation.num_prompt_tokens(stream, req.params.n)
+        request_id = generation.response_id(req, stream.request_id)
         created = int(time.time())
         is_disconnected = request.environ.get("waitress.client_disconnected") or sse._never
-        echo_texts = prompt_echo.echo_texts(req, tokenizer)
+        echo_texts = generation.echo_texts(tokenizer, req)
         if req.is_stream:
             writer = ChunkWriter(request_id, model_name, created, req.is_chat, req.include_usage)
             opening = None
@@ -214,18 +181,11 @@ def create_app(engine, model_name: str | None = None, api_key: str | None = None
                 opening, echo_texts = prompt_echo.OpeningChunks(req, stream, writer, tokenizer, echo_texts), None
             body = sse.stream_chunks(stream, writer, record, metrics, req.include_usage, is_disconnected,
                                      echo_texts, opening)
-            headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-            return Response(body, mimetype="text/event-stream", headers=headers)
+            return Response(body, mimetype="text/event-stream", headers=sse.STREAM_HEADERS)
         done = sse.collect(stream, record, metrics, is_disconnected)
         if done is None:
             return Response(status=499)
-        if req.is_chat:
-            return _json(protocol.chat_response(request_id, model_name, created, done, n,
-                                                req.is_prompt_logprobs_shown))
-        first_texts = ([prompt_echo.first_token_text(tokenizer, stream, i) for i in range(len(done))]
-                       if echo_texts is not None and req.params.logprobs else None)
-        return _json(protocol.text_response(request_id, model_name, created, done, n, echo_texts, first_texts,
-                                            req.is_prompt_logprobs_shown))
+        return _json(generation.response_body(req, request_id, model_name, created, done, echo_texts, tokenizer))
 
     return app
 

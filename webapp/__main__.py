@@ -31,6 +31,10 @@ def build_parser(prog: str = "python -m webapp") -> argparse.ArgumentParser:
                         help="generation requests in flight before 429 (default: threads - 8)")
     parser.add_argument("--allowed-origins", default=None,
                         help="CORS: comma-separated browser origins allowed to call the API, or '*' (default: none)")
+    parser.add_argument("--ray-replicas", type=int, default=None,
+                        help="serve N engine replicas on Ray Serve (a local Ray, started and stopped here)")
+    parser.add_argument("--ray-address", default=None,
+                        help="serve on an existing Ray cluster (e.g. ray://head:10001 or auto); see docs/scale-out.md")
     add_engine_arguments(parser)
     return parser
 
@@ -61,9 +65,24 @@ def main(argv: list[str] | None = None, prog: str = "python -m webapp") -> None:
         allowed_origins = parse_origins(args.allowed_origins)
         model_path = default_model_path() if args.model is None else args.model
         check_model_path(model_path)
+        if args.ray_replicas is not None and args.ray_replicas < 1:
+            raise ValueError(f"--ray-replicas must be a positive integer, got {args.ray_replicas}")
+        if (args.ray_replicas or args.ray_address) and allowed_origins:
+            raise ValueError("--allowed-origins is not supported with Ray Serve yet (docs/scale-out.md)")
         sock = bind_listen_socket(args.host, args.port)
     except (ValueError, ModelFileError, PortInUseError, FileNotFoundError) as exc:
         parser.exit(2, f"{parser.prog}: error: {exc}\n")
+
+    if args.served_model_name:
+        name = args.served_model_name
+    elif args.model:
+        name = os.path.splitext(os.path.basename(os.path.normpath(args.model)))[0]
+    else:
+        name = DEFAULT_MODEL_NAME
+    if args.ray_replicas is not None or args.ray_address is not None:
+        sock.close()  # the port is free (checked); Ray's HTTP proxy binds it
+        _serve_on_ray(parser, args, options, name)
+        return
 
     import engine
 
@@ -74,12 +93,6 @@ def main(argv: list[str] | None = None, prog: str = "python -m webapp") -> None:
     except (ValueError, OSError) as exc:  # a file that passed the checks and still would not load
         sock.close()
         parser.exit(2, f"{parser.prog}: error: {exc}\n")
-    if args.served_model_name:
-        name = args.served_model_name
-    elif args.model:
-        name = os.path.splitext(os.path.basename(os.path.normpath(args.model)))[0]
-    else:
-        name = DEFAULT_MODEL_NAME
     try:
         serve(eng, sock=sock, api_key=args.api_key, model_name=name, threads=args.threads,
               max_concurrent_requests=args.max_concurrent_requests, allowed_origins=allowed_origins)
@@ -87,6 +100,19 @@ def main(argv: list[str] | None = None, prog: str = "python -m webapp") -> None:
         pass
     finally:
         eng.close()
+
+
+def _serve_on_ray(parser: argparse.ArgumentParser, args, options: dict, name: str) -> None:
+    from .ray_serve import DeployError, EngineSpec, serve_on_ray
+
+    spec = EngineSpec(kwargs={"model": args.model, **options}, model_name=name)
+    try:  # --max-concurrent-requests unset: the replicas' own limits (max_num_seqs, queue) bind first
+        serve_on_ray(spec, args.host, args.port, args.ray_replicas or 1, address=args.ray_address,
+                     api_key=args.api_key, max_concurrent_requests=args.max_concurrent_requests)
+    except DeployError as exc:
+        parser.exit(2, f"{parser.prog}: error: {exc}\n")
+    except KeyboardInterrupt:
+        pass
 
 
 if __name__ == "__main__":

@@ -28,6 +28,9 @@ class APIError(Exception):
         self.code = code
         self.headers = headers or {}
 
+    def __reduce__(self):  # picklable with all its fields (it crosses process boundaries under Ray Serve)
+        return (APIError, (self.status, self.message, self.type, self.param, self.code, self.headers))
+
     def to_dict(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 

@@ -5,7 +5,8 @@ Streamed, both go in the first chunk of a choice, as vLLM sends them: echo text 
 out at once, but logprobs of the prompt exist only once the prompt is prefilled, so such a
 choice's opening chunk is written when its first event arrives (``OpeningChunks``). The chunk
 is the ChunkWriter's own event (so a chat chunk still carries the role once) with the prompt's
-fields added; the writer's text offsets then continue after the echoed text.
+fields added; the writer's text offsets then continue after the echoed text. (The Ray Serve
+ingress streams without it: there echo sends the text alone and prompt_logprobs are not streamed.)
 """
 from __future__ import annotations
 
@@ -23,13 +24,18 @@ class OpeningChunks:
         self.writer = writer
         self.tokenizer = tokenizer
         self.echo_texts = echo_texts
+        self.opened: set[int] = set()
 
     @staticmethod
     def is_needed(req: protocol.ParsedRequest) -> bool:
         """Prompt logprobs to show, or echo with logprobs: the opening waits for the prefill."""
         return req.is_prompt_logprobs_shown or (req.is_echo and req.params.logprobs)
 
-    def __call__(self, index: int) -> bytes:
+    def first(self, index: int) -> bytes:
+        """The opening chunk of choice ``index`` the first time it is asked for, then b""."""
+        if index in self.opened:
+            return b""
+        self.opened.add(index)
         req = self.req
         is_chat_shared = req.is_chat and index != 0  # chat: prompt_logprobs once, at the top of choice 0's chunk
         if self.echo_texts is None and is_chat_shared:
@@ -50,11 +56,3 @@ class OpeningChunks:
 def first_token_text(tokenizer, stream, index: int) -> str:
     """The text of a choice's first prompt token (it has no logprob: nothing comes before it)."""
     return tokenizer.decode(stream.choice_prompt_token_ids(index)[:1], skip_special_tokens=False)
-
-
-def echo_texts(req: protocol.ParsedRequest, tokenizer) -> list[str] | None:
-    """Per choice, its prompt as text (completions' echo)."""
-    if not req.is_echo:
-        return None
-    texts = [p if isinstance(p, str) else tokenizer.decode(p, skip_special_tokens=False) for p in req.prompts]
-    return [text for text in texts for _ in range(req.params.n)]

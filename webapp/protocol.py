@@ -19,11 +19,14 @@ import re
 from dataclasses import dataclass, field
 
 from engine.errors import InvalidParameterError
+from engine.params import CONSTRAINT_FIELDS as PARAMS_CONSTRAINT_FIELDS
 from engine.params import SamplingParams
 from engine.tokenizer import validate_messages
+from engine.tools import validate_tool_choice, validate_tools
 
+from .constraints import constraint
 from .errors import APIError, bad_request
-from .request_fields import CHAT, COMPLETIONS, FIELDS_BY_ENDPOINT, MAX_TOKENS_LIMIT, Fate, check
+from .request_fields import CHAT, COMPLETIONS, CONSTRAINT_FIELDS, FIELDS_BY_ENDPOINT, MAX_TOKENS_LIMIT, Fate, check
 
 MAX_PROMPTS = 256  # prompts in one batched /v1/completions request
 MAX_CHOICES = 256  # prompts * n
@@ -41,6 +44,10 @@ class ParsedRequest:
     is_echo: bool = False
     add_special_tokens: bool = True
     is_prompt_logprobs_shown: bool = False  # the request asked for prompt_logprobs (echo may want them alone)
+    tools: list[dict] | None = None  # chat: OpenAI tools, checked by the engine (engine/tools)
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool = True
+    constraint_param: str | None = None  # the client's structured-output field, named by a later compile error
 
     @property
     def prompt(self) -> str | list[int] | None:
@@ -116,13 +123,16 @@ def _fields(body: dict, endpoint: str) -> dict:
         f = fields.get(name)
         if f is None or f.fate is Fate.IGNORED or value is None or name in _OWN_PARSERS:
             continue
-        values[name] = check(value, f)
+        values[name] = value if name in CONSTRAINT_FIELDS else check(value, f)  # webapp.constraints checks those
     return values
 
 
-def _sampling(values: dict, endpoint: str) -> SamplingParams:
+def _sampling(values: dict, endpoint: str, found: tuple | None = None) -> SamplingParams:
+    """``found``: the request's structured-output constraint (webapp.constraints.constraint)."""
     fields = FIELDS_BY_ENDPOINT[endpoint]
     kwargs = {}
+    if found is not None:
+        kwargs[found[1]] = found[2]
     for name, value in values.items():
         f = fields[name]
         if f.fate is Fate.SAMPLING:
@@ -145,6 +155,8 @@ def _sampling(values: dict, endpoint: str) -> SamplingParams:
     try:
         return SamplingParams(**kwargs)
     except InvalidParameterError as e:
+        if found is not None and e.param in PARAMS_CONSTRAINT_FIELDS:
+            raise bad_request(f"{found[0]}: {e}", found[0]) from None
         raise bad_request(str(e), e.param) from None
 
 
@@ -154,19 +166,33 @@ def _stream_flags(values: dict) -> tuple[bool, bool]:
     return is_stream, bool(is_stream and include_usage)
 
 
+def _tools(values: dict) -> None:
+    """The engine's own tools check (engine.tools.spec), as a 400 naming the field."""
+    try:
+        validate_tool_choice(values.get("tool_choice"), validate_tools(values.get("tools")))
+    except InvalidParameterError as e:
+        raise bad_request(str(e), e.param) from None
+
+
 def parse_chat(body: dict) -> ParsedRequest:
     values = _fields(body, CHAT)
     messages = _messages(body.get("messages"))
-    params = _sampling(values, CHAT)
+    _tools(values)
+    found = constraint(values)  # (client field, SamplingParams field, value) or None
+    params = _sampling(values, CHAT, found)
     is_stream, include_usage = _stream_flags(values)
     return ParsedRequest(True, params, messages=messages, is_stream=is_stream, include_usage=include_usage,
-                         is_prompt_logprobs_shown=params.prompt_logprobs is not None)
+                         is_prompt_logprobs_shown=params.prompt_logprobs is not None,
+                         constraint_param=found[0] if found else None, tools=values.get("tools"),
+                         tool_choice=values.get("tool_choice"),
+                         parallel_tool_calls=values.get("parallel_tool_calls", True))
 
 
 def parse_completion(body: dict) -> ParsedRequest:
     values = _fields(body, COMPLETIONS)
     prompts = _prompts(body.get("prompt"))
-    params = _sampling(values, COMPLETIONS)
+    found = constraint(values)
+    params = _sampling(values, COMPLETIONS, found)
     if len(prompts) * params.n > MAX_CHOICES:
         raise bad_request(f"{len(prompts)} prompts x n={params.n} choices exceeds {MAX_CHOICES}", "n")
     is_echo = values.get("echo", False)
@@ -177,7 +203,8 @@ def parse_completion(body: dict) -> ParsedRequest:
     is_stream, include_usage = _stream_flags(values)
     return ParsedRequest(False, params, prompts=prompts, is_stream=is_stream, include_usage=include_usage,
                          is_echo=is_echo, add_special_tokens=values.get("add_special_tokens", True),
-                         is_prompt_logprobs_shown=is_prompt_logprobs_shown)
+                         is_prompt_logprobs_shown=is_prompt_logprobs_shown,
+                         constraint_param=found[0] if found else None)
 
 
 # ---- /tokenize and /detokenize (vLLM's shapes) ----
@@ -205,9 +232,10 @@ def parse_tokenize(body: dict) -> TokenizeRequest:
     """{"prompt", "add_special_tokens"=true} or {"messages", "add_generation_prompt"=true, "tools"}."""
     return_token_strs = _flag(body, "return_token_strs", False)
     if body.get("messages") is not None:
-        tools = body.get("tools")
-        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
-            raise bad_request("tools must be an array of objects", "tools")
+        try:
+            tools = validate_tools(body.get("tools"))
+        except InvalidParameterError as e:
+            raise bad_request(str(e), e.param) from None
         if _flag(body, "add_special_tokens", False):
             raise bad_request("add_special_tokens is not supported with messages: the template adds what it needs",
                               "add_special_tokens")
@@ -295,8 +323,12 @@ def usage_dict(prompt_tokens: int, completion_tokens: int) -> dict:
 
 
 def chat_chunk(request_id, model, created, text, logprobs, finish_reason, is_first=False,
-               include_usage=False, index=0) -> dict:
+               include_usage=False, index=0, tool_calls=None) -> dict:
+    """``tool_calls``: the ToolCallDeltas of the event (then an empty ``text`` is content null)."""
     delta = {"role": "assistant", "content": clean_text(text)} if is_first else {"content": clean_text(text)}
+    if tool_calls is not None:
+        delta["content"] = clean_text(text) if text else None
+        delta["tool_calls"] = tool_call_deltas(tool_calls)
     chunk = {"id": clean_text(request_id), "object": "chat.completion.chunk", "created": created,
              "model": clean_text(model),
              "choices": [{"index": index, "delta": delta, "logprobs": chat_logprobs(logprobs),
@@ -304,6 +336,19 @@ def chat_chunk(request_id, model, created, text, logprobs, finish_reason, is_fir
     if include_usage:
         chunk["usage"] = None
     return chunk
+
+
+def tool_call_deltas(deltas) -> list[dict]:
+    """OpenAI's ``delta.tool_calls``: [{index, id?, type?, function: {name?, arguments}}]."""
+    return [d.to_dict() for d in deltas]
+
+
+def chat_message(c) -> dict:
+    """The ``message`` of a chat choice: content null when the reply is only tool calls."""
+    tool_calls = getattr(c, "tool_calls", None)
+    if not tool_calls:
+        return {"role": "assistant", "content": c.text}
+    return {"role": "assistant", "content": c.text or None, "tool_calls": [call.to_dict() for call in tool_calls]}
 
 
 def text_chunk(request_id, model, created, text, logprobs, finish_reason, text_offset=0,
@@ -344,7 +389,7 @@ def num_prompt_tokens(completions, n: int) -> int:
 
 def chat_response(request_id, model, created, completions, n: int = 1, is_prompt_logprobs_shown=True) -> dict:
     body = {"id": request_id, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+            "choices": [{"index": c.index, "message": chat_message(c),
                          "logprobs": chat_logprobs(c.logprobs), "finish_reason": c.finish_reason}
                         for c in completions],
             "usage": usage_dict(num_prompt_tokens(completions, n),

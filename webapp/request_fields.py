@@ -5,7 +5,7 @@ A field is one of
   REQUEST   read by the parser itself (messages, prompt, stream, echo, ...)
   IGNORED   cannot change the answer (user, metadata, store, ...)
   HARMLESS  not implemented: accepted only with the values that change nothing (``schema``
-            says which), otherwise a 400 naming the field (response_format, tools, guided_*, ...)
+            says which), otherwise a 400 naming the field (functions, audio, beam search, ...)
 The parsers (webapp.protocol) validate every present field against its schema with
 ``check`` (one pass over the value: linear time), and ``json_schema(endpoint)`` renders
 the table as the JSON Schema served at ``GET /v1/schema``. Fields the table does not know
@@ -56,6 +56,19 @@ TEXT_PART = {"type": "object", "properties": {"type": {"const": "text"}, "text":
 MESSAGE = {"type": "object", "required": ["role"], "properties": {
     "role": {"enum": ["system", "developer", "user", "assistant", "tool"]},
     "content": {"anyOf": [STR, {"type": "array", "items": TEXT_PART}, {"type": "null"}]}}}
+STRINGS = {"type": "array", "items": STR, "minItems": 1}
+RESPONSE_FORMAT = {"anyOf": [
+    {"type": "object", "properties": {"type": {"const": "text"}}, "required": ["type"]},
+    {"type": "object", "properties": {"type": {"const": "json_object"}}, "required": ["type"]},
+    {"type": "object", "required": ["type", "json_schema"], "properties": {
+        "type": {"const": "json_schema"},
+        "json_schema": {"type": "object", "required": ["name"], "properties": {
+            "name": STR, "description": STR, "schema": {"type": "object"}, "strict": {"anyOf": [BOOL, {"type": "null"}]}}}}},
+]}
+STRUCTURED_OUTPUTS = {"type": "object", "properties": {
+    "json": {"anyOf": [{"type": "object"}, STR]}, "regex": STR, "choice": STRINGS, "grammar": STR, "json_object": BOOL}}
+CONSTRAINT_FIELDS = frozenset({"response_format", "structured_outputs", "guided_json", "guided_regex",
+                               "guided_choice", "guided_grammar"})  # checked by webapp.constraints
 
 _S, _R, _I, _H = Fate.SAMPLING, Fate.REQUEST, Fate.IGNORED, Fate.HARMLESS
 _C, _P = frozenset({CHAT}), frozenset({COMPLETIONS})
@@ -112,12 +125,23 @@ FIELDS: tuple[Field, ...] = (
     # --- cannot change the answer ---
     *(Field(name, {}, _I, "ignored: cannot change the answer") for name in (
         "user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key", "request_id",
-        "priority", "parallel_tool_calls", "prediction", "cache_salt", "kv_transfer_params")),
+        "priority", "prediction", "cache_salt", "kv_transfer_params")),
+    # --- structured output (webapp.constraints reads these; at most one per request) ---
+    Field("response_format", {"anyOf": [*RESPONSE_FORMAT["anyOf"], {"type": "null"}]}, _R,
+          "text, json_object (any JSON object) or json_schema (OpenAI)"),
+    Field("structured_outputs", _nullable(STRUCTURED_OUTPUTS), _R, "one of json, regex, choice, grammar (vLLM)"),
+    Field("guided_json", _nullable({"anyOf": [{"type": "object"}, STR]}), _R, "a JSON Schema (vLLM)"),
+    Field("guided_regex", _nullable(STR), _R, "a regex the whole output matches (vLLM)"),
+    Field("guided_choice", _nullable(STRINGS), _R, "the output is one of these strings (vLLM)"),
+    Field("guided_grammar", _nullable(STR), _R, "a Lark or GBNF grammar (vLLM)"),
+    Field("guided_decoding_backend", _nullable(STR), _H, "any value: the one backend is llguidance"),
+    # --- tools (engine.tools checks the definitions and the choice) ---
+    Field("tools", _nullable({"type": "array", "items": {"type": "object"}}), _R,
+          "function tools (engine/tools checks each definition)", _C),
+    Field("tool_choice", {"anyOf": [{"enum": ["none", "auto", "required"]}, {"type": "object"}, {"type": "null"}]},
+          _R, "none | auto | required | {type: function, function: {name}} (required and named: constrained)", _C),
+    Field("parallel_tool_calls", _nullable(BOOL), _R, "false: tool_choice required makes exactly one call", _C),
     # --- not implemented: only the values that change nothing are accepted ---
-    Field("response_format", _nullable({"type": "object", "properties": {"type": {"const": "text"}},
-                                        "required": ["type"]}), _H, "structured output: not yet"),
-    Field("tools", _nullable({"type": "array", "maxItems": 0}), _H, "tool calling: not yet", _C),
-    Field("tool_choice", _nullable({"enum": ["none", "auto"]}), _H, "only 'none' (or 'auto' without tools)", _C),
     Field("functions", _nullable({"type": "array", "maxItems": 0}), _H, "legacy tools: not supported", _C),
     Field("function_call", _nullable({"enum": ["none", "auto"]}), _H, "legacy tools: not supported", _C),
     Field("modalities", _nullable({"type": "array", "items": {"const": "text"}}), _H, "text only", _C),
@@ -140,10 +164,7 @@ FIELDS: tuple[Field, ...] = (
           "words never generated (vLLM: encoded as is and with a leading space)"),
     Field("truncate_prompt_tokens", {"type": "null"}, _H, "not supported"),
     Field("spaces_between_special_tokens", _nullable({"const": True}), _H, "always true"),
-    Field("structured_outputs", {"type": "null"}, _H, "structured output: not yet"),
-    *(Field(name, {"type": "null"}, _H, "structured output: not yet") for name in (
-        "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
-        "guided_whitespace_pattern")),
+    Field("guided_whitespace_pattern", {"type": "null"}, _H, "not supported: JSON output is compact"),
     Field("logits_processors", {"type": "null"}, _H, "not supported"),
     Field("return_tokens_as_token_ids", _nullable(FALSE), _H, "not supported"),
     Field("mm_processor_kwargs", {"type": "null"}, _H, "text only"),

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
+import json
 import logging
 
 from cext.chunk import DONE, ChunkWriter
@@ -25,14 +26,61 @@ from .metrics import RequestRecord, ServerMetrics
 
 log = logging.getLogger("webapp")
 
+STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
 
 def error_event(exc: BaseException) -> bytes:
     """An SSE error event for a failure after the 200 headers went out (the openai client raises it)."""
     return b"data: " + from_exception(exc).body() + b"\n\n"
 
 
+def tool_chunk(writer: ChunkWriter, event) -> bytes:
+    """The chunk of an event with tool call deltas (requests with tools only; the deltas are few
+    and small, so they go through json.dumps; the text still goes through the serializer)."""
+    deltas = json.dumps([d.to_dict() for d in event.tool_calls], ensure_ascii=False).encode("utf-8", "replace")
+    return writer.tool_event(event.text, deltas, event.logprobs, event.finish_reason, event.index)
+
+
 def _never() -> bool:
     return False
+
+
+# The bytes of a stream, in order: echo_chunk (completions' echo), events_chunk per batch of
+# events, then end_chunk, or error_end after a failure. Both front-ends (the WSGI generator
+# below, the Ray Serve ingress's async one) write exactly these.
+
+def echo_chunk(writer: ChunkWriter, echo_texts: list[str]) -> bytes:
+    """Per choice, the prompt text sent as its first chunk."""
+    return b"".join(writer.event(text, None, None, index) for index, text in enumerate(echo_texts))
+
+
+def events_chunk(writer: ChunkWriter, events, record: RequestRecord, opening=None) -> bytes:
+    """Events that arrived together, as one write; their tokens and finish reasons go to ``record``.
+    ``opening.first(index)``: the chunk that goes before a choice's first event (echo with logprobs,
+    prompt_logprobs: webapp.prompt_echo.OpeningChunks), written first since it moves the writer's offsets."""
+    parts = []
+    for event in events:
+        if opening is not None:
+            parts.append(opening.first(event.index))
+        parts.append(writer.event(event.text, event.logprobs, event.finish_reason, event.index)
+                     if event.tool_calls is None else tool_chunk(writer, event))
+        if event.token_ids:
+            record.tokens(len(event.token_ids))
+        if event.finish_reason is not None:
+            record.finish_reasons.append(event.finish_reason)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+def end_chunk(writer: ChunkWriter, record: RequestRecord, include_usage: bool) -> bytes:
+    """The usage chunk (stream_options.include_usage), then [DONE]."""
+    if include_usage:
+        return writer.usage(record.num_prompt_tokens, record.num_generated) + DONE
+    return DONE
+
+
+def error_end(exc: BaseException) -> bytes:
+    """A failure mid-stream: the error event, then [DONE]."""
+    return error_event(exc) + DONE
 
 
 def stream_chunks(
@@ -43,52 +91,25 @@ def stream_chunks(
     include_usage: bool,
     is_disconnected: Callable[[], bool] = _never,
     echo_texts: list[str] | None = None,
-    opening: Callable[[int], bytes] | None = None,
+    opening=None,
 ) -> Iterator[bytes]:
     """``echo_texts``: per choice, the prompt text sent as its first chunk (completions' echo).
-    ``opening(index)``: the chunk sent just before a choice's first event (echo with logprobs,
-    prompt_logprobs: webapp.prompt_echo)."""
+    ``opening``: see ``events_chunk``."""
     status = "abort"
-    opened: set[int] = set()
-
-    def event_chunk(event) -> bytes:
-        head = b""
-        if opening is not None and event.index not in opened:  # first: it moves the writer's offsets
-            opened.add(event.index)
-            head = opening(event.index)
-        return head + writer.event(event.text, event.logprobs, event.finish_reason, event.index)
-
     try:
         if echo_texts:
-            yield b"".join(writer.event(text, None, None, index) for index, text in enumerate(echo_texts))
+            yield echo_chunk(writer, echo_texts)
         for event in stream:
-            chunk = event_chunk(event)
-            if event.token_ids:
-                record.tokens(len(event.token_ids))
-            if event.finish_reason is not None:
-                record.finish_reasons.append(event.finish_reason)
             later = stream.ready_events()  # queued meanwhile: sent in the same write
-            if later:
-                parts = [chunk]
-                for event in later:
-                    parts.append(event_chunk(event))
-                    if event.token_ids:
-                        record.tokens(len(event.token_ids))
-                    if event.finish_reason is not None:
-                        record.finish_reasons.append(event.finish_reason)
-                chunk = b"".join(parts)
-            yield chunk
-            if event.finish_reason is None and is_disconnected():
+            yield events_chunk(writer, [event, *later] if later else (event,), record, opening)
+            if (later[-1] if later else event).finish_reason is None and is_disconnected():
                 return
-        if include_usage:
-            yield writer.usage(record.num_prompt_tokens, record.num_generated)
-        yield DONE
+        yield end_chunk(writer, record, include_usage)
         status = "ok"
     except Exception as exc:  # the engine failed mid-stream: tell the client in-band, then end
         status = "error"
         log.exception("stream failed")
-        yield error_event(exc)
-        yield DONE
+        yield error_end(exc)
     finally:
         stream.close()  # aborts the request if it is still running
         record.queue_s = stream.queue_time

@@ -1,6 +1,7 @@
 /* Dispatch (instruction set chosen at first call), argument checks and a small thread pool
  * for the kernels of fused_impl.h. See fused_kernels.h for the contract. */
 #include "fused_kernels.h"
+#include "fk_pool.h"
 
 #include <pthread.h>
 #include <stdint.h>
@@ -263,6 +264,12 @@ static int parallel_for(RangeFn fn, const void *args, int64_t num_items, int64_t
     pthread_mutex_unlock(&job_mutex);
     return failed ? FK_NO_MEMORY : FK_OK;
 }
+
+int fk_parallel_for(FkRangeFn fn, const void *args, int64_t num_items, int64_t work, size_t scratch_floats) {
+    return parallel_for(fn, args, num_items, work, scratch_floats);
+}
+
+int fk_use_avx2(void) { return fk_get_isa() >= FK_ISA_AVX2; }
 
 int fk_set_num_threads(int num_threads) {
     if (num_threads < 1) num_threads = 1;

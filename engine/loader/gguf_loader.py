@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from engine.gguf_file import GGUFFile, is_gguf_file
-from engine.loader.repack import INT4_TYPES, PLAIN_TYPES, MappedRows, dequantize, int4_from_q4
+from engine.loader.repack import INT4_TYPES, PLAIN_TYPES, Q8_0, MappedRows, dequantize, int4_from_q4
 from engine.models.config import ModelConfig
 from engine.models.linear import Int4Weight, Int8Weight, Weight
 from engine.models.llama import resolve_dtype
@@ -89,8 +89,9 @@ class GGUFStateDict(Mapping):
 
     quantization (see engine.loader.QUANTIZATIONS) picks each tensor's format:
     - "auto": Q4_0/Q4_1/Q4_K projections -> Int4Weight (exact); other quantized projections and
-      the head -> per-row Int8Weight (the head's refined logits and a tied embedding read their
-      rows exactly from the map); a quantized untied embedding -> MappedRows (map only);
+      the head -> Int8Weight with a scale per block of 32 (Q8_0: exact; other types re-quantized,
+      and then the head's refined logits and a tied embedding read their rows exactly from the
+      map); a quantized untied embedding -> MappedRows (map only);
       unquantized tensors -> dense.
     - "int4": every projection -> Int4Weight (Q4 exact, others re-quantized); embedding/head int8.
     - "bfloat16" / "float32": everything dense in `dtype` (exact dequantization in float32).
@@ -133,7 +134,8 @@ class GGUFStateDict(Mapping):
         if name == "model.embed_tokens.weight" and not self.config.tie_word_embeddings:
             return rows  # looked up a few rows at a time from the map: no resident copy
         weight = self._int8(raw, info)  # the head (tied: also the embedding)
-        weight.exact_rows = rows
+        if not weight.is_exact:  # re-quantized: lookups and the head's refined logits read the map
+            weight.exact_rows = rows
         return weight
 
     def _dense(self, raw, info, dtype: torch.dtype) -> torch.Tensor:
@@ -147,9 +149,16 @@ class GGUFStateDict(Mapping):
         return out
 
     def _int8(self, raw, info) -> Int8Weight:
+        """Q8_0 -> its own codes and scales (exact); any other type -> dequantized and
+        re-quantized per block of 32, a chunk of rows at a time."""
         num_rows, num_cols = info.shape
+        if info.ggml_type == Q8_0:
+            blocks = raw.reshape(num_rows, num_cols // 32, 34)
+            q = torch.from_numpy(np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(num_rows, num_cols))
+            scales = torch.from_numpy(np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0].astype(np.float32))
+            return Int8Weight(q, scales, is_exact=True)
         q = torch.empty(num_rows, num_cols, dtype=torch.int8)
-        scales = torch.empty(num_rows, dtype=torch.float32)
+        scales = torch.empty(num_rows, num_cols // 32, dtype=torch.float32)
         for start in range(0, num_rows, CHUNK_ROWS):
             part = raw[start:start + CHUNK_ROWS]
             chunk = Int8Weight.from_dense(torch.from_numpy(self._dequantize(part, info, len(part))))

@@ -1,12 +1,13 @@
 """ggml weight blocks -> the engine's weight formats (engine.models.linear), without a float32
 copy of the model: one tensor at a time, read from the file's memory map.
 
-Int4: aten's CPU int4 matmul dequantizes group g of a row as ``(q - 8) * scale + zero`` with
-groups of 32 along the input dimension. ggml's 4-bit blocks map onto it exactly:
-- Q4_0 (32 per block): ``d * (q - 8)``         -> scale = d, zero = 0
-- Q4_1 (32 per block): ``d * q + m``           -> scale = d, zero = m + 8 d
+Int4 (engine.models.linear.Int4Weight): group g of a row is ``q * scale + min`` with groups of
+32 along the input dimension and ggml's nibble order. ggml's 4-bit blocks map onto it exactly
+(every product below is exact in float32):
+- Q4_0 (32 per block): ``d * (q - 8)``         -> scale = d, min = -8 d
+- Q4_1 (32 per block): ``d * q + m``           -> scale = d, min = m (the codes bytes as they are)
 - Q4_K (256 per super-block, 8 sub-blocks of 32 with 6-bit scales and mins):
-  ``d * sc_j * q - dmin * m_j``                -> scale = d sc_j, zero = 8 d sc_j - dmin m_j
+  ``d * sc_j * q - dmin * m_j``                -> scale = d sc_j, min = -dmin m_j
 Other types are dequantized (gguf.quants) and re-quantized: per-row int8 (absmax / 127) or
 int4 group-32 (min/max, round to nearest).
 """
@@ -41,20 +42,24 @@ def _q4_k_scales_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.concatenate((low_sc, high_sc), -1), np.concatenate((low_m, high_m), -1)
 
 
+def _pack(codes: np.ndarray) -> np.ndarray:
+    """[..., 32] codes -> [..., 16] bytes: element j low nibble, element j + 16 high nibble."""
+    return codes[..., :16] | (codes[..., 16:] << 4)
+
+
 def q4_to_int4(raw: np.ndarray, ggml_type: int, num_cols: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """raw uint8 [N, bytes per row] of a Q4_0/Q4_1/Q4_K tensor -> (codes uint8 [N, K] in 0..15,
-    scales float32 [N, K / 32], zeros float32 [N, K / 32]) with w = (q - 8) * scale + zero."""
+    """raw uint8 [N, bytes per row] of a Q4_0/Q4_1/Q4_K tensor -> (packed uint8 [N, K / 2] as
+    Int4Weight.packed, scales float32 [N, K / 32], mins float32 [N, K / 32]) with
+    w = q * scale + min."""
     num_rows = raw.shape[0]
     if ggml_type == Q4_0:
         blocks = raw.reshape(num_rows, num_cols // 32, 18)
         d = _f16(blocks, 0)  # [N, K/32]
-        codes = _nibbles(blocks[..., 2:])  # [N, K/32, 32]
-        return codes.reshape(num_rows, num_cols), d, np.zeros_like(d)
+        return blocks[..., 2:].reshape(num_rows, num_cols // 2), d, -8 * d
     if ggml_type == Q4_1:
         blocks = raw.reshape(num_rows, num_cols // 32, 20)
         d, m = _f16(blocks, 0), _f16(blocks, 2)  # [N, K/32]
-        codes = _nibbles(blocks[..., 4:])
-        return codes.reshape(num_rows, num_cols), d, m + 8 * d
+        return blocks[..., 4:].reshape(num_rows, num_cols // 2), d, m
     if ggml_type == Q4_K:
         blocks = raw.reshape(num_rows, num_cols // 256, 144)
         d, dmin = _f16(blocks, 0)[..., None], _f16(blocks, 2)[..., None]  # [N, K/256, 1]
@@ -62,9 +67,8 @@ def q4_to_int4(raw: np.ndarray, ggml_type: int, num_cols: int) -> tuple[np.ndarr
         qs = blocks[..., 16:].reshape(num_rows, num_cols // 256, 4, 32)  # 4 chunks of 64 elements
         codes = np.stack((qs & 0x0F, qs >> 4), axis=3)  # [N, K/256, 4, 2, 32]: sub-block 2c, 2c + 1
         scale = d * sc  # [N, K/256, 8]
-        zero = 8 * scale - dmin * mins
-        return (codes.reshape(num_rows, num_cols), scale.reshape(num_rows, -1).astype(np.float32),
-                zero.reshape(num_rows, -1).astype(np.float32))
+        return (_pack(codes).reshape(num_rows, num_cols // 2), scale.reshape(num_rows, -1).astype(np.float32),
+                (-(dmin * mins)).reshape(num_rows, -1).astype(np.float32))
     raise ValueError(f"ggml type {ggml_type} is not a 4-bit type with groups of 32")
 
 
@@ -99,8 +103,8 @@ def dequantize(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> np.nd
 
 
 def int4_from_q4(raw: np.ndarray, ggml_type: int, num_cols: int) -> Int4Weight:
-    codes, scales, zeros = q4_to_int4(raw, ggml_type, num_cols)
-    return Int4Weight(torch.from_numpy(codes), torch.from_numpy(scales), torch.from_numpy(zeros))
+    packed, scales, mins = q4_to_int4(raw, ggml_type, num_cols)
+    return Int4Weight(torch.from_numpy(np.ascontiguousarray(packed)), torch.from_numpy(scales), torch.from_numpy(mins))
 
 
 class MappedRows:

@@ -10,6 +10,8 @@ mask for one SDPA call. Prefill chunks run one SDPA call per sequence on either 
 """
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass, field
 
 import torch
@@ -17,6 +19,17 @@ import torch.nn.functional as F
 
 from engine.batch import ForwardBatch
 from engine.models import fused
+
+
+def _zeroed(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero tensor over a private anonymous memory map: the OS hands out zero pages and
+    makes them resident only when first written, so the cache costs memory as it fills, not
+    at start-up (masked padding slots are still read, hence zeros, never NaN garbage)."""
+    num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if num_bytes < 1 << 20:  # small (tests): not worth a mapping
+        return torch.zeros(shape, dtype=dtype)
+    region = mmap.mmap(-1, num_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(region, dtype=dtype).view(shape)  # the tensor keeps the map alive
 
 
 class PagedKVCache:
@@ -30,10 +43,9 @@ class PagedKVCache:
             raise ValueError(f"block_size: must be > 0, got {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        # Zeros, not empty: masked padding slots are still read, and must not hold NaN.
         shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype)  # [L, S, KH, D]
-        self.v = torch.zeros(shape, dtype=dtype)  # [L, S, KH, D]
+        self.k = _zeroed(shape, dtype)  # [L, S, KH, D]
+        self.v = _zeroed(shape, dtype)  # [L, S, KH, D]
 
     @property
     def num_slots(self) -> int:

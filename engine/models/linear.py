@@ -1,5 +1,5 @@
 """Linear layers over three weight formats: dense (packed once for oneDNN), int4 groups of 32
-(aten's CPU int4 matmul) and int8 per output row (aten's int8 weight matmul).
+and int8 per output row, the quantized ones through our C kernels (cext/csrc/qgemm.c).
 
 Dense: ``F.linear`` hands a plain row-major weight to the BLAS on every call; oneDNN's blocked
 layout, made once at load (``mkldnn._reorder_linear_weight``), was faster at every row count
@@ -7,12 +7,15 @@ we measured. These are the ops torch's CPU compiler uses for frozen linear layer
 are missing or fail (bfloat16 on a CPU without AVX512-BF16, like our AVX2 host) the layer
 keeps the plain weight and ``F.linear``.
 
-Int4 (``Int4Weight``): codes q in 0..15, w = (q - 8) * scale + zero per group of 32 inputs;
-``_weight_int4pack_mm_for_cpu`` takes scales_and_zeros [K / 32, N, 2] in the activation dtype.
-Int8 (``Int8Weight``): w = q * scale[row], ``_weight_int8pack_mm`` with scales [N].
-On AVX2 both run fast with bfloat16 inputs only (float32 inputs take a scalar path, ~12x
-slower), so quantized products run in bfloat16 whatever the model's activation dtype, with a
-cast in and out; float32 there gives the exact reference product for tests.
+Int4 (``Int4Weight``): w = q * scale + min per group of 32 inputs, q in 0..15 (ggml's form, so
+Q4_0/Q4_1/Q4_K load exactly). Int8 (``Int8Weight``): w = q * scale[row]. Decode-sized products
+(up to KERNEL_MAX_ROWS rows) run in C the way llama.cpp runs them: x quantized to int8 per block
+of 32, integer dot products against the codes (AVX2 maddubs, 32 multiply-adds an instruction),
+weights read once per call and never widened: a decode step is bound by the bytes of weights
+it streams, so the layout keeps them small (fp16 scales where that is exact). Larger products
+(prompts) dequantize the weight to float32 for the call and use the BLAS. aten's int4 op was
+replaced: on AVX2 it ran at ~5 GMAC/s at batch 1 against ~18-20 for these kernels
+(benchmarks/quant_bench.py).
 
 Per-row-count policy: a quantized layer may keep a dense copy for products of more than
 ``dense_above_rows`` rows (whole prompts), where oneDNN's dense float32 product wins.
@@ -22,30 +25,56 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
+try:
+    from cext import fused as _qgemm
+except ImportError:  # not built: quantized products dequantize the weight per call
+    _qgemm = None
+
 GROUP_SIZE = 32
+KERNEL_MAX_ROWS = 16  # rows up to which the C kernels beat dequantize + float32 product (benchmarks/quant_bench.py)
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 
 @dataclass
 class Int4Weight:
-    """codes uint8 [N, K] in 0..15, scales/zeros float32 [N, K / 32]: w = (q - 8) * scale + zero."""
-    codes: torch.Tensor
+    """w = q * scale + min per group of 32 inputs, q in 0..15 (ggml's form: Q4_0, Q4_1 and Q4_K
+    sub-blocks map onto it exactly). packed uint8 [N, K / 2]: for group g of a row, bytes
+    16 g .. 16 g + 15 hold element j in the low nibble and element j + 16 in the high nibble
+    (ggml's order); scales, mins float32 [N, K / 32]."""
+    packed: torch.Tensor
     scales: torch.Tensor
-    zeros: torch.Tensor
+    mins: torch.Tensor
 
     @property
     def shape(self) -> tuple[int, int]:
-        return tuple(self.codes.shape)
+        return (self.packed.shape[0], self.packed.shape[1] * 2)
+
+    @property
+    def codes(self) -> torch.Tensor:
+        """-> uint8 [N, K] in 0..15, in element order."""
+        num_rows, num_cols = self.shape
+        groups = self.packed.reshape(num_rows, -1, GROUP_SIZE // 2)  # [N, K/32, 16]
+        return torch.cat((groups & 0x0F, groups >> 4), dim=-1).reshape(num_rows, num_cols)
+
+    @staticmethod
+    def from_codes(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> Int4Weight:
+        """codes uint8 [N, K] in 0..15 (element order) -> the packed form."""
+        num_rows, num_cols = codes.shape
+        groups = codes.reshape(num_rows, -1, GROUP_SIZE)  # [N, K/32, 32]
+        packed = groups[..., :GROUP_SIZE // 2] | (groups[..., GROUP_SIZE // 2:] << 4)  # [N, K/32, 16]
+        return Int4Weight(packed.reshape(num_rows, num_cols // 2).contiguous(), scales, mins)
 
     def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Int4Weight:
-        """The same row operation (a permutation, a slice) on codes, scales and zeros."""
-        return Int4Weight(fn(self.codes), fn(self.scales), fn(self.zeros))
+        """The same row operation (a permutation, a slice) on codes, scales and mins."""
+        return Int4Weight(fn(self.packed), fn(self.scales), fn(self.mins))
 
     @staticmethod
     def cat(parts: list[Int4Weight]) -> Int4Weight:
-        return Int4Weight(*(torch.cat([getattr(p, n) for p in parts]) for n in ("codes", "scales", "zeros")))
+        return Int4Weight(*(torch.cat([getattr(p, n) for p in parts]) for n in ("packed", "scales", "mins")))
 
     @staticmethod
     def from_dense(w: torch.Tensor) -> Int4Weight:
@@ -55,52 +84,86 @@ class Int4Weight:
         low, high = groups.amin(-1), groups.amax(-1)  # [N, K/32]
         scale = ((high - low) / 15).clamp_min(1e-12)
         codes = ((groups - low[..., None]) / scale[..., None]).round_().clamp_(0, 15).to(torch.uint8)
-        return Int4Weight(codes.reshape(num_rows, num_cols), scale, low + 8 * scale)
+        return Int4Weight.from_codes(codes.reshape(num_rows, num_cols), scale, low)
 
     def dequantize(self) -> torch.Tensor:
         """-> float32 [N, K]."""
         num_rows, num_cols = self.shape
-        groups = self.codes.reshape(num_rows, -1, GROUP_SIZE).float() - 8  # [N, K/32, 32]
-        return (groups * self.scales[..., None] + self.zeros[..., None]).reshape(num_rows, num_cols)
+        groups = self.codes.reshape(num_rows, -1, GROUP_SIZE).float()  # [N, K/32, 32]
+        return (groups * self.scales[..., None] + self.mins[..., None]).reshape(num_rows, num_cols)
+
+    def is_half_exact(self) -> bool:
+        """Whether every scale and min is an fp16 value (Q4_0 and Q4_1 files: yes; Q4_K's
+        products of two scales: in general no)."""
+        return all(bool((t.numpy().astype(np.float16).astype(np.float32) == t.numpy()).all())
+                   for t in (self.scales.float(), self.mins.float()))
+
+    def blocks(self, half: bool = False) -> torch.Tensor:
+        """-> uint8 [N, K / 32 * (20 if half else 24)], the C kernels' layout (cext/csrc/qgemm.h):
+        per row the scales, the mins (fp16 if half, else float32), then the codes of blocks 2p
+        and 2p + 1 in the low and high nibbles of 32 bytes. K must be a multiple of 64.
+        (NumPy: ~20x faster than the same uint8 ops in torch here, which matters at load.)"""
+        num_rows, num_cols = self.shape
+        if num_cols % (2 * GROUP_SIZE):
+            raise ValueError(f"Q4 blocks need K a multiple of {2 * GROUP_SIZE}, got {num_cols}")
+        num_groups = num_cols // GROUP_SIZE
+        dtype, width = (np.float16, 2) if half else (np.float32, 4)
+        packed = self.packed.numpy().reshape(num_rows, num_groups // 2, 2, GROUP_SIZE // 2)  # [N, K/64, 2, 16]
+        codes = np.concatenate((packed & 0x0F, packed >> 4), axis=-1)  # [N, K/64, 2, 32] in element order
+        out = np.empty((num_rows, num_groups * (16 + 2 * width)), dtype=np.uint8)
+        out[:, : num_groups * width] = self.scales.numpy().astype(dtype).view(np.uint8)
+        out[:, num_groups * width: num_groups * 2 * width] = self.mins.numpy().astype(dtype).view(np.uint8)
+        out[:, num_groups * 2 * width:] = (codes[:, :, 0] | (codes[:, :, 1] << 4)).reshape(num_rows, -1)
+        return torch.from_numpy(out)
 
 
 @dataclass
 class Int8Weight:
-    """q int8 [N, K], scales float32 [N]: w = q * scale[row]. exact_rows: optionally where the
-    weight came from (rows read exactly from a GGUF map, engine.loader.repack.MappedRows) for
-    lookups: the embedding and the head's refined logits."""
+    """q int8 [N, K], scales float32 [N, K / 32]: w = q * scale per block of 32 inputs (ggml's
+    Q8_0, so a Q8_0 tensor loads exactly). is_exact: q and scales are the source's own values
+    (a Q8_0 file), not a re-quantization. exact_rows: optionally where a re-quantized weight
+    came from (rows read exactly from a GGUF map, engine.loader.repack.MappedRows) for lookups:
+    the embedding and the head's refined logits."""
     q: torch.Tensor
     scales: torch.Tensor
     exact_rows: object | None = None
+    is_exact: bool = False
 
     @property
     def shape(self) -> tuple[int, int]:
         return tuple(self.q.shape)
 
     def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Int8Weight:
-        return Int8Weight(fn(self.q), fn(self.scales))
+        return Int8Weight(fn(self.q), fn(self.scales), is_exact=self.is_exact)
 
     @staticmethod
     def cat(parts: list[Int8Weight]) -> Int8Weight:
-        return Int8Weight(torch.cat([p.q for p in parts]), torch.cat([p.scales for p in parts]))
+        return Int8Weight(torch.cat([p.q for p in parts]), torch.cat([p.scales for p in parts]),
+                          is_exact=all(p.is_exact for p in parts))
 
     @staticmethod
     def from_dense(w: torch.Tensor) -> Int8Weight:
-        """w [N, K] float -> symmetric per-row int8 (scale = absmax / 127)."""
-        w = w.float()
-        scales = (w.abs().amax(1) / 127).clamp_min(1e-12)  # [N]
-        q = (w / scales[:, None]).round_().clamp_(-127, 127).to(torch.int8)
-        return Int8Weight(q, scales)
+        """w [N, K] float -> symmetric int8 per block of 32 (scale = absmax / 127)."""
+        num_rows, num_cols = w.shape
+        blocks = w.float().reshape(num_rows, -1, GROUP_SIZE)  # [N, K/32, 32]
+        scales = (blocks.abs().amax(-1) / 127).clamp_min(1e-12)  # [N, K/32]
+        q = (blocks / scales[..., None]).round_().clamp_(-127, 127).to(torch.int8)
+        return Int8Weight(q.reshape(num_rows, num_cols), scales)
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """ids [...] -> rows [..., K] in dtype (an embedding lookup): the exact source rows when
         known, else the dequantized int8 rows."""
-        if self.exact_rows is not None:
+        if self.exact_rows is not None and not self.is_exact:
             return self.exact_rows.rows(ids, dtype)
-        return self.q[ids].to(dtype) * self.scales[ids].to(dtype)[..., None]
+        flat = ids.reshape(-1)
+        q = self.q[flat].float().reshape(len(flat), -1, GROUP_SIZE)  # [n, K/32, 32]
+        w = (q * self.scales[flat][..., None]).reshape(*ids.shape, self.shape[1])
+        return w.to(dtype)
 
     def dequantize(self) -> torch.Tensor:
-        return self.q.float() * self.scales[:, None]
+        num_rows, num_cols = self.shape
+        q = self.q.float().reshape(num_rows, -1, GROUP_SIZE)
+        return (q * self.scales[..., None]).reshape(num_rows, num_cols)
 
 
 Weight = torch.Tensor | Int4Weight | Int8Weight
@@ -108,7 +171,7 @@ Weight = torch.Tensor | Int4Weight | Int8Weight
 
 def cat_rows(parts: list[Weight]) -> Weight:
     """Concatenate weights along the output rows (fused QKV, gate/up). Parts of one format stay
-    in it; a mix (a Q8_0 V beside Q5_0 Q/K) becomes per-row int8."""
+    in it; a mix (a Q8_0 V beside Q5_0 Q/K) becomes int8."""
     kinds = {type(p) for p in parts}
     if len(kinds) == 1:
         kind = kinds.pop()
@@ -166,41 +229,50 @@ class DenseLinear:
 class Linear:
     """y = x @ W.T + b for x [T, in] -> [T, out] (in x's dtype), W dense, Int4Weight or Int8Weight.
 
-    quantized_dtype: the dtype a quantized product runs in (the int4/int8 ops take scales in
-    it); activations of another dtype are cast in and out. bfloat16 by default (the fast
-    kernels on AVX2); float32 gives the exact product. dense_above_rows: for a quantized W,
-    also keep a dense float32 oneDNN copy and use it for more rows than this.
+    quantized_dtype: how a quantized product runs. None (the default): the C kernels of
+    cext/csrc/qgemm.h for up to KERNEL_MAX_ROWS rows (x quantized to int8 per block of 32,
+    integer dot products against the 4- or 8-bit codes, as llama.cpp does), and for more rows
+    (prompts) the weight dequantized to float32 for the call and a float32 product. A dtype
+    (float32 in tests): always the dequantized weight in that dtype, the exact product.
+    dense_above_rows: for a quantized W, also keep a dense float32 oneDNN copy and use it for
+    more rows than this (memory for speed on long prompts; off by default).
     """
 
-    __slots__ = ("format", "out_features", "bias", "dense", "dense_above_rows", "quantized_dtype", "_int4", "_int8")
+    __slots__ = ("format", "out_features", "in_features", "bias", "dense", "dense_above_rows", "quantized_dtype",
+                 "weight_dtype", "_blocks", "_half", "_q8", "_scales")
 
     def __init__(self, weight: Weight, bias: torch.Tensor | None = None, pack: bool = True,
                  keep_dense: bool = False, quantized_dtype: torch.dtype | None = None,
                  dense_above_rows: int | None = None):
-        self.out_features = weight.shape[0]
+        self.out_features, self.in_features = weight.shape
         self.dense = None
         self.dense_above_rows = dense_above_rows
-        self._int4 = self._int8 = None
+        self._blocks = self._q8 = self._scales = None
+        self._half = False
         if isinstance(weight, torch.Tensor):
             self.format = "dense"
             self.quantized_dtype = None
+            self.weight_dtype = weight.dtype
             self.bias = None if bias is None else bias.to(weight.dtype)
             self.dense = DenseLinear(weight, self.bias, pack, keep_dense)
             return
-        dtype = self.quantized_dtype = quantized_dtype or torch.bfloat16
-        self.bias = None if bias is None else bias.to(dtype)
+        self.quantized_dtype = quantized_dtype
+        self.weight_dtype = None
+        self.bias = None if bias is None else bias.float().contiguous()
         if isinstance(weight, Int4Weight):
             self.format = "int4"
-            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.codes.to(torch.int32), 1)
-            scales_and_zeros = torch.stack((weight.scales.t(), weight.zeros.t()), dim=-1)  # [K/32, N, 2]
-            self._int4 = (packed, scales_and_zeros.to(dtype).contiguous())
+            if self.in_features % (2 * GROUP_SIZE) == 0:
+                self._half = weight.is_half_exact()  # fp16 scales where that loses nothing
+                self._blocks = weight.blocks(self._half)  # [N, K/32 * (20 or 24)]
+            else:  # no kernel layout: the product dequantizes per call
+                self._q8 = weight
         elif isinstance(weight, Int8Weight):
             self.format = "int8"
-            self._int8 = (weight.q.contiguous(), weight.scales.to(dtype).contiguous())
+            self._q8, self._scales = weight.q.contiguous(), weight.scales.float().contiguous()  # [N, K], [N, K/32]
         else:
             raise TypeError(f"unsupported weight type {type(weight).__name__}")
         if dense_above_rows is not None:
-            self.dense = DenseLinear(weight.dequantize(), None if bias is None else bias.float(), pack)
+            self.dense = DenseLinear(weight.dequantize(), self.bias, pack)
 
     @property
     def weight(self) -> torch.Tensor | None:
@@ -211,19 +283,61 @@ class Linear:
     def is_packed(self) -> bool:
         return self.format != "dense" or self.dense.is_packed
 
+    @property
+    def is_exact(self) -> bool:
+        """Whether products are float32 products of the stored weight (no rounding of x or W
+        beyond float32)."""
+        if self.format == "dense":
+            return self.weight_dtype == torch.float32
+        return self.quantized_dtype == torch.float32
+
+    def dequantize(self) -> torch.Tensor:
+        """A quantized weight -> float32 [N, K] (a new tensor)."""
+        if self.format == "int8":
+            return Int8Weight(self._q8, self._scales).dequantize()
+        if self._blocks is None:
+            return self._q8.dequantize()  # an Int4Weight the kernels cannot take
+        out = torch.empty(self.out_features, self.in_features, dtype=torch.float32)
+        if _qgemm is not None:
+            _qgemm.q4_dequantize(self._blocks.data_ptr(), self._half, self.out_features, self.in_features,
+                                 out.data_ptr())
+            return out
+        return blocks_to_int4(self._blocks, self.in_features, self._half).dequantize()
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] -> [T, out]."""
         if self.format == "dense":
             return self.dense(x)
-        if self.dense is not None and x.shape[0] > self.dense_above_rows:
+        num_rows = x.shape[0]
+        if self.dense is not None and num_rows > self.dense_above_rows:
             return self.dense(x.float()).to(x.dtype)
-        xq = x.to(self.quantized_dtype).contiguous()
-        if self._int4 is not None:
-            packed, scales_and_zeros = self._int4
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(xq, packed, GROUP_SIZE, scales_and_zeros)
-        else:
-            q, scales = self._int8
-            y = torch._weight_int8pack_mm(xq, q, scales)
-        if self.bias is not None:
-            y = y.add_(self.bias)
-        return y.to(x.dtype)
+        code = _DTYPE_CODES.get(x.dtype)
+        if (self.quantized_dtype is None and _qgemm is not None and num_rows <= KERNEL_MAX_ROWS and code is not None
+                and (self._blocks is not None or self.format == "int8")):
+            if x.stride(-1) != 1:
+                x = x.contiguous()
+            y = torch.empty(num_rows, self.out_features, dtype=x.dtype)  # [T, N]
+            bias = 0 if self.bias is None else self.bias.data_ptr()
+            if self._blocks is not None:
+                _qgemm.q4_matmul(x.data_ptr(), x.stride(0), num_rows, self.in_features, self._blocks.data_ptr(),
+                                 self._half, self.out_features, bias, y.data_ptr(), self.out_features, code)
+            else:
+                _qgemm.q8_matmul(x.data_ptr(), x.stride(0), num_rows, self.in_features, self._q8.data_ptr(),
+                                 self._scales.data_ptr(), self.out_features, bias, y.data_ptr(), self.out_features,
+                                 code)
+            return y
+        dtype = self.quantized_dtype or torch.float32
+        w = self.dequantize().to(dtype)  # [N, K]
+        bias = None if self.bias is None else self.bias.to(dtype)
+        return F.linear(x.to(dtype), w, bias).to(x.dtype)
+
+
+def blocks_to_int4(blocks: torch.Tensor, num_cols: int, half: bool = False) -> Int4Weight:
+    """The kernels' Q4 rows -> Int4Weight (the inverse of Int4Weight.blocks)."""
+    num_rows, num_groups = blocks.shape[0], num_cols // GROUP_SIZE
+    dtype, width = (torch.float16, 2) if half else (torch.float32, 4)
+    scales = blocks[:, : num_groups * width].contiguous().view(dtype).float()  # [N, K/32]
+    mins = blocks[:, num_groups * width: num_groups * 2 * width].contiguous().view(dtype).float()
+    pairs = blocks[:, num_groups * 2 * width:].reshape(num_rows, num_groups // 2, 1, GROUP_SIZE)  # [N, K/64, 1, 32]
+    codes = torch.cat((pairs & 0x0F, pairs >> 4), dim=2).reshape(num_rows, num_cols)
+    return Int4Weight.from_codes(codes, scales, mins)

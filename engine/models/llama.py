@@ -104,8 +104,9 @@ class LlamaModel(nn.Module):
         Each entry is read once, layer by layer, so a lazy mapping (the GGUF loader's) converts
         one tensor at a time. pack_weights: lay dense projection weights out for oneDNN once.
         dense_above_rows: quantized projections also keep a dense copy for larger products.
-        quantized_dtype: the dtype int4/int8 products run in (None: bfloat16, the fast one on
-        AVX2; float32: the exact product), whatever the activation dtype `dtype`."""
+        quantized_dtype: how int4/int8 products run (None: the C kernels with int8-quantized
+        activations for decode-sized batches, engine.models.linear; float32: the exact product
+        of the dequantized weights), whatever the activation dtype `dtype`."""
         super().__init__()
         self.config = config
         self.dtype = resolve_dtype(dtype)
@@ -185,14 +186,18 @@ class LlamaModel(nn.Module):
     def compute_logits(self, x: torch.Tensor) -> torch.Tensor:
         """x [S, E] (final-normed) -> logits [S, V] float32.
 
-        When the head's product runs in bfloat16 (a bfloat16 model, or the int8 head's product,
-        whatever the activation dtype) its output is rounded to 8 mantissa bits (0.06 at a logit of 15),
-        enough to tie or swap near-equal candidates. The top REFINE_TOP_K logits of each row
-        are therefore recomputed with a float32 product of the same bf16 weights and
-        activations; the tail keeps the bf16 values (its probability mass is negligible).
+        When the head's product is not a float32 product of the source's own weights (a
+        bfloat16 head rounds logits to 8 mantissa bits, 0.06 at a logit of 15; a head
+        re-quantized to int8 from another type moves them too), near-equal candidates can tie
+        or swap. The top REFINE_TOP_K logits of each row are then recomputed with a float32
+        product of the exact rows; the tail keeps the approximate values (its probability mass
+        is negligible). A Q8_0 head in the C kernels needs none of this: its codes are the
+        file's, and the kernels' int16 activation codes err by less than 2^-15 per element.
         """
         logits = self.head_proj(x).float()  # [S, V]
-        if (self.head_proj.quantized_dtype or self.dtype) == torch.float32:  # a float32 product
+        is_exact_int8 = (self.head_int8 is not None and self.head_int8.is_exact
+                         and self.head_proj.quantized_dtype is None)
+        if self.head_proj.is_exact or is_exact_int8:
             return logits
         top_ids = logits.topk(min(REFINE_TOP_K, self.vocab_size), dim=-1).indices  # [S, k]
         rows = self.head_rows(top_ids)  # [S, k, E]

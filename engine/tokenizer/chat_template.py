@@ -2,9 +2,11 @@
 
 `validate_messages` is the one message check of the engine and the HTTP server: roles system,
 developer, user, assistant, tool; content a string or a list of text parts (joined with "\n",
-as vLLM does); an assistant message may have no content (tool calls); other keys
-(`tool_calls`, `tool_call_id`, `name`) pass through to the template; lone surrogates are
-rejected. Role `developer` (OpenAI's newer name for the system role) is rendered as `system`
+as vLLM does); an assistant message may have no content and OpenAI's `tool_calls` (their
+`arguments` JSON text parsed into the object templates expect, as transformers' server does);
+a tool message needs its `tool_call_id`; keys set to None are dropped (as transformers does);
+other keys pass through to the template; lone surrogates are rejected. Role `developer`
+(OpenAI's newer name for the system role) is rendered as `system`
 by a template that does not mention it, as vLLM's and llama.cpp's servers do; a template that
 handles "developer" itself (gpt-oss) gets it unchanged.
 
@@ -144,8 +146,57 @@ def validate_messages(messages) -> list[dict]:
             content = ""
         elif content is None:
             raise ChatTemplateError(f"{where}.content is missing", f"{where}.content")
-        checked.append({**message, "content": _content_text(content, f"{where}.content")})
+        # Keys set to None are dropped, as transformers does (templates test `is defined`).
+        out = {k: v for k, v in message.items() if v is not None}
+        out["content"] = _content_text(content, f"{where}.content")
+        if "tool_calls" in out:
+            if role != "assistant":
+                raise ChatTemplateError(f"{where}.tool_calls is only allowed in assistant messages",
+                                        f"{where}.tool_calls")
+            out["tool_calls"] = _tool_calls(out["tool_calls"], f"{where}.tool_calls")
+        if role == "tool" and not isinstance(out.get("tool_call_id"), str):
+            raise ChatTemplateError(f"{where}.tool_call_id (the id of the call this answers) must be a string",
+                                    f"{where}.tool_call_id")
+        name = out.get("name")
+        if name is not None and not isinstance(name, str):
+            raise ChatTemplateError(f"{where}.name must be a string", f"{where}.name")
+        checked.append(out)
     return checked
+
+
+def _tool_calls(tool_calls, where: str) -> list[dict]:
+    """An assistant's calls, OpenAI's shape: [{"id", "type": "function", "function": {"name", "arguments"}}].
+
+    ``arguments`` may be JSON text (OpenAI) or an object; text is parsed into the object the
+    templates iterate and serialize (what transformers' server does before rendering)."""
+    if not isinstance(tool_calls, (list, tuple)):
+        raise ChatTemplateError(f"{where} must be a list of tool calls, got {type(tool_calls).__name__}", where)
+    out = []
+    for j, call in enumerate(tool_calls):
+        at = f"{where}[{j}]"
+        if not isinstance(call, dict):
+            raise ChatTemplateError(f"{at} must be an object, got {type(call).__name__}", at)
+        if call.get("type", "function") != "function":
+            raise ChatTemplateError(f"{at}.type must be 'function', got {call.get('type')!r:.80}", f"{at}.type")
+        if "id" in call and not isinstance(call["id"], str):
+            raise ChatTemplateError(f"{at}.id must be a string", f"{at}.id")
+        function = call.get("function")
+        if not isinstance(function, dict):
+            raise ChatTemplateError(f"{at}.function must be an object with name and arguments", f"{at}.function")
+        if not isinstance(function.get("name"), str):
+            raise ChatTemplateError(f"{at}.function.name must be a string", f"{at}.function.name")
+        arguments = function.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except (ValueError, RecursionError):
+                raise ChatTemplateError(f"{at}.function.arguments is not valid JSON: {arguments!r:.80}",
+                                        f"{at}.function.arguments") from None
+        if not isinstance(arguments, dict):
+            raise ChatTemplateError(f"{at}.function.arguments must be a JSON object (or its JSON text)",
+                                    f"{at}.function.arguments")
+        out.append({**call, "function": {**function, "arguments": arguments}})
+    return out
 
 
 @lru_cache(maxsize=16)

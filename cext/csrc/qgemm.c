@@ -1,0 +1,367 @@
+/* Quantized weight products (see qgemm.h): activations quantized once per call on the
+ * calling thread, then output features split across the pool. Scalar kernels for any
+ * CPU, AVX2 kernels (madd_epi16 integer dot products) chosen at run time. */
+#include "qgemm.h"
+#include "fk_pool.h"
+#include "fused_kernels.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* x codes are int16 (|q| <= QG_XMAX): a 15-bit activation is as good as float32 for these
+ * sums (int8 activations, as llama.cpp uses, moved SmolLM2's decode logprobs by up to 0.67
+ * from llama.cpp's while the exact weights stayed within 0.21), and a decode step is bound by
+ * the bytes of weights it reads, not by the multiply-adds. */
+#define QG_XMAX 32767.0f
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define QG_HAVE_X86 1
+#include <immintrin.h>
+#endif
+
+
+typedef struct {
+    const int16_t *qx;  /* [M, K] int16 codes of x */
+    const float *dx;    /* [M, K / 32] block scales of x */
+    const float *sx;    /* [M, K / 32] exact block sums of x (Q4's m term) */
+    int64_t num_rows, num_cols;
+    const uint8_t *blocks; int half;       /* Q4 (half: fp16 scales and mins) */
+    const int8_t *q8; const float *scales; /* Q8 */
+    const float *bias;
+    void *y; int64_t y_stride; int dtype;
+    int64_t num_out;
+} QArgs;
+
+static inline float bf16_to_float(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline void store_out(const QArgs *a, int64_t row, int64_t col, float v) {
+    if (a->dtype == FK_FLOAT32) {
+        ((float *)a->y)[row * a->y_stride + col] = v;
+    } else {
+        uint32_t u;
+        memcpy(&u, &v, 4);
+        u += 0x7fffu + ((u >> 16) & 1u);  /* round to nearest even */
+        ((uint16_t *)a->y)[row * a->y_stride + col] = (uint16_t)(u >> 16);
+    }
+}
+
+static inline float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu;
+    uint32_t u;
+    if (exp == 0) {  /* zero or subnormal: mant * 2^-24 */
+        float f = (float)mant * 5.9604644775390625e-8f;
+        memcpy(&u, &f, 4);
+        u |= sign;
+    } else if (exp == 31) {
+        u = sign | 0x7f800000u | (mant << 13);
+    } else {
+        u = sign | ((exp + 112) << 23) | (mant << 13);
+    }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline int64_t q4_row_bytes(int64_t nb, int half) { return nb * (half ? 20 : 24); }
+
+/* Block b's scale (which = 0) or min (which = 1) of a Q4 row. */
+static inline float q4_scale(const uint8_t *row, int64_t nb, int64_t b, int half, int which) {
+    if (half) {
+        uint16_t h;
+        memcpy(&h, row + (which * nb + b) * 2, 2);
+        return half_to_float(h);
+    }
+    float f;
+    memcpy(&f, row + (which * nb + b) * 4, 4);
+    return f;
+}
+
+/* x [M, K] -> qx, dx, sx (blocks of 32). */
+static void quantize_rows(const void *x, int64_t x_stride, int64_t num_rows, int64_t num_cols, int dtype,
+                          int16_t *qx, float *dx, float *sx) {
+    float v[QK_BLOCK];
+    const int64_t nb = num_cols / QK_BLOCK;
+    for (int64_t i = 0; i < num_rows; i++) {
+        for (int64_t b = 0; b < nb; b++) {
+            const int64_t at = i * x_stride + b * QK_BLOCK;
+            if (dtype == FK_FLOAT32) {
+                memcpy(v, (const float *)x + at, sizeof v);
+            } else {
+                const uint16_t *h = (const uint16_t *)x + at;
+                for (int j = 0; j < QK_BLOCK; j++) v[j] = bf16_to_float(h[j]);
+            }
+            float amax = 0.0f, sum = 0.0f;
+            for (int j = 0; j < QK_BLOCK; j++) {
+                float m = fabsf(v[j]);
+                amax = m > amax ? m : amax;
+                sum += v[j];
+            }
+            const float d = amax / QG_XMAX, inv = amax > 0.0f ? QG_XMAX / amax : 0.0f;
+            int16_t *codes = qx + i * num_cols + b * QK_BLOCK;
+            for (int j = 0; j < QK_BLOCK; j++) codes[j] = (int16_t)nearbyintf(v[j] * inv);
+            dx[i * nb + b] = d;
+            sx[i * nb + b] = sum;
+        }
+    }
+}
+
+/* ---- scalar kernels ---- */
+
+static void q4_range_scalar(const void *p, int64_t n0, int64_t n1, float *scratch) {
+    (void)scratch;
+    const QArgs *a = (const QArgs *)p;
+    const int64_t K = a->num_cols, nb = K / QK_BLOCK;
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *row = a->blocks + n * q4_row_bytes(nb, a->half);
+        const uint8_t *codes = row + nb * (a->half ? 4 : 8);
+        const float bias = a->bias ? a->bias[n] : 0.0f;
+        for (int64_t i = 0; i < a->num_rows; i++) {
+            float acc = 0.0f;
+            for (int64_t b = 0; b < nb; b++) {
+                const float db = q4_scale(row, nb, b, a->half, 0), mb = q4_scale(row, nb, b, a->half, 1);
+                /* block b is the low (b even) or high (b odd) nibbles of its pair's 32 bytes */
+                const uint8_t *pair = codes + (b / 2) * 32;
+                const int shift = (int)(b % 2) * 4;
+                const int16_t *xq = a->qx + i * K + b * QK_BLOCK;
+                int32_t dot = 0;
+                for (int j = 0; j < QK_BLOCK; j++) dot += ((pair[j] >> shift) & 0x0F) * xq[j];
+                acc += db * a->dx[i * nb + b] * (float)dot + mb * a->sx[i * nb + b];
+            }
+            store_out(a, i, n, acc + bias);
+        }
+    }
+}
+
+static void q8_range_scalar(const void *p, int64_t n0, int64_t n1, float *scratch) {
+    (void)scratch;
+    const QArgs *a = (const QArgs *)p;
+    const int64_t nb = a->num_cols / QK_BLOCK;
+    for (int64_t n = n0; n < n1; n++) {
+        const int8_t *row = a->q8 + n * a->num_cols;
+        const float bias = a->bias ? a->bias[n] : 0.0f;
+        for (int64_t i = 0; i < a->num_rows; i++) {
+            float acc = 0.0f;
+            for (int64_t b = 0; b < nb; b++) {
+                const int8_t *w = row + b * QK_BLOCK;
+                const int16_t *xq = a->qx + i * a->num_cols + b * QK_BLOCK;
+                int32_t dot = 0;
+                for (int j = 0; j < QK_BLOCK; j++) dot += w[j] * xq[j];
+                acc += a->scales[n * nb + b] * a->dx[i * nb + b] * (float)dot;
+            }
+            store_out(a, i, n, acc + bias);
+        }
+    }
+}
+
+/* ---- AVX2 kernels ---- */
+
+#ifdef QG_HAVE_X86
+__attribute__((target("avx2,fma,f16c"))) static inline float hsum_avx2(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* Both kernels take QG_NR weight rows x up to QG_TR activation rows per pass: QG_NR * QG_TR
+ * independent accumulators (one FMA chain each, so a single activation row still keeps the
+ * FMA units busy), the activation block loaded once per pass and shared by the weight rows. */
+#define QG_NR 4
+#define QG_TR 2
+
+/* One pass: weight rows n .. n + nr - 1 (pointers in d, m, codes) x activation rows
+ * i0 .. i0 + TR - 1. TR is a constant at each call site, so the loops over it unroll. */
+/* 8 scales or mins of a Q4 row from block b (fp16 or float32). */
+__attribute__((target("avx2,fma,f16c"))) static inline __m256 q4_load8(const uint8_t *p, int64_t b, int half) {
+    if (half) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + b * 2)));
+    return _mm256_loadu_ps((const float *)p + b);
+}
+
+__attribute__((target("avx2,fma,f16c"), always_inline)) static inline void q4_tile_avx2(
+        const QArgs *a, int64_t n, int nr, int64_t i0, const int TR, const uint8_t *const *rows,
+        float *scales) {
+    const int64_t K = a->num_cols, nb = K / QK_BLOCK;
+    const int half = a->half;
+    const __m256i low_mask = _mm256_set1_epi8(0x0F);
+    const int16_t *xrow[QG_TR];
+    const uint8_t *codes[QG_NR];
+    float macc[QG_NR][QG_TR];
+    __m256 acc[QG_NR][QG_TR];
+    for (int k = 0; k < QG_NR; k++) codes[k] = rows[k] + nb * (half ? 4 : 8);
+    for (int r = 0; r < TR; r++) {
+        xrow[r] = a->qx + (i0 + r) * K;
+        const float *dx = a->dx + (i0 + r) * nb, *sx = a->sx + (i0 + r) * nb;
+        for (int k = 0; k < QG_NR; k++) {
+            const uint8_t *d = rows[k], *m = rows[k] + nb * (half ? 2 : 4);
+            float *sc = scales + (k * QG_TR + r) * nb;
+            __m256 mv = _mm256_setzero_ps();
+            int64_t b = 0;
+            for (; b + 8 <= nb; b += 8) {
+                _mm256_storeu_ps(sc + b, _mm256_mul_ps(q4_load8(d, b, half), _mm256_loadu_ps(dx + b)));
+                mv = _mm256_fmadd_ps(q4_load8(m, b, half), _mm256_loadu_ps(sx + b), mv);
+            }
+            float mm = hsum_avx2(mv);
+            for (; b < nb; b++) {
+                sc[b] = q4_scale(rows[k], nb, b, half, 0) * dx[b];
+                mm += q4_scale(rows[k], nb, b, half, 1) * sx[b];
+            }
+            macc[k][r] = mm;
+            acc[k][r] = _mm256_setzero_ps();
+        }
+    }
+    for (int64_t b = 0; b < nb; b += 2) {
+        for (int k = 0; k < QG_NR; k++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(codes[k] + b * 16));
+            const __m256i q0 = _mm256_and_si256(v, low_mask);                         /* block b */
+            const __m256i q1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low_mask);  /* block b + 1 */
+            const __m256i w00 = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(q0));
+            const __m256i w01 = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(q0, 1));
+            const __m256i w10 = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(q1));
+            const __m256i w11 = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(q1, 1));
+            for (int r = 0; r < TR; r++) {
+                const int16_t *x = xrow[r] + b * QK_BLOCK;
+                const float *sc = scales + (k * QG_TR + r) * nb + b;
+                const __m256i p0 = _mm256_add_epi32(_mm256_madd_epi16(w00, _mm256_loadu_si256((const __m256i *)x)),
+                                                    _mm256_madd_epi16(w01, _mm256_loadu_si256((const __m256i *)(x + 16))));
+                const __m256i p1 = _mm256_add_epi32(_mm256_madd_epi16(w10, _mm256_loadu_si256((const __m256i *)(x + 32))),
+                                                    _mm256_madd_epi16(w11, _mm256_loadu_si256((const __m256i *)(x + 48))));
+                acc[k][r] = _mm256_fmadd_ps(_mm256_broadcast_ss(sc), _mm256_cvtepi32_ps(p0), acc[k][r]);
+                acc[k][r] = _mm256_fmadd_ps(_mm256_broadcast_ss(sc + 1), _mm256_cvtepi32_ps(p1), acc[k][r]);
+            }
+        }
+    }
+    for (int k = 0; k < nr; k++)
+        for (int r = 0; r < TR; r++) {
+            const float bias = a->bias ? a->bias[n + k] : 0.0f;
+            store_out(a, i0 + r, n + k, hsum_avx2(acc[k][r]) + macc[k][r] + bias);
+        }
+}
+
+__attribute__((target("avx2,fma,f16c"))) static void q4_range_avx2(const void *p, int64_t n0, int64_t n1,
+                                                                  float *scratch) {
+    const QArgs *a = (const QArgs *)p;
+    const int64_t row_bytes = q4_row_bytes(a->num_cols / QK_BLOCK, a->half);
+    for (int64_t n = n0; n < n1; n += QG_NR) {
+        const int nr = n1 - n < QG_NR ? (int)(n1 - n) : QG_NR;
+        const uint8_t *rows[QG_NR];
+        for (int k = 0; k < QG_NR; k++) rows[k] = a->blocks + (n + (k < nr ? k : 0)) * row_bytes;
+        int64_t i0 = 0;
+        for (; i0 + QG_TR <= a->num_rows; i0 += QG_TR) q4_tile_avx2(a, n, nr, i0, QG_TR, rows, scratch);
+        if (i0 < a->num_rows) q4_tile_avx2(a, n, nr, i0, 1, rows, scratch);
+    }
+}
+
+__attribute__((target("avx2,fma,f16c"), always_inline)) static inline void q8_tile_avx2(
+        const QArgs *a, int64_t n, int nr, int64_t i0, const int TR, const int8_t *const *rows,
+        const float *const *wscales, float *scales) {
+    const int64_t nb = a->num_cols / QK_BLOCK;
+    __m256 acc[QG_NR][QG_TR];
+    for (int r = 0; r < TR; r++) {
+        const float *dx = a->dx + (i0 + r) * nb;
+        for (int k = 0; k < QG_NR; k++) {
+            float *sc = scales + (k * QG_TR + r) * nb;
+            int64_t b = 0;
+            for (; b + 8 <= nb; b += 8)
+                _mm256_storeu_ps(sc + b, _mm256_mul_ps(_mm256_loadu_ps(wscales[k] + b), _mm256_loadu_ps(dx + b)));
+            for (; b < nb; b++) sc[b] = wscales[k][b] * dx[b];
+            acc[k][r] = _mm256_setzero_ps();
+        }
+    }
+    for (int64_t b = 0; b < nb; b++) {
+        for (int k = 0; k < QG_NR; k++) {
+            const __m256i w = _mm256_loadu_si256((const __m256i *)(rows[k] + b * QK_BLOCK));
+            const __m256i w0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(w));
+            const __m256i w1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(w, 1));
+            for (int r = 0; r < TR; r++) {
+                const int16_t *x = a->qx + (i0 + r) * a->num_cols + b * QK_BLOCK;
+                const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)x)),
+                                                     _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(x + 16))));
+                const float *sc = scales + (k * QG_TR + r) * nb + b;
+                acc[k][r] = _mm256_fmadd_ps(_mm256_broadcast_ss(sc), _mm256_cvtepi32_ps(dot), acc[k][r]);
+            }
+        }
+    }
+    for (int k = 0; k < nr; k++)
+        for (int r = 0; r < TR; r++) {
+            const float bias = a->bias ? a->bias[n + k] : 0.0f;
+            store_out(a, i0 + r, n + k, hsum_avx2(acc[k][r]) + bias);
+        }
+}
+
+__attribute__((target("avx2,fma,f16c"))) static void q8_range_avx2(const void *p, int64_t n0, int64_t n1,
+                                                                  float *scratch) {
+    const QArgs *a = (const QArgs *)p;
+    const int64_t nb = a->num_cols / QK_BLOCK;
+    for (int64_t n = n0; n < n1; n += QG_NR) {
+        const int nr = n1 - n < QG_NR ? (int)(n1 - n) : QG_NR;
+        const int8_t *rows[QG_NR];
+        const float *wscales[QG_NR];
+        for (int k = 0; k < QG_NR; k++) {
+            const int64_t row = n + (k < nr ? k : 0);
+            rows[k] = a->q8 + row * a->num_cols;
+            wscales[k] = a->scales + row * nb;
+        }
+        int64_t i0 = 0;
+        for (; i0 + QG_TR <= a->num_rows; i0 += QG_TR) q8_tile_avx2(a, n, nr, i0, QG_TR, rows, wscales, scratch);
+        if (i0 < a->num_rows) q8_tile_avx2(a, n, nr, i0, 1, rows, wscales, scratch);
+    }
+}
+#endif
+
+/* ---- entry points ---- */
+
+static int run(QArgs *a, const void *x, int64_t x_stride, int is_q4) {
+    const int64_t M = a->num_rows, K = a->num_cols, nb = K / QK_BLOCK;
+    if (K <= 0 || K % (is_q4 ? 2 * QK_BLOCK : QK_BLOCK) != 0) return FK_BAD_LENGTH;
+    if (M <= 0 || a->num_out <= 0) return FK_OK;
+    char *buf = (char *)malloc(sizeof(int16_t) * (size_t)(M * K) + sizeof(float) * 2 * (size_t)(M * nb));
+    if (buf == NULL) return FK_NO_MEMORY;
+    float *dx = (float *)buf, *sx = dx + M * nb;
+    int16_t *qx = (int16_t *)(sx + M * nb);
+    quantize_rows(x, x_stride, M, K, a->dtype, qx, dx, sx);
+    a->qx = qx; a->dx = dx; a->sx = sx;
+    FkRangeFn fn = is_q4 ? q4_range_scalar : q8_range_scalar;
+#ifdef QG_HAVE_X86
+    if (fk_use_avx2()) fn = is_q4 ? q4_range_avx2 : q8_range_avx2;
+#endif
+    int rc = fk_parallel_for(fn, a, a->num_out, M * a->num_out * K, (size_t)(QG_NR * QG_TR * nb));
+    free(buf);
+    return rc;
+}
+
+int fk_q4_matmul(const void *x, int64_t x_stride, int64_t num_rows, int64_t num_cols,
+                 const uint8_t *blocks, int half, int64_t num_out, const float *bias,
+                 void *y, int64_t y_stride, int dtype) {
+    QArgs a = {NULL, NULL, NULL, num_rows, num_cols, blocks, half, NULL, NULL, bias, y, y_stride, dtype, num_out};
+    return run(&a, x, x_stride, 1);
+}
+
+int fk_q8_matmul(const void *x, int64_t x_stride, int64_t num_rows, int64_t num_cols,
+                 const int8_t *q, const float *scales, int64_t num_out, const float *bias,
+                 void *y, int64_t y_stride, int dtype) {
+    QArgs a = {NULL, NULL, NULL, num_rows, num_cols, NULL, 0, q, scales, bias, y, y_stride, dtype, num_out};
+    return run(&a, x, x_stride, 0);
+}
+
+int fk_q4_dequantize(const uint8_t *blocks, int half, int64_t num_out, int64_t num_cols, float *w) {
+    if (num_cols <= 0 || num_cols % (2 * QK_BLOCK) != 0) return FK_BAD_LENGTH;
+    const int64_t nb = num_cols / QK_BLOCK;
+    for (int64_t n = 0; n < num_out; n++) {
+        const uint8_t *row = blocks + n * q4_row_bytes(nb, half);
+        const uint8_t *codes = row + nb * (half ? 4 : 8);
+        float *out = w + n * num_cols;
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *pair = codes + (b / 2) * 32;
+            const int shift = (int)(b % 2) * 4;
+            const float d = q4_scale(row, nb, b, half, 0), m = q4_scale(row, nb, b, half, 1);
+            for (int j = 0; j < QK_BLOCK; j++) out[b * QK_BLOCK + j] = d * (float)((pair[j] >> shift) & 0x0F) + m;
+        }
+    }
+    return FK_OK;
+}

@@ -1,0 +1,40 @@
+/* Quantized weight products for decode-sized batches: y [M, N] = x [M, K] @ W.T (+ bias).
+ *
+ * The activations are quantized per row in blocks of 32 to int16 codes (dx = max|x| / 32767,
+ * round half to even: a relative error below 2^-15 per element, where llama.cpp's int8
+ * codes move logprobs by tenths); the weights stay in their 4- or 8-bit codes, widened to
+ * int16 in registers, and the integer dot products run 16 multiply-adds per instruction
+ * (AVX2 madd_epi16). Weights:
+ *
+ * - Q4 rows: for K / 32 blocks b of 32 inputs, w = d[b] * q + m[b] with q in 0..15 (Q4_0,
+ *   Q4_1 and Q4_K sub-blocks map onto this exactly: engine/loader/repack.py). Row n is
+ *   d [K / 32], m [K / 32] (float32, or fp16 when `half`: 24 or 20 bytes per block in all),
+ *   then the codes in pairs of blocks, 32 bytes per pair: byte j holds element j of block 2p in its low nibble and
+ *   element j of block 2p + 1 in its high nibble (one load, two masks: both blocks). K must
+ *   be a multiple of 64. The m term uses the exact block sum of x.
+ * - Q8 rows: int8 q [N, K] and float32 scales [N, K / 32]: w = q * scale per block of 32
+ *   (ggml's Q8_0).
+ *
+ * For Q8, K must be a multiple of 32. x and y are float32 or bfloat16 (FK_FLOAT32 / FK_BFLOAT16),
+ * row-major with row strides in elements; bias is float32 [N] or NULL. Work is split over
+ * output features across the fused kernels' pool (fused_kernels.h).
+ */
+#ifndef QGEMM_H
+#define QGEMM_H
+
+#include <stdint.h>
+
+#define QK_BLOCK 32
+
+int fk_q4_matmul(const void *x, int64_t x_stride, int64_t num_rows, int64_t num_cols,
+                 const uint8_t *blocks, int half, int64_t num_out, const float *bias,
+                 void *y, int64_t y_stride, int dtype);
+
+int fk_q8_matmul(const void *x, int64_t x_stride, int64_t num_rows, int64_t num_cols,
+                 const int8_t *q, const float *scales, int64_t num_out, const float *bias,
+                 void *y, int64_t y_stride, int dtype);
+
+/* Q4 rows [N, K / 32 * 24] -> float32 w [N, K]. */
+int fk_q4_dequantize(const uint8_t *blocks, int half, int64_t num_out, int64_t num_cols, float *w);
+
+#endif

@@ -1,0 +1,302 @@
+"""The Ray Serve ingress: the single-process server's protocol as a Starlette (ASGI) app.
+
+Every answer is built by the same functions as webapp/__init__.py (protocol, generation, sse,
+errors, metrics); only the transport differs: the engine is reached through a
+DeploymentHandle to the EngineReplica deployment (webapp.ray_serve), whose replicas stream a
+StreamHead and then batches of StreamEvents. A streamed request's path:
+
+    parse (protocol) -> admission (429) -> handle.generate (routed by webapp.ray_router)
+    -> first item: StreamHead (200 + SSE) or an APIError (its status) -> per batch
+    sse.events_chunk -> sse.end_chunk, or sse.error_end when the replica died mid-stream.
+
+Failures: a replica that dies before its first item is retried once on another replica; one
+that dies mid-stream ends the stream with an in-band error (503 engine_dead in the error
+body, then [DONE]), as the single-process server does when its engine thread dies. The
+router's queue being full (max_queued_requests) is a 429 with Retry-After.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import threading
+import time
+import weakref
+
+from ray.exceptions import RayActorError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import FileResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from cext.chunk import ChunkWriter
+from engine.errors import EngineDead
+
+from . import DEFAULT_MAX_BODY_BYTES, STATIC_DIR, _version, errors, generation, protocol, request_fields, sse
+from .errors import APIError
+from .metrics import RequestRecord, ServerMetrics
+from .ray_serve import StreamEnd
+
+log = logging.getLogger("webapp")
+
+GENERATION_ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+HEALTH_TIMEOUT_S = 5.0
+
+
+_routers: weakref.WeakSet = weakref.WeakSet()  # PrefixAffinityRouters of this process
+_routers_lock = threading.Lock()
+
+
+def register_router(router) -> None:
+    with _routers_lock:
+        _routers.add(router)
+
+
+def routers() -> list:
+    """The routers of this process (the ingress has one: its handle's, to the engine deployment)."""
+    with _routers_lock:
+        return list(_routers)
+
+
+class ReplicaStatsView:
+    """What ServerMetrics reads from an engine (``stats()``, ``is_alive()``), summed over the
+    replicas the router knows, from the stats Ray polls (``EngineReplica.record_routing_stats``)."""
+
+    def stats(self) -> dict:
+        replica_stats = [s for router in routers() for s in router.replica_stats() if s]
+        total: dict = {}
+        for stats in replica_stats:
+            for name, value in stats.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    total[name] = total.get(name, 0) + value
+        if replica_stats:
+            total["kv_usage"] = total.get("kv_usage", 0.0) / len(replica_stats)  # a fraction: the mean
+        total["num_replicas"] = len(replica_stats)
+        return total
+
+    def is_alive(self) -> bool:
+        return any(s.get("is_alive") for router in routers() for s in router.replica_stats())
+
+
+def _json(obj, headers: dict | None = None) -> Response:
+    """As the single-process server writes JSON (json.dumps, ASCII, no NaN)."""
+    return Response(json.dumps(obj, allow_nan=False), media_type="application/json", headers=headers)
+
+
+class _Once:
+    """Ends a stream once, from its body's ``finally`` or when a body that never ran is collected:
+    cancels the replica's stream (the request is aborted there) and frees the admission slot."""
+
+    def __init__(self, response, admission: generation.Admission):
+        self._parts: tuple | None = (response, admission)
+
+    def __call__(self) -> None:
+        parts, self._parts = self._parts, None
+        if parts is not None:
+            response, admission = parts
+            response.cancel()
+            admission.leave()
+
+
+def _error_response(err: APIError) -> Response:
+    return Response(err.body(), status_code=err.status, media_type="application/json", headers=err.headers)
+
+
+def _replica_gone(exc: BaseException) -> EngineDead:
+    return EngineDead(f"the engine replica serving this request stopped ({type(exc).__name__})")
+
+
+def build_app(engine_handle, model_name: str = "default", api_key: str | None = None,
+              max_concurrent_requests: int = 56, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> Starlette:
+    admission = generation.Admission(max_concurrent_requests)
+    metrics = ServerMetrics(ReplicaStatsView(), model_name)
+    expected_auth = generation.expected_authorization(api_key)
+    stream_handle = engine_handle.options(stream=True)
+    max_model_len: list[int | None] = []  # asked of a replica once
+
+    async def read_body(request: Request) -> dict:
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
+            raise errors.from_http_status(413, f"The request body exceeds {max_body_bytes} bytes.")
+        raw = bytearray()
+        async for part in request.stream():
+            raw += part
+            if len(raw) > max_body_bytes:
+                raise errors.from_http_status(413, f"The request body exceeds {max_body_bytes} bytes.")
+        return protocol.decode_body(bytes(raw))
+
+    def endpoint(path: str, handler):
+        """Auth first; APIErrors (and anything unexpected) become OpenAI error bodies, counted.
+        ``path`` is the route's own (the app may be mounted under a prefix)."""
+        async def run(request: Request) -> Response:
+            try:
+                generation.check_api_key(expected_auth, path, request.method, request.headers.get("authorization"))
+                return await handler(request)
+            except Exception as exc:
+                if not isinstance(exc, APIError):
+                    log.exception("unhandled error in %s %s", request.method, path)
+                err = errors.from_exception(exc)
+                name = GENERATION_ENDPOINTS.get(path)
+                if name is not None:
+                    metrics.count(name, f"http_{err.status}")
+                return _error_response(err)
+        return run
+
+    async def first_item(req):
+        """Send the request to a replica and wait for its head; a replica that died first gets one retry."""
+        for attempt in range(2):
+            response = stream_handle.generate.remote(req)
+            try:
+                return response, await response.__anext__()
+            except BackPressureError:
+                raise errors.overloaded("every engine replica's queue is full") from None
+            except DeploymentUnavailableError as exc:
+                raise errors.from_exception(_replica_gone(exc)) from None
+            except RayActorError as exc:
+                if attempt == 1:
+                    raise errors.from_exception(_replica_gone(exc)) from None
+                log.warning("engine replica died before answering; retrying once: %s", exc)
+
+    async def stream_body(response, writer, record, include_usage, echo_texts, release):
+        status = "abort"
+        try:
+            if echo_texts:
+                yield sse.echo_chunk(writer, echo_texts)
+            async for item in response:
+                if isinstance(item, StreamEnd):
+                    record.queue_s = item.queue_s
+                    continue
+                if isinstance(item, APIError):  # the engine failed mid-stream
+                    status = "error"
+                    yield sse.error_end(item)
+                    return
+                yield sse.events_chunk(writer, item, record)
+            yield sse.end_chunk(writer, record, include_usage)
+            status = "ok"
+        except (RayActorError, DeploymentUnavailableError) as exc:
+            status = "error"
+            log.warning("engine replica died mid-stream: %s", exc)
+            yield sse.error_end(_replica_gone(exc))
+        finally:
+            release()
+            metrics.finish(record, status)
+
+    async def generate(request: Request, endpoint_name: str, parse) -> Response:
+        admission.enter()
+        is_admitted = True  # until the response body owns the slot
+        try:
+            record = RequestRecord(endpoint_name, 0)
+            req = parse(await read_body(request))
+            response, head = await first_item(req)
+            if isinstance(head, APIError):
+                raise head
+            record.num_prompt_tokens = head.num_prompt_tokens
+            request_id = generation.response_id(req, head.request_id)
+            created = int(time.time())
+            headers = {"X-Replica-Id": head.replica_id}
+            if req.is_stream:
+                writer = ChunkWriter(request_id, model_name, created, req.is_chat, req.include_usage)
+                release = _Once(response, admission)
+                body = stream_body(response, writer, record, req.include_usage, head.echo_texts, release)
+                weakref.finalize(body, release)  # a body never started (the client left first) is dropped
+                is_admitted = False
+                return StreamingResponse(body, media_type="text/event-stream", headers={**sse.STREAM_HEADERS, **headers})
+            try:
+                completions = await response.__anext__()
+                end = await response.__anext__() if not isinstance(completions, APIError) else None
+            except (RayActorError, DeploymentUnavailableError) as exc:
+                metrics.finish(record, "error")
+                raise errors.from_exception(_replica_gone(exc)) from None
+            if isinstance(completions, APIError):
+                metrics.finish(record, "error")
+                raise completions
+            record.queue_s = end.queue_s
+            for c in completions:
+                record.finish_reasons.append(c.finish_reason)
+            record.tokens(sum(c.usage.completion_tokens for c in completions))
+            metrics.finish(record, "ok")
+            body = generation.response_body(req, request_id, model_name, created, completions, head.echo_texts)
+            return _json(body, headers)
+        finally:
+            if is_admitted:
+                admission.leave()
+
+    async def chat(request: Request) -> Response:
+        return await generate(request, "chat", protocol.parse_chat)
+
+    async def completions(request: Request) -> Response:
+        return await generate(request, "completions", protocol.parse_completion)
+
+    async def health(request: Request) -> Response:
+        try:
+            is_alive = await asyncio.wait_for(_resolve(engine_handle.is_alive.remote()), HEALTH_TIMEOUT_S)
+        except Exception:
+            is_alive = False
+        if not is_alive:
+            raise errors.engine_dead()
+        return _json({"status": "ok"})
+
+    async def models(request: Request) -> Response:
+        if not max_model_len:
+            info = await engine_handle.info.remote()
+            max_model_len.append(info["max_model_len"])
+        return _json(generation.models_body(model_name, max_model_len[0]))
+
+    async def tokenize(request: Request) -> Response:
+        return _answer(await engine_handle.tokenize.remote(await read_body(request)))
+
+    async def detokenize(request: Request) -> Response:
+        return _answer(await engine_handle.detokenize.remote(await read_body(request)))
+
+    async def metrics_endpoint(request: Request) -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def version(request: Request) -> Response:
+        return _json({"version": _version()})
+
+    async def schema(request: Request) -> Response:
+        return _json({name: request_fields.json_schema(name)
+                             for name in (request_fields.CHAT, request_fields.COMPLETIONS)})
+
+    async def index(request: Request) -> Response:
+        return FileResponse(os.path.join(STATIC_DIR, "index.html"))
+
+    async def static_file(request: Request) -> Response:
+        name = os.path.normpath(request.path_params["name"])
+        path = os.path.join(STATIC_DIR, name)
+        if name.startswith("..") or not os.path.isfile(path):
+            raise errors.from_http_status(404, "Not Found")
+        return FileResponse(path)
+
+    table = [
+        ("/v1/chat/completions", "POST", chat),
+        ("/v1/completions", "POST", completions),
+        ("/v1/models", "GET", models),
+        ("/health", "GET", health),
+        ("/metrics", "GET", metrics_endpoint),
+        ("/tokenize", "POST", tokenize),
+        ("/detokenize", "POST", detokenize),
+        ("/version", "GET", version),
+        ("/v1/schema", "GET", schema),
+        ("/", "GET", index),
+        ("/static/{name:path}", "GET", static_file),
+    ]
+    routes = [Route(path, endpoint(path, handler), methods=[method]) for path, method, handler in table]
+    app = Starlette(routes=routes, exception_handlers={
+        404: lambda request, exc: _error_response(errors.from_http_status(404, "Not Found")),
+        405: lambda request, exc: _error_response(errors.from_http_status(405, "Method Not Allowed")),
+    })
+    app.state.metrics = metrics
+    return app
+
+
+def _answer(result) -> Response:
+    if isinstance(result, APIError):
+        raise result
+    return _json(result)
+
+
+async def _resolve(awaitable):
+    return await awaitable
