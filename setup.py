@@ -30,8 +30,9 @@ DIRECTIVES = {
 }
 
 
-C_SOURCES = {"fused": ["cext/csrc/fused_kernels.c", "cext/csrc/qgemm.c"]}
-C_FLAGS = {"fused": ["-fopenmp-simd", "-pthread", "-fno-math-errno"]}
+C_SOURCES = {"fused": ["cext/csrc/fused_kernels.c", "cext/csrc/qgemm.c"], "sampler": ["cext/csrc/sampler_kernels.c"]}
+C_FLAGS = {"fused": ["-fopenmp-simd", "-pthread", "-fno-math-errno"],
+           "sampler": ["-fno-math-errno", "-fno-trapping-math", "-Wno-psabi"]}
 LINK_FLAGS = {"fused": ["-pthread", "-lm"]}
 
 

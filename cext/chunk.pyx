@@ -260,7 +260,9 @@ cdef class ChunkWriter:
             if i:
                 self._raw(b",", 1)
             self._raw(b"{", 1)
-            top = logprobs[i].top
+            lp = logprobs[i]
+            top = lp.top
+            is_in_top = False
             for j in range(len(top)):
                 entry = top[j]
                 if j:
@@ -268,6 +270,13 @@ cdef class ChunkWriter:
                 self._str(entry[1])
                 self._raw(b":", 1)
                 self._float(entry[3])
+                is_in_top = is_in_top or entry[0] == lp.token_id
+            if not is_in_top:  # OpenAI: the sampled token is always there (up to k + 1 entries)
+                if top:
+                    self._raw(b",", 1)
+                self._str(lp.token)
+                self._raw(b":", 1)
+                self._float(lp.logprob)
             self._raw(b"}", 1)
         self._raw(b'],"text_offset":[', 17)
         for i in range(n):
@@ -334,6 +343,13 @@ cdef class ChunkWriter:
         self.pos = self.choices_len  # put choice 0's head back in buf[:prefix_len]
         self._choice0_head()
         return chunk
+
+    cpdef advance_text_offset(self, long long index, long long num_chars):
+        """Move choice ``index``'s completions text_offset past text sent outside ``event`` (echo)."""
+        if index == 0:
+            self.text_offset += num_chars
+        else:
+            self.text_offsets[index] = self.text_offsets.get(index, 0) + num_chars
 
     cpdef bytes tool_event(self, str text, bytes tool_calls_json, object logprobs, object finish_reason,
                            long long index=0):

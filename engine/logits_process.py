@@ -6,9 +6,10 @@ only a few ids per row (the biased ones, the prompt's and the output's), so the 
 keeps those ids in one array with, per id, what happens to its logit: ``bias`` (added),
 ``scale`` (the repetition penalty, 1 for an id not yet seen) and ``sub`` (frequency * count +
 presence). ``add(token_id)`` updates them in O(1) per generated token: never a re-scan of
-the history. Per tick, ``adjust(logits, adjusters)`` concatenates the rows' slices and does
-one gather, one vectorized update and one scatter for the whole batch:
-``l = rep(l + bias) - sub``; rows without an adjuster pay nothing.
+the history. Per tick the sampler kernel (cext/sampler.pyx) reads those arrays, with
+``allowed_ids`` and ``masked_ids_now()``, and applies ``l = rep(l + bias) - sub`` to the
+touched ids of each row; ``adjust(logits, adjusters)`` is the same in NumPy for a whole batch
+(the reference the tests compare the kernel with). Rows without an adjuster pay nothing.
 
 Definitions (vLLM's order; ``l`` is a row of logits):
   allowed_token_ids   l[i] = -inf for every i not allowed
@@ -25,6 +26,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from cext.sampler import TouchedIds
+
 from .params import SamplingParams
 
 
@@ -32,8 +35,7 @@ class LogitsAdjuster:
     """One request's logits processing and the token counts it needs."""
 
     __slots__ = (
-        "min_tokens", "min_token_ids", "allowed_ids", "num_generated", "repetition_penalty",
-        "frequency_penalty", "presence_penalty", "slot_of", "counts", "ids", "bias", "scale", "sub", "num_ids",
+        "min_tokens", "min_token_ids", "allowed_ids", "num_generated", "touched",
         "banned_ids", "bad_sequences", "recent_ids", "num_recent",
     )
 
@@ -49,25 +51,35 @@ class LogitsAdjuster:
         self.min_token_ids = np.array(sorted(stop_ids), dtype=np.int64) if params.min_tokens and stop_ids else None
         allowed = params.allowed_token_ids
         self.allowed_ids = np.array(allowed, dtype=np.int64) if allowed is not None else None
-        self.repetition_penalty = float(params.repetition_penalty)
-        self.frequency_penalty = float(params.frequency_penalty)
-        self.presence_penalty = float(params.presence_penalty)
         bias = params.logit_bias or {}
-        seen = set(prompt_ids) if self.repetition_penalty != 1.0 else set()
+        seen = set(prompt_ids) if params.repetition_penalty != 1.0 else set()
         touched = list(bias) + [t for t in seen if t not in bias]
-        capacity = len(touched) + max_tokens
-        self.slot_of: dict[int, int] = {t: j for j, t in enumerate(touched)}  # touched id -> its index
-        self.counts: dict[int, int] = {}  # generated id -> count (frequency / presence)
-        self.ids = np.zeros(capacity, dtype=np.int64)  # [capacity] the touched ids
-        self.bias = np.zeros(capacity, dtype=np.float32)  # added first
-        self.scale = np.ones(capacity, dtype=np.float32)  # then: l / scale if l > 0 else l * scale
-        self.sub = np.zeros(capacity, dtype=np.float32)  # then subtracted
-        self.num_ids = len(touched)
-        if touched:
-            self.ids[: len(touched)] = touched
-            self.bias[: len(bias)] = list(bias.values())
-            if seen:
-                self.scale[: len(touched)] = [self.repetition_penalty if t in seen else 1.0 for t in touched]
+        self.touched = TouchedIds(touched, list(bias.values()), seen, len(touched) + max_tokens,
+                                  params.repetition_penalty, params.frequency_penalty, params.presence_penalty)
+
+    @property
+    def num_ids(self) -> int:
+        return self.touched.num_ids
+
+    @property
+    def ids(self) -> np.ndarray:
+        """[capacity] int64: the touched ids (the first num_ids)."""
+        return self.touched.ids
+
+    @property
+    def bias(self) -> np.ndarray:
+        """[capacity] float32, added first."""
+        return self.touched.bias
+
+    @property
+    def scale(self) -> np.ndarray:
+        """[capacity] float32, then l / scale if l > 0 else l * scale (1: not seen)."""
+        return self.touched.scale
+
+    @property
+    def sub(self) -> np.ndarray:
+        """[capacity] float32, then subtracted: frequency * count + presence."""
+        return self.touched.sub
 
     @classmethod
     def for_request(cls, params: SamplingParams, prompt_ids, stop_ids, max_tokens: int,
@@ -87,6 +99,21 @@ class LogitsAdjuster:
         return [last for prefix, last in self.bad_sequences
                 if len(prefix) <= len(recent) and tuple(recent[len(recent) - len(prefix):]) == prefix]
 
+    def masked_ids_now(self) -> np.ndarray | None:
+        """The ids set to -inf at this step (min_tokens stop ids, bad words), int64, or None."""
+        parts = []
+        if self.min_token_ids is not None and self.num_generated < self.min_tokens:
+            parts.append(self.min_token_ids)
+        if self.banned_ids is not None:
+            parts.append(self.banned_ids)
+        if self.bad_sequences:
+            banned = self.banned_now()
+            if banned:
+                parts.append(np.array(banned, dtype=np.int64))
+        if not parts:
+            return None
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
     def add(self, token_id: int) -> None:
         """Count one generated id: O(1)."""
         self.num_generated += 1
@@ -94,30 +121,15 @@ class LogitsAdjuster:
             self.recent_ids.append(token_id)
             if len(self.recent_ids) > self.num_recent:
                 del self.recent_ids[0]
-        is_penalized = self.frequency_penalty or self.presence_penalty
-        if not is_penalized and self.repetition_penalty == 1.0:
-            return
-        j = self.slot_of.get(token_id)
-        if j is None:
-            j = self.num_ids
-            self.ids[j] = token_id
-            self.slot_of[token_id] = j
-            self.num_ids = j + 1
-            if self.repetition_penalty != 1.0:
-                self.scale[j] = self.repetition_penalty
-        elif self.repetition_penalty != 1.0 and token_id not in self.counts:
-            self.scale[j] = self.repetition_penalty  # a biased id not in the prompt, now seen
-        if is_penalized:
-            count = self.counts.get(token_id, 0)
-            self.sub[j] += self.frequency_penalty + (self.presence_penalty if count == 0 else 0.0)
-            self.counts[token_id] = count + 1
-        else:
-            self.counts[token_id] = 1
+        self.touched.add(token_id)
 
 
 def adjust(logits: np.ndarray, adjusters: list[LogitsAdjuster | None]) -> None:
     """Apply each row's adjuster to ``logits`` [S, V] (float32, C-contiguous, in place); None rows
-    are untouched. Per row only slices are collected; the arithmetic is one pass for the batch."""
+    are untouched. Per row only slices are collected; the arithmetic is one pass for the batch.
+
+    The NumPy reference of the processing: the engine's sampler does the same per row in the
+    kernel (cext.sampler, through engine.sampling.process); tests compare the two."""
     if not logits.flags.c_contiguous:
         raise ValueError("adjust needs C-contiguous logits (it scatters through a flat view)")
     vocab_size = logits.shape[1]
@@ -131,14 +143,9 @@ def adjust(logits: np.ndarray, adjusters: list[LogitsAdjuster | None]) -> None:
             kept = logits[row, a.allowed_ids]
             logits[row] = -np.inf
             logits[row, a.allowed_ids] = kept
-        if a.min_token_ids is not None and a.num_generated < a.min_tokens:
-            mask_index.append(a.min_token_ids + row * vocab_size)
-        if a.banned_ids is not None:
-            mask_index.append(a.banned_ids + row * vocab_size)
-        if a.bad_sequences:
-            banned = a.banned_now()
-            if banned:
-                mask_index.append(np.array(banned, dtype=np.int64) + row * vocab_size)
+        masked = a.masked_ids_now()
+        if masked is not None:
+            mask_index.append(masked + row * vocab_size)
         k = a.num_ids
         if k:
             offsets.append(row * vocab_size)

@@ -13,7 +13,9 @@ class TokenLogprob:
     ``token`` is the token's text; a piece that is not valid UTF-8 on its own (part of
     a multi-byte character) renders with U+FFFD for the invalid bytes, exactly as
     ``bytes.decode("utf-8", errors="replace")`` would. ``bytes`` always holds the raw bytes.
-    ``top`` is a list of (token_id, token, bytes, logprob), best first.
+    ``top`` is a list of (token_id, token, bytes, logprob), best first. ``rank`` is vLLM's:
+    the number of vocabulary ids whose logprob is at least this token's (1 = the most likely),
+    so a sampled token outside ``top`` still says where it stood.
     """
 
     token_id: int
@@ -21,6 +23,7 @@ class TokenLogprob:
     bytes: list[int]
     logprob: float
     top: list[tuple[int, str, list[int], float]] = field(default_factory=list)
+    rank: int | None = None
 
 
 @dataclass(slots=True)

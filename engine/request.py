@@ -15,15 +15,13 @@ from __future__ import annotations
 
 import dataclasses
 import queue
-import secrets
 from dataclasses import dataclass, field
-
-import torch
 
 from .errors import ContextLengthError, InvalidParameterError
 from .logits_process import LogitsAdjuster
 from .outputs import TokenLogprob
 from .params import SamplingParams
+from .sampling import RandomStream, random_stream
 from .sequence import Sequence
 from .structured import GrammarMatcher, compile_grammar, spec_of
 from .text_stream import TextStream
@@ -56,7 +54,7 @@ class Request:
     params: SamplingParams  # max_tokens concrete (never None)
     seq: Sequence
     text: TextStream
-    generator: torch.Generator | None
+    generator: RandomStream | None
     stop_ids: frozenset[int]  # stop_token_ids, plus EOS ids unless ignore_eos
     group: RequestGroup
     index: int = 0  # the choice's index in the group's events
@@ -134,10 +132,7 @@ class Request:
     @classmethod
     def _choice(cls, request_id, prompt_ids, params, seed, stop_ids, bad_words_ids, tokenizer, group, index,
                 leader) -> Request:
-        generator = None
-        if not params.is_greedy:
-            generator = torch.Generator()
-            generator.manual_seed(seed % (1 << 64) if seed is not None else secrets.randbits(63))
+        generator = None if params.is_greedy else random_stream(seed)
         num_prompt_logprobs = params.prompt_logprobs if leader is None else None  # the leader's are shared
         return cls(
             request_id=request_id,

@@ -279,7 +279,8 @@ class EngineCore:
             (tid, pieces.text_of(tid), list(pieces.bytes_of(tid)), val)
             for tid, val in zip(lp.top_ids, lp.top_logprobs)
         ]
-        return TokenLogprob(token_id, pieces.text_of(token_id), list(pieces.bytes_of(token_id)), lp.logprob, top)
+        return TokenLogprob(token_id, pieces.text_of(token_id), list(pieces.bytes_of(token_id)), lp.logprob, top,
+                            lp.rank)
 
     def _prompt_logprobs(self, spans, logits: torch.Tensor) -> None:
         for seq, first, count, first_pos in spans:

@@ -1,5 +1,6 @@
 """Each sampling option against a plain NumPy reference of its definition (logits in, logits or
-distribution out), batched with rows that have no processing; then the engine end to end."""
+distribution out), batched with rows that have no processing; the NumPy ``adjust`` and the
+sampler kernel's processing (``engine.sampling.process``) both; then the engine end to end."""
 import numpy as np
 import pytest
 import torch
@@ -8,7 +9,8 @@ from hypothesis import given, settings, strategies as st
 from engine.errors import InvalidParameterError
 from engine.logits_process import LogitsAdjuster, adjust
 from engine.params import SamplingParams
-from engine.sampling import mask_min_p, sample
+from engine.sampling import RandomStream, process, sample
+from engine.sampling_reference import mask_min_p
 
 VOCAB = 40
 
@@ -74,6 +76,9 @@ def test_adjust_matches_reference_per_row(options, data):
     got = logits.copy()
     adjust(got, adjusters)
     np.testing.assert_allclose(got, np.array(expected), rtol=1e-5, atol=1e-4)
+    kernel = logits.copy()
+    process(kernel, adjusters)  # the sampler kernel's processing: the same float32 arithmetic
+    np.testing.assert_array_equal(kernel, got)
 
 
 @settings(max_examples=100, deadline=None)
@@ -100,7 +105,7 @@ def test_draws_follow_the_adjusted_distribution():
     expected = np.exp(expected - expected.max())
     expected = np.where(expected >= 0.05 * expected.max(), expected, 0.0)
     expected /= expected.sum()
-    gen = torch.Generator().manual_seed(7)
+    gen = RandomStream(7)
     counts = np.zeros(5)
     for _ in range(4000):
         adjuster = LogitsAdjuster.for_request(params, [1], (), 4)

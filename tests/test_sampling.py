@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from engine.params import SamplingParams
-from engine.sampling import prompt_logprobs, sample
+from engine.sampling import RandomStream, prompt_logprobs, sample
 
 
 def _logits(rows=4, vocab=50, seed=0):
@@ -37,18 +37,18 @@ def test_same_seed_same_tokens_whatever_the_batch():
     p = SamplingParams(temperature=1.0, seed=1234)
 
     def draws(batch_rows):
-        gen = torch.Generator().manual_seed(1234)
+        gen = RandomStream(1234)
         out = []
         for _ in range(20):
             others = [SamplingParams(temperature=0.7, seed=5)] * (batch_rows - 1)
-            gens = [gen] + [torch.Generator().manual_seed(9) for _ in others]
+            gens = [gen] + [RandomStream(9) for _ in others]
             ids, _ = sample(logits[:batch_rows], [p] + others, gens)
             out.append(ids[0])
         return out
 
     assert draws(1) == draws(3)
-    gen_a = torch.Generator().manual_seed(1)
-    gen_b = torch.Generator().manual_seed(2)
+    gen_a = RandomStream(1)
+    gen_b = RandomStream(2)
     a = [sample(logits[:1], [p], [gen_a])[0][0] for _ in range(30)]
     b = [sample(logits[:1], [p], [gen_b])[0][0] for _ in range(30)]
     assert a != b
@@ -57,7 +57,7 @@ def test_same_seed_same_tokens_whatever_the_batch():
 def test_top_k_and_top_p_restrict_the_support():
     logits = _logits(rows=1, vocab=30)[0]
     order = torch.argsort(logits, descending=True).tolist()
-    gen = torch.Generator().manual_seed(0)
+    gen = RandomStream(0)
     seen_k = {sample(logits[None], [SamplingParams(temperature=5.0, top_k=3)], [gen])[0][0] for _ in range(300)}
     assert seen_k <= set(order[:3]) and len(seen_k) > 1
     probs = torch.softmax(logits, dim=-1)
@@ -69,7 +69,7 @@ def test_top_k_and_top_p_restrict_the_support():
 
 def test_temperature_sampling_follows_the_distribution():
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
-    gen = torch.Generator().manual_seed(0)
+    gen = RandomStream(0)
     n = 4000
     counts = torch.zeros(4)
     for _ in range(n):

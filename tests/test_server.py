@@ -124,7 +124,7 @@ BAD_INPUT = [
     (chat_body(allowed_token_ids=[]), 400, "allowed_token_ids"),
     (chat_body(allowed_token_ids=[10**7]), 400, "allowed_token_ids"),
     (chat_body(prompt_logprobs=-1), 400, "prompt_logprobs"),
-    (chat_body(prompt_logprobs=1, stream=True), 400, "prompt_logprobs"),
+    (chat_body(prompt_logprobs=21, stream=True), 400, "prompt_logprobs"),
     (chat_body(best_of=4), 400, "best_of"),
     (chat_body(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
         "type": "object", "properties": {"a": {"type": "string", "format": "no-such-format"}}}}}), 400,

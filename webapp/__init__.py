@@ -18,7 +18,7 @@ from flask import Flask, Response, request, send_from_directory
 from werkzeug.exceptions import HTTPException
 
 from cext.chunk import ChunkWriter
-from . import cors, errors, generation, protocol, request_fields, sse
+from . import cors, errors, generation, prompt_echo, protocol, request_fields, sse
 from .errors import APIError
 from .metrics import RequestRecord, ServerMetrics
 
@@ -176,13 +176,16 @@ def create_app(engine, model_name: str | None = None, api_key: str | None = None
         echo_texts = generation.echo_texts(tokenizer, req)
         if req.is_stream:
             writer = ChunkWriter(request_id, model_name, created, req.is_chat, req.include_usage)
+            opening = None
+            if prompt_echo.OpeningChunks.is_needed(req):  # sent with each choice's first event
+                opening, echo_texts = prompt_echo.OpeningChunks(req, stream, writer, tokenizer, echo_texts), None
             body = sse.stream_chunks(stream, writer, record, metrics, req.include_usage, is_disconnected,
-                                     echo_texts)
+                                     echo_texts, opening)
             return Response(body, mimetype="text/event-stream", headers=sse.STREAM_HEADERS)
         done = sse.collect(stream, record, metrics, is_disconnected)
         if done is None:
             return Response(status=499)
-        return _json(generation.response_body(req, request_id, model_name, created, done, echo_texts))
+        return _json(generation.response_body(req, request_id, model_name, created, done, echo_texts, tokenizer))
 
     return app
 

@@ -103,11 +103,20 @@ def echo_texts(tokenizer, req: protocol.ParsedRequest) -> list[str] | None:
 
 
 def response_body(req: protocol.ParsedRequest, request_id: str, model_name: str, created: int, completions,
-                  echo: list[str] | None) -> dict:
-    """The non-streamed response of a finished request (its Completions, from the engine's one fold)."""
+                  echo: list[str] | None, tokenizer=None) -> dict:
+    """The non-streamed response of a finished request (its Completions, from the engine's one fold).
+    ``tokenizer`` renders each echoed prompt's first token (echo with logprobs); without one it is
+    the echoed text before the other prompt tokens' texts."""
     if req.is_chat:
-        return protocol.chat_response(request_id, model_name, created, completions, req.params.n)
-    return protocol.text_response(request_id, model_name, created, completions, req.params.n, echo)
+        return protocol.chat_response(request_id, model_name, created, completions, req.params.n,
+                                      req.is_prompt_logprobs_shown)
+    first_texts = None
+    if echo is not None and req.params.logprobs:
+        first_texts = [tokenizer.decode(c.prompt_token_ids[:1], skip_special_tokens=False) if tokenizer is not None
+                       else text[: len(text) - len("".join(lp.token for lp in c.prompt_logprobs[1:]))]
+                       for c, text in zip(completions, echo)]
+    return protocol.text_response(request_id, model_name, created, completions, req.params.n, echo, first_texts,
+                                  req.is_prompt_logprobs_shown)
 
 
 def tokenize_body(tokenizer, body: dict, max_model_len: int | None) -> dict:

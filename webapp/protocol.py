@@ -13,6 +13,7 @@ the streamed chunks from ``cext.chunk.ChunkWriter`` must ``json.loads`` to exact
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ class ParsedRequest:
     include_usage: bool = False
     is_echo: bool = False
     add_special_tokens: bool = True
+    is_prompt_logprobs_shown: bool = False  # the request asked for prompt_logprobs (echo may want them alone)
     tools: list[dict] | None = None  # chat: OpenAI tools, checked by the engine (engine/tools)
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool = True
@@ -161,8 +163,6 @@ def _sampling(values: dict, endpoint: str, found: tuple | None = None) -> Sampli
 def _stream_flags(values: dict) -> tuple[bool, bool]:
     is_stream = values.get("stream", False)
     include_usage = (values.get("stream_options") or {}).get("include_usage") or False
-    if values.get("prompt_logprobs") is not None and is_stream:
-        raise bad_request("prompt_logprobs is not supported with stream: true", "prompt_logprobs")
     return is_stream, bool(is_stream and include_usage)
 
 
@@ -182,6 +182,7 @@ def parse_chat(body: dict) -> ParsedRequest:
     params = _sampling(values, CHAT, found)
     is_stream, include_usage = _stream_flags(values)
     return ParsedRequest(True, params, messages=messages, is_stream=is_stream, include_usage=include_usage,
+                         is_prompt_logprobs_shown=params.prompt_logprobs is not None,
                          constraint_param=found[0] if found else None, tools=values.get("tools"),
                          tool_choice=values.get("tool_choice"),
                          parallel_tool_calls=values.get("parallel_tool_calls", True))
@@ -195,11 +196,14 @@ def parse_completion(body: dict) -> ParsedRequest:
     if len(prompts) * params.n > MAX_CHOICES:
         raise bad_request(f"{len(prompts)} prompts x n={params.n} choices exceeds {MAX_CHOICES}", "n")
     is_echo = values.get("echo", False)
-    if is_echo and params.logprobs:
-        raise bad_request("echo together with logprobs is not supported", "echo")
+    is_prompt_logprobs_shown = params.prompt_logprobs is not None
+    if is_echo and params.logprobs and (params.prompt_logprobs is None or params.prompt_logprobs < params.top_logprobs):
+        # echo with logprobs: the echoed prompt's tokens get theirs too (OpenAI legacy, vLLM)
+        params = dataclasses.replace(params, prompt_logprobs=params.top_logprobs)
     is_stream, include_usage = _stream_flags(values)
     return ParsedRequest(False, params, prompts=prompts, is_stream=is_stream, include_usage=include_usage,
                          is_echo=is_echo, add_special_tokens=values.get("add_special_tokens", True),
+                         is_prompt_logprobs_shown=is_prompt_logprobs_shown,
                          constraint_param=found[0] if found else None)
 
 
@@ -278,6 +282,14 @@ def chat_logprobs(logprobs) -> dict | None:
         for lp in logprobs]}
 
 
+def _legacy_top(lp) -> dict:
+    """{token: logprob} of the alternatives, and of the token itself (OpenAI: up to k + 1 entries)."""
+    top = {clean_text(t): clamp_logprob(v) for _, t, _, v in lp.top}
+    if all(tid != lp.token_id for tid, _, _, _ in lp.top):
+        top[clean_text(lp.token)] = clamp_logprob(lp.logprob)
+    return top
+
+
 def text_logprobs(logprobs, text_offset: int = 0) -> dict | None:
     if logprobs is None:
         return None
@@ -287,7 +299,21 @@ def text_logprobs(logprobs, text_offset: int = 0) -> dict | None:
         text_offset += len(lp.token)
     return {"tokens": [clean_text(lp.token) for lp in logprobs],
             "token_logprobs": [clamp_logprob(lp.logprob) for lp in logprobs],
-            "top_logprobs": [{clean_text(t): clamp_logprob(v) for _, t, _, v in lp.top} for lp in logprobs],
+            "top_logprobs": [_legacy_top(lp) for lp in logprobs],
+            "text_offset": offsets}
+
+
+def echo_logprobs(first_token_text: str, prompt_logprobs, text_offset: int = 0) -> dict:
+    """The legacy logprobs of an echoed prompt: its first token has none (null), the others the
+    engine's prompt_logprobs (entry i: token i given the tokens before it)."""
+    texts = [first_token_text] + [lp.token for lp in prompt_logprobs[1:]]
+    offsets = []
+    for text in texts:
+        offsets.append(text_offset)
+        text_offset += len(text)
+    return {"tokens": [clean_text(t) for t in texts],
+            "token_logprobs": [None] + [clamp_logprob(lp.logprob) for lp in prompt_logprobs[1:]],
+            "top_logprobs": [None] + [_legacy_top(lp) for lp in prompt_logprobs[1:]],
             "text_offset": offsets}
 
 
@@ -338,8 +364,8 @@ def text_chunk(request_id, model, created, text, logprobs, finish_reason, text_o
 
 def prompt_logprobs_list(prompt_logprobs) -> list | None:
     """vLLM's prompt_logprobs: None for the first token, then {token id: {logprob, rank, decoded_token}}
-    holding the prompt token and its top alternatives (rank: 1-based among the alternatives; None
-    when the prompt token is not among them)."""
+    holding the prompt token and its top alternatives (rank: 1-based among the alternatives; the
+    prompt token's own rank in the vocabulary, lp.rank, when it is not among them)."""
     if prompt_logprobs is None:
         return None
     out = []
@@ -350,7 +376,7 @@ def prompt_logprobs_list(prompt_logprobs) -> list | None:
         entry = {str(tid): {"logprob": clamp_logprob(v), "rank": r, "decoded_token": clean_text(t)}
                  for r, (tid, t, _, v) in enumerate(lp.top, start=1)}
         if str(lp.token_id) not in entry:
-            entry = {str(lp.token_id): {"logprob": clamp_logprob(lp.logprob), "rank": None,
+            entry = {str(lp.token_id): {"logprob": clamp_logprob(lp.logprob), "rank": lp.rank,
                                         "decoded_token": clean_text(lp.token)}, **entry}
         out.append(entry)
     return out
@@ -361,25 +387,32 @@ def num_prompt_tokens(completions, n: int) -> int:
     return sum(c.usage.prompt_tokens for c in completions[::n])
 
 
-def chat_response(request_id, model, created, completions, n: int = 1) -> dict:
+def chat_response(request_id, model, created, completions, n: int = 1, is_prompt_logprobs_shown=True) -> dict:
     body = {"id": request_id, "object": "chat.completion", "created": created, "model": model,
             "choices": [{"index": c.index, "message": chat_message(c),
                          "logprobs": chat_logprobs(c.logprobs), "finish_reason": c.finish_reason}
                         for c in completions],
             "usage": usage_dict(num_prompt_tokens(completions, n),
                                 sum(c.usage.completion_tokens for c in completions))}
-    if completions[0].prompt_logprobs is not None:
+    if completions[0].prompt_logprobs is not None and is_prompt_logprobs_shown:
         body["prompt_logprobs"] = prompt_logprobs_list(completions[0].prompt_logprobs)
     return body
 
 
-def text_response(request_id, model, created, completions, n: int = 1, echo_texts=None) -> dict:
-    """``echo_texts``: per choice, the prompt text to prepend (echo)."""
+def text_response(request_id, model, created, completions, n: int = 1, echo_texts=None, first_token_texts=None,
+                  is_prompt_logprobs_shown=True) -> dict:
+    """``echo_texts``: per choice, the prompt text to prepend (echo); with logprobs, the echoed
+    tokens' logprobs come first (``first_token_texts``: per choice, its prompt's first token)."""
     choices = []
     for k, c in enumerate(completions):
-        choice = {"index": c.index, "text": c.text if echo_texts is None else echo_texts[k] + c.text,
-                  "logprobs": text_logprobs(c.logprobs), "finish_reason": c.finish_reason}
-        if c.prompt_logprobs is not None:
+        echo_text = "" if echo_texts is None else echo_texts[k]
+        logprobs = text_logprobs(c.logprobs, len(echo_text))
+        if logprobs is not None and echo_texts is not None:
+            echoed = echo_logprobs(first_token_texts[k], c.prompt_logprobs)
+            logprobs = {key: echoed[key] + logprobs[key] for key in logprobs}
+        choice = {"index": c.index, "text": echo_text + c.text, "logprobs": logprobs,
+                  "finish_reason": c.finish_reason}
+        if c.prompt_logprobs is not None and is_prompt_logprobs_shown:
             choice["prompt_logprobs"] = prompt_logprobs_list(c.prompt_logprobs)
         choices.append(choice)
     return {"id": request_id, "object": "text_completion", "created": created, "model": model,

@@ -110,7 +110,7 @@ FIELDS: tuple[Field, ...] = (
     Field("skip_special_tokens", _nullable(BOOL), _S, "drop special tokens from the text (vLLM)"),
     Field("include_stop_str_in_output", _nullable(BOOL), _S, "keep the matched stop string (vLLM)"),
     Field("prompt_logprobs", _nullable({"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS}), _S,
-          "logprobs of the prompt tokens with the top k of each (vLLM; not with stream)"),
+          "logprobs of the prompt tokens with the top k of each (vLLM; streamed: in the first chunk)"),
     Field("logprobs", _nullable(BOOL), _S, "logprobs of the output tokens", _C),
     Field("top_logprobs", _nullable({"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS}), _S,
           "alternatives per output token", _C),

@@ -54,10 +54,14 @@ def echo_chunk(writer: ChunkWriter, echo_texts: list[str]) -> bytes:
     return b"".join(writer.event(text, None, None, index) for index, text in enumerate(echo_texts))
 
 
-def events_chunk(writer: ChunkWriter, events, record: RequestRecord) -> bytes:
-    """Events that arrived together, as one write; their tokens and finish reasons go to ``record``."""
+def events_chunk(writer: ChunkWriter, events, record: RequestRecord, opening=None) -> bytes:
+    """Events that arrived together, as one write; their tokens and finish reasons go to ``record``.
+    ``opening.first(index)``: the chunk that goes before a choice's first event (echo with logprobs,
+    prompt_logprobs: webapp.prompt_echo.OpeningChunks), written first since it moves the writer's offsets."""
     parts = []
     for event in events:
+        if opening is not None:
+            parts.append(opening.first(event.index))
         parts.append(writer.event(event.text, event.logprobs, event.finish_reason, event.index)
                      if event.tool_calls is None else tool_chunk(writer, event))
         if event.token_ids:
@@ -87,15 +91,17 @@ def stream_chunks(
     include_usage: bool,
     is_disconnected: Callable[[], bool] = _never,
     echo_texts: list[str] | None = None,
+    opening=None,
 ) -> Iterator[bytes]:
-    """``echo_texts``: per choice, the prompt text sent as its first chunk (completions' echo)."""
+    """``echo_texts``: per choice, the prompt text sent as its first chunk (completions' echo).
+    ``opening``: see ``events_chunk``."""
     status = "abort"
     try:
         if echo_texts:
             yield echo_chunk(writer, echo_texts)
         for event in stream:
             later = stream.ready_events()  # queued meanwhile: sent in the same write
-            yield events_chunk(writer, [event, *later] if later else (event,), record)
+            yield events_chunk(writer, [event, *later] if later else (event,), record, opening)
             if (later[-1] if later else event).finish_reason is None and is_disconnected():
                 return
         yield end_chunk(writer, record, include_usage)

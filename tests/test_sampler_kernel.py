@@ -1,0 +1,171 @@
+"""The sampler kernel (cext.sampler through engine.sampling) against the plain NumPy definitions
+in engine.sampling_reference: the same uniform from the same stream must pick the same token,
+except where float32 rounding in the kernel can decide (a mask threshold or a CDF boundary
+within 1e-4 of the draw), which the property test recognises and leaves out."""
+import numpy as np
+import pytest
+import torch
+from hypothesis import assume, given, settings, strategies as st
+
+from engine.params import SamplingParams
+from engine.sampling import RandomStream, prompt_logprobs, sample
+from engine.sampling_reference import draw, logprob_row, weights
+
+SLACK = 1e-4
+
+
+@pytest.mark.parametrize("seed", [0, 1, 1234, 2**32 + 5, 2**63 + 7, -3 % 2**64])
+def test_random_stream_is_torchs_generator(seed):
+    gen = torch.Generator().manual_seed(seed)
+    stream = RandomStream(seed)
+    assert [stream.random() for _ in range(700)] == [
+        float(torch.rand((), dtype=torch.float64, generator=gen)) for _ in range(700)]
+
+
+def _is_borderline(row: np.ndarray, params: SamplingParams, u: float) -> bool:
+    """True when a mask or the draw is within SLACK of its threshold under exact arithmetic."""
+    scaled = row.astype(np.float64) / params.temperature
+    probs = np.exp(scaled - scaled.max())
+    if params.min_p > 0 and np.any(np.abs(probs - params.min_p) < SLACK * params.min_p):
+        return True
+    kept = weights(row, params)
+    if params.top_p < 1.0:
+        before_top_p = probs.copy()
+        if params.min_p > 0:
+            before_top_p[before_top_p < params.min_p] = 0.0
+        if params.top_k and params.top_k < row.shape[0]:
+            kth = np.partition(before_top_p, -params.top_k)[-params.top_k]
+            before_top_p[before_top_p < kth] = 0.0
+        order = np.argsort(-before_top_p, kind="stable")
+        sorted_probs = before_top_p[order]
+        cum_before = np.cumsum(sorted_probs) - sorted_probs
+        limit = params.top_p * sorted_probs.sum()
+        if np.any(np.abs(cum_before[sorted_probs > 0] - limit) < SLACK * sorted_probs.sum()):
+            return True
+    cdf = np.cumsum(kept)
+    return bool(np.any(np.abs(cdf - u * cdf[-1]) < SLACK * cdf[-1]))
+
+
+logit_rows = st.lists(st.floats(-20, 20, width=32), min_size=2, max_size=64).map(
+    lambda v: np.array(v, dtype=np.float32))
+random_params = st.builds(
+    SamplingParams,
+    temperature=st.floats(0.1, 4.0),
+    top_k=st.integers(0, 70),
+    top_p=st.one_of(st.just(1.0), st.floats(0.05, 1.0)),
+    min_p=st.one_of(st.just(0.0), st.floats(0.0, 1.0)),
+    seed=st.integers(0, 2**64 - 1),
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(row=logit_rows, params=random_params)
+def test_random_choice_matches_the_reference(row, params):
+    assume(not params.is_greedy)
+    u = RandomStream(params.seed).random()
+    assume(not _is_borderline(row, params, u))
+    ids, _ = sample(torch.from_numpy(row.copy())[None], [params], [RandomStream(params.seed)])
+    assert ids[0] == draw(weights(row, params), u)
+
+
+@settings(max_examples=100, deadline=None)
+@given(rows=st.lists(logit_rows.filter(lambda r: r.shape[0] == 24).map(lambda r: r), min_size=1, max_size=6)
+       | st.integers(1, 6).map(lambda n: [np.random.default_rng(n).standard_normal(24).astype(np.float32)] * n),
+       data=st.data())
+def test_each_row_of_a_batch_draws_from_its_own_stream(rows, data):
+    logits = np.stack(rows)  # [R, 24]
+    params = [data.draw(random_params) for _ in rows]
+    streams = [None if p.is_greedy else RandomStream(p.seed) for p in params]
+    ids, _ = sample(torch.from_numpy(logits.copy()), params, streams)
+    for row, p, token_id in zip(logits, params, ids):
+        if p.is_greedy:
+            assert token_id == int(np.argmax(row))
+            continue
+        u = RandomStream(p.seed).random()
+        if not _is_borderline(row, p, u):
+            assert token_id == draw(weights(row, p), u)
+
+
+def test_greedy_takes_the_first_maximum_and_survives_an_all_masked_row():
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.0], [-np.inf] * 4, [0.0, -1.0, 5.0, 5.0]])
+    ids, _ = sample(logits, [SamplingParams(temperature=0)] * 3, [None] * 3)
+    assert ids == [1, 0, 2]
+    random = SamplingParams(temperature=1.0, top_p=0.5, top_k=2, min_p=0.1)
+    ids, _ = sample(torch.full((1, 4), -np.inf), [random], [RandomStream(0)])
+    assert ids == [0]
+
+
+@pytest.mark.parametrize("vocab", [5, 63, 64, 65, 1000, 49152])
+def test_logprobs_rank_and_top_match_the_reference(vocab):
+    rng = np.random.default_rng(vocab)
+    logits = (rng.standard_normal((3, vocab)) * 3).astype(np.float32)
+    k = min(5, vocab)
+    params = [SamplingParams(temperature=t, logprobs=True, top_logprobs=k, seed=1) for t in (0, 0.7, 2.0)]
+    streams = [None, RandomStream(1), RandomStream(2)]
+    ids, rows = sample(torch.from_numpy(logits.copy()), params, streams)
+    for row, token_id, lp in zip(logits, ids, rows):
+        logprob, rank, top_ids, top_logprobs = logprob_row(row, token_id, k)
+        assert lp.logprob == pytest.approx(logprob, abs=1e-5)
+        assert lp.rank == rank
+        assert lp.top_ids == top_ids
+        np.testing.assert_allclose(lp.top_logprobs, top_logprobs, atol=1e-5)
+    assert rows[0].rank == 1  # greedy took the best
+
+
+def test_rank_counts_ties_and_prompt_logprobs_carry_ranks():
+    logits = torch.tensor([[2.0, 2.0, 1.0, 0.0], [0.0, 1.0, 2.0, 3.0]])
+    rows = prompt_logprobs(logits, [1, 0], k=2)
+    assert [r.rank for r in rows] == [2, 4]  # vLLM's rank: ids with logprob >= the token's
+    assert rows[0].top_ids == [0, 1] and rows[1].top_ids == [3, 2]
+    ref = torch.log_softmax(logits, dim=-1)
+    assert rows[1].logprob == pytest.approx(ref[1, 0].item(), abs=1e-6)
+
+
+def test_out_of_vocabulary_ids_raise_instead_of_writing_outside_the_row():
+    from engine.logits_process import LogitsAdjuster
+    params = SamplingParams(temperature=0, logit_bias={10: 1.0})
+    adjuster = LogitsAdjuster.for_request(params, [1], (), 4)
+    with pytest.raises(IndexError, match="outside the vocabulary"):
+        sample(torch.zeros(1, 8), [params], [None], [adjuster])
+    with pytest.raises(IndexError, match="outside the vocabulary"):
+        prompt_logprobs(torch.zeros(1, 8), [8], k=1)
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data(), num_rows=st.integers(1, 4))
+def test_processing_then_choice_matches_the_reference_over_many_blocks(data, num_rows):
+    # vocab 300: several blocks of the kernel's block maxima, which the processing must keep exact
+    # (a penalty or mask that lowers a block's max, a bias that raises one).
+    from engine.logits_process import LogitsAdjuster, adjust
+    vocab = 300
+    ids = st.integers(0, vocab - 1)
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    logits = (rng.standard_normal((num_rows, vocab)) * 3).astype(np.float32)  # distinct values: one max per block
+    params, adjusters, streams = [], [], []
+    for row in range(num_rows):
+        top = [int(i) for i in np.argsort(-logits[row])[:3]]  # aim the options at the leaders
+        options = data.draw(st.fixed_dictionaries({}, optional={
+            "presence_penalty": st.floats(-2, 2), "frequency_penalty": st.floats(0, 2),
+            "repetition_penalty": st.floats(0.5, 3),
+            "logit_bias": st.dictionaries(st.sampled_from(top) | ids, st.floats(-100, 100), max_size=4),
+            "allowed_token_ids": st.lists(ids, min_size=1, max_size=5)}))
+        p = data.draw(st.builds(SamplingParams, max_tokens=st.just(50), temperature=st.sampled_from([0, 0.5, 1.5]),
+                                top_k=st.integers(0, 20), min_p=st.sampled_from([0.0, 0.1]),
+                                seed=st.integers(0, 2**32), **{k: st.just(v) for k, v in options.items()}))
+        a = LogitsAdjuster.for_request(p, data.draw(st.lists(st.sampled_from(top) | ids, max_size=8)), (), 50)
+        for t in data.draw(st.lists(st.sampled_from(top) | ids, max_size=8)):
+            if a is not None:
+                a.add(t)
+        params.append(p)
+        adjusters.append(a)
+        streams.append(None if p.is_greedy else RandomStream(p.seed))
+    expected = logits.copy()
+    adjust(expected, adjusters)
+    got_ids, _ = sample(torch.from_numpy(logits.copy()), params, streams, adjusters)
+    for row, (p, token_id) in enumerate(zip(params, got_ids)):
+        if p.is_greedy:
+            assert token_id == int(np.argmax(expected[row]))
+        else:
+            u = RandomStream(p.seed).random()
+            if np.isfinite(expected[row]).any() and not _is_borderline(expected[row], p, u):
+                assert token_id == draw(weights(expected[row], p), u)
