@@ -52,7 +52,7 @@ def emulate_int4(x: torch.Tensor, weight: Int4Weight, half: bool) -> torch.Tenso
 
 def emulate_int8(x: torch.Tensor, weight: Int8Weight) -> torch.Tensor:
     codes, dx, _ = quantize_activations(x)
-    q = weight.q.reshape(weight.q.shape[0], -1, GROUP_SIZE).double()
+    q = weight.codes.reshape(weight.codes.shape[0], -1, GROUP_SIZE).double()
     dots = torch.einsum("mbj,nbj->mnb", codes, q)  # [M, N, K/32]
     return (dots * dx[:, None] * weight.scales.double()[None]).sum(-1)
 

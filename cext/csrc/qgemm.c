@@ -82,6 +82,18 @@ static inline float q4_scale(const uint8_t *row, int64_t nb, int64_t b, int half
     return f;
 }
 
+/* Element e (0..63) of a Q4 pair's 32 bytes: 16-bit word i = e % 16 holds elements i, 16 + i
+ * (low byte's nibbles) and 32 + i, 48 + i (high byte's), so shifts and masks of the words
+ * give four runs of 16 consecutive elements without any byte shuffle. */
+static inline int q4_code(const uint8_t *pair, int e) {
+    const int quarter = e / 16, i = e % 16;
+    return (pair[2 * i + quarter / 2] >> (4 * (quarter % 2))) & 0x0F;
+}
+
+/* Element j (0..31) of a Q8 block: word i = j % 16 holds elements i (low byte) and 16 + i
+ * (high byte), so sign-extending shifts of the words give two runs of 16 elements. */
+static inline int q8_code(const int8_t *block, int j) { return block[2 * (j % 16) + j / 16]; }
+
 /* x [M, K] -> qx, dx, sx (blocks of 32). */
 static void quantize_rows(const void *x, int64_t x_stride, int64_t num_rows, int64_t num_cols, int dtype,
                           int16_t *qx, float *dx, float *sx) {
@@ -125,12 +137,11 @@ static void q4_range_scalar(const void *p, int64_t n0, int64_t n1, float *scratc
             float acc = 0.0f;
             for (int64_t b = 0; b < nb; b++) {
                 const float db = q4_scale(row, nb, b, a->half, 0), mb = q4_scale(row, nb, b, a->half, 1);
-                /* block b is the low (b even) or high (b odd) nibbles of its pair's 32 bytes */
                 const uint8_t *pair = codes + (b / 2) * 32;
-                const int shift = (int)(b % 2) * 4;
+                const int first = (int)(b % 2) * QK_BLOCK;  /* block b: elements first .. first + 31 of its pair */
                 const int16_t *xq = a->qx + i * K + b * QK_BLOCK;
                 int32_t dot = 0;
-                for (int j = 0; j < QK_BLOCK; j++) dot += ((pair[j] >> shift) & 0x0F) * xq[j];
+                for (int j = 0; j < QK_BLOCK; j++) dot += q4_code(pair, first + j) * xq[j];
                 acc += db * a->dx[i * nb + b] * (float)dot + mb * a->sx[i * nb + b];
             }
             store_out(a, i, n, acc + bias);
@@ -151,7 +162,7 @@ static void q8_range_scalar(const void *p, int64_t n0, int64_t n1, float *scratc
                 const int8_t *w = row + b * QK_BLOCK;
                 const int16_t *xq = a->qx + i * a->num_cols + b * QK_BLOCK;
                 int32_t dot = 0;
-                for (int j = 0; j < QK_BLOCK; j++) dot += w[j] * xq[j];
+                for (int j = 0; j < QK_BLOCK; j++) dot += q8_code(w, j) * xq[j];
                 acc += a->scales[n * nb + b] * a->dx[i * nb + b] * (float)dot;
             }
             store_out(a, i, n, acc + bias);
@@ -188,7 +199,7 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) static inline void q4_ti
         float *scales) {
     const int64_t K = a->num_cols, nb = K / QK_BLOCK;
     const int half = a->half;
-    const __m256i low_mask = _mm256_set1_epi8(0x0F);
+    const __m256i nibble = _mm256_set1_epi16(0x000F);
     const int16_t *xrow[QG_TR];
     const uint8_t *codes[QG_NR];
     float macc[QG_NR][QG_TR];
@@ -218,12 +229,10 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) static inline void q4_ti
     for (int64_t b = 0; b < nb; b += 2) {
         for (int k = 0; k < QG_NR; k++) {
             const __m256i v = _mm256_loadu_si256((const __m256i *)(codes[k] + b * 16));
-            const __m256i q0 = _mm256_and_si256(v, low_mask);                         /* block b */
-            const __m256i q1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low_mask);  /* block b + 1 */
-            const __m256i w00 = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(q0));
-            const __m256i w01 = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(q0, 1));
-            const __m256i w10 = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(q1));
-            const __m256i w11 = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(q1, 1));
+            const __m256i w00 = _mm256_and_si256(v, nibble);                         /* elements 0..15 */
+            const __m256i w01 = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);  /* 16..31 */
+            const __m256i w10 = _mm256_and_si256(_mm256_srli_epi16(v, 8), nibble);  /* 32..47: block b + 1 */
+            const __m256i w11 = _mm256_srli_epi16(v, 12);                            /* 48..63 */
             for (int r = 0; r < TR; r++) {
                 const int16_t *x = xrow[r] + b * QK_BLOCK;
                 const float *sc = scales + (k * QG_TR + r) * nb + b;
@@ -276,8 +285,8 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) static inline void q8_ti
     for (int64_t b = 0; b < nb; b++) {
         for (int k = 0; k < QG_NR; k++) {
             const __m256i w = _mm256_loadu_si256((const __m256i *)(rows[k] + b * QK_BLOCK));
-            const __m256i w0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(w));
-            const __m256i w1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(w, 1));
+            const __m256i w0 = _mm256_srai_epi16(_mm256_slli_epi16(w, 8), 8);  /* low bytes: elements 0..15 */
+            const __m256i w1 = _mm256_srai_epi16(w, 8);                         /* high bytes: 16..31 */
             for (int r = 0; r < TR; r++) {
                 const int16_t *x = a->qx + (i0 + r) * a->num_cols + b * QK_BLOCK;
                 const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)x)),
@@ -358,9 +367,9 @@ int fk_q4_dequantize(const uint8_t *blocks, int half, int64_t num_out, int64_t n
         float *out = w + n * num_cols;
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t *pair = codes + (b / 2) * 32;
-            const int shift = (int)(b % 2) * 4;
+            const int first = (int)(b % 2) * QK_BLOCK;
             const float d = q4_scale(row, nb, b, half, 0), m = q4_scale(row, nb, b, half, 1);
-            for (int j = 0; j < QK_BLOCK; j++) out[b * QK_BLOCK + j] = d * (float)((pair[j] >> shift) & 0x0F) + m;
+            for (int j = 0; j < QK_BLOCK; j++) out[b * QK_BLOCK + j] = d * (float)q4_code(pair, first + j) + m;
         }
     }
     return FK_OK;

@@ -9,11 +9,14 @@
  * - Q4 rows: for K / 32 blocks b of 32 inputs, w = d[b] * q + m[b] with q in 0..15 (Q4_0,
  *   Q4_1 and Q4_K sub-blocks map onto this exactly: engine/loader/repack.py). Row n is
  *   d [K / 32], m [K / 32] (float32, or fp16 when `half`: 24 or 20 bytes per block in all),
- *   then the codes in pairs of blocks, 32 bytes per pair: byte j holds element j of block 2p in its low nibble and
- *   element j of block 2p + 1 in its high nibble (one load, two masks: both blocks). K must
- *   be a multiple of 64. The m term uses the exact block sum of x.
+ *   then the codes in pairs of blocks, 32 bytes per pair: 16-bit word i of a pair holds
+ *   elements i and 16 + i in its low byte's nibbles and 32 + i and 48 + i in its high byte's
+ *   (the pair's 64 elements: block 2p then 2p + 1), so shifts and masks give four runs of 16
+ *   consecutive codes with no byte shuffles. K must be a multiple of 64. The m term uses the
+ *   exact block sum of x.
  * - Q8 rows: int8 q [N, K] and float32 scales [N, K / 32]: w = q * scale per block of 32
- *   (ggml's Q8_0).
+ *   (ggml's Q8_0), each block's bytes interleaved as word i = elements i and 16 + i (again
+ *   two runs of 16 from shifts alone).
  *
  * For Q8, K must be a multiple of 32. x and y are float32 or bfloat16 (FK_FLOAT32 / FK_BFLOAT16),
  * row-major with row strides in elements; bias is float32 [N] or NULL. Work is split over

@@ -156,7 +156,7 @@ class GGUFStateDict(Mapping):
             blocks = raw.reshape(num_rows, num_cols // 32, 34)
             q = torch.from_numpy(np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(num_rows, num_cols))
             scales = torch.from_numpy(np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0].astype(np.float32))
-            return Int8Weight(q, scales, is_exact=True)
+            return Int8Weight.from_codes(q, scales, is_exact=True)
         q = torch.empty(num_rows, num_cols, dtype=torch.int8)
         scales = torch.empty(num_rows, num_cols // 32, dtype=torch.float32)
         for start in range(0, num_rows, CHUNK_ROWS):

@@ -100,8 +100,8 @@ class Int4Weight:
 
     def blocks(self, half: bool = False) -> torch.Tensor:
         """-> uint8 [N, K / 32 * (20 if half else 24)], the C kernels' layout (cext/csrc/qgemm.h):
-        per row the scales, the mins (fp16 if half, else float32), then the codes of blocks 2p
-        and 2p + 1 in the low and high nibbles of 32 bytes. K must be a multiple of 64.
+        per row the scales, the mins (fp16 if half, else float32), then per pair of blocks 32
+        bytes whose 16-bit word i holds elements i, 16 + i, 32 + i, 48 + i. K: a multiple of 64.
         (NumPy: ~20x faster than the same uint8 ops in torch here, which matters at load.)"""
         num_rows, num_cols = self.shape
         if num_cols % (2 * GROUP_SIZE):
@@ -109,18 +109,22 @@ class Int4Weight:
         num_groups = num_cols // GROUP_SIZE
         dtype, width = (np.float16, 2) if half else (np.float32, 4)
         packed = self.packed.numpy().reshape(num_rows, num_groups // 2, 2, GROUP_SIZE // 2)  # [N, K/64, 2, 16]
-        codes = np.concatenate((packed & 0x0F, packed >> 4), axis=-1)  # [N, K/64, 2, 32] in element order
+        first, second = packed[:, :, 0], packed[:, :, 1]  # the pair's two blocks, [N, K/64, 16] each
+        codes = np.stack((first & 0x0F, first >> 4, second & 0x0F, second >> 4), axis=2)  # [N, K/64, 4, 16]: runs of 16
+        low, high = codes[:, :, 0] | (codes[:, :, 1] << 4), codes[:, :, 2] | (codes[:, :, 3] << 4)  # [N, K/64, 16]
         out = np.empty((num_rows, num_groups * (16 + 2 * width)), dtype=np.uint8)
         out[:, : num_groups * width] = self.scales.numpy().astype(dtype).view(np.uint8)
         out[:, num_groups * width: num_groups * 2 * width] = self.mins.numpy().astype(dtype).view(np.uint8)
-        out[:, num_groups * 2 * width:] = (codes[:, :, 0] | (codes[:, :, 1] << 4)).reshape(num_rows, -1)
+        out[:, num_groups * 2 * width:] = np.stack((low, high), axis=-1).reshape(num_rows, -1)  # word i: low, high
         return torch.from_numpy(out)
 
 
 @dataclass
 class Int8Weight:
     """q int8 [N, K], scales float32 [N, K / 32]: w = q * scale per block of 32 inputs (ggml's
-    Q8_0, so a Q8_0 tensor loads exactly). is_exact: q and scales are the source's own values
+    Q8_0, so a Q8_0 tensor loads exactly). q is kept in the C kernels' order (interleave_q8:
+    within each block, byte 2i = element i, 2i + 1 = element 16 + i), so the product needs no
+    second copy; row operations are unaffected, element access goes through ``codes``. is_exact: q and scales are the source's own values
     (a Q8_0 file), not a re-quantization. exact_rows: optionally where a re-quantized weight
     came from (rows read exactly from a GGUF map, engine.loader.repack.MappedRows) for lookups:
     the embedding and the head's refined logits."""
@@ -141,6 +145,16 @@ class Int8Weight:
         return Int8Weight(torch.cat([p.q for p in parts]), torch.cat([p.scales for p in parts]),
                           is_exact=all(p.is_exact for p in parts))
 
+    @property
+    def codes(self) -> torch.Tensor:
+        """-> int8 [N, K] in element order."""
+        return deinterleave_q8(self.q)
+
+    @staticmethod
+    def from_codes(codes: torch.Tensor, scales: torch.Tensor, is_exact: bool = False) -> Int8Weight:
+        """codes int8 [N, K] in element order, scales [N, K / 32]."""
+        return Int8Weight(interleave_q8(codes), scales, is_exact=is_exact)
+
     @staticmethod
     def from_dense(w: torch.Tensor) -> Int8Weight:
         """w [N, K] float -> symmetric int8 per block of 32 (scale = absmax / 127)."""
@@ -148,7 +162,7 @@ class Int8Weight:
         blocks = w.float().reshape(num_rows, -1, GROUP_SIZE)  # [N, K/32, 32]
         scales = (blocks.abs().amax(-1) / 127).clamp_min(1e-12)  # [N, K/32]
         q = (blocks / scales[..., None]).round_().clamp_(-127, 127).to(torch.int8)
-        return Int8Weight(q.reshape(num_rows, num_cols), scales)
+        return Int8Weight.from_codes(q.reshape(num_rows, num_cols), scales)
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """ids [...] -> rows [..., K] in dtype (an embedding lookup): the exact source rows when
@@ -156,13 +170,13 @@ class Int8Weight:
         if self.exact_rows is not None and not self.is_exact:
             return self.exact_rows.rows(ids, dtype)
         flat = ids.reshape(-1)
-        q = self.q[flat].float().reshape(len(flat), -1, GROUP_SIZE)  # [n, K/32, 32]
+        q = deinterleave_q8(self.q[flat]).float().reshape(len(flat), -1, GROUP_SIZE)  # [n, K/32, 32]
         w = (q * self.scales[flat][..., None]).reshape(*ids.shape, self.shape[1])
         return w.to(dtype)
 
     def dequantize(self) -> torch.Tensor:
         num_rows, num_cols = self.shape
-        q = self.q.float().reshape(num_rows, -1, GROUP_SIZE)
+        q = self.codes.float().reshape(num_rows, -1, GROUP_SIZE)
         return (q * self.scales[..., None]).reshape(num_rows, num_cols)
 
 
@@ -268,7 +282,8 @@ class Linear:
                 self._q8 = weight
         elif isinstance(weight, Int8Weight):
             self.format = "int8"
-            self._q8, self._scales = weight.q.contiguous(), weight.scales.float().contiguous()  # [N, K], [N, K/32]
+            self._q8 = weight.q.contiguous()  # [N, K], already in the kernels' order
+            self._scales = weight.scales.float().contiguous()  # [N, K/32]
         else:
             raise TypeError(f"unsupported weight type {type(weight).__name__}")
         if dense_above_rows is not None:
@@ -338,6 +353,17 @@ def blocks_to_int4(blocks: torch.Tensor, num_cols: int, half: bool = False) -> I
     dtype, width = (torch.float16, 2) if half else (torch.float32, 4)
     scales = blocks[:, : num_groups * width].contiguous().view(dtype).float()  # [N, K/32]
     mins = blocks[:, num_groups * width: num_groups * 2 * width].contiguous().view(dtype).float()
-    pairs = blocks[:, num_groups * 2 * width:].reshape(num_rows, num_groups // 2, 1, GROUP_SIZE)  # [N, K/64, 1, 32]
-    codes = torch.cat((pairs & 0x0F, pairs >> 4), dim=2).reshape(num_rows, num_cols)
-    return Int4Weight.from_codes(codes, scales, mins)
+    words = blocks[:, num_groups * 2 * width:].reshape(num_rows, num_groups // 2, 16, 2)  # [N, K/64, word, byte]
+    runs = torch.stack((words[..., 0] & 0x0F, words[..., 0] >> 4, words[..., 1] & 0x0F, words[..., 1] >> 4), dim=2)
+    return Int4Weight.from_codes(runs.reshape(num_rows, num_cols), scales, mins)  # runs: [N, K/64, 4, 16]
+
+
+def interleave_q8(q: torch.Tensor) -> torch.Tensor:
+    """int8 [N, K] -> the kernels' order: per block of 32, byte 2i = element i, 2i + 1 = 16 + i."""
+    num_rows, num_cols = q.shape
+    return q.reshape(num_rows, -1, 2, 16).transpose(2, 3).reshape(num_rows, num_cols).contiguous()
+
+
+def deinterleave_q8(q: torch.Tensor) -> torch.Tensor:
+    num_rows, num_cols = q.shape
+    return q.reshape(num_rows, -1, 16, 2).transpose(2, 3).reshape(num_rows, num_cols).contiguous()
