@@ -34,6 +34,8 @@ cdef extern from "csrc/fused_kernels.h" nogil:
     int fk_get_num_threads()
     void fk_set_parallel_threshold(int64_t work)
     int64_t fk_get_parallel_threshold()
+    void fk_set_spin_ns(int64_t ns)
+    int64_t fk_get_spin_ns()
     int fk_set_isa(int isa)
     int fk_get_isa()
 

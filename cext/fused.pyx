@@ -125,6 +125,18 @@ def get_parallel_threshold() -> int:
     return fk_get_parallel_threshold()
 
 
+def set_spin_us(double us):
+    """How long an idle worker polls for the next job (and the caller for its workers) before
+    sleeping on a condition variable; 0 sleeps at once."""
+    if not us >= 0:
+        raise ValueError(f"spin_us: must be >= 0, got {us!r}")
+    fk_set_spin_ns(<int64_t>(us * 1000))
+
+
+def get_spin_us() -> float:
+    return fk_get_spin_ns() / 1000.0
+
+
 def set_isa(str name) -> str:
     """"auto", "baseline", "avx2" or "avx512" -> the variant now in use; ValueError if the CPU lacks it."""
     code = FK_ISA_AUTO if name == "auto" else _ISA_CODES.get(name)

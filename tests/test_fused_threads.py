@@ -43,3 +43,33 @@ def test_default_uses_the_available_cpus_when_waits_are_passive(monkeypatch, res
     expected = min(threads.available_cpus(), threads.MAX_DEFAULT_THREADS)
     assert threads.apply_thread_policy(None).num_threads == expected
     assert torch.get_num_threads() == expected
+
+
+@pytest.mark.parametrize("spin_us", [0.0, 300.0])
+def test_pool_results_do_not_depend_on_how_workers_wait(spin_us, restore_threads):
+    """Workers that sleep at once (0) and workers that poll first split the same product
+    the same way: the outputs match the single-thread call bit for bit."""
+    from engine.models.linear import Int4Weight, Linear
+
+    old_spin, old_threshold = cfused.get_spin_us(), cfused.get_parallel_threshold()
+    torch.manual_seed(0)
+    layer = Linear(Int4Weight.from_dense(torch.randn(256, 128) * 0.05))
+    xs = [torch.randn(m, 128) for m in (1, 3, 16)]
+    try:
+        cfused.set_num_threads(1)
+        expected = [layer(x) for x in xs]
+        cfused.set_num_threads(2)
+        cfused.set_parallel_threshold(0)
+        cfused.set_spin_us(spin_us)
+        for _ in range(20):  # back-to-back jobs: a polling worker catches most of them
+            for x, want in zip(xs, expected):
+                assert torch.equal(layer(x), want)
+    finally:
+        cfused.set_spin_us(old_spin)
+        cfused.set_parallel_threshold(old_threshold)
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("nan")])
+def test_bad_spin_is_a_value_error(bad):
+    with pytest.raises(ValueError, match="spin_us"):
+        cfused.set_spin_us(bad)

@@ -53,6 +53,8 @@ int fk_get_num_threads(void);
 /* Work (roughly multiply-adds) a kernel call needs before it is split across threads. */
 void fk_set_parallel_threshold(int64_t work);
 int64_t fk_get_parallel_threshold(void);
+void fk_set_spin_ns(int64_t ns);
+int64_t fk_get_spin_ns(void);
 
 /* FK_ISA_*; returns the ISA now in use, or -1 if the CPU lacks the one asked for. */
 int fk_set_isa(int isa);

@@ -6,8 +6,11 @@ process takes a core, the thread on it is descheduled for a whole time slice and
 barrier waits for it; with hundreds of small parallel regions per decode step the step
 collapses (measured in issue 10: 0.84 tok/s with 2 threads beside a busy process against
 30.8 with 1). One thread never waits for a descheduled partner: it loses at most the
-share of the core it gets. The fused kernels' own pool never spins and its caller never
-waits for a worker that has not started (cext/csrc/fused_kernels.c).
+share of the core it gets. The fused kernels' own pool polls for at most 300 us between jobs,
+yielding the core to any runnable thread between polls, then sleeps; its caller never waits
+for a worker that has not started (cext/csrc/fused_kernels.c). With that pool, 2 threads beat
+1 at batch 1 (SmolLM2 Q4_1: ~87 vs ~53 tok/s) and a busy neighbour costs ~18% (busy/quiet
+0.82, benchmarks/decode.py --busy, load ~1.3).
 
 The measured default (benchmarks/decode.py --busy on a 2-core AMD EPYC shared with other
 jobs, load average 10-16, SmolLM2 bf16, batch 1, fused path; figures in issue 10's report):
