@@ -226,6 +226,24 @@ def test_isa_selection_names_what_runs():
         cfused.set_isa("sse9")
 
 
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_decode_attention_over_many_spans(isa, data):
+    """Contexts of several hundred keys on one thread: the vector path scores FK_SPAN (256)
+    keys per online-softmax step across blocks, so spans end mid-block and groups (7) are not
+    multiples of its 3-group tiles."""
+    block_size = data.draw(st.sampled_from([1, 5, 16]))
+    lens = data.draw(st.lists(st.integers(200, 700), min_size=1, max_size=2))
+    case = dict(num_seqs=len(lens), block_size=block_size, context_lens=lens,
+                max_blocks=max(-(-n // block_size) for n in lens), num_kv_heads=data.draw(st.integers(1, 2)),
+                groups=data.draw(st.sampled_from([1, 3, 4, 7])), head_dim=data.draw(st.sampled_from([8, 64, 128])),
+                sliding_window=data.draw(st.one_of(st.none(), st.integers(1, 600))),
+                num_blocks=sum(-(-n // block_size) for n in lens) + 2, q_extra_cols=data.draw(st.integers(0, 3)),
+                is_half_cache=data.draw(st.booleans()), dtype=data.draw(st.sampled_from(DTYPES)),
+                seed=data.draw(st.integers(0, 2 ** 16)))
+    _check_attention(case)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("lens,sliding_window", [([300], None), ([257, 90], None), ([500], 200), ([1000], None)])
 def test_long_context_splits_keys_across_threads(pooled, dtype, lens, sliding_window):

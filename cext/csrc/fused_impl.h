@@ -1,7 +1,9 @@
 /* Kernel bodies, included once per instruction set by fused_kernels.c with FK_SUFFIX set
  * (and a `#pragma GCC target` around the include). Written for the auto-vectoriser:
  * inner loops over contiguous float32 rows, `omp simd` reductions, no calls to libm.
- * Each function runs items [begin, end) of one kernel call; arguments were validated. */
+ * Each function runs items [begin, end) of one kernel call; arguments were validated.
+ * With FK_VEC8 (the AVX2 and AVX-512 variants) decode attention and float16 rows use AVX2
+ * intrinsics: gcc 12 vectorises neither the _Float16 loops nor a dot product per key well. */
 
 #define FK_CAT2(a, b) a##_##b
 #define FK_CAT(a, b) FK_CAT2(a, b)
@@ -16,8 +18,12 @@ static inline void FK_FN(load_row)(float *dst, const void *src, int64_t n, int d
     }
     if (dtype == FK_FLOAT16) {
         const _Float16 *h = (const _Float16 *)src;
-#pragma omp simd
-        for (int64_t i = 0; i < n; i++) dst[i] = (float)h[i];
+        int64_t i = 0;
+#ifdef FK_VEC8
+        /* gcc 12 does not vectorise the _Float16 loop (one vpinsrw + vcvtph2ps per value) */
+        for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
+#endif
+        for (; i < n; i++) dst[i] = (float)h[i];
         return;
     }
     const uint16_t *s = (const uint16_t *)src;
@@ -39,8 +45,12 @@ static inline void FK_FN(store_row)(void *dst, const float *src, int64_t n, int 
     }
     if (dtype == FK_FLOAT16) {
         _Float16 *h = (_Float16 *)dst;
-#pragma omp simd
-        for (int64_t i = 0; i < n; i++) h[i] = (_Float16)src[i];
+        int64_t i = 0;
+#ifdef FK_VEC8
+        for (; i + 8 <= n; i += 8)
+            _mm_storeu_si128((__m128i *)(h + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+#endif
+        for (; i < n; i++) h[i] = (_Float16)src[i];
         return;
     }
     uint16_t *d = (uint16_t *)dst;
@@ -139,6 +149,190 @@ static void FK_FN(rope_kv_rows)(const RopeArgs *a, int64_t begin, int64_t end, f
     }
 }
 
+#ifdef FK_VEC8
+/* 8 cache values from `p` (float32 or float16) as float32. */
+static inline __m256 FK_FN(load8)(const char *p, const int is_half) {
+    return is_half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)) : _mm256_loadu_ps((const float *)p);
+}
+
+/* fast_exp on 8 lanes (the same polynomial and rounding). */
+static inline __m256 FK_FN(exp8)(__m256 x) {
+    x = _mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f));
+    const __m256 is_tiny = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3365447504f), _CMP_LT_OQ);
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3365447504f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(is_tiny, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+/* out[g * FK_SPAN + j] = q_g . k_j for every group g and the count cache rows
+ * k_j = k + j * stride (D % 8 == 0): each 8 values of a key are widened once for all groups;
+ * per key and group one lane-partial vector, 8 keys of a group reduced together. */
+static inline void FK_FN(scores8)(const float *q, int groups, const char *k, size_t stride, int64_t count,
+                                  int dim, const int is_half, float *out, float *part) {
+    const size_t esize = is_half ? 2 : 4;
+    for (int64_t j0 = 0; j0 < count; j0 += 8) {
+        const int n = count - j0 < 8 ? (int)(count - j0) : 8;
+        for (int u = 0; u < n; u++) {
+            const char *kr = k + (size_t)(j0 + u) * stride;
+            int g = 0;
+            for (; g + 3 <= groups; g += 3) {
+                const float *q0 = q + g * dim, *q1 = q0 + dim, *q2 = q1 + dim;
+                __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps(), s2 = _mm256_setzero_ps();
+                for (int i = 0; i < dim; i += 8) {
+                    const __m256 x = FK_FN(load8)(kr + i * esize, is_half);
+                    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + i), x, s0);
+                    s1 = _mm256_fmadd_ps(_mm256_loadu_ps(q1 + i), x, s1);
+                    s2 = _mm256_fmadd_ps(_mm256_loadu_ps(q2 + i), x, s2);
+                }
+                _mm256_storeu_ps(part + (g * 8 + u) * 8, s0);
+                _mm256_storeu_ps(part + ((g + 1) * 8 + u) * 8, s1);
+                _mm256_storeu_ps(part + ((g + 2) * 8 + u) * 8, s2);
+            }
+            for (; g < groups; g++) {
+                const float *q0 = q + g * dim;
+                __m256 s0 = _mm256_setzero_ps();
+                for (int i = 0; i < dim; i += 8)
+                    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + i), FK_FN(load8)(kr + i * esize, is_half), s0);
+                _mm256_storeu_ps(part + (g * 8 + u) * 8, s0);
+            }
+        }
+        for (int g = 0; g < groups; g++) {
+            const float *pg = part + g * 64;
+            __m256 v[8];
+            for (int u = 0; u < 8; u++) v[u] = u < n ? _mm256_loadu_ps(pg + u * 8) : _mm256_setzero_ps();
+            const __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
+            const __m256 t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
+            const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+            const __m256 r = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+            float *og = out + g * FK_SPAN + j0;
+            if (n == 8) {
+                _mm256_storeu_ps(og, r);
+            } else {
+                float tmp[8];
+                _mm256_storeu_ps(tmp, r);
+                for (int u = 0; u < n; u++) og[u] = tmp[u];
+            }
+        }
+    }
+}
+
+/* acc[g][i] += sum_j p[g * p_stride + j] * v_j[i] for every group g (D % 8 == 0): each 8
+ * values of a cache row are read once for two groups. */
+static inline void FK_FN(pv8)(const float *p, int64_t p_stride, const char *v, size_t stride, int64_t count,
+                              int dim, int groups, const int is_half, float *acc) {
+    const size_t esize = is_half ? 2 : 4;
+    for (int i = 0; i < dim; i += 8) {
+        int g = 0;
+        for (; g + 2 <= groups; g += 2) {
+            __m256 a0 = _mm256_loadu_ps(acc + g * dim + i), a1 = _mm256_loadu_ps(acc + (g + 1) * dim + i);
+            const float *p0 = p + g * p_stride, *p1 = p0 + p_stride;
+            for (int64_t j = 0; j < count; j++) {
+                const __m256 x = FK_FN(load8)(v + (size_t)j * stride + i * esize, is_half);
+                a0 = _mm256_fmadd_ps(_mm256_set1_ps(p0[j]), x, a0);
+                a1 = _mm256_fmadd_ps(_mm256_set1_ps(p1[j]), x, a1);
+            }
+            _mm256_storeu_ps(acc + g * dim + i, a0);
+            _mm256_storeu_ps(acc + (g + 1) * dim + i, a1);
+        }
+        for (; g < groups; g++) {
+            __m256 a0 = _mm256_loadu_ps(acc + g * dim + i);
+            const float *p0 = p + g * p_stride;
+            for (int64_t j = 0; j < count; j++)
+                a0 = _mm256_fmadd_ps(_mm256_set1_ps(p0[j]), FK_FN(load8)(v + (size_t)j * stride + i * esize, is_half), a0);
+            _mm256_storeu_ps(acc + g * dim + i, a0);
+        }
+    }
+}
+
+/* Prefetches count cache rows of `bytes` each, `stride` apart (the cache is read a head at a
+ * time, a third or less of each slot's bytes: too sparse for the hardware prefetcher). */
+static inline void FK_FN(prefetch_rows)(const char *p, size_t stride, int64_t count, size_t bytes) {
+    for (int64_t j = 0; j < count; j++)
+        for (size_t o = 0; o < bytes; o += 64) _mm_prefetch(p + (size_t)j * stride + o, _MM_HINT_T0);
+}
+
+/* Keys [pos, len) of one (sequence, kv head) on the 8-lane path, FK_SPAN keys at a time
+ * (across blocks): scores of every group, one online-softmax update per group and span,
+ * then the values. */
+static void FK_FN(attend_span8)(const AttnArgs *a, const int64_t *table, int kvh, int64_t pos, int64_t len,
+                                const float *qf, float *acc, float *scores, float *run_max, float *run_sum,
+                                float *part, const int is_half) {
+    const int dim = a->head_dim, num_kv = a->num_kv_heads, groups = a->num_heads / num_kv, bs = a->block_size;
+    const size_t cache_esize = is_half ? 2 : 4;
+    const size_t slot_stride = (size_t)num_kv * dim * cache_esize;
+    while (pos < len) {
+        const int64_t n = len - pos < FK_SPAN ? len - pos : FK_SPAN;
+        for (int64_t done = 0; done < n;) {
+            const int64_t at = pos + done, offset = at % bs;
+            const int64_t count = bs - offset < n - done ? bs - offset : n - done;
+            const size_t row0 = (size_t)((table[at / bs] * bs + offset) * num_kv + kvh) * dim * cache_esize;
+            const char *k_base = (const char *)a->k_cache + row0;
+            /* the keys and values FK_PREFETCH_KEYS on (by block) */
+            const int64_t ahead = (at / bs) * bs + FK_PREFETCH_KEYS;
+            if (ahead < len) {
+                const int64_t ahead_count = len - ahead < bs ? len - ahead : bs;
+                const size_t ahead_row = (size_t)((table[ahead / bs] * bs) * num_kv + kvh) * dim * cache_esize;
+                FK_FN(prefetch_rows)((const char *)a->k_cache + ahead_row, slot_stride, ahead_count, (size_t)dim * cache_esize);
+                FK_FN(prefetch_rows)((const char *)a->v_cache + ahead_row, slot_stride, ahead_count, (size_t)dim * cache_esize);
+            }
+            FK_FN(scores8)(qf, groups, k_base, slot_stride, count, dim, is_half, scores + done, part);
+            done += count;
+        }
+        for (int g = 0; g < groups; g++) {
+            float *sg = scores + g * FK_SPAN;
+            __m256 mv = _mm256_set1_ps(run_max[g]);
+            int64_t j = 0;
+            for (; j + 8 <= n; j += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(sg + j));
+            float m8[8];
+            _mm256_storeu_ps(m8, mv);
+            float chunk_max = m8[0];
+            for (int u = 1; u < 8; u++) chunk_max = m8[u] > chunk_max ? m8[u] : chunk_max;
+            for (; j < n; j++) chunk_max = sg[j] > chunk_max ? sg[j] : chunk_max;
+            const float correction = FK_FN(fast_exp)(run_max[g] - chunk_max);
+            const __m256 mx = _mm256_set1_ps(chunk_max);
+            __m256 sv = _mm256_setzero_ps();
+            for (j = 0; j + 8 <= n; j += 8) {
+                const __m256 e = FK_FN(exp8)(_mm256_sub_ps(_mm256_loadu_ps(sg + j), mx));
+                _mm256_storeu_ps(sg + j, e);
+                sv = _mm256_add_ps(sv, e);
+            }
+            float sum = 0.0f;
+            for (; j < n; j++) {
+                sg[j] = FK_FN(fast_exp)(sg[j] - chunk_max);
+                sum += sg[j];
+            }
+            _mm256_storeu_ps(m8, sv);
+            for (int u = 0; u < 8; u++) sum += m8[u];
+            run_sum[g] = run_sum[g] * correction + sum;
+            run_max[g] = chunk_max;
+            if (correction != 1.0f) {
+                float *ag = acc + g * dim;
+                for (int i = 0; i < dim; i++) ag[i] *= correction;
+            }
+        }
+        for (int64_t done = 0; done < n;) {
+            const int64_t at = pos + done, offset = at % bs;
+            const int64_t count = bs - offset < n - done ? bs - offset : n - done;
+            const char *v_base = (const char *)a->v_cache + (size_t)((table[at / bs] * bs + offset) * num_kv + kvh) * dim * cache_esize;
+            FK_FN(pv8)(scores + done, FK_SPAN, v_base, slot_stride, count, dim, groups, is_half, acc);
+            done += count;
+        }
+        pos += n;
+    }
+}
+#endif
+
 /* Item i = sequence i / KH, kv head i % KH: its G = H / KH query heads walk the block
  * table together, one key row at a time, with an online softmax per block. */
 static void FK_FN(attention_items)(const AttnArgs *a, int64_t begin, int64_t end, float *scratch) {
@@ -151,8 +345,8 @@ static void FK_FN(attention_items)(const AttnArgs *a, int64_t begin, int64_t end
     float *acc = qf + groups * dim;          /* [G, D] */
     float *krow = acc + groups * dim;        /* [D] */
     float *vrow = krow + dim;                /* [D] */
-    float *scores = vrow + dim;              /* [G, FK_CHUNK] */
-    float *run_max = scores + groups * FK_CHUNK; /* [G] */
+    float *scores = vrow + dim;              /* [G, FK_SPAN] (FK_SPAN >= FK_CHUNK) */
+    float *run_max = scores + groups * FK_SPAN; /* [G] */
     float *run_sum = run_max + groups;       /* [G] */
     const int num_splits = a->num_splits;
     for (int64_t item = begin; item < end; item++) {
@@ -181,6 +375,14 @@ static void FK_FN(attention_items)(const AttnArgs *a, int64_t begin, int64_t end
         }
         memset(acc, 0, sizeof(float) * (size_t)groups * dim);
         int64_t pos = first;
+#ifdef FK_VEC8
+        if (dim % 8 == 0 && (a->cache_dtype == FK_FLOAT32 || a->cache_dtype == FK_FLOAT16)) {
+            float *part = run_sum + groups;  /* [G, 8 keys, 8 lanes] */
+            if (a->cache_dtype == FK_FLOAT16) FK_FN(attend_span8)(a, table, kvh, pos, len, qf, acc, scores, run_max, run_sum, part, 1);
+            else FK_FN(attend_span8)(a, table, kvh, pos, len, qf, acc, scores, run_max, run_sum, part, 0);
+            pos = len;
+        }
+#endif
         while (pos < len) {
             /* A chunk of keys inside one block. */
             const int64_t block = table[pos / bs];

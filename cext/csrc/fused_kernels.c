@@ -12,6 +12,10 @@
 #include <string.h>
 
 #define FK_CHUNK 32         /* keys scored per step of the online softmax */
+#define FK_SPAN 256         /* keys per online-softmax step of the 8-lane path (>= FK_CHUNK) */
+#define FK_PREFETCH_KEYS 128 /* how far ahead the 8-lane path prefetches keys and values */
+
+
 #define FK_CHUNK_COLS 512   /* columns of silu_mul converted per step */
 
 typedef struct {
@@ -50,17 +54,22 @@ typedef struct {
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #define FK_HAVE_X86 1
+#include <immintrin.h>
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 #define FK_SUFFIX avx2
+#define FK_VEC8 1
 #include "fused_impl.h"
+#undef FK_VEC8
 #undef FK_SUFFIX
 #pragma GCC pop_options
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
 #define FK_SUFFIX avx512
+#define FK_VEC8 1
 #include "fused_impl.h"
+#undef FK_VEC8
 #undef FK_SUFFIX
 #pragma GCC pop_options
 #endif
@@ -443,7 +452,8 @@ int fk_decode_attention(const void *q, int64_t q_row_stride, const void *k_cache
     AttnArgs args = {q, q_row_stride, k_cache, v_cache, block_size, block_tables, table_stride, context_lens,
                      num_heads, num_kv_heads, head_dim, sliding_window, scale, out, dtype, cache_dtype, num_splits,
                      partials};
-    size_t floats = (size_t)groups * head_dim * 2 + (size_t)head_dim * 2 + (size_t)groups * FK_CHUNK + 2 * (size_t)groups;
+    size_t floats = (size_t)groups * head_dim * 2 + (size_t)head_dim * 2 + (size_t)groups * FK_SPAN + 2 * (size_t)groups
+                    + (size_t)groups * 64;  /* the 8-lane path's lane partials */
     int rc = parallel_for(attention_range, &args, num_pairs * num_splits, work, floats);
     if (rc == FK_OK && partials != NULL) rc = merge_partials(&args, num_pairs);
     free(partials);
