@@ -142,16 +142,23 @@ def test_qwen_tensors_q4_k_exact_and_others_int8(qwen_gguf):  # noqa: F811
     with GGUFFile(qwen_gguf) as f:
         q4_k = [n for n, t in f.tensors.items() if t.ggml_type == Q4_K]
         types = {t.ggml_type for t in f.tensors.values()}
+        q6_k = [n for n, t in f.tensors.items() if t.ggml_type == 14 and n.startswith("blk.")]
     assert q4_k and {6, 8, 14} <= types  # Q4_K beside Q5_0, Q8_0 and Q6_K layers
     layer = q4_k[0].split(".")[1]
-    names = [f"model.layers.{layer}.mlp.down_proj.weight", "model.layers.0.self_attn.q_proj.weight"]
+    q6_layer = q6_k[0].split(".")[1]
+    names = [f"model.layers.{layer}.mlp.down_proj.weight", "model.layers.0.self_attn.q_proj.weight",
+             f"model.layers.{q6_layer}.mlp.down_proj.weight"]
+    assert q6_k[0] == f"blk.{q6_layer}.ffn_down.weight"
     auto, exact = converted(qwen_gguf, names, "auto"), converted(qwen_gguf, names, "float32")
     down = auto[names[0]]
     assert isinstance(down, Int4Weight)
     assert_int4_product_exact(down, exact[names[0]])
-    q = auto[names[1]]  # Q5_0 -> int8 per block, within half an int8 step of the exact weight
-    assert isinstance(q, Int8Weight) and not q.is_exact
-    assert ((q.dequantize() - exact[names[1]]).abs() <= block_step(exact[names[1]]) / 2 + 1e-6).all()
+    q = auto[names[1]]  # Q5_0 -> its own codes q - 16 and scales d: exact
+    assert isinstance(q, Int8Weight) and q.is_exact and int(q.codes.min()) >= -16 and int(q.codes.max()) <= 15
+    torch.testing.assert_close(q.dequantize(), exact[names[1]], atol=0, rtol=0)
+    q6 = auto[names[2]]  # Q6_K -> int8 per block, within half an int8 step of the exact weight
+    assert isinstance(q6, Int8Weight) and not q6.is_exact
+    assert ((q6.dequantize() - exact[names[2]]).abs() <= block_step(exact[names[2]]) / 2 + 1e-6).all()
 
 
 def test_quantization_option_is_validated(tmp_path):

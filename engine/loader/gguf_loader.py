@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from engine.gguf_file import GGUFFile, is_gguf_file
-from engine.loader.repack import INT4_TYPES, PLAIN_TYPES, Q8_0, MappedRows, dequantize, int4_from_q4
+from engine.loader.repack import INT4_TYPES, PLAIN_TYPES, Q5_0, Q8_0, MappedRows, dequantize, int4_from_q4, q5_0_codes
 from engine.models.config import ModelConfig
 from engine.models.linear import Int4Weight, Int8Weight, Weight
 from engine.models.llama import resolve_dtype
@@ -149,13 +149,20 @@ class GGUFStateDict(Mapping):
         return out
 
     def _int8(self, raw, info) -> Int8Weight:
-        """Q8_0 -> its own codes and scales (exact); any other type -> dequantized and
+        """Q8_0 and Q5_0 -> their own codes and scales (exact); any other type -> dequantized and
         re-quantized per block of 32, a chunk of rows at a time."""
         num_rows, num_cols = info.shape
         if info.ggml_type == Q8_0:
             blocks = raw.reshape(num_rows, num_cols // 32, 34)
             q = torch.from_numpy(np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(num_rows, num_cols))
             scales = torch.from_numpy(np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0].astype(np.float32))
+            return Int8Weight.from_codes(q, scales, is_exact=True)
+        if info.ggml_type == Q5_0:  # d * (q - 16): exact as codes q - 16 with scale d
+            q = torch.empty(num_rows, num_cols, dtype=torch.int8)
+            scales = torch.empty(num_rows, num_cols // 32, dtype=torch.float32)
+            for start in range(0, num_rows, CHUNK_ROWS):
+                codes, d = q5_0_codes(raw[start:start + CHUNK_ROWS], num_cols)
+                q[start:start + len(codes)], scales[start:start + len(codes)] = torch.from_numpy(codes), torch.from_numpy(d)
             return Int8Weight.from_codes(q, scales, is_exact=True)
         q = torch.empty(num_rows, num_cols, dtype=torch.int8)
         scales = torch.empty(num_rows, num_cols // 32, dtype=torch.float32)

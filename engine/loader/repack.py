@@ -8,8 +8,9 @@ Int4 (engine.models.linear.Int4Weight): group g of a row is ``q * scale + min`` 
 - Q4_1 (32 per block): ``d * q + m``           -> scale = d, min = m (the codes bytes as they are)
 - Q4_K (256 per super-block, 8 sub-blocks of 32 with 6-bit scales and mins):
   ``d * sc_j * q - dmin * m_j``                -> scale = d sc_j, min = -dmin m_j
-Other types are dequantized (gguf.quants) and re-quantized: per-row int8 (absmax / 127) or
-int4 group-32 (min/max, round to nearest).
+Int8 (Int8Weight, a scale per block of 32): Q8_0 (``d * q``) and Q5_0 (``d * (q - 16)``, codes
+q - 16 in -16..15) map onto it exactly. Other types are dequantized (gguf.quants) and
+re-quantized: int8 per block of 32 (absmax / 127) or int4 group-32 (min/max, round to nearest).
 """
 from __future__ import annotations
 
@@ -100,6 +101,18 @@ def dequantize(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> np.nd
         return np.asarray(gguf_dequantize(raw, qtype), dtype=np.float32).reshape(shape)
     except (NotImplementedError, ValueError):
         raise ValueError(f"ggml type {qtype.name} cannot be dequantized by gguf.quants") from None
+
+
+def q5_0_codes(raw: np.ndarray, num_cols: int) -> tuple[np.ndarray, np.ndarray]:
+    """raw uint8 [N, bytes per row] of a Q5_0 tensor -> (int8 codes [N, K] in element order,
+    float32 scales [N, K / 32]) with w = code * scale exactly: a block is d * (q - 16) with
+    q in 0..31, so the codes are q - 16 and the scale is d (an Int8Weight, like Q8_0)."""
+    num_rows = raw.shape[0]
+    blocks = raw.reshape(num_rows, num_cols // 32, 22)
+    high_bits = np.ascontiguousarray(blocks[..., 2:6]).view("<u4")  # [N, blocks, 1]
+    high = ((high_bits >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4  # [N, blocks, 32]
+    codes = ((_nibbles(blocks[..., 6:]) | high).view(np.int8) - np.int8(16)).reshape(num_rows, num_cols)
+    return codes, _f16(blocks, 0)
 
 
 def int4_from_q4(raw: np.ndarray, ggml_type: int, num_cols: int) -> Int4Weight:

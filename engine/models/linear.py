@@ -108,14 +108,14 @@ class Int4Weight:
             raise ValueError(f"Q4 blocks need K a multiple of {2 * GROUP_SIZE}, got {num_cols}")
         num_groups = num_cols // GROUP_SIZE
         dtype, width = (np.float16, 2) if half else (np.float32, 4)
+        # ggml's byte i of a block holds its elements i (low nibble) and 16 + i (high), so word i
+        # of a pair is byte i of the first block beside byte i of the second: an interleave.
         packed = self.packed.numpy().reshape(num_rows, num_groups // 2, 2, GROUP_SIZE // 2)  # [N, K/64, 2, 16]
-        first, second = packed[:, :, 0], packed[:, :, 1]  # the pair's two blocks, [N, K/64, 16] each
-        codes = np.stack((first & 0x0F, first >> 4, second & 0x0F, second >> 4), axis=2)  # [N, K/64, 4, 16]: runs of 16
-        low, high = codes[:, :, 0] | (codes[:, :, 1] << 4), codes[:, :, 2] | (codes[:, :, 3] << 4)  # [N, K/64, 16]
         out = np.empty((num_rows, num_groups * (16 + 2 * width)), dtype=np.uint8)
         out[:, : num_groups * width] = self.scales.numpy().astype(dtype).view(np.uint8)
         out[:, num_groups * width: num_groups * 2 * width] = self.mins.numpy().astype(dtype).view(np.uint8)
-        out[:, num_groups * 2 * width:] = np.stack((low, high), axis=-1).reshape(num_rows, -1)  # word i: low, high
+        out[:, num_groups * 2 * width:].reshape(num_rows, num_groups // 2, GROUP_SIZE // 2, 2)[:] = \
+            packed.transpose(0, 1, 3, 2)  # word i: (first block's byte i, second's)
         return torch.from_numpy(out)
 
 
