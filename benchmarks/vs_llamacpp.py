@@ -88,8 +88,9 @@ class OursWorker:
         import engine
 
         self._engine_mod = engine
+        engine_class = engine.Engine  # the module import (lazy in engine/__init__) stays out, as llama_cpp's does
         start = time.perf_counter()
-        self.engine = engine.Engine.from_pretrained(path, **options)
+        self.engine = engine_class.from_pretrained(path, **options)
         self.load_s = time.perf_counter() - start
 
     def _params(self, num_tokens: int):

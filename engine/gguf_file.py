@@ -48,20 +48,13 @@ class HeaderReader:
         return bytes(self.take(num_bytes)).decode("utf-8", errors="replace")
 
     def strings(self, num_items: int, decode: bool = True) -> list[str] | None:
-        """An array's strings in one tight loop (vocabularies hold 50-150k); decode=False only
-        walks past them."""
-        buffer, offset, size = self.buffer, self.offset, len(self.buffer)
-        out = [] if decode else None
-        for _ in range(num_items):
-            end = offset + 8
-            if end > size:
-                raise ValueError(f"{self.path}: GGUF header is truncated at byte {offset}")
-            num_bytes = int.from_bytes(buffer[offset:end], "little")
-            offset = end + num_bytes
-            if offset > size:
-                raise ValueError(f"{self.path}: GGUF header is truncated at byte {end}")
-            if decode:
-                out.append(str(buffer[end:offset], "utf-8", "replace"))
+        """An array's strings in one C loop (cext.gguf_strings; vocabularies hold 50-150k);
+        decode=False only walks past them."""
+        from cext.gguf_strings import read_strings
+
+        out, offset = read_strings(self.buffer, self.offset, num_items, decode)
+        if offset < 0:
+            raise ValueError(f"{self.path}: GGUF header is truncated at byte {-1 - offset}")
         self.offset = offset
         return out
 

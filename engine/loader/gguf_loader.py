@@ -163,7 +163,7 @@ class GGUFStateDict(Mapping):
             for start in range(0, num_rows, CHUNK_ROWS):
                 codes, d = q5_0_codes(raw[start:start + CHUNK_ROWS], num_cols)
                 q[start:start + len(codes)], scales[start:start + len(codes)] = torch.from_numpy(codes), torch.from_numpy(d)
-            return Int8Weight.from_codes(q, scales, is_exact=True)
+            return Int8Weight(q, scales, is_exact=True)  # q5_0_codes gives the kernels' order
         q = torch.empty(num_rows, num_cols, dtype=torch.int8)
         scales = torch.empty(num_rows, num_cols // 32, dtype=torch.float32)
         for start in range(0, num_rows, CHUNK_ROWS):

@@ -104,15 +104,19 @@ def dequantize(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> np.nd
 
 
 def q5_0_codes(raw: np.ndarray, num_cols: int) -> tuple[np.ndarray, np.ndarray]:
-    """raw uint8 [N, bytes per row] of a Q5_0 tensor -> (int8 codes [N, K] in element order,
-    float32 scales [N, K / 32]) with w = code * scale exactly: a block is d * (q - 16) with
-    q in 0..31, so the codes are q - 16 and the scale is d (an Int8Weight, like Q8_0)."""
+    """raw uint8 [N, bytes per row] of a Q5_0 tensor -> (int8 codes [N, K] in the kernels' order
+    (Int8Weight.q: per block byte 2i = element i, 2i + 1 = element 16 + i), float32 scales
+    [N, K / 32]) with w = code * scale exactly: a block is d * (q - 16) with q in 0..31, so the
+    codes are q - 16 and the scale is d (an Int8Weight, like Q8_0)."""
     num_rows = raw.shape[0]
     blocks = raw.reshape(num_rows, num_cols // 32, 22)
-    high_bits = np.ascontiguousarray(blocks[..., 2:6]).view("<u4")  # [N, blocks, 1]
-    high = ((high_bits >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4  # [N, blocks, 32]
-    codes = ((_nibbles(blocks[..., 6:]) | high).view(np.int8) - np.int8(16)).reshape(num_rows, num_cols)
-    return codes, _f16(blocks, 0)
+    high = np.unpackbits(blocks[..., 2:6], axis=-1, bitorder="little") << 4  # [N, blocks, 32]: bit j of qh
+    qs = blocks[..., 6:]  # [N, blocks, 16]: element i low nibble, 16 + i high
+    codes = np.empty((num_rows, num_cols // 32, 16, 2), dtype=np.uint8)
+    np.bitwise_or(qs & 0x0F, high[..., :16], out=codes[..., 0])
+    np.bitwise_or(qs >> 4, high[..., 16:], out=codes[..., 1])
+    codes -= 16  # q - 16 as two's complement bytes
+    return codes.view(np.int8).reshape(num_rows, num_cols), _f16(blocks, 0)
 
 
 def int4_from_q4(raw: np.ndarray, ggml_type: int, num_cols: int) -> Int4Weight:

@@ -1,0 +1,26 @@
+# cython: language_level=3
+"""GGUF string arrays (a vocabulary: 50-150k entries, each a little-endian u64 length and its
+bytes) read in one C loop: the Python loop took ~0.1 s per 50k strings at every model load."""
+from cpython.unicode cimport PyUnicode_DecodeUTF8
+from libc.stdint cimport uint64_t, uint8_t
+from libc.string cimport memcpy
+
+
+def read_strings(const uint8_t[::1] buffer, Py_ssize_t offset, Py_ssize_t num_items, bint decode):
+    """-> (list of str or None, the offset after the array, or -1 - the offset of a truncated
+    entry). Invalid UTF-8 is replaced (U+FFFD), as the header reader does."""
+    cdef Py_ssize_t size = buffer.shape[0], end, i
+    cdef uint64_t num_bytes
+    cdef list out = [] if decode else None
+    cdef const uint8_t *data = &buffer[0] if size > 0 else NULL
+    for i in range(num_items):
+        if offset > size - 8:
+            return out, -1 - offset
+        memcpy(&num_bytes, data + offset, 8)  # little-endian hosts (x86-64, aarch64)
+        end = offset + 8
+        if num_bytes > <uint64_t>(size - end):
+            return out, -1 - end
+        offset = end + <Py_ssize_t>num_bytes
+        if decode:
+            out.append(PyUnicode_DecodeUTF8(<const char *>(data + end), <Py_ssize_t>num_bytes, "replace"))
+    return out, offset
