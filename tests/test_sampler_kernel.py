@@ -42,6 +42,12 @@ def _is_borderline(row: np.ndarray, params: SamplingParams, u: float) -> bool:
         limit = params.top_p * sorted_probs.sum()
         if np.any(np.abs(cum_before[sorted_probs > 0] - limit) < SLACK * sorted_probs.sum()):
             return True
+        # Distinct logits whose weights differ by less than float32 can tell (e.g. 0 and 2e-16):
+        # the kernel's weights tie and it keeps the lower id first, exact arithmetic does not.
+        positive = sorted_probs[sorted_probs > 0]
+        gaps = positive[:-1] - positive[1:]
+        if np.any((gaps > 0) & (gaps < SLACK * positive[0])):
+            return True
     cdf = np.cumsum(kept)
     return bool(np.any(np.abs(cdf - u * cdf[-1]) < SLACK * cdf[-1]))
 

@@ -132,13 +132,26 @@ static int64_t top_heap(const float *x, int64_t n, const float *bmax, int64_t k,
     return count;
 }
 
-/* Ids with x >= floor, ascending; blocks whose max is below floor are skipped. */
-static int64_t collect_at_least(const float *x, int64_t n, const float *bmax, float floor, int32_t *out) {
+/* Ids with x >= floor, ascending; blocks whose max is below floor are skipped, and within a
+ * block 8 values are compared at once into a bit mask walked with ctz (a branch per value
+ * mispredicted whenever the candidates are many, as with penalties and min_p). */
+SK_CLONES static int64_t collect_at_least(const float *x, int64_t n, const float *bmax, float floor, int32_t *out) {
     int64_t count = 0;
+    const vf8 fl = {floor, floor, floor, floor, floor, floor, floor, floor};
+    const vi8 lane_bits = {1, 2, 4, 8, 16, 32, 64, 128};
     for (int64_t b = 0, start = 0; start < n; b++, start += SK_BLOCK_MAX) {
         if (!(bmax[b] >= floor)) continue;
         int64_t end = start + SK_BLOCK_MAX <= n ? start + SK_BLOCK_MAX : n;
-        for (int64_t i = start; i < end; i++)
+        int64_t i = start;
+        for (; i + 8 <= end; i += 8) {
+            vi8 bits = (load8(x + i) >= fl) & lane_bits;  /* bit k set: x[i + k] >= floor */
+            bits |= __builtin_shufflevector(bits, bits, 4, 5, 6, 7, 0, 1, 2, 3);
+            bits |= __builtin_shufflevector(bits, bits, 2, 3, 0, 1, 6, 7, 4, 5);
+            bits |= __builtin_shufflevector(bits, bits, 1, 0, 3, 2, 5, 4, 7, 6);
+            for (uint32_t mask = (uint32_t)bits[0]; mask != 0; mask &= mask - 1)
+                out[count++] = (int32_t)(i + __builtin_ctz(mask));
+        }
+        for (; i < end; i++)
             if (x[i] >= floor) out[count++] = (int32_t)i;
     }
     return count;
@@ -273,8 +286,10 @@ static inline float select_f(int is_a, float a, float b) {
 
 /* Applies the row's processing in place after block_maxes (the row is in cache by then) and
  * keeps s->bmax exact: a raised value raises its block's max, a lowered one that was its block's
- * max marks the block for a rescan. Returns SK_OK or SK_BAD_ID; *m becomes the new row max. */
-static int process_row(float *row, int64_t vocab, const sk_row *r, Scratch *s, float *m) {
+ * max marks the block for a rescan. Returns SK_OK or SK_BAD_ID; *m becomes the new row max.
+ * Cloned for AVX2: with penalties on, the rescans of lowered block maxima (max_of) are most of
+ * its time. */
+SK_CLONES static int process_row(float *row, int64_t vocab, const sk_row *r, Scratch *s, float *m) {
     float *bmax = s->bmax;
     uint8_t *dirty = s->dirty;
     int is_any_dirty = 0;
