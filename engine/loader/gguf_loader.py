@@ -152,11 +152,12 @@ class GGUFStateDict(Mapping):
         """Q8_0 and Q5_0 -> their own codes and scales (exact); any other type -> dequantized and
         re-quantized per block of 32, a chunk of rows at a time."""
         num_rows, num_cols = info.shape
-        if info.ggml_type == Q8_0:
+        if info.ggml_type == Q8_0:  # d * q: the codes, written once straight into the kernels' order
             blocks = raw.reshape(num_rows, num_cols // 32, 34)
-            q = torch.from_numpy(np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(num_rows, num_cols))
+            q = np.empty((num_rows, num_cols // 32, 16, 2), dtype=np.uint8)  # byte 2i: element i, 2i + 1: 16 + i
+            q[..., 0], q[..., 1] = blocks[..., 2:18], blocks[..., 18:34]
             scales = torch.from_numpy(np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0].astype(np.float32))
-            return Int8Weight.from_codes(q, scales, is_exact=True)
+            return Int8Weight(torch.from_numpy(q.view(np.int8).reshape(num_rows, num_cols)), scales, is_exact=True)
         if info.ggml_type == Q5_0:  # d * (q - 16): exact as codes q - 16 with scale d
             q = torch.empty(num_rows, num_cols, dtype=torch.int8)
             scales = torch.empty(num_rows, num_cols // 32, dtype=torch.float32)
