@@ -29,6 +29,12 @@ def _is_borderline(row: np.ndarray, params: SamplingParams, u: float) -> bool:
     if params.min_p > 0 and np.any(np.abs(probs - params.min_p) < SLACK * params.min_p):
         return True
     kept = weights(row, params)
+    if params.top_k and params.top_k < row.shape[0]:
+        # The kernel keeps exactly k ids by logit (ties: lower id); the reference keeps every id
+        # whose weight ties the k-th (e.g. logits 0 and -1e-45, weight 1 in both): ambiguous.
+        by_prob = np.sort(probs)[::-1]
+        if abs(by_prob[params.top_k - 1] - by_prob[params.top_k]) < SLACK * by_prob[0]:
+            return True
     if params.top_p < 1.0:
         before_top_p = probs.copy()
         if params.min_p > 0:
