@@ -30,6 +30,13 @@ cdef inline int _check(int rc) except -1:
     raise IndexError(_ERRORS.get(rc, f"sampler kernel error {rc}"))
 
 
+def use_avx2(enabled=None) -> bool:
+    """Whether the sampler's hand-written AVX2 passes run (they do when the CPU has AVX2).
+    ``use_avx2(False)`` switches to the portable code, ``use_avx2(True)`` back (for tests of
+    both paths on one machine); returns the state now. Not thread-safe: tests only."""
+    return bool(sk_use_avx2(-1 if enabled is None else (1 if enabled else 0)))
+
+
 @cython.final
 cdef class RandomStream:
     """MT19937 seeded like ``torch.Generator().manual_seed(seed)``; ``random()`` equals

@@ -5,7 +5,7 @@ within 1e-4 of the draw), which the property test recognises and leaves out."""
 import numpy as np
 import pytest
 import torch
-from hypothesis import assume, given, settings, strategies as st
+from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
 from engine.params import SamplingParams
 from engine.sampling import RandomStream, prompt_logprobs, sample
@@ -181,3 +181,52 @@ def test_processing_then_choice_matches_the_reference_over_many_blocks(data, num
             u = RandomStream(p.seed).random()
             if np.isfinite(expected[row]).any() and not _is_borderline(expected[row], p, u):
                 assert token_id == draw(weights(expected[row], p), u)
+
+
+@pytest.fixture(params=["avx2", "portable"])
+def sampler_path(request):
+    """Both implementations of the sampler's row passes on this machine (AVX2 when it has it)."""
+    from cext.sampler import use_avx2
+    before = use_avx2()
+    if request.param == "avx2" and not before:
+        pytest.skip("this CPU has no AVX2")  # the portable run below still covers the logic
+    use_avx2(request.param == "avx2")
+    yield request.param
+    use_avx2(before)
+
+
+long_rows = st.tuples(st.integers(450, 2200), st.integers(0, 2**32 - 1), st.sampled_from([0.5, 3.0, 12.0])).map(
+    lambda t: (np.random.default_rng(t[1]).standard_normal(t[0]) * t[2]).astype(np.float32))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(row=long_rows, params=random_params, data=st.data())
+def test_long_rows_match_the_reference_on_both_paths(sampler_path, row, params, data):
+    # Rows of several groups of 8 blocks (the AVX2 passes work on 8 block maxima at once) and a
+    # ragged tail: block maxima, the top-k heap's masked scan, the min-p candidate scan and the
+    # dense exp pass, against the NumPy definitions.
+    if data.draw(st.booleans()):  # ties and -inf holes
+        row[data.draw(st.lists(st.integers(0, row.shape[0] - 1), max_size=40))] = -np.inf
+        row[data.draw(st.integers(0, row.shape[0] - 1))] = row.max()
+    greedy_ids, _ = sample(torch.from_numpy(row.copy())[None], [SamplingParams(temperature=0)], [None])
+    assert greedy_ids[0] == int(np.argmax(row))
+    if params.is_greedy:
+        return
+    u = RandomStream(params.seed).random()
+    assume(not _is_borderline(row, params, u))
+    ids, _ = sample(torch.from_numpy(row.copy())[None], [params], [RandomStream(params.seed)])
+    assert ids[0] == draw(weights(row, params), u)
+
+
+@pytest.mark.parametrize("vocab", [511, 512, 4099])
+def test_long_row_logprobs_match_the_reference_on_both_paths(sampler_path, vocab):
+    rng = np.random.default_rng(vocab)
+    logits = (rng.standard_normal((2, vocab)) * 4).astype(np.float32)
+    logits[1, ::7] = -np.inf
+    params = [SamplingParams(temperature=t, logprobs=True, top_logprobs=20, seed=3) for t in (0, 0.9)]
+    ids, rows = sample(torch.from_numpy(logits.copy()), params, [None, RandomStream(3)])
+    for row, token_id, lp in zip(logits, ids, rows):
+        logprob, rank, top_ids, top_logprobs = logprob_row(row, token_id, 20)
+        assert lp.logprob == pytest.approx(logprob, abs=1e-5)
+        assert (lp.rank, lp.top_ids) == (rank, top_ids)
+        np.testing.assert_allclose(lp.top_logprobs, top_logprobs, atol=1e-5)

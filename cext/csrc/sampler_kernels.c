@@ -58,6 +58,7 @@ typedef struct {
     Pair *pairs;    /* [V] top-k heap, top-p candidates */
     float *bmax;    /* [V / SK_BLOCK_MAX + 1] the row's block maxima */
     uint8_t *dirty; /* [V / SK_BLOCK_MAX + 1] blocks whose max the processing may have lowered */
+    int32_t *dirty_list; /* [V / SK_BLOCK_MAX + 1] those blocks, each once */
 } Scratch;
 
 static __thread Scratch scratch;
@@ -66,6 +67,8 @@ static Scratch *scratch_for(int64_t vocab) {
     Scratch *s = &scratch;
     if (s->capacity >= vocab) return s;
     free(s->w); free(s->copy); free(s->vals); free(s->cand); free(s->pairs); free(s->bmax); free(s->dirty);
+    free(s->dirty_list);
+    s->dirty_list = malloc((vocab / SK_BLOCK_MAX + 1) * sizeof(int32_t));
     s->bmax = malloc((vocab / SK_BLOCK_MAX + 1) * sizeof(float));
     s->dirty = calloc(vocab / SK_BLOCK_MAX + 1, 1);
     s->w = malloc(vocab * sizeof(float));
@@ -73,8 +76,9 @@ static Scratch *scratch_for(int64_t vocab) {
     s->vals = malloc(vocab * sizeof(float));
     s->cand = malloc(vocab * sizeof(int32_t));
     s->pairs = malloc(vocab * sizeof(Pair));
-    if (!s->w || !s->copy || !s->vals || !s->cand || !s->pairs || !s->bmax || !s->dirty) {
+    if (!s->w || !s->copy || !s->vals || !s->cand || !s->pairs || !s->bmax || !s->dirty || !s->dirty_list) {
         free(s->w); free(s->copy); free(s->vals); free(s->cand); free(s->pairs); free(s->bmax); free(s->dirty);
+        free(s->dirty_list);
         memset(s, 0, sizeof(*s));
         return NULL;
     }
@@ -94,6 +98,13 @@ static int64_t argmax_blocks(const float *x, int64_t n, const float *bmax, float
 
 /* ---- selection ---- */
 
+#if SK_AVX2_PATH
+/* Bit k set: p[k] > v. */
+SK_AVX2 static uint32_t above_mask8(const float *p, float v) {
+    return (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(p), _mm256_set1_ps(v), _CMP_GT_OQ));
+}
+#endif
+
 /* Min-heap of (value, id) by value, then by higher id first: the root is the worst kept. */
 static inline int worse(Pair a, Pair b) { return a.w < b.w || (a.w == b.w && a.id > b.id); }
 
@@ -112,10 +123,27 @@ static void sift_down(Pair *heap, int64_t count, int64_t i) {
  * (min(k, n)). Visits only blocks whose max can enter. */
 static int64_t top_heap(const float *x, int64_t n, const float *bmax, int64_t k, Pair *heap) {
     int64_t count = 0;
+#if SK_AVX2_PATH
+    int is_avx2 = sk_has_avx2();
+#endif
     for (int64_t b = 0, start = 0; start < n; b++, start += SK_BLOCK_MAX) {
         if (count == k && !(bmax[b] > heap[0].w)) continue;
-        int64_t end = start + SK_BLOCK_MAX <= n ? start + SK_BLOCK_MAX : n;
-        for (int64_t i = start; i < end; i++) {
+        int64_t end = start + SK_BLOCK_MAX <= n ? start + SK_BLOCK_MAX : n, i = start;
+#if SK_AVX2_PATH
+        if (count == k && is_avx2) { /* full heap: only the values above its root matter, 8 compared at once */
+            for (; i + 8 <= end; i += 8) {
+                uint32_t mask = above_mask8(x + i, heap[0].w);
+                for (; mask != 0; mask &= mask - 1) {
+                    int64_t id = i + __builtin_ctz(mask);
+                    if (x[id] > heap[0].w) { /* the root rose since the mask was taken */
+                        heap[0] = (Pair){x[id], (int32_t)id};
+                        sift_down(heap, k, 0);
+                    }
+                }
+            }
+        }
+#endif
+        for (; i < end; i++) {
             if (count < k) {
                 heap[count] = (Pair){x[i], (int32_t)i};
                 count++;
@@ -132,10 +160,41 @@ static int64_t top_heap(const float *x, int64_t n, const float *bmax, int64_t k,
     return count;
 }
 
+#if SK_AVX2_PATH
+/* collect_at_least with movemask: 8 block maxima compared at once pick the blocks to scan, and
+ * in a block each 8 values give their bit mask in one instruction (with penalties and min_p,
+ * a few hundred blocks hold candidates; the portable mask reduction was most of their cost). */
+SK_AVX2 static int64_t collect_at_least_avx2(const float *x, int64_t n, const float *bmax, float floor, int32_t *out) {
+    const __m256 fl = _mm256_set1_ps(floor);
+    int64_t count = 0, num_blocks = (n + SK_BLOCK_MAX - 1) / SK_BLOCK_MAX;
+    for (int64_t g = 0; g < num_blocks; g += 8) {
+        uint32_t blocks = 0;
+        if (g + 8 <= num_blocks)
+            blocks = (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(bmax + g), fl, _CMP_GE_OQ));
+        else
+            for (int64_t k = 0; g + k < num_blocks; k++) blocks |= (uint32_t)(bmax[g + k] >= floor) << k;
+        for (; blocks != 0; blocks &= blocks - 1) {
+            int64_t start = (g + __builtin_ctz(blocks)) * SK_BLOCK_MAX;
+            int64_t end = start + SK_BLOCK_MAX <= n ? start + SK_BLOCK_MAX : n, i = start;
+            for (; i + 8 <= end; i += 8)
+                for (uint32_t mask = (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), fl, _CMP_GE_OQ));
+                     mask != 0; mask &= mask - 1)
+                    out[count++] = (int32_t)(i + __builtin_ctz(mask));
+            for (; i < end; i++)
+                if (x[i] >= floor) out[count++] = (int32_t)i;
+        }
+    }
+    return count;
+}
+#endif
+
 /* Ids with x >= floor, ascending; blocks whose max is below floor are skipped, and within a
  * block 8 values are compared at once into a bit mask walked with ctz (a branch per value
  * mispredicted whenever the candidates are many, as with penalties and min_p). */
 SK_CLONES static int64_t collect_at_least(const float *x, int64_t n, const float *bmax, float floor, int32_t *out) {
+#if SK_AVX2_PATH
+    if (sk_has_avx2()) return collect_at_least_avx2(x, n, bmax, floor, out);
+#endif
     int64_t count = 0;
     const vf8 fl = {floor, floor, floor, floor, floor, floor, floor, floor};
     const vi8 lane_bits = {1, 2, 4, 8, 16, 32, 64, 128};
@@ -286,13 +345,14 @@ static inline float select_f(int is_a, float a, float b) {
 
 /* Applies the row's processing in place after block_maxes (the row is in cache by then) and
  * keeps s->bmax exact: a raised value raises its block's max, a lowered one that was its block's
- * max marks the block for a rescan. Returns SK_OK or SK_BAD_ID; *m becomes the new row max.
- * Cloned for AVX2: with penalties on, the rescans of lowered block maxima (max_of) are most of
- * its time. */
+ * max puts the block on a list for a rescan (a walk over every block's flag cost more than
+ * the touched ids). The touched ids are prefetched 16 ahead (they are scattered over the row).
+ * Returns SK_OK or SK_BAD_ID; *m becomes the new row max. Cloned for AVX2. */
 SK_CLONES static int process_row(float *row, int64_t vocab, const sk_row *r, Scratch *s, float *m) {
     float *bmax = s->bmax;
     uint8_t *dirty = s->dirty;
-    int is_any_dirty = 0;
+    int32_t *dirty_list = s->dirty_list;
+    int64_t num_dirty = 0;
     if (r->allowed_ids != NULL) {
         for (int64_t j = 0; j < r->num_allowed; j++) {
             int64_t id = r->allowed_ids[j];
@@ -304,34 +364,38 @@ SK_CLONES static int process_row(float *row, int64_t vocab, const sk_row *r, Scr
         block_maxes(row, vocab, bmax);
     }
     for (int64_t j = 0; j < r->num_masked; j++) {
-        int64_t id = r->masked_ids[j];
+        int64_t id = r->masked_ids[j], b = id / SK_BLOCK_MAX;
         if (id < 0 || id >= vocab) return SK_BAD_ID;
-        if (row[id] == bmax[id / SK_BLOCK_MAX]) dirty[id / SK_BLOCK_MAX] = is_any_dirty = 1;
+        if (row[id] == bmax[b] && !dirty[b]) {
+            dirty[b] = 1;
+            dirty_list[num_dirty++] = (int32_t)b;
+        }
         row[id] = -INFINITY;
     }
     const int64_t *ids = r->ids;
     const float *bias = r->bias, *scale = r->scale, *sub = r->sub;
-    for (int64_t j = 0; j < r->num_touched; j++) {
+    int64_t num_touched = r->num_touched;
+    for (int64_t j = 0; j < num_touched; j++) {
         int64_t id = ids[j], b = id / SK_BLOCK_MAX;
         if (id < 0 || id >= vocab) return SK_BAD_ID;
+        if (j + 16 < num_touched) __builtin_prefetch(row + ids[j + 16], 1); /* a hint: never faults */
         float old = row[id], v = old + bias[j];
         v = select_f(v > 0.0f, v / scale[j], v * scale[j]) - sub[j];
         row[id] = v;
         float block_max = bmax[b];
         bmax[b] = v > block_max ? v : block_max;
-        if (old == block_max && v < old) dirty[b] = is_any_dirty = 1;
+        if (old == block_max && v < old && !dirty[b]) {
+            dirty[b] = 1;
+            dirty_list[num_dirty++] = (int32_t)b;
+        }
     }
     int64_t num_blocks = (vocab + SK_BLOCK_MAX - 1) / SK_BLOCK_MAX;
-    float new_m = -INFINITY;
-    for (int64_t b = 0; b < num_blocks; b++) {
-        if (is_any_dirty && dirty[b]) {
-            dirty[b] = 0;
-            int64_t start = b * SK_BLOCK_MAX;
-            bmax[b] = max_of(row + start, start + SK_BLOCK_MAX <= vocab ? SK_BLOCK_MAX : vocab - start);
-        }
-        new_m = bmax[b] > new_m ? bmax[b] : new_m;
+    for (int64_t k = 0; k < num_dirty; k++) {
+        int64_t b = dirty_list[k], start = b * SK_BLOCK_MAX;
+        dirty[b] = 0;
+        bmax[b] = max_of(row + start, start + SK_BLOCK_MAX <= vocab ? SK_BLOCK_MAX : vocab - start);
     }
-    *m = new_m;
+    *m = max_of(bmax, num_blocks);
     return SK_OK;
 }
 
@@ -382,6 +446,15 @@ int sk_sample_rows(float *logits, int64_t num_rows, int64_t vocab, const sk_row 
                          out->top_logprobs);
     }
     return SK_OK;
+}
+
+int sk_use_avx2(int enabled) {
+#if SK_AVX2_PATH
+    if (enabled >= 0) sk_avx2_state = enabled && __builtin_cpu_supports("avx2");
+#else
+    (void)enabled;
+#endif
+    return sk_has_avx2();
 }
 
 int sk_logprob_rows(const float *logits, int64_t num_rows, int64_t vocab, const int64_t *target_ids,
