@@ -42,9 +42,11 @@ cdef extern from "csrc/fused_kernels.h" nogil:
 
 cdef extern from "csrc/qgemm.h" nogil:
     int fk_q4_matmul(const void* x, int64_t x_stride, int64_t num_rows, int64_t num_cols,
-                     const unsigned char* blocks, int half, int64_t num_out, const float* bias,
+                     const unsigned char* blocks, int half, int high, int64_t num_out, const float* bias,
                      void* y, int64_t y_stride, int dtype)
     int fk_q8_matmul(const void* x, int64_t x_stride, int64_t num_rows, int64_t num_cols,
                      const signed char* q, const float* scales, int64_t num_out, const float* bias,
                      void* y, int64_t y_stride, int dtype)
-    int fk_q4_dequantize(const unsigned char* blocks, int half, int64_t num_out, int64_t num_cols, float* w)
+    int fk_q5_pack(const unsigned char* packed, const unsigned char* high, int64_t num_rows, int64_t num_cols,
+                   unsigned char* out, int64_t out_stride)
+    int fk_q4_dequantize(const unsigned char* blocks, int half, int high, int64_t num_out, int64_t num_cols, float* w)

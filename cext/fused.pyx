@@ -78,12 +78,13 @@ def silu_mul(intptr_t gate_up, intptr_t out, int64_t num_rows, int64_t inter, in
 
 
 def q4_matmul(intptr_t x, int64_t x_stride, int64_t num_rows, int64_t num_cols, intptr_t blocks, bint half,
-              int64_t num_out, intptr_t bias, intptr_t y, int64_t y_stride, int dtype):
+              int64_t num_out, intptr_t bias, intptr_t y, int64_t y_stride, int dtype, bint high=False):
     """y [M, N] = x [M, K] @ W.T (+ bias float32 [N], 0: none) for W in Q4 rows [N, K / 32 * (20 if half
-    else 24)] (csrc/qgemm.h); x quantized to int16 codes per block of 32."""
+    else 24)], or Q5 rows with ``high`` [N, K / 32 * (24 if half else 28)] (csrc/qgemm.h); x quantized
+    to int16 codes per block of 32."""
     cdef int rc
     with nogil:
-        rc = fk_q4_matmul(<const void*>x, x_stride, num_rows, num_cols, <const unsigned char*>blocks, half, num_out,
+        rc = fk_q4_matmul(<const void*>x, x_stride, num_rows, num_cols, <const unsigned char*>blocks, half, high, num_out,
                           <const float*>bias, <void*>y, y_stride, dtype)
     _check(rc)
 
@@ -99,11 +100,21 @@ def q8_matmul(intptr_t x, int64_t x_stride, int64_t num_rows, int64_t num_cols, 
     _check(rc)
 
 
-def q4_dequantize(intptr_t blocks, bint half, int64_t num_out, int64_t num_cols, intptr_t w):
-    """Q4 rows [N, K / 32 * (20 if half else 24)] -> float32 w [N, K]."""
+def q5_pack(intptr_t packed, intptr_t high, int64_t num_rows, int64_t num_cols, intptr_t out, int64_t out_stride):
+    """Q5 codes in ggml's order (nibbles [N, K / 2], fifth bits [N, K / 8]) -> the kernels' 40-byte
+    pair records, row n at out + n * out_stride (csrc/qgemm.h)."""
     cdef int rc
     with nogil:
-        rc = fk_q4_dequantize(<const unsigned char*>blocks, half, num_out, num_cols, <float*>w)
+        rc = fk_q5_pack(<const unsigned char*>packed, <const unsigned char*>high, num_rows, num_cols,
+                        <unsigned char*>out, out_stride)
+    _check(rc)
+
+
+def q4_dequantize(intptr_t blocks, bint half, int64_t num_out, int64_t num_cols, intptr_t w, bint high=False):
+    """Q4 (or Q5: ``high``) rows -> float32 w [N, K]."""
+    cdef int rc
+    with nogil:
+        rc = fk_q4_dequantize(<const unsigned char*>blocks, half, high, num_out, num_cols, <float*>w)
     _check(rc)
 
 

@@ -59,7 +59,7 @@ class Engine:
         lines otherwise). A model this process already holds for another engine (same file,
         same load options) is shared, not loaded again.
         """
-        from .loader import default_model_path, load_model
+        from .loader import default_model_path, load_model, release_free_heap
         from .models.threads import apply_thread_policy
         from .startup import LoadProgress, check_model_path
         from .tokenizer import load_tokenizer
@@ -85,6 +85,7 @@ class Engine:
                     pass
             load.stage("allocating KV cache")
             eng = cls(loaded, tokenizer, **runtime_options)
+        release_free_heap()
         eng.model_path = path
         return eng
 

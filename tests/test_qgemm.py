@@ -12,7 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cext import fused as cfused
-from engine.models.linear import GROUP_SIZE, KERNEL_MAX_ROWS, Int4Weight, Int8Weight, Linear, blocks_to_int4
+from engine.models.linear import (GROUP_SIZE, KERNEL_MAX_ROWS, Int4Weight, Int5Weight, Int8Weight, Linear, blocks_to_int4,
+                                  cat_rows)
 from test_fused_kernels import ISAS
 
 SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -40,12 +41,15 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
     return codes.double(), (amax / 32767).double(), blocks.sum(-1).double()
 
 
-def emulate_int4(x: torch.Tensor, weight: Int4Weight, half: bool) -> torch.Tensor:
+def emulate_int4(x: torch.Tensor, weight: Int4Weight | Int5Weight, half: bool) -> torch.Tensor:
+    """Int5: the kernels take signed codes q - 16 and the min m + 16 d (with x's exact block sums)."""
     codes, dx, sx = quantize_activations(x)
     num_rows, num_cols = weight.shape
-    q = weight.codes.reshape(num_rows, -1, GROUP_SIZE).double()  # [N, K/32, 32]
-    scales, mins = (weight.scales.half().double(), weight.mins.half().double()) if half else (
-        weight.scales.double(), weight.mins.double())
+    is_int5 = isinstance(weight, Int5Weight)
+    q = weight.codes.reshape(num_rows, -1, GROUP_SIZE).double() - (16 if is_int5 else 0)  # [N, K/32, 32]
+    weight_mins = weight.kernel_mins if is_int5 else weight.mins
+    scales, mins = (weight.scales.half().double(), weight_mins.half().double()) if half else (
+        weight.scales.double(), weight_mins.double())
     dots = torch.einsum("mbj,nbj->mnb", codes, q)  # [M, N, K/32] integers
     return (dots * dx[:, None] * scales[None] + sx[:, None] * mins[None]).sum(-1)  # [M, N]
 
@@ -84,6 +88,64 @@ def test_int4_product_matches_its_definition(variant, num_rows, num_out, groups,
     y = linear(x)
     assert y.dtype == dtype and y.shape == (num_rows, num_out)
     _check(y, emulate_int4(x, weight, half) + bias.double(), dtype)
+
+
+def random_int5(gen: torch.Generator, num_out: int, num_cols: int, half: bool, is_q5_0: bool) -> Int5Weight:
+    """Codes over all of 0..31 (every fifth bit pattern); Q5_0's min -16 d or Q5_1's own min."""
+    codes = torch.randint(0, 32, (num_out, num_cols), generator=gen, dtype=torch.uint8)
+    scales = torch.rand(num_out, num_cols // GROUP_SIZE, generator=gen) * 0.01
+    mins = -16 * scales if is_q5_0 else torch.randn(num_out, num_cols // GROUP_SIZE, generator=gen) * 0.1
+    if half:
+        scales, mins = scales.half().float(), mins.half().float()
+    return Int5Weight.from_codes(codes, scales, mins)
+
+
+@SETTINGS
+@given(num_rows=st.integers(1, KERNEL_MAX_ROWS), num_out=st.integers(1, 37), groups=st.sampled_from([2, 4, 18]),
+       half=st.booleans(), is_q5_0=st.booleans(), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       seed=st.integers(0, 2 ** 16))
+def test_int5_product_matches_its_definition(variant, num_rows, num_out, groups, half, is_q5_0, dtype, seed):
+    _, x, bias = _inputs(seed, num_rows, num_out, GROUP_SIZE * groups, dtype)
+    weight = random_int5(torch.Generator().manual_seed(seed), num_out, GROUP_SIZE * groups, half, is_q5_0)
+    linear = Linear(weight, bias)
+    assert linear.format == "int5" and (linear._half == half or not is_q5_0)  # Q5_1: m + 16 d may need float32
+    y = linear(x)
+    assert y.dtype == dtype and y.shape == (num_rows, num_out)
+    _check(y, emulate_int4(x, weight, linear._half) + bias.double(), dtype)
+
+
+@pytest.mark.parametrize("half", [False, True])
+def test_int5_codes_layout_and_dequantize_are_exact(half, monkeypatch):
+    gen = torch.Generator().manual_seed(7)
+    weight = random_int5(gen, 9, 256, half, is_q5_0=True)
+    in_c = weight.blocks(half)  # cext's packing loop against the NumPy definition of the layout
+    monkeypatch.setattr("engine.models.linear._qgemm", None)
+    assert torch.equal(weight.blocks(half), in_c)
+    monkeypatch.undo()
+    assert torch.equal(Int5Weight.from_codes(weight.codes, weight.scales, weight.mins).high, weight.high)
+    # The kernels' form d * (q - 16) + (m + 16 d): for Q5_0 with fp16 d, exactly the file's d * (q - 16)
+    exact = (weight.codes.reshape(9, -1, GROUP_SIZE).double() - 16) * weight.scales[..., None].double()
+    torch.testing.assert_close(Linear(weight).dequantize().double(), exact.reshape(9, 256), atol=0,
+                               rtol=0 if half else 1e-6)
+    as_int8 = weight.to_int8()  # Q5_0: codes q - 16, scale d
+    assert as_int8.is_exact
+    if half:  # fp16 scales, as in a file: d * q and d * q - 16 d are exact in float32 either way
+        assert torch.equal(as_int8.dequantize(), weight.dequantize())
+    torch.testing.assert_close(as_int8.dequantize(), weight.dequantize(), atol=0, rtol=1e-6)
+    assert Linear(random_int5(gen, 3, 96, half, True)).format == "int8"  # K = 96: no pair layout
+
+
+def test_fused_layers_keep_int5_exact():
+    gen = torch.Generator().manual_seed(3)
+    q5 = random_int5(gen, 6, 128, True, is_q5_0=True)  # fp16 scales, as a file has
+    q4 = Int4Weight.from_dense(torch.randn(4, 128, generator=gen))
+    q8 = Int8Weight.from_dense(torch.randn(5, 128, generator=gen))
+    mixed = cat_rows([q5, q4])  # int4 rows join as int5 with fifth bits 0
+    assert isinstance(mixed, Int5Weight)
+    assert torch.equal(mixed.dequantize(), torch.cat((q5.dequantize(), q4.dequantize())))
+    with_int8 = cat_rows([q5, q8])  # a Q8_0 V beside Q5_0 Q/K: int8, exact
+    assert isinstance(with_int8, Int8Weight)
+    assert torch.equal(with_int8.dequantize(), torch.cat((q5.dequantize(), q8.dequantize())))
 
 
 @SETTINGS

@@ -12,8 +12,8 @@ import torch
 from engine.gguf_file import GGUFFile
 from engine.loader import load_model, resolve_options
 from engine.loader.gguf_loader import GGUFStateDict, read_config
-from engine.loader.repack import Q4_0, Q4_1, Q4_K, MappedRows, dequantize, int4_from_q4
-from engine.models.linear import Int4Weight, Int8Weight, Linear, cat_rows
+from engine.loader.repack import Q4_0, Q4_1, Q4_K, MappedRows, dequantize, int4_from_q4, int5_from_q5
+from engine.models.linear import Int4Weight, Int5Weight, Int8Weight, Linear, cat_rows
 from model_fixtures import qwen_gguf, smollm2_gguf  # noqa: F401 (fixtures)
 
 ATOL = 1e-4
@@ -72,6 +72,24 @@ def test_int4_repack_of_gguf_quantized_weights(qtype):
     exact = gguf_dequantize(raw, int(ggml_type), 256)
     assert (exact - torch.from_numpy(w)).abs().max() < 0.02  # really a 4-bit approximation of w
     assert_int4_product_exact(int4_from_q4(raw, int(ggml_type), 256), exact)
+
+
+@pytest.mark.parametrize("qtype", ["Q5_0", "Q5_1"])
+def test_int5_repack_of_gguf_quantized_weights(qtype):
+    ggml_type = gguf.GGMLQuantizationType[qtype]
+    w = np.random.default_rng(2).standard_normal((24, 256)).astype(np.float32) * 0.02
+    raw = gguf.quants.quantize(w, ggml_type)  # [24, bytes per row]
+    exact = gguf_dequantize(raw, int(ggml_type), 256)
+    assert (exact - torch.from_numpy(w)).abs().max() < 0.01  # a 5-bit approximation of w
+    int5 = int5_from_q5(raw, int(ggml_type), 256)
+    torch.testing.assert_close(int5.dequantize(), exact, atol=0, rtol=0)
+    linear = Linear(int5)
+    assert linear.format == "int5"
+    torch.testing.assert_close(linear.dequantize(), exact, atol=1e-7, rtol=0)  # (m + 16 d) - 16 d: float32 rounding
+    x = torch.randn(3, 256)
+    torch.testing.assert_close(Linear(int5, quantized_dtype=torch.float32)(x), x @ exact.T, atol=ATOL, rtol=1e-5)
+    permuted = int5.map_rows(lambda t: t.flip(0))
+    torch.testing.assert_close(permuted.dequantize(), exact.flip(0), atol=0, rtol=0)
 
 
 def test_fused_rows_and_permutation_keep_codes_scales_zeros_together():
@@ -138,7 +156,7 @@ def test_smollm2_q4_1_tensors_repack_exactly(smollm2_gguf, name):  # noqa: F811
     assert_int4_product_exact(int4, exact)
 
 
-def test_qwen_tensors_q4_k_exact_and_others_int8(qwen_gguf):  # noqa: F811
+def test_qwen_tensors_q4_k_and_q5_0_exact_and_others_int8(qwen_gguf):  # noqa: F811
     with GGUFFile(qwen_gguf) as f:
         q4_k = [n for n, t in f.tensors.items() if t.ggml_type == Q4_K]
         types = {t.ggml_type for t in f.tensors.values()}
@@ -153,9 +171,15 @@ def test_qwen_tensors_q4_k_exact_and_others_int8(qwen_gguf):  # noqa: F811
     down = auto[names[0]]
     assert isinstance(down, Int4Weight)
     assert_int4_product_exact(down, exact[names[0]])
-    q = auto[names[1]]  # Q5_0 -> its own codes q - 16 and scales d: exact
-    assert isinstance(q, Int8Weight) and q.is_exact and int(q.codes.min()) >= -16 and int(q.codes.max()) <= 15
+    q = auto[names[1]]  # Q5_0 -> Int5Weight (the file's nibbles and fifth bits, scale d, min -16 d): exact
+    assert isinstance(q, Int5Weight)
     torch.testing.assert_close(q.dequantize(), exact[names[1]], atol=0, rtol=0)
+    linear = Linear(q)
+    assert (linear.format, linear._half) == ("int5", True)
+    torch.testing.assert_close(linear.dequantize(), exact[names[1]], atol=0, rtol=0)  # the kernels' layout
+    as_int8 = q.to_int8()  # what a fused layer beside a Q8_0 tensor gets: codes q - 16, scales d
+    assert as_int8.is_exact and int(as_int8.codes.min()) >= -16 and int(as_int8.codes.max()) <= 15
+    torch.testing.assert_close(as_int8.dequantize(), exact[names[1]], atol=0, rtol=0)
     q6 = auto[names[2]]  # Q6_K -> int8 per block, within half an int8 step of the exact weight
     assert isinstance(q6, Int8Weight) and not q6.is_exact
     assert ((q6.dequantize() - exact[names[2]]).abs() <= block_step(exact[names[2]]) / 2 + 1e-6).all()

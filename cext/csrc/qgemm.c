@@ -26,7 +26,7 @@ typedef struct {
     const float *dx;    /* [M, K / 32] block scales of x */
     const float *sx;    /* [M, K / 32] exact block sums of x (Q4's m term) */
     int64_t num_rows, num_cols;
-    const uint8_t *blocks; int half;       /* Q4 (half: fp16 scales and mins) */
+    const uint8_t *blocks; int half, high; /* Q4 (half: fp16 scales and mins; high: Q5's fifth bits) */
     const int8_t *q8; const float *scales; /* Q8 */
     const float *bias;
     void *y; int64_t y_stride; int dtype;
@@ -68,7 +68,12 @@ static inline float half_to_float(uint16_t h) {
     return f;
 }
 
-static inline int64_t q4_row_bytes(int64_t nb, int half) { return nb * (half ? 20 : 24); }
+/* A pair of blocks: 32 bytes of nibbles, and for Q5 rows 8 more of fifth bits. */
+static inline int64_t q4_pair_bytes(int high) { return high ? 40 : 32; }
+
+static inline int64_t q4_row_bytes(int64_t nb, int half, int high) {
+    return nb * (half ? 4 : 8) + nb / 2 * q4_pair_bytes(high);
+}
 
 /* Block b's scale (which = 0) or min (which = 1) of a Q4 row. */
 static inline float q4_scale(const uint8_t *row, int64_t nb, int64_t b, int half, int which) {
@@ -89,6 +94,23 @@ static inline int q4_code(const uint8_t *pair, int e) {
     const int quarter = e / 16, i = e % 16;
     return (pair[2 * i + quarter / 2] >> (4 * (quarter % 2))) & 0x0F;
 }
+
+/* Element e of a Q5 pair, as a signed code c in -16..15 (w = d * c + m): word i of the pair's
+ * first 32 bytes holds the 5-bit two's complement fields of elements 48 + i (bits 11..15),
+ * 32 + i (6..10), 16 + i (1..5) and the top bit of element i (bit 0), whose low 4 bits are
+ * nibble i of the 8 bytes after (byte i / 2, low nibble first). */
+static inline int q5_code(const uint8_t *pair, int e) {
+    const int quarter = e / 16, i = e % 16;
+    const int word = pair[2 * i] | (pair[2 * i + 1] << 8);
+    int field;
+    if (quarter == 0)
+        field = ((pair[32 + i / 2] >> (4 * (i % 2))) & 0x0F) | ((word & 1) << 4);
+    else
+        field = (word >> (5 * quarter - 4)) & 0x1F;
+    return field >= 16 ? field - 32 : field;
+}
+
+static inline int q45_code(const uint8_t *pair, int e, int high) { return high ? q5_code(pair, e) : q4_code(pair, e); }
 
 /* Element j (0..31) of a Q8 block: word i = j % 16 holds elements i (low byte) and 16 + i
  * (high byte), so sign-extending shifts of the words give two runs of 16 elements. */
@@ -130,18 +152,18 @@ static void q4_range_scalar(const void *p, int64_t n0, int64_t n1, float *scratc
     const QArgs *a = (const QArgs *)p;
     const int64_t K = a->num_cols, nb = K / QK_BLOCK;
     for (int64_t n = n0; n < n1; n++) {
-        const uint8_t *row = a->blocks + n * q4_row_bytes(nb, a->half);
+        const uint8_t *row = a->blocks + n * q4_row_bytes(nb, a->half, a->high);
         const uint8_t *codes = row + nb * (a->half ? 4 : 8);
         const float bias = a->bias ? a->bias[n] : 0.0f;
         for (int64_t i = 0; i < a->num_rows; i++) {
             float acc = 0.0f;
             for (int64_t b = 0; b < nb; b++) {
                 const float db = q4_scale(row, nb, b, a->half, 0), mb = q4_scale(row, nb, b, a->half, 1);
-                const uint8_t *pair = codes + (b / 2) * 32;
+                const uint8_t *pair = codes + (b / 2) * q4_pair_bytes(a->high);
                 const int first = (int)(b % 2) * QK_BLOCK;  /* block b: elements first .. first + 31 of its pair */
                 const int16_t *xq = a->qx + i * K + b * QK_BLOCK;
                 int32_t dot = 0;
-                for (int j = 0; j < QK_BLOCK; j++) dot += q4_code(pair, first + j) * xq[j];
+                for (int j = 0; j < QK_BLOCK; j++) dot += q45_code(pair, first + j, a->high) * xq[j];
                 acc += db * a->dx[i * nb + b] * (float)dot + mb * a->sx[i * nb + b];
             }
             store_out(a, i, n, acc + bias);
@@ -206,12 +228,23 @@ __attribute__((target("avx2,fma,f16c"))) static inline __m256 q4_load8(const uin
     return _mm256_loadu_ps((const float *)p + b);
 }
 
+__attribute__((target("avx2,fma,f16c"))) static inline float q4_scale_f16c(const uint8_t *row, int64_t nb, int64_t b,
+                                                                          int half, int which) {
+    if (half) {
+        uint16_t h;
+        memcpy(&h, row + (which * nb + b) * 2, 2);
+        return _cvtsh_ss(h);
+    }
+    return q4_scale(row, nb, b, half, which);
+}
+
 __attribute__((target("avx2,fma,f16c"), always_inline)) static inline void q4_tile_avx2(
-        const QArgs *a, int64_t n, int nr, int64_t i0, const int TR, const uint8_t *const *rows,
+        const QArgs *a, int64_t n, int nr, int64_t i0, const int TR, const int HIGH, const uint8_t *const *rows,
         float *scales) {
     const int64_t K = a->num_cols, nb = K / QK_BLOCK;
     const int half = a->half;
     const __m256i nibble = _mm256_set1_epi16(0x000F);
+    const int64_t pair_bytes = q4_pair_bytes(HIGH);
     const int16_t *xrow[QG_TR];
     const uint8_t *codes[QG_NR];
     float macc[QG_NR][QG_TR];
@@ -230,9 +263,9 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) static inline void q4_ti
                 mv = _mm256_fmadd_ps(q4_load8(m, b, half), _mm256_loadu_ps(sx + b), mv);
             }
             float mm = hsum_avx2(mv);
-            for (; b < nb; b++) {
-                sc[b] = q4_scale(rows[k], nb, b, half, 0) * dx[b];
-                mm += q4_scale(rows[k], nb, b, half, 1) * sx[b];
+            for (; b < nb; b++) { /* the tail (K = 896: 4 of 28 blocks) with F16C, not the portable conversion */
+                sc[b] = q4_scale_f16c(rows[k], nb, b, half, 0) * dx[b];
+                mm += q4_scale_f16c(rows[k], nb, b, half, 1) * sx[b];
             }
             macc[k][r] = mm;
             acc[k][r] = _mm256_setzero_ps();
@@ -240,11 +273,23 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) static inline void q4_ti
     }
     for (int64_t b = 0; b < nb; b += 2) {
         for (int k = 0; k < QG_NR; k++) {
-            const __m256i v = _mm256_loadu_si256((const __m256i *)(codes[k] + b * 16));
-            const __m256i w00 = _mm256_and_si256(v, nibble);                         /* elements 0..15 */
-            const __m256i w01 = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);  /* 16..31 */
-            const __m256i w10 = _mm256_and_si256(_mm256_srli_epi16(v, 8), nibble);  /* 32..47: block b + 1 */
-            const __m256i w11 = _mm256_srli_epi16(v, 12);                            /* 48..63 */
+            const uint8_t *pair = codes[k] + (b / 2) * pair_bytes;
+            const __m256i v = _mm256_loadu_si256((const __m256i *)pair);
+            __m256i w00, w01, w10, w11;
+            if (HIGH) { /* Q5: word i = c3 (bits 11-15), c2 (6-10), c1 (1-5), c0's sign bit (0); the
+                         * nibble after: c0's low 4 bits. Arithmetic shifts sign-extend each field. */
+                const __m128i p = _mm_loadl_epi64((const __m128i *)(pair + 32));
+                const __m256i low = _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_unpacklo_epi8(_mm_slli_epi16(p, 4), p)), 7);
+                w00 = _mm256_srai_epi16(_mm256_or_si256(_mm256_slli_epi16(v, 15), low), 11);  /* bits 7-10: don't care */
+                w01 = _mm256_srai_epi16(_mm256_slli_epi16(v, 10), 11);
+                w10 = _mm256_srai_epi16(_mm256_slli_epi16(v, 5), 11);
+                w11 = _mm256_srai_epi16(v, 11);
+            } else {
+                w00 = _mm256_and_si256(v, nibble);                         /* elements 0..15 */
+                w01 = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);  /* 16..31 */
+                w10 = _mm256_and_si256(_mm256_srli_epi16(v, 8), nibble);  /* 32..47: block b + 1 */
+                w11 = _mm256_srli_epi16(v, 12);                            /* 48..63 */
+            }
             for (int r = 0; r < TR; r++) {
                 const int16_t *x = xrow[r] + b * QK_BLOCK;
                 const float *sc = scales + (k * QG_TR + r) * nb + b;
@@ -267,15 +312,20 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) static inline void q4_ti
 __attribute__((target("avx2,fma,f16c"))) static void q4_range_avx2(const void *p, int64_t n0, int64_t n1,
                                                                   float *scratch) {
     const QArgs *a = (const QArgs *)p;
-    const int64_t row_bytes = q4_row_bytes(a->num_cols / QK_BLOCK, a->half);
+    const int64_t row_bytes = q4_row_bytes(a->num_cols / QK_BLOCK, a->half, a->high);
     for (int64_t n = n0; n < n1; n += QG_NR) {
         const int nr = n1 - n < QG_NR ? (int)(n1 - n) : QG_NR;
         const uint8_t *rows[QG_NR];
         for (int k = 0; k < QG_NR; k++) rows[k] = a->blocks + (n + (k < nr ? k : 0)) * row_bytes;
         prefetch_ahead(a->blocks + n * row_bytes, QG_NR * row_bytes, a->blocks + n1 * row_bytes);
         int64_t i0 = 0;
-        for (; i0 + QG_TR <= a->num_rows; i0 += QG_TR) q4_tile_avx2(a, n, nr, i0, QG_TR, rows, scratch);
-        if (i0 < a->num_rows) q4_tile_avx2(a, n, nr, i0, 1, rows, scratch);
+        if (a->high) {
+            for (; i0 + QG_TR <= a->num_rows; i0 += QG_TR) q4_tile_avx2(a, n, nr, i0, QG_TR, 1, rows, scratch);
+            if (i0 < a->num_rows) q4_tile_avx2(a, n, nr, i0, 1, 1, rows, scratch);
+        } else {
+            for (; i0 + QG_TR <= a->num_rows; i0 += QG_TR) q4_tile_avx2(a, n, nr, i0, QG_TR, 0, rows, scratch);
+            if (i0 < a->num_rows) q4_tile_avx2(a, n, nr, i0, 1, 0, rows, scratch);
+        }
     }
 }
 
@@ -360,31 +410,62 @@ static int run(QArgs *a, const void *x, int64_t x_stride, int is_q4) {
 }
 
 int fk_q4_matmul(const void *x, int64_t x_stride, int64_t num_rows, int64_t num_cols,
-                 const uint8_t *blocks, int half, int64_t num_out, const float *bias,
+                 const uint8_t *blocks, int half, int high, int64_t num_out, const float *bias,
                  void *y, int64_t y_stride, int dtype) {
-    QArgs a = {NULL, NULL, NULL, num_rows, num_cols, blocks, half, NULL, NULL, bias, y, y_stride, dtype, num_out};
+    QArgs a = {NULL, NULL, NULL, num_rows, num_cols, blocks, half, high != 0, NULL, NULL, bias, y, y_stride, dtype,
+               num_out};
     return run(&a, x, x_stride, 1);
 }
 
 int fk_q8_matmul(const void *x, int64_t x_stride, int64_t num_rows, int64_t num_cols,
                  const int8_t *q, const float *scales, int64_t num_out, const float *bias,
                  void *y, int64_t y_stride, int dtype) {
-    QArgs a = {NULL, NULL, NULL, num_rows, num_cols, NULL, 0, q, scales, bias, y, y_stride, dtype, num_out};
+    QArgs a = {NULL, NULL, NULL, num_rows, num_cols, NULL, 0, 0, q, scales, bias, y, y_stride, dtype, num_out};
     return run(&a, x, x_stride, 0);
 }
 
-int fk_q4_dequantize(const uint8_t *blocks, int half, int64_t num_out, int64_t num_cols, float *w) {
+int fk_q4_dequantize(const uint8_t *blocks, int half, int high, int64_t num_out, int64_t num_cols, float *w) {
     if (num_cols <= 0 || num_cols % (2 * QK_BLOCK) != 0) return FK_BAD_LENGTH;
     const int64_t nb = num_cols / QK_BLOCK;
     for (int64_t n = 0; n < num_out; n++) {
-        const uint8_t *row = blocks + n * q4_row_bytes(nb, half);
+        const uint8_t *row = blocks + n * q4_row_bytes(nb, half, high);
         const uint8_t *codes = row + nb * (half ? 4 : 8);
         float *out = w + n * num_cols;
         for (int64_t b = 0; b < nb; b++) {
-            const uint8_t *pair = codes + (b / 2) * 32;
+            const uint8_t *pair = codes + (b / 2) * q4_pair_bytes(high);
             const int first = (int)(b % 2) * QK_BLOCK;
             const float d = q4_scale(row, nb, b, half, 0), m = q4_scale(row, nb, b, half, 1);
-            for (int j = 0; j < QK_BLOCK; j++) out[b * QK_BLOCK + j] = d * (float)q4_code(pair, first + j) + m;
+            for (int j = 0; j < QK_BLOCK; j++) out[b * QK_BLOCK + j] = d * (float)q45_code(pair, first + j, high) + m;
+        }
+    }
+    return FK_OK;
+}
+
+int fk_q5_pack(const uint8_t *packed, const uint8_t *high, int64_t num_rows, int64_t num_cols, uint8_t *out,
+               int64_t out_stride) {
+    if (num_cols <= 0 || num_cols % (2 * QK_BLOCK) != 0) return FK_BAD_LENGTH;
+    const int64_t num_pairs = num_cols / (2 * QK_BLOCK);
+    for (int64_t n = 0; n < num_rows; n++) {
+        const uint8_t *nib = packed + n * (num_cols / 2), *qh = high + n * (num_cols / 8);
+        uint8_t *dst = out + n * out_stride;
+        for (int64_t p = 0; p < num_pairs; p++, nib += 32, qh += 8, dst += 40) {
+            uint32_t h0, h1;  /* the pair's two blocks' fifth bits, bit j = element j */
+            memcpy(&h0, qh, 4);
+            memcpy(&h1, qh + 4, 4);
+            for (int i = 0; i < 16; i++) {
+                /* 5-bit two's complement of q - 16 is q ^ 16: flip the fifth bit */
+                const int c0 = ((nib[i] & 0x0F) | (((h0 >> i) & 1) << 4)) ^ 16;
+                const int c1 = ((nib[i] >> 4) | (((h0 >> (16 + i)) & 1) << 4)) ^ 16;
+                const int c2 = ((nib[16 + i] & 0x0F) | (((h1 >> i) & 1) << 4)) ^ 16;
+                const int c3 = ((nib[16 + i] >> 4) | (((h1 >> (16 + i)) & 1) << 4)) ^ 16;
+                const uint16_t word = (uint16_t)((c3 << 11) | (c2 << 6) | (c1 << 1) | (c0 >> 4));
+                dst[2 * i] = (uint8_t)(word & 0xFF);
+                dst[2 * i + 1] = (uint8_t)(word >> 8);
+                if (i % 2 == 0)
+                    dst[32 + i / 2] = (uint8_t)(c0 & 0x0F);
+                else
+                    dst[32 + i / 2] |= (uint8_t)((c0 & 0x0F) << 4);
+            }
         }
     }
     return FK_OK;

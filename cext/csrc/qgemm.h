@@ -14,6 +14,13 @@
  *   (the pair's 64 elements: block 2p then 2p + 1), so shifts and masks give four runs of 16
  *   consecutive codes with no byte shuffles. K must be a multiple of 64. The m term uses the
  *   exact block sum of x.
+ * - Q5 rows (`high`): w = d[b] * c + m[b] with a signed code c in -16..15 (ggml's Q5_0
+ *   d * (q - 16) is c = q - 16, m = 0; Q5_1 d * q + m is m + 16 d). Per pair of blocks 40
+ *   bytes: 16-bit word i holds the 5-bit two's complement codes of elements 48 + i (bits
+ *   11..15), 32 + i (6..10), 16 + i (1..5) and the top bit of element i (bit 0); the 8 bytes
+ *   after hold element i's low 4 bits as nibble i (byte i / 2, low nibble first). Shifts
+ *   left then arithmetic shifts right give each run of 16 codes, sign-extended. 24 (half)
+ *   or 28 bytes per block of 32 in all, against int8's 36.
  * - Q8 rows: int8 q [N, K] and float32 scales [N, K / 32]: w = q * scale per block of 32
  *   (ggml's Q8_0), each block's bytes interleaved as word i = elements i and 16 + i (again
  *   two runs of 16 from shifts alone).
@@ -30,14 +37,20 @@
 #define QK_BLOCK 32
 
 int fk_q4_matmul(const void *x, int64_t x_stride, int64_t num_rows, int64_t num_cols,
-                 const uint8_t *blocks, int half, int64_t num_out, const float *bias,
+                 const uint8_t *blocks, int half, int high, int64_t num_out, const float *bias,
                  void *y, int64_t y_stride, int dtype);
 
 int fk_q8_matmul(const void *x, int64_t x_stride, int64_t num_rows, int64_t num_cols,
                  const int8_t *q, const float *scales, int64_t num_out, const float *bias,
                  void *y, int64_t y_stride, int dtype);
 
-/* Q4 rows [N, K / 32 * 24] -> float32 w [N, K]. */
-int fk_q4_dequantize(const uint8_t *blocks, int half, int64_t num_out, int64_t num_cols, float *w);
+/* Q5 rows' codes from ggml's order: packed [N, K / 2] (per block of 32, byte j = element j's
+ * low nibble, element 16 + j's high), high [N, K / 8] (per block a little-endian uint32, bit j
+ * = element j's fifth bit) -> per row the 40-byte pair records at out + n * out_stride. */
+int fk_q5_pack(const uint8_t *packed, const uint8_t *high, int64_t num_rows, int64_t num_cols, uint8_t *out,
+               int64_t out_stride);
+
+/* Q4 (or Q5: high) rows -> float32 w [N, K]. */
+int fk_q4_dequantize(const uint8_t *blocks, int half, int high, int64_t num_out, int64_t num_cols, float *w);
 
 #endif

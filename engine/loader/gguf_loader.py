@@ -14,7 +14,8 @@ import numpy as np
 import torch
 
 from engine.gguf_file import GGUFFile, is_gguf_file
-from engine.loader.repack import INT4_TYPES, PLAIN_TYPES, Q5_0, Q8_0, MappedRows, dequantize, int4_from_q4, q5_0_codes
+from engine.loader.repack import (INT4_TYPES, INT5_TYPES, PLAIN_TYPES, Q5_0, Q8_0, MappedRows, dequantize, int4_from_q4,
+                                  int5_from_q5, q5_0_codes)
 from engine.models.config import ModelConfig
 from engine.models.linear import Int4Weight, Int8Weight, Weight
 from engine.models.llama import resolve_dtype
@@ -88,7 +89,8 @@ class GGUFStateDict(Mapping):
     so the model's one pass over the names holds one tensor's temporaries at a time).
 
     quantization (see engine.loader.QUANTIZATIONS) picks each tensor's format:
-    - "auto": Q4_0/Q4_1/Q4_K projections -> Int4Weight (exact); other quantized projections and
+    - "auto": Q4_0/Q4_1/Q4_K projections -> Int4Weight, Q5_0/Q5_1 -> Int5Weight (both exact; a
+      fused layer mixing Q5_0 with Q8_0 becomes int8, still exact); other quantized projections and
       the head -> Int8Weight with a scale per block of 32 (Q8_0: exact; other types re-quantized,
       and then the head's refined logits and a tied embedding read their rows exactly from the
       map); a quantized untied embedding -> MappedRows (map only);
@@ -126,6 +128,8 @@ class GGUFStateDict(Mapping):
         is_projection = name.startswith("model.layers.")
         if is_projection and info.ggml_type in INT4_TYPES:
             return int4_from_q4(raw, info.ggml_type, info.dims[0])
+        if is_projection and info.ggml_type in INT5_TYPES and self.quantization == "auto":
+            return int5_from_q5(raw, info.ggml_type, info.dims[0])
         if is_projection and self.quantization == "int4":
             return Int4Weight.from_dense(self._dense(raw, info, torch.float32))
         if is_plain:

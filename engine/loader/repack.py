@@ -8,6 +8,8 @@ Int4 (engine.models.linear.Int4Weight): group g of a row is ``q * scale + min`` 
 - Q4_1 (32 per block): ``d * q + m``           -> scale = d, min = m (the codes bytes as they are)
 - Q4_K (256 per super-block, 8 sub-blocks of 32 with 6-bit scales and mins):
   ``d * sc_j * q - dmin * m_j``                -> scale = d sc_j, min = -dmin m_j
+Int5 (Int5Weight, the same with q in 0..31): Q5_0 (``d * (q - 16)``: scale = d, min = -16 d) and
+Q5_1 (``d * q + m``) map onto it exactly, the file's bytes as they are (nibbles and fifth bits).
 Int8 (Int8Weight, a scale per block of 32): Q8_0 (``d * q``) and Q5_0 (``d * (q - 16)``, codes
 q - 16 in -16..15) map onto it exactly. Other types are dequantized (gguf.quants) and
 re-quantized: int8 per block of 32 (absmax / 127) or int4 group-32 (min/max, round to nearest).
@@ -17,10 +19,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from engine.models.linear import GROUP_SIZE, Int4Weight, Int8Weight
+from engine.models.linear import GROUP_SIZE, Int4Weight, Int5Weight, Int8Weight
 
-Q4_0, Q4_1, Q5_0, Q8_0, Q4_K = 2, 3, 6, 8, 12
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K = 2, 3, 6, 7, 8, 12
 INT4_TYPES = (Q4_0, Q4_1, Q4_K)
+INT5_TYPES = (Q5_0, Q5_1)
 PLAIN_TYPES = (0, 1, 30)  # F32, F16, BF16
 
 
@@ -117,6 +120,21 @@ def q5_0_codes(raw: np.ndarray, num_cols: int) -> tuple[np.ndarray, np.ndarray]:
     np.bitwise_or(qs >> 4, high[..., 16:], out=codes[..., 1])
     codes -= 16  # q - 16 as two's complement bytes
     return codes.view(np.int8).reshape(num_rows, num_cols), _f16(blocks, 0)
+
+
+def int5_from_q5(raw: np.ndarray, ggml_type: int, num_cols: int) -> Int5Weight:
+    """raw uint8 [N, bytes per row] of a Q5_0 / Q5_1 tensor -> Int5Weight (exact): the blocks'
+    nibbles and fifth bits copied as they are, scale d, min -16 d (Q5_0) or m (Q5_1)."""
+    num_rows = raw.shape[0]
+    if ggml_type not in INT5_TYPES:
+        raise ValueError(f"ggml type {ggml_type} is not Q5_0 or Q5_1")
+    width = 22 if ggml_type == Q5_0 else 24  # fp16 d (, fp16 m), 4 bytes of fifth bits, 16 of nibbles
+    blocks = raw.reshape(num_rows, num_cols // 32, width)
+    d = _f16(blocks, 0)
+    mins = -16 * d if ggml_type == Q5_0 else _f16(blocks, 2)
+    packed = np.ascontiguousarray(blocks[..., width - 16:]).reshape(num_rows, num_cols // 2)
+    high = np.ascontiguousarray(blocks[..., width - 20:width - 16]).reshape(num_rows, num_cols // 8)
+    return Int5Weight(torch.from_numpy(packed), torch.from_numpy(high), torch.from_numpy(d), torch.from_numpy(mins))
 
 
 def int4_from_q4(raw: np.ndarray, ggml_type: int, num_cols: int) -> Int4Weight:

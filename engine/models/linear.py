@@ -1,5 +1,5 @@
-"""Linear layers over three weight formats: dense (packed once for oneDNN), int4 groups of 32
-and int8 per output row, the quantized ones through our C kernels (cext/csrc/qgemm.c).
+"""Linear layers over four weight formats: dense (packed once for oneDNN), int4 and int5 groups
+of 32, and int8 per block of 32, the quantized ones through our C kernels (cext/csrc/qgemm.c).
 
 Dense: ``F.linear`` hands a plain row-major weight to the BLAS on every call; oneDNN's blocked
 layout, made once at load (``mkldnn._reorder_linear_weight``), was faster at every row count
@@ -8,7 +8,8 @@ are missing or fail (bfloat16 on a CPU without AVX512-BF16, like our AVX2 host) 
 keeps the plain weight and ``F.linear``.
 
 Int4 (``Int4Weight``): w = q * scale + min per group of 32 inputs, q in 0..15 (ggml's form, so
-Q4_0/Q4_1/Q4_K load exactly). Int8 (``Int8Weight``): w = q * scale[row]. Decode-sized products
+Q4_0/Q4_1/Q4_K load exactly). Int5 (``Int5Weight``): the same with q in 0..31 (Q5_0/Q5_1).
+Int8 (``Int8Weight``): w = q * scale per block of 32. Decode-sized products
 (up to KERNEL_MAX_ROWS rows) run in C the way llama.cpp runs them: x quantized to int8 per block
 of 32, integer dot products against the codes (AVX2 maddubs, 32 multiply-adds an instruction),
 weights read once per call and never widened: a decode step is bound by the bytes of weights
@@ -120,6 +121,104 @@ class Int4Weight:
 
 
 @dataclass
+class Int5Weight:
+    """w = q * scale + min per group of 32 inputs, q in 0..31 (ggml's Q5_0 is ``d * q - 16 d``,
+    Q5_1 ``d * q + m``: both load exactly). packed uint8 [N, K / 2]: the low nibbles in
+    Int4Weight's order; high uint8 [N, K / 8]: per group 4 bytes, bit j (little-endian) the
+    fifth bit of element j (ggml's qh); scales, mins float32 [N, K / 32]. The kernels read
+    0.75 bytes per weight (fp16 scales) against int8's 1.125."""
+    packed: torch.Tensor
+    high: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.packed.shape[0], self.packed.shape[1] * 2)
+
+    @property
+    def codes(self) -> torch.Tensor:
+        """-> uint8 [N, K] in 0..31, in element order."""
+        num_rows, num_cols = self.shape
+        low = Int4Weight(self.packed, self.scales, self.mins).codes
+        bits = np.unpackbits(self.high.numpy().reshape(num_rows, num_cols // 8), axis=-1, bitorder="little")
+        return low | (torch.from_numpy(bits) << 4)
+
+    @staticmethod
+    def from_codes(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> Int5Weight:
+        """codes uint8 [N, K] in 0..31 (element order) -> the packed form."""
+        num_rows, num_cols = codes.shape
+        low = Int4Weight.from_codes(codes & 0x0F, scales, mins).packed
+        high = np.packbits((codes >> 4).numpy().astype(np.uint8), axis=-1, bitorder="little")  # [N, K/8]
+        return Int5Weight(low, torch.from_numpy(high), scales, mins)
+
+    @staticmethod
+    def from_int4(weight: Int4Weight) -> Int5Weight:
+        """The same weight with every fifth bit 0 (to join Q5 rows in one fused layer)."""
+        num_rows, num_cols = weight.shape
+        return Int5Weight(weight.packed, torch.zeros(num_rows, num_cols // 8, dtype=torch.uint8), weight.scales,
+                          weight.mins)
+
+    def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Int5Weight:
+        return Int5Weight(fn(self.packed), fn(self.high), fn(self.scales), fn(self.mins))
+
+    @staticmethod
+    def cat(parts: list[Int5Weight]) -> Int5Weight:
+        return Int5Weight(*(torch.cat([getattr(p, n) for p in parts]) for n in ("packed", "high", "scales", "mins")))
+
+    def dequantize(self) -> torch.Tensor:
+        num_rows, num_cols = self.shape
+        groups = self.codes.reshape(num_rows, -1, GROUP_SIZE).float()
+        return (groups * self.scales[..., None] + self.mins[..., None]).reshape(num_rows, num_cols)
+
+    @property
+    def kernel_mins(self) -> torch.Tensor:
+        """The kernels' min: they take signed codes q - 16, so w = scale * (q - 16) + (min + 16 scale)
+        (0 for Q5_0)."""
+        return self.mins + 16 * self.scales
+
+    def is_half_exact(self) -> bool:
+        """Whether the kernels' scales and mins are all fp16 values (Q5_0 files: yes)."""
+        return Int4Weight(self.packed, self.scales, self.kernel_mins).is_half_exact()
+
+    def to_int8(self) -> Int8Weight:
+        """-> Int8Weight: exact when every min is -16 scale (Q5_0: codes q - 16, scale d),
+        else a re-quantization."""
+        if bool((self.mins == -16 * self.scales).all()):
+            codes = (self.codes.to(torch.int16) - 16).to(torch.int8)
+            return Int8Weight.from_codes(codes, self.scales.float(), is_exact=True)
+        return Int8Weight.from_dense(self.dequantize())
+
+    def blocks(self, half: bool = False) -> torch.Tensor:
+        """-> uint8 [N, K / 32 * (24 if half else 28)], the C kernels' Q5 rows (cext/csrc/qgemm.h):
+        per row the scales and kernel_mins (fp16 if half, else float32), then per pair of blocks
+        40 bytes: 16-bit word i = the 5-bit two's complement codes (q - 16) of elements 48 + i,
+        32 + i, 16 + i at bits 11, 6, 1 and the top bit of element i's at bit 0; then element
+        i's low 4 bits as nibble i. K: a multiple of 64."""
+        num_rows, num_cols = self.shape
+        if num_cols % (2 * GROUP_SIZE):
+            raise ValueError(f"Q5 blocks need K a multiple of {2 * GROUP_SIZE}, got {num_cols}")
+        num_groups, num_pairs = num_cols // GROUP_SIZE, num_cols // (2 * GROUP_SIZE)
+        dtype, width = (np.float16, 2) if half else (np.float32, 4)
+        head = num_groups * 2 * width
+        out = np.empty((num_rows, head + num_pairs * 40), dtype=np.uint8)
+        out[:, : num_groups * width] = self.scales.numpy().astype(dtype).view(np.uint8)
+        out[:, num_groups * width: head] = self.kernel_mins.numpy().astype(dtype).view(np.uint8)
+        if _qgemm is not None:  # a C loop: the NumPy below costs ~1.5 s at Qwen2.5-0.5B's load
+            packed, high = self.packed.contiguous(), self.high.contiguous()
+            _qgemm.q5_pack(packed.data_ptr(), high.data_ptr(), num_rows, num_cols, out[:, head:].ctypes.data,
+                           out.shape[1])
+            return torch.from_numpy(out)
+        fields = (self.codes.numpy() ^ 16).reshape(num_rows, num_pairs, 4, 16).astype(np.uint16)  # (q - 16) & 31
+        words = (fields[:, :, 3] << 11) | (fields[:, :, 2] << 6) | (fields[:, :, 1] << 1) | (fields[:, :, 0] >> 4)
+        low = (fields[:, :, 0] & 0x0F).astype(np.uint8)  # [N, pairs, 16]
+        pairs = out[:, head:].reshape(num_rows, num_pairs, 40)
+        pairs[..., :32] = words.astype("<u2").view(np.uint8).reshape(num_rows, num_pairs, 32)
+        pairs[..., 32:] = low[..., 0::2] | (low[..., 1::2] << 4)
+        return torch.from_numpy(out)
+
+
+@dataclass
 class Int8Weight:
     """q int8 [N, K], scales float32 [N, K / 32]: w = q * scale per block of 32 inputs (ggml's
     Q8_0, so a Q8_0 tensor loads exactly). q is kept in the C kernels' order (interleave_q8:
@@ -180,13 +279,18 @@ class Int8Weight:
         return (q * self.scales[..., None]).reshape(num_rows, num_cols)
 
 
-Weight = torch.Tensor | Int4Weight | Int8Weight
+Weight = torch.Tensor | Int4Weight | Int5Weight | Int8Weight
 
 
 def cat_rows(parts: list[Weight]) -> Weight:
     """Concatenate weights along the output rows (fused QKV, gate/up). Parts of one format stay
-    in it; a mix (a Q8_0 V beside Q5_0 Q/K) becomes int8."""
+    in it; int4 beside int5 becomes int5 (exact), int5 (Q5_0) beside int8 (a Q8_0 V beside Q5_0
+    Q/K) becomes int8 (exact), any other mix int8 re-quantized."""
     kinds = {type(p) for p in parts}
+    if kinds == {Int4Weight, Int5Weight}:
+        parts, kinds = [Int5Weight.from_int4(p) if isinstance(p, Int4Weight) else p for p in parts], {Int5Weight}
+    if kinds == {Int5Weight, Int8Weight}:
+        parts, kinds = [p.to_int8() if isinstance(p, Int5Weight) else p for p in parts], {Int8Weight}
     if len(kinds) == 1:
         kind = kinds.pop()
         return torch.cat(parts) if kind is torch.Tensor else kind.cat(parts)
@@ -273,7 +377,13 @@ class Linear:
         self.quantized_dtype = quantized_dtype
         self.weight_dtype = None
         self.bias = None if bias is None else bias.float().contiguous()
-        if isinstance(weight, Int4Weight):
+        if isinstance(weight, Int5Weight) and (self.in_features % (2 * GROUP_SIZE) or _qgemm is None):
+            weight = weight.to_int8()  # no kernel layout: the int8 form (exact for Q5_0)
+        if isinstance(weight, Int5Weight):
+            self.format = "int5"
+            self._half = weight.is_half_exact()
+            self._blocks = weight.blocks(self._half)  # [N, K/32 * (24 or 28)]
+        elif isinstance(weight, Int4Weight):
             self.format = "int4"
             if self.in_features % (2 * GROUP_SIZE) == 0:
                 self._half = weight.is_half_exact()  # fp16 scales where that loses nothing
@@ -315,7 +425,7 @@ class Linear:
         out = torch.empty(self.out_features, self.in_features, dtype=torch.float32)
         if _qgemm is not None:
             _qgemm.q4_dequantize(self._blocks.data_ptr(), self._half, self.out_features, self.in_features,
-                                 out.data_ptr())
+                                 out.data_ptr(), self.format == "int5")
             return out
         return blocks_to_int4(self._blocks, self.in_features, self._half).dequantize()
 
@@ -335,7 +445,8 @@ class Linear:
             bias = 0 if self.bias is None else self.bias.data_ptr()
             if self._blocks is not None:
                 _qgemm.q4_matmul(x.data_ptr(), x.stride(0), num_rows, self.in_features, self._blocks.data_ptr(),
-                                 self._half, self.out_features, bias, y.data_ptr(), self.out_features, code)
+                                 self._half, self.out_features, bias, y.data_ptr(), self.out_features, code,
+                                 self.format == "int5")
             else:
                 _qgemm.q8_matmul(x.data_ptr(), x.stride(0), num_rows, self.in_features, self._q8.data_ptr(),
                                  self._scales.data_ptr(), self.out_features, bias, y.data_ptr(), self.out_features,
