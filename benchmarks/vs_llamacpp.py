@@ -13,7 +13,9 @@ parent sends one measurement at a time, rotating over workers inside each repeat
 Workloads, all greedy with EOS ignored, prompts of random ids that differ per repeat:
   ctx16 / ctx1000  one stream: decode tok/s after a 16- or 1,000-token prompt (prefill and the
                    first token not timed); ours also through the raw model loop (engine.model,
-                   benchmarks/decode.py's loop, no engine)
+                   benchmarks/decode.py's loop, no engine) in a worker of its own, so that the
+                   engine worker's memory is the engine's (the raw loop prefills 1,000 tokens in
+                   one forward and keeps its own cache)
   streams16        16 streams of --tokens each after 16-token prompts: aggregate tok/s, wall time
                    including prefill; ours batches them (Engine.generate), llama.cpp serves them
                    one by one
@@ -47,6 +49,7 @@ LLAMACPP_VERSION = "0.3.36"
 QWEN_PATH = REPO / ".cache" / "testdata" / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
 LOAD_TARGET_S = {"smollm2": 2.0, "qwen": 6.0}
 SINGLE_TARGET, STREAMS_TARGET, RSS_FILE_FACTOR = 1.2, 4.0, 1.5
+RAW = "ours raw loop"  # the worker that runs only the raw model loop
 NUM_STREAMS = 16
 CONTEXTS = {"ctx16": 16, "ctx1000": 1000}
 BLOCK_SIZE = 16
@@ -206,8 +209,8 @@ class Worker:
 def start_workers(name: str, path: str, args, options: dict) -> dict[str, Worker]:
     n_ctx = max(CONTEXTS.values()) + args.tokens + 16
     argv = ["--model-path", path, "--n-ctx", str(n_ctx)]
-    workers = {"ours": Worker(f"ours/{name}", ["--worker", "ours", "--engine-options", json.dumps(options),
-                                               *argv])}
+    ours = ["--worker", "ours", "--engine-options", json.dumps(options), *argv]
+    workers = {"ours": Worker(f"ours/{name}", ours), RAW: Worker(f"{RAW}/{name}", ours)}
     for threads in args.llamacpp_threads:
         label = f"llama.cpp t={threads}"
         workers[label] = Worker(f"{label}/{name}", ["--worker", "llamacpp", "--worker-threads", str(threads), *argv])
@@ -220,6 +223,8 @@ def bench_model(name: str, args, options: dict) -> dict:
     for round_index in range(args.load_repeats):  # fresh processes: each load is a cold start of the process
         workers = start_workers(name, path, args, options)
         for label, worker in workers.items():
+            if label == RAW:
+                continue
             loads.setdefault(label, []).append(worker.ready["load_s"])
             print(f"  {name} {label}: loaded in {worker.ready['load_s']:.2f} s", file=sys.stderr, flush=True)
         if round_index < args.load_repeats - 1:
@@ -230,23 +235,24 @@ def bench_model(name: str, args, options: dict) -> dict:
     workloads += [("raw", f"raw {w}", c) for w, c in CONTEXTS.items()]
     for label, worker in workers.items():  # warm-up: every path once, short
         for kind, _, context in workloads:
-            if kind != "raw" or label == "ours":
+            if (kind == "raw") == (label == RAW):
                 worker.ask(kind=kind, context=context, num_tokens=4, seed=-1, num_streams=2)
     labels = list(workers)
     for repeat in range(args.repeats):
         for kind, workload, context in workloads:
             order = labels[repeat % len(labels):] + labels[:repeat % len(labels)]  # rotate who goes first
             for label in order:
-                if kind == "raw" and label != "ours":
+                if (kind == "raw") != (label == RAW):
                     continue
                 reply = workers[label].ask(kind=kind, context=context, num_tokens=args.tokens, seed=repeat,
                                            num_streams=NUM_STREAMS)
-                key = "ours raw loop" if kind == "raw" else label
-                samples.setdefault(workload.replace("raw ", ""), {}).setdefault(key, []).append(reply["tok_s"])
-                print(f"  {name} {workload} {key}: {reply['tok_s']:.1f} tok/s", file=sys.stderr, flush=True)
-    memory = {label: worker.ask(kind="memory", num_tokens=0, seed=0) for label, worker in workers.items()}
+                samples.setdefault(workload.replace("raw ", ""), {}).setdefault(label, []).append(reply["tok_s"])
+                print(f"  {name} {workload} {label}: {reply['tok_s']:.1f} tok/s", file=sys.stderr, flush=True)
+    memory = {label: worker.ask(kind="memory", num_tokens=0, seed=0) for label, worker in workers.items()
+              if label != RAW}
     for label, worker in workers.items():
-        memory[label]["rss_after_load"] = worker.ready["VmRSS"]
+        if label != RAW:
+            memory[label]["rss_after_load"] = worker.ready["VmRSS"]
         worker.close()
     return {"path": path, "file_bytes": os.path.getsize(path), "load_s": loads, "tok_s": samples, "memory": memory}
 

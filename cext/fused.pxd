@@ -42,7 +42,7 @@ cdef extern from "csrc/fused_kernels.h" nogil:
 
 cdef extern from "csrc/qgemm.h" nogil:
     int fk_q4_matmul(const void* x, int64_t x_stride, int64_t num_rows, int64_t num_cols,
-                     const unsigned char* blocks, int half, int high, int64_t num_out, const float* bias,
+                     const unsigned char* blocks, int half, int layout, int64_t num_out, const float* bias,
                      void* y, int64_t y_stride, int dtype)
     int fk_q8_matmul(const void* x, int64_t x_stride, int64_t num_rows, int64_t num_cols,
                      const signed char* q, const float* scales, int64_t num_out, const float* bias,

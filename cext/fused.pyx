@@ -78,13 +78,14 @@ def silu_mul(intptr_t gate_up, intptr_t out, int64_t num_rows, int64_t inter, in
 
 
 def q4_matmul(intptr_t x, int64_t x_stride, int64_t num_rows, int64_t num_cols, intptr_t blocks, bint half,
-              int64_t num_out, intptr_t bias, intptr_t y, int64_t y_stride, int dtype, bint high=False):
+              int64_t num_out, intptr_t bias, intptr_t y, int64_t y_stride, int dtype, bint high=False,
+              bint no_mins=False):
     """y [M, N] = x [M, K] @ W.T (+ bias float32 [N], 0: none) for W in Q4 rows [N, K / 32 * (20 if half
     else 24)], or Q5 rows with ``high`` [N, K / 32 * (24 if half else 28)] (csrc/qgemm.h); x quantized
-    to int16 codes per block of 32."""
-    cdef int rc
+    to int16 codes per block of 32. ``no_mins``: every min is 0 (Q5_0), the m term is skipped."""
+    cdef int rc, layout = (1 if high else 0) | (2 if no_mins else 0)
     with nogil:
-        rc = fk_q4_matmul(<const void*>x, x_stride, num_rows, num_cols, <const unsigned char*>blocks, half, high, num_out,
+        rc = fk_q4_matmul(<const void*>x, x_stride, num_rows, num_cols, <const unsigned char*>blocks, half, layout, num_out,
                           <const float*>bias, <void*>y, y_stride, dtype)
     _check(rc)
 

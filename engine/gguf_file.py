@@ -275,13 +275,17 @@ class GGUFFile:
                              count=info.num_elements, offset=info.offset)
         return data.reshape(info.shape)
 
-    def release(self, name: str) -> None:
-        """Drop the tensor's pages from this process's resident set once it has been converted
-        (they stay in the page cache; a later read maps them again)."""
+    def release(self, name: str, first_row: int = 0, end_row: int | None = None) -> None:
+        """Drop the tensor's pages (or those of its rows first_row .. end_row - 1) from this
+        process's resident set once converted: they stay in the page cache, and a later read
+        (of a neighbouring row sharing a page, or a lookup) maps them again."""
         info = self.tensors[name]
+        row_bytes = info.num_bytes // math.prod(info.dims[1:])
+        first = info.offset + first_row * row_bytes
+        last = info.offset + (info.num_bytes if end_row is None else end_row * row_bytes)
         page = mmap.PAGESIZE
-        start = info.offset // page * page
-        end = min(-(-(info.offset + info.num_bytes) // page) * page, len(self._buffer))
+        start = first // page * page
+        end = min(-(-last // page) * page, len(self._buffer))
         if hasattr(mmap, "MADV_DONTNEED") and not self._buffer.closed:
             self._buffer.madvise(mmap.MADV_DONTNEED, start, end - start)
 

@@ -26,7 +26,8 @@ typedef struct {
     const float *dx;    /* [M, K / 32] block scales of x */
     const float *sx;    /* [M, K / 32] exact block sums of x (Q4's m term) */
     int64_t num_rows, num_cols;
-    const uint8_t *blocks; int half, high; /* Q4 (half: fp16 scales and mins; high: Q5's fifth bits) */
+    const uint8_t *blocks; int half, high, has_mins; /* Q4 (half: fp16 scales and mins; high: Q5 codes;
+                                                      * has_mins: 0 when every min is 0, as for Q5_0) */
     const int8_t *q8; const float *scales; /* Q8 */
     const float *bias;
     void *y; int64_t y_stride; int dtype;
@@ -238,12 +239,36 @@ __attribute__((target("avx2,fma,f16c"))) static inline float q4_scale_f16c(const
     return q4_scale(row, nb, b, half, which);
 }
 
+/* A Q4 (or Q5: HIGH) pair's 64 codes as four runs of 16 int16 (elements 0-15, 16-31, 32-47, 48-63). */
+__attribute__((target("avx2,fma,f16c"), always_inline)) static inline void q45_decode_pair(
+        const uint8_t *pair, const int HIGH, __m256i w[4]) {
+    const __m256i v = _mm256_loadu_si256((const __m256i *)pair);
+    if (HIGH) { /* Q5: word i = c3 (bits 11-15), c2 (6-10), c1 (1-5), c0's sign bit (0); the
+                 * nibble after: c0's low 4 bits. Arithmetic shifts sign-extend each field. */
+        const __m128i p = _mm_loadl_epi64((const __m128i *)(pair + 32));
+        const __m256i low = _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_unpacklo_epi8(_mm_slli_epi16(p, 4), p)), 7);
+        w[0] = _mm256_srai_epi16(_mm256_or_si256(_mm256_slli_epi16(v, 15), low), 11);  /* bits 7-10: don't care */
+        w[1] = _mm256_srai_epi16(_mm256_slli_epi16(v, 10), 11);
+        w[2] = _mm256_srai_epi16(_mm256_slli_epi16(v, 5), 11);
+        w[3] = _mm256_srai_epi16(v, 11);
+    } else {
+        const __m256i nibble = _mm256_set1_epi16(0x000F);
+        w[0] = _mm256_and_si256(v, nibble);
+        w[1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+        w[2] = _mm256_and_si256(_mm256_srli_epi16(v, 8), nibble);  /* block b + 1 */
+        w[3] = _mm256_srli_epi16(v, 12);
+    }
+}
+
+/* One pass: QG_NR weight rows x TR activation rows. The weights come decoded from `decoded`
+ * ([QG_NR][K] int16, filled once per pass when there are more than QG_TR activation rows, so
+ * the decode is not repeated for every pair of them) or, when it is NULL, straight from the
+ * codes. */
 __attribute__((target("avx2,fma,f16c"), always_inline)) static inline void q4_tile_avx2(
         const QArgs *a, int64_t n, int nr, int64_t i0, const int TR, const int HIGH, const uint8_t *const *rows,
-        float *scales) {
+        float *scales, const int16_t *decoded) {
     const int64_t K = a->num_cols, nb = K / QK_BLOCK;
     const int half = a->half;
-    const __m256i nibble = _mm256_set1_epi16(0x000F);
     const int64_t pair_bytes = q4_pair_bytes(HIGH);
     const int16_t *xrow[QG_TR];
     const uint8_t *codes[QG_NR];
@@ -260,12 +285,12 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) static inline void q4_ti
             int64_t b = 0;
             for (; b + 8 <= nb; b += 8) {
                 _mm256_storeu_ps(sc + b, _mm256_mul_ps(q4_load8(d, b, half), _mm256_loadu_ps(dx + b)));
-                mv = _mm256_fmadd_ps(q4_load8(m, b, half), _mm256_loadu_ps(sx + b), mv);
+                if (a->has_mins) mv = _mm256_fmadd_ps(q4_load8(m, b, half), _mm256_loadu_ps(sx + b), mv);
             }
             float mm = hsum_avx2(mv);
             for (; b < nb; b++) { /* the tail (K = 896: 4 of 28 blocks) with F16C, not the portable conversion */
                 sc[b] = q4_scale_f16c(rows[k], nb, b, half, 0) * dx[b];
-                mm += q4_scale_f16c(rows[k], nb, b, half, 1) * sx[b];
+                if (a->has_mins) mm += q4_scale_f16c(rows[k], nb, b, half, 1) * sx[b];
             }
             macc[k][r] = mm;
             acc[k][r] = _mm256_setzero_ps();
@@ -273,23 +298,14 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) static inline void q4_ti
     }
     for (int64_t b = 0; b < nb; b += 2) {
         for (int k = 0; k < QG_NR; k++) {
-            const uint8_t *pair = codes[k] + (b / 2) * pair_bytes;
-            const __m256i v = _mm256_loadu_si256((const __m256i *)pair);
-            __m256i w00, w01, w10, w11;
-            if (HIGH) { /* Q5: word i = c3 (bits 11-15), c2 (6-10), c1 (1-5), c0's sign bit (0); the
-                         * nibble after: c0's low 4 bits. Arithmetic shifts sign-extend each field. */
-                const __m128i p = _mm_loadl_epi64((const __m128i *)(pair + 32));
-                const __m256i low = _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_unpacklo_epi8(_mm_slli_epi16(p, 4), p)), 7);
-                w00 = _mm256_srai_epi16(_mm256_or_si256(_mm256_slli_epi16(v, 15), low), 11);  /* bits 7-10: don't care */
-                w01 = _mm256_srai_epi16(_mm256_slli_epi16(v, 10), 11);
-                w10 = _mm256_srai_epi16(_mm256_slli_epi16(v, 5), 11);
-                w11 = _mm256_srai_epi16(v, 11);
+            __m256i w[4];
+            if (decoded != NULL) {
+                const int16_t *dw = decoded + k * K + b * QK_BLOCK;
+                for (int j = 0; j < 4; j++) w[j] = _mm256_loadu_si256((const __m256i *)(dw + 16 * j));
             } else {
-                w00 = _mm256_and_si256(v, nibble);                         /* elements 0..15 */
-                w01 = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);  /* 16..31 */
-                w10 = _mm256_and_si256(_mm256_srli_epi16(v, 8), nibble);  /* 32..47: block b + 1 */
-                w11 = _mm256_srli_epi16(v, 12);                            /* 48..63 */
+                q45_decode_pair(codes[k] + (b / 2) * pair_bytes, HIGH, w);
             }
+            const __m256i w00 = w[0], w01 = w[1], w10 = w[2], w11 = w[3];
             for (int r = 0; r < TR; r++) {
                 const int16_t *x = xrow[r] + b * QK_BLOCK;
                 const float *sc = scales + (k * QG_TR + r) * nb + b;
@@ -319,12 +335,27 @@ __attribute__((target("avx2,fma,f16c"))) static void q4_range_avx2(const void *p
         for (int k = 0; k < QG_NR; k++) rows[k] = a->blocks + (n + (k < nr ? k : 0)) * row_bytes;
         prefetch_ahead(a->blocks + n * row_bytes, QG_NR * row_bytes, a->blocks + n1 * row_bytes);
         int64_t i0 = 0;
+        int16_t *decoded = NULL;
+        if (a->num_rows > QG_TR) { /* decode the pass's rows once for all the activation rows */
+            const int64_t K = a->num_cols, pair_bytes = q4_pair_bytes(a->high);
+            decoded = (int16_t *)(scratch + QG_NR * QG_TR * (K / QK_BLOCK));
+            for (int k = 0; k < QG_NR; k++) {
+                const uint8_t *codes = rows[k] + (K / QK_BLOCK) * (a->half ? 4 : 8);
+                for (int64_t p = 0; p < K / (2 * QK_BLOCK); p++) {
+                    __m256i w[4];
+                    if (a->high) q45_decode_pair(codes + p * pair_bytes, 1, w);
+                    else q45_decode_pair(codes + p * pair_bytes, 0, w);
+                    for (int j = 0; j < 4; j++)
+                        _mm256_storeu_si256((__m256i *)(decoded + k * K + p * 2 * QK_BLOCK + 16 * j), w[j]);
+                }
+            }
+        }
         if (a->high) {
-            for (; i0 + QG_TR <= a->num_rows; i0 += QG_TR) q4_tile_avx2(a, n, nr, i0, QG_TR, 1, rows, scratch);
-            if (i0 < a->num_rows) q4_tile_avx2(a, n, nr, i0, 1, 1, rows, scratch);
+            for (; i0 + QG_TR <= a->num_rows; i0 += QG_TR) q4_tile_avx2(a, n, nr, i0, QG_TR, 1, rows, scratch, decoded);
+            if (i0 < a->num_rows) q4_tile_avx2(a, n, nr, i0, 1, 1, rows, scratch, decoded);
         } else {
-            for (; i0 + QG_TR <= a->num_rows; i0 += QG_TR) q4_tile_avx2(a, n, nr, i0, QG_TR, 0, rows, scratch);
-            if (i0 < a->num_rows) q4_tile_avx2(a, n, nr, i0, 1, 0, rows, scratch);
+            for (; i0 + QG_TR <= a->num_rows; i0 += QG_TR) q4_tile_avx2(a, n, nr, i0, QG_TR, 0, rows, scratch, decoded);
+            if (i0 < a->num_rows) q4_tile_avx2(a, n, nr, i0, 1, 0, rows, scratch, decoded);
         }
     }
 }
@@ -404,23 +435,25 @@ static int run(QArgs *a, const void *x, int64_t x_stride, int is_q4) {
 #ifdef QG_HAVE_X86
     if (fk_use_avx2()) fn = is_q4 ? q4_range_avx2 : q8_range_avx2;
 #endif
-    int rc = fk_parallel_for(fn, a, a->num_out, M * a->num_out * K, (size_t)(QG_NR * QG_TR * nb));
+    /* scratch per worker: the pass's scales, then (Q4/Q5) its rows' decoded codes, QG_NR x K int16 */
+    int rc = fk_parallel_for(fn, a, a->num_out, M * a->num_out * K,
+                             (size_t)(QG_NR * QG_TR * nb + (is_q4 ? QG_NR * K / 2 : 0)));
     free(buf);
     return rc;
 }
 
 int fk_q4_matmul(const void *x, int64_t x_stride, int64_t num_rows, int64_t num_cols,
-                 const uint8_t *blocks, int half, int high, int64_t num_out, const float *bias,
+                 const uint8_t *blocks, int half, int layout, int64_t num_out, const float *bias,
                  void *y, int64_t y_stride, int dtype) {
-    QArgs a = {NULL, NULL, NULL, num_rows, num_cols, blocks, half, high != 0, NULL, NULL, bias, y, y_stride, dtype,
-               num_out};
+    QArgs a = {NULL, NULL, NULL, num_rows, num_cols, blocks, half, (layout & FK_Q5) != 0, !(layout & FK_NO_MINS), NULL,
+               NULL, bias, y, y_stride, dtype, num_out};
     return run(&a, x, x_stride, 1);
 }
 
 int fk_q8_matmul(const void *x, int64_t x_stride, int64_t num_rows, int64_t num_cols,
                  const int8_t *q, const float *scales, int64_t num_out, const float *bias,
                  void *y, int64_t y_stride, int dtype) {
-    QArgs a = {NULL, NULL, NULL, num_rows, num_cols, NULL, 0, 0, q, scales, bias, y, y_stride, dtype, num_out};
+    QArgs a = {NULL, NULL, NULL, num_rows, num_cols, NULL, 0, 0, 0, q, scales, bias, y, y_stride, dtype, num_out};
     return run(&a, x, x_stride, 0);
 }
 

@@ -36,8 +36,12 @@
 
 #define QK_BLOCK 32
 
+/* fk_q4_matmul's layout flags: Q5 rows (else Q4), and mins that are all 0 (Q5_0: the m term is skipped). */
+#define FK_Q5 1
+#define FK_NO_MINS 2
+
 int fk_q4_matmul(const void *x, int64_t x_stride, int64_t num_rows, int64_t num_cols,
-                 const uint8_t *blocks, int half, int high, int64_t num_out, const float *bias,
+                 const uint8_t *blocks, int half, int layout, int64_t num_out, const float *bias,
                  void *y, int64_t y_stride, int dtype);
 
 int fk_q8_matmul(const void *x, int64_t x_stride, int64_t num_rows, int64_t num_cols,

@@ -159,9 +159,14 @@ class GGUFStateDict(Mapping):
         if info.ggml_type == Q8_0:  # d * q: the codes, written once straight into the kernels' order
             blocks = raw.reshape(num_rows, num_cols // 32, 34)
             q = np.empty((num_rows, num_cols // 32, 16, 2), dtype=np.uint8)  # byte 2i: element i, 2i + 1: 16 + i
-            q[..., 0], q[..., 1] = blocks[..., 2:18], blocks[..., 18:34]
-            scales = torch.from_numpy(np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0].astype(np.float32))
-            return Int8Weight(torch.from_numpy(q.view(np.int8).reshape(num_rows, num_cols)), scales, is_exact=True)
+            scales = np.empty((num_rows, num_cols // 32), dtype=np.float32)
+            for start in range(0, num_rows, CHUNK_ROWS):  # the file's pages dropped as they are used (the
+                part = blocks[start:start + CHUNK_ROWS]  # head: 145 MB mapped beside its copy otherwise)
+                q[start:start + len(part), ..., 0], q[start:start + len(part), ..., 1] = part[..., 2:18], part[..., 18:34]
+                scales[start:start + len(part)] = np.ascontiguousarray(part[..., :2]).view(np.float16)[..., 0]
+                self.gguf.release(info.name, start, start + len(part))
+            return Int8Weight(torch.from_numpy(q.view(np.int8).reshape(num_rows, num_cols)), torch.from_numpy(scales),
+                              is_exact=True)
         if info.ggml_type == Q5_0:  # d * (q - 16): exact as codes q - 16 with scale d
             q = torch.empty(num_rows, num_cols, dtype=torch.int8)
             scales = torch.empty(num_rows, num_cols // 32, dtype=torch.float32)

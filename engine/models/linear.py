@@ -37,6 +37,7 @@ except ImportError:  # not built: quantized products dequantize the weight per c
 
 GROUP_SIZE = 32
 KERNEL_MAX_ROWS = 16  # rows up to which the C kernels beat dequantize + float32 product (benchmarks/quant_bench.py)
+DEQUANT_ROWS = 1024  # output rows dequantized at once for a prompt's product (4 MB of float32 at K = 896)
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 
@@ -357,7 +358,7 @@ class Linear:
     """
 
     __slots__ = ("format", "out_features", "in_features", "bias", "dense", "dense_above_rows", "quantized_dtype",
-                 "weight_dtype", "_blocks", "_half", "_q8", "_scales")
+                 "weight_dtype", "_blocks", "_half", "_no_mins", "_q8", "_scales")
 
     def __init__(self, weight: Weight, bias: torch.Tensor | None = None, pack: bool = True,
                  keep_dense: bool = False, quantized_dtype: torch.dtype | None = None,
@@ -366,7 +367,7 @@ class Linear:
         self.dense = None
         self.dense_above_rows = dense_above_rows
         self._blocks = self._q8 = self._scales = None
-        self._half = False
+        self._half = self._no_mins = False
         if isinstance(weight, torch.Tensor):
             self.format = "dense"
             self.quantized_dtype = None
@@ -383,6 +384,7 @@ class Linear:
             self.format = "int5"
             self._half = weight.is_half_exact()
             self._blocks = weight.blocks(self._half)  # [N, K/32 * (24 or 28)]
+            self._no_mins = bool((weight.kernel_mins == 0).all())  # Q5_0: the kernels skip the m term
         elif isinstance(weight, Int4Weight):
             self.format = "int4"
             if self.in_features % (2 * GROUP_SIZE) == 0:
@@ -416,18 +418,20 @@ class Linear:
             return self.weight_dtype == torch.float32
         return self.quantized_dtype == torch.float32
 
-    def dequantize(self) -> torch.Tensor:
-        """A quantized weight -> float32 [N, K] (a new tensor)."""
+    def dequantize(self, first_row: int = 0, end_row: int | None = None) -> torch.Tensor:
+        """A quantized weight (or its output rows first_row .. end_row - 1) -> float32 [n, K], a new tensor."""
+        end_row = self.out_features if end_row is None else end_row
         if self.format == "int8":
-            return Int8Weight(self._q8, self._scales).dequantize()
-        if self._blocks is None:
-            return self._q8.dequantize()  # an Int4Weight the kernels cannot take
-        out = torch.empty(self.out_features, self.in_features, dtype=torch.float32)
+            return Int8Weight(self._q8[first_row:end_row], self._scales[first_row:end_row]).dequantize()
+        if self._blocks is None:  # an Int4Weight the kernels cannot take
+            return self._q8.map_rows(lambda t: t[first_row:end_row]).dequantize()
+        blocks = self._blocks[first_row:end_row]
+        out = torch.empty(end_row - first_row, self.in_features, dtype=torch.float32)
         if _qgemm is not None:
-            _qgemm.q4_dequantize(self._blocks.data_ptr(), self._half, self.out_features, self.in_features,
-                                 out.data_ptr(), self.format == "int5")
+            _qgemm.q4_dequantize(blocks.data_ptr(), self._half, len(blocks), self.in_features, out.data_ptr(),
+                                 self.format == "int5")
             return out
-        return blocks_to_int4(self._blocks, self.in_features, self._half).dequantize()
+        return blocks_to_int4(blocks, self.in_features, self._half).dequantize()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] -> [T, out]."""
@@ -446,16 +450,25 @@ class Linear:
             if self._blocks is not None:
                 _qgemm.q4_matmul(x.data_ptr(), x.stride(0), num_rows, self.in_features, self._blocks.data_ptr(),
                                  self._half, self.out_features, bias, y.data_ptr(), self.out_features, code,
-                                 self.format == "int5")
+                                 self.format == "int5", self._no_mins)
             else:
                 _qgemm.q8_matmul(x.data_ptr(), x.stride(0), num_rows, self.in_features, self._q8.data_ptr(),
                                  self._scales.data_ptr(), self.out_features, bias, y.data_ptr(), self.out_features,
                                  code)
             return y
-        dtype = self.quantized_dtype or torch.float32
-        w = self.dequantize().to(dtype)  # [N, K]
-        bias = None if self.bias is None else self.bias.to(dtype)
-        return F.linear(x.to(dtype), w, bias).to(x.dtype)
+        if self.quantized_dtype is not None:  # the exact product with the whole dequantized weight
+            w = self.dequantize().to(self.quantized_dtype)  # [N, K]
+            bias = None if self.bias is None else self.bias.to(self.quantized_dtype)
+            return F.linear(x.to(self.quantized_dtype), w, bias).to(x.dtype)
+        # Prompts: float32 products over DEQUANT_ROWS output rows at a time, so the dequantized
+        # weight held at once is a few MB, not the layer (35 MB for Qwen2.5-0.5B's gate/up).
+        x32 = x.float()
+        y = torch.empty(num_rows, self.out_features, dtype=torch.float32)  # [T, N]
+        for first in range(0, self.out_features, DEQUANT_ROWS):
+            end = min(first + DEQUANT_ROWS, self.out_features)
+            bias = None if self.bias is None else self.bias[first:end]
+            y[:, first:end] = F.linear(x32, self.dequantize(first, end), bias)
+        return y.to(x.dtype)
 
 
 def blocks_to_int4(blocks: torch.Tensor, num_cols: int, half: bool = False) -> Int4Weight:
