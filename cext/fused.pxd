@@ -45,8 +45,10 @@ cdef extern from "csrc/qgemm.h" nogil:
                      const unsigned char* blocks, int half, int layout, int64_t num_out, const float* bias,
                      void* y, int64_t y_stride, int dtype)
     int fk_q8_matmul(const void* x, int64_t x_stride, int64_t num_rows, int64_t num_cols,
-                     const signed char* q, const float* scales, int64_t num_out, const float* bias,
+                     const signed char* q, const void* scales, int half, int64_t num_out, const float* bias,
                      void* y, int64_t y_stride, int dtype)
     int fk_q5_pack(const unsigned char* packed, const unsigned char* high, int64_t num_rows, int64_t num_cols,
                    unsigned char* out, int64_t out_stride)
-    int fk_q4_dequantize(const unsigned char* blocks, int half, int high, int64_t num_out, int64_t num_cols, float* w)
+    void fk_qgemm_set_float_rows(int64_t rows)
+    int64_t fk_qgemm_get_float_rows()
+    int fk_q4_dequantize(const unsigned char* blocks, int half, int layout, int64_t num_out, int64_t num_cols, float* w)

@@ -82,7 +82,8 @@ def q4_matmul(intptr_t x, int64_t x_stride, int64_t num_rows, int64_t num_cols, 
               bint no_mins=False):
     """y [M, N] = x [M, K] @ W.T (+ bias float32 [N], 0: none) for W in Q4 rows [N, K / 32 * (20 if half
     else 24)], or Q5 rows with ``high`` [N, K / 32 * (24 if half else 28)] (csrc/qgemm.h); x quantized
-    to int16 codes per block of 32. ``no_mins``: every min is 0 (Q5_0), the m term is skipped."""
+    to int16 codes per block of 32. ``no_mins``: every min is 0 (Q5_0): the rows hold no mins
+    ([N, K / 32 * (22 if half else 24)] for Q5) and the m term is skipped."""
     cdef int rc, layout = (1 if high else 0) | (2 if no_mins else 0)
     with nogil:
         rc = fk_q4_matmul(<const void*>x, x_stride, num_rows, num_cols, <const unsigned char*>blocks, half, layout, num_out,
@@ -91,13 +92,13 @@ def q4_matmul(intptr_t x, int64_t x_stride, int64_t num_rows, int64_t num_cols, 
 
 
 def q8_matmul(intptr_t x, int64_t x_stride, int64_t num_rows, int64_t num_cols, intptr_t q, intptr_t scales,
-              int64_t num_out, intptr_t bias, intptr_t y, int64_t y_stride, int dtype):
-    """y [M, N] = x [M, K] @ W.T (+ bias) for W = q [N, K] int8 * scales [N, K / 32] per block of 32;
-    x quantized to int16 codes per block of 32."""
+              int64_t num_out, intptr_t bias, intptr_t y, int64_t y_stride, int dtype, bint half=False):
+    """y [M, N] = x [M, K] @ W.T (+ bias) for W = q [N, K] int8 * scales [N, K / 32] per block of 32
+    (float16 scales with ``half``, else float32)."""
     cdef int rc
     with nogil:
-        rc = fk_q8_matmul(<const void*>x, x_stride, num_rows, num_cols, <const signed char*>q, <const float*>scales,
-                          num_out, <const float*>bias, <void*>y, y_stride, dtype)
+        rc = fk_q8_matmul(<const void*>x, x_stride, num_rows, num_cols, <const signed char*>q, <const void*>scales,
+                          half, num_out, <const float*>bias, <void*>y, y_stride, dtype)
     _check(rc)
 
 
@@ -111,11 +112,12 @@ def q5_pack(intptr_t packed, intptr_t high, int64_t num_rows, int64_t num_cols, 
     _check(rc)
 
 
-def q4_dequantize(intptr_t blocks, bint half, int64_t num_out, int64_t num_cols, intptr_t w, bint high=False):
-    """Q4 (or Q5: ``high``) rows -> float32 w [N, K]."""
-    cdef int rc
+def q4_dequantize(intptr_t blocks, bint half, int64_t num_out, int64_t num_cols, intptr_t w, bint high=False,
+                  bint no_mins=False):
+    """Q4 (or Q5: ``high``) rows -> float32 w [N, K]; ``no_mins``: rows without mins (as q4_matmul's)."""
+    cdef int rc, layout = (1 if high else 0) | (2 if no_mins else 0)
     with nogil:
-        rc = fk_q4_dequantize(<const unsigned char*>blocks, half, high, num_out, num_cols, <float*>w)
+        rc = fk_q4_dequantize(<const unsigned char*>blocks, half, layout, num_out, num_cols, <float*>w)
     _check(rc)
 
 
@@ -135,6 +137,18 @@ def set_parallel_threshold(int64_t work):
 
 def get_parallel_threshold() -> int:
     return fk_get_parallel_threshold()
+
+
+def set_float_rows(int64_t rows):
+    """From how many activation rows the AVX2 quantized products run in float32 (each pass's
+    weight rows decoded once, FMAs against the float32 activations) instead of int16 codes."""
+    if rows < 1:
+        raise ValueError(f"float_rows: must be >= 1, got {rows!r}")
+    fk_qgemm_set_float_rows(rows)
+
+
+def get_float_rows() -> int:
+    return fk_qgemm_get_float_rows()
 
 
 def set_spin_us(double us):

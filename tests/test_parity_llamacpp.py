@@ -9,9 +9,9 @@ llama.cpp's token in our top-3, and its logprob within 0.35 of llama.cpp's (llam
 activations, so exact equality is not expected). Each model runs with the default weights
 (quantization="auto": int4 layers and an int8 head, float32 activations) and with the exact
 float32 dequantization; llama.cpp's top-3 counts tokens within NEAR_TIE of its 3rd as tied.
-The whole-sequence forward takes the prompt path (products of more than KERNEL_MAX_ROWS rows
-dequantize the weights); the decode-path test checks the first DECODE_STEPS positions one
-token at a time, as a stream computes them (the quantized C kernels).
+The whole-sequence forward takes the prompt path (the C kernels' float path: weights decoded to
+float32, float32 activations); the decode-path test checks the first DECODE_STEPS positions one
+token at a time, as a stream computes them (the integer path: int16 activation codes).
 """
 from __future__ import annotations
 

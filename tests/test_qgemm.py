@@ -1,9 +1,11 @@
-"""The quantized products of cext/csrc/qgemm.c (through engine.models.linear.Linear) against a
-torch emulation of their definition: x quantized to int16 codes per block of 32 (scale max|x| / 32767,
-round half to even), integer dot products with the 4- or 8-bit codes (int8 with a scale per block of 32), the Q4 min term taken
-with the exact block sums of x. Every instruction-set variant this CPU runs, one thread and
-the pool, float32 and bfloat16 activations, fp16 and float32 Q4 scales; and the layout's
-round trip and the exact (dequantized) product."""
+"""The quantized products of cext/csrc/qgemm.c (through engine.models.linear.Linear) against
+their definitions. The integer path (fewer rows than fused.get_float_rows()): x quantized to
+int16 codes per block of 32 (scale max|x| / 32767, round half to even), integer dot products
+with the 4-, 5- or 8-bit codes (int8 with a scale per block of 32), the Q4 min term taken with
+the exact block sums of x, emulated in torch. The float path (AVX2, from get_float_rows() rows):
+the float32 product of the dequantized weights, against float64. Every instruction-set variant
+this CPU runs, one thread and the pool, both paths, float32 and bfloat16 activations, fp16 and
+float32 Q4 scales; and the layout's round trip and the exact (dequantized) product."""
 from __future__ import annotations
 
 import pytest
@@ -12,10 +14,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cext import fused as cfused
-from engine.models.linear import (GROUP_SIZE, KERNEL_MAX_ROWS, Int4Weight, Int5Weight, Int8Weight, Linear, blocks_to_int4,
+from engine.models.linear import (GROUP_SIZE, INT_KERNEL_MAX_ROWS, KERNEL_MAX_ROWS, Int4Weight, Int5Weight, Int8Weight, Linear, blocks_to_int4,
                                   cat_rows)
 from test_fused_kernels import ISAS
 
+MAX_TEST_ROWS = min(KERNEL_MAX_ROWS, 40)  # both paths' tiles and their ragged tails
 SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
@@ -30,6 +33,25 @@ def variant(request):
     cfused.set_isa("auto")
     cfused.set_num_threads(old_threads)
     cfused.set_parallel_threshold(old_threshold)
+
+
+@pytest.fixture(params=["int16", "float"])
+def path(request, variant):
+    """Which product the C kernels run for every row count: the integer tiles or the float
+    path. -> fn(num_rows): "int16" or "float" (the float32 product of the dequantized weights:
+    the float path, or on the baseline ISA, which has none, products beyond INT_KERNEL_MAX_ROWS)."""
+    old = cfused.get_float_rows()
+    cfused.set_float_rows(1 if request.param == "float" else 2 ** 30)
+    if variant[0] == "baseline":
+        yield lambda num_rows: "int16" if num_rows <= INT_KERNEL_MAX_ROWS else "float"
+    else:
+        yield lambda num_rows: request.param
+    cfused.set_float_rows(old)
+
+
+def exact_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The float path's definition: x @ w.T in float64 over the dequantized weights w [N, K]."""
+    return x.double() @ w.double().T
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -76,9 +98,9 @@ def _check(y: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
 
 
 @SETTINGS
-@given(num_rows=st.integers(1, KERNEL_MAX_ROWS), num_out=st.integers(1, 37), groups=st.sampled_from([2, 4, 18]),
+@given(num_rows=st.integers(1, MAX_TEST_ROWS), num_out=st.integers(1, 37), groups=st.sampled_from([2, 4, 18]),
        half=st.booleans(), dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 2 ** 16))
-def test_int4_product_matches_its_definition(variant, num_rows, num_out, groups, half, dtype, seed):
+def test_int4_product_matches_its_definition(path, num_rows, num_out, groups, half, dtype, seed):
     w, x, bias = _inputs(seed, num_rows, num_out, GROUP_SIZE * groups, dtype)
     weight = Int4Weight.from_dense(w)
     if half:  # scales and mins that fp16 holds exactly, as Q4_0/Q4_1 files give
@@ -87,7 +109,8 @@ def test_int4_product_matches_its_definition(variant, num_rows, num_out, groups,
     assert linear._half == half
     y = linear(x)
     assert y.dtype == dtype and y.shape == (num_rows, num_out)
-    _check(y, emulate_int4(x, weight, half) + bias.double(), dtype)
+    expected = exact_product(x, weight.dequantize()) if path(num_rows) == "float" else emulate_int4(x, weight, half)
+    _check(y, expected + bias.double(), dtype)
 
 
 def random_int5(gen: torch.Generator, num_out: int, num_cols: int, half: bool, is_q5_0: bool) -> Int5Weight:
@@ -101,17 +124,18 @@ def random_int5(gen: torch.Generator, num_out: int, num_cols: int, half: bool, i
 
 
 @SETTINGS
-@given(num_rows=st.integers(1, KERNEL_MAX_ROWS), num_out=st.integers(1, 37), groups=st.sampled_from([2, 4, 18]),
+@given(num_rows=st.integers(1, MAX_TEST_ROWS), num_out=st.integers(1, 37), groups=st.sampled_from([2, 4, 18]),
        half=st.booleans(), is_q5_0=st.booleans(), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
        seed=st.integers(0, 2 ** 16))
-def test_int5_product_matches_its_definition(variant, num_rows, num_out, groups, half, is_q5_0, dtype, seed):
+def test_int5_product_matches_its_definition(path, num_rows, num_out, groups, half, is_q5_0, dtype, seed):
     _, x, bias = _inputs(seed, num_rows, num_out, GROUP_SIZE * groups, dtype)
     weight = random_int5(torch.Generator().manual_seed(seed), num_out, GROUP_SIZE * groups, half, is_q5_0)
     linear = Linear(weight, bias)
     assert linear.format == "int5" and (linear._half == half or not is_q5_0)  # Q5_1: m + 16 d may need float32
     y = linear(x)
     assert y.dtype == dtype and y.shape == (num_rows, num_out)
-    _check(y, emulate_int4(x, weight, linear._half) + bias.double(), dtype)
+    expected = exact_product(x, weight.dequantize()) if path(num_rows) == "float" else emulate_int4(x, weight, linear._half)
+    _check(y, expected + bias.double(), dtype)
 
 
 @pytest.mark.parametrize("half", [False, True])
@@ -127,6 +151,14 @@ def test_int5_codes_layout_and_dequantize_are_exact(half, monkeypatch):
     exact = (weight.codes.reshape(9, -1, GROUP_SIZE).double() - 16) * weight.scales[..., None].double()
     torch.testing.assert_close(Linear(weight).dequantize().double(), exact.reshape(9, 256), atol=0,
                                rtol=0 if half else 1e-6)
+    # Q5_0 rows in the kernels hold no mins: 22 bytes per block of 32 with fp16 scales, as the file
+    linear = Linear(weight)
+    assert linear._no_mins and linear._blocks.shape == (9, 256 // GROUP_SIZE * (22 if half else 24))
+    scale_bytes = 256 // GROUP_SIZE * (2 if half else 4)  # then in_c's mins, which linear's rows leave out
+    assert torch.equal(linear._blocks[:, :scale_bytes], in_c[:, :scale_bytes])
+    assert torch.equal(linear._blocks[:, scale_bytes:], in_c[:, 2 * scale_bytes:])
+    with pytest.raises(ValueError, match="kernel min"):
+        random_int5(gen, 2, 64, half, is_q5_0=False).blocks(half, with_mins=False)
     as_int8 = weight.to_int8()  # Q5_0: codes q - 16, scale d
     assert as_int8.is_exact
     if half:  # fp16 scales, as in a file: d * q and d * q - 16 d are exact in float32 either way
@@ -149,13 +181,18 @@ def test_fused_layers_keep_int5_exact():
 
 
 @SETTINGS
-@given(num_rows=st.integers(1, KERNEL_MAX_ROWS), num_out=st.integers(1, 37), groups=st.sampled_from([1, 3, 18]),
-       dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 2 ** 16))
-def test_int8_product_matches_its_definition(variant, num_rows, num_out, groups, dtype, seed):
+@given(num_rows=st.integers(1, MAX_TEST_ROWS), num_out=st.integers(1, 37), groups=st.sampled_from([1, 3, 18]),
+       half=st.booleans(), dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 2 ** 16))
+def test_int8_product_matches_its_definition(path, num_rows, num_out, groups, half, dtype, seed):
     w, x, bias = _inputs(seed, num_rows, num_out, GROUP_SIZE * groups, dtype)
     weight = Int8Weight.from_dense(w)
-    y = Linear(weight, bias)(x)
-    _check(y, emulate_int8(x, weight) + bias.double(), dtype)
+    if half:  # scales that fp16 holds exactly, as a Q8_0 file's d: the kernels read them as fp16
+        weight = Int8Weight(weight.q, weight.scales.half().float())
+    linear = Linear(weight, bias)
+    assert linear._half == half and linear._scales.dtype == (torch.float16 if half else torch.float32)
+    y = linear(x)
+    expected = exact_product(x, weight.dequantize()) if path(num_rows) == "float" else emulate_int8(x, weight)
+    _check(y, expected + bias.double(), dtype)
 
 
 def test_strided_activation_rows():
@@ -177,7 +214,7 @@ def test_layout_round_trip_and_dequantize(half):
 
 
 def test_exact_mode_and_rows_beyond_the_kernels_use_the_dequantized_weight():
-    w, x, bias = _inputs(5, 40, 24, 96, torch.float32)  # 40 rows: above KERNEL_MAX_ROWS; K = 96: no pair layout
+    w, x, bias = _inputs(5, KERNEL_MAX_ROWS + 3, 24, 96, torch.float32)  # above KERNEL_MAX_ROWS; K = 96: no pair layout
     for weight in (Int4Weight.from_dense(w), Int8Weight.from_dense(w)):
         exact = x.double() @ weight.dequantize().double().T + bias.double()
         torch.testing.assert_close(Linear(weight, bias)(x).double(), exact, atol=1e-4, rtol=1e-5)

@@ -22,13 +22,14 @@
 
 
 typedef struct {
+    const float *xf;    /* [M, K] float32 x, contiguous (the float path: num_rows >= QG_FLOAT_ROWS), else NULL */
     const int16_t *qx;  /* [M, K] int16 codes of x */
     const float *dx;    /* [M, K / 32] block scales of x */
     const float *sx;    /* [M, K / 32] exact block sums of x (Q4's m term) */
     int64_t num_rows, num_cols;
     const uint8_t *blocks; int half, high, has_mins; /* Q4 (half: fp16 scales and mins; high: Q5 codes;
                                                       * has_mins: 0 when every min is 0, as for Q5_0) */
-    const int8_t *q8; const float *scales; /* Q8 */
+    const int8_t *q8; const uint8_t *scales; /* Q8 (scales fp16 when `half`, else float32) */
     const float *bias;
     void *y; int64_t y_stride; int dtype;
     int64_t num_out;
@@ -72,8 +73,13 @@ static inline float half_to_float(uint16_t h) {
 /* A pair of blocks: 32 bytes of nibbles, and for Q5 rows 8 more of fifth bits. */
 static inline int64_t q4_pair_bytes(int high) { return high ? 40 : 32; }
 
-static inline int64_t q4_row_bytes(int64_t nb, int half, int high) {
-    return nb * (half ? 4 : 8) + nb / 2 * q4_pair_bytes(high);
+/* Where a row's codes start: after its scales and (has_mins) its mins. */
+static inline int64_t q4_codes_offset(int64_t nb, int half, int has_mins) {
+    return nb * (half ? 2 : 4) * (has_mins ? 2 : 1);
+}
+
+static inline int64_t q4_row_bytes(int64_t nb, int half, int high, int has_mins) {
+    return q4_codes_offset(nb, half, has_mins) + nb / 2 * q4_pair_bytes(high);
 }
 
 /* Block b's scale (which = 0) or min (which = 1) of a Q4 row. */
@@ -153,13 +159,14 @@ static void q4_range_scalar(const void *p, int64_t n0, int64_t n1, float *scratc
     const QArgs *a = (const QArgs *)p;
     const int64_t K = a->num_cols, nb = K / QK_BLOCK;
     for (int64_t n = n0; n < n1; n++) {
-        const uint8_t *row = a->blocks + n * q4_row_bytes(nb, a->half, a->high);
-        const uint8_t *codes = row + nb * (a->half ? 4 : 8);
+        const uint8_t *row = a->blocks + n * q4_row_bytes(nb, a->half, a->high, a->has_mins);
+        const uint8_t *codes = row + q4_codes_offset(nb, a->half, a->has_mins);
         const float bias = a->bias ? a->bias[n] : 0.0f;
         for (int64_t i = 0; i < a->num_rows; i++) {
             float acc = 0.0f;
             for (int64_t b = 0; b < nb; b++) {
-                const float db = q4_scale(row, nb, b, a->half, 0), mb = q4_scale(row, nb, b, a->half, 1);
+                const float db = q4_scale(row, nb, b, a->half, 0);
+                const float mb = a->has_mins ? q4_scale(row, nb, b, a->half, 1) : 0.0f;
                 const uint8_t *pair = codes + (b / 2) * q4_pair_bytes(a->high);
                 const int first = (int)(b % 2) * QK_BLOCK;  /* block b: elements first .. first + 31 of its pair */
                 const int16_t *xq = a->qx + i * K + b * QK_BLOCK;
@@ -186,7 +193,7 @@ static void q8_range_scalar(const void *p, int64_t n0, int64_t n1, float *scratc
                 const int16_t *xq = a->qx + i * a->num_cols + b * QK_BLOCK;
                 int32_t dot = 0;
                 for (int j = 0; j < QK_BLOCK; j++) dot += q8_code(w, j) * xq[j];
-                acc += a->scales[n * nb + b] * a->dx[i * nb + b] * (float)dot;
+                acc += q4_scale(a->scales + n * nb * (a->half ? 2 : 4), nb, b, a->half, 0) * a->dx[i * nb + b] * (float)dot;
             }
             store_out(a, i, n, acc + bias);
         }
@@ -274,7 +281,7 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) static inline void q4_ti
     const uint8_t *codes[QG_NR];
     float macc[QG_NR][QG_TR];
     __m256 acc[QG_NR][QG_TR];
-    for (int k = 0; k < QG_NR; k++) codes[k] = rows[k] + nb * (half ? 4 : 8);
+    for (int k = 0; k < QG_NR; k++) codes[k] = rows[k] + q4_codes_offset(nb, half, a->has_mins);
     for (int r = 0; r < TR; r++) {
         xrow[r] = a->qx + (i0 + r) * K;
         const float *dx = a->dx + (i0 + r) * nb, *sx = a->sx + (i0 + r) * nb;
@@ -325,22 +332,140 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) static inline void q4_ti
         }
 }
 
+/* ---- the float path (many activation rows) ----
+ * With QG_FLOAT_ROWS or more activation rows a product is bound by arithmetic, not by the
+ * weights' bytes, and the integer tiles spend as many instructions per block on the float
+ * epilogue (convert, scale, FMA per block of 32 and row pair) as on the multiply-adds. There,
+ * each pass decodes its QG_NR weight rows once into float32 scratch (w = d * c + m: the
+ * dequantized weights) and runs plain FMAs against the float32 activations, QG_NR x QG_FR
+ * accumulators: no activation quantization, 8 multiply-adds per FMA at two FMAs a cycle. */
+#define QG_FR 3
+
+__attribute__((target("avx2,fma,f16c"), always_inline)) static inline void float_tile_avx2(
+        const QArgs *a, int64_t n, int nr, int64_t i0, const int TR, const float *w) {
+    const int64_t K = a->num_cols;
+    const float *x[QG_FR];
+    __m256 acc[QG_NR][QG_FR];
+    for (int r = 0; r < TR; r++) x[r] = a->xf + (i0 + r) * K;
+    for (int k = 0; k < QG_NR; k++)
+        for (int r = 0; r < TR; r++) acc[k][r] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < K; j += 8) {
+        __m256 xv[QG_FR];
+        for (int r = 0; r < TR; r++) xv[r] = _mm256_loadu_ps(x[r] + j);
+        for (int k = 0; k < QG_NR; k++) {
+            const __m256 wv = _mm256_loadu_ps(w + k * K + j);
+            for (int r = 0; r < TR; r++) acc[k][r] = _mm256_fmadd_ps(wv, xv[r], acc[k][r]);
+        }
+    }
+    for (int k = 0; k < nr; k++)
+        for (int r = 0; r < TR; r++) {
+            const float bias = a->bias ? a->bias[n + k] : 0.0f;
+            store_out(a, i0 + r, n + k, hsum_avx2(acc[k][r]) + bias);
+        }
+}
+
+/* Every activation row against the QG_NR weight rows decoded at w ([QG_NR][K] float32). */
+__attribute__((target("avx2,fma,f16c"))) static void float_rows_avx2(const QArgs *a, int64_t n, int nr,
+                                                                    const float *w) {
+    int64_t i0 = 0;
+    for (; i0 + QG_FR <= a->num_rows; i0 += QG_FR) float_tile_avx2(a, n, nr, i0, QG_FR, w);
+    if (a->num_rows - i0 == 2) float_tile_avx2(a, n, nr, i0, 2, w);
+    else if (a->num_rows - i0 == 1) float_tile_avx2(a, n, nr, i0, 1, w);
+}
+
+/* 16 int16 codes -> two float32 vectors d * c + m at out, in the float path's order: each run
+ * of 16 elements is stored as elements 0-3, 8-11, then 4-7, 12-15 (what unpacking the words
+ * into the high halves of 32-bit lanes gives, with no lane crossing: the lanes hold c * 65536,
+ * so d arrives scaled by 2^-16); the activations are laid out in the same order (run()), and
+ * a dot product does not depend on the order of its terms' pairs. */
+#define QG_UNPACK_SCALE (1.0f / 65536.0f)
+
+__attribute__((target("avx2,fma,f16c"), always_inline)) static inline void codes16_to_float(
+        __m256i c, __m256 d, __m256 m, float *out) {
+    const __m256i zero = _mm256_setzero_si256();
+    const __m256 lo = _mm256_cvtepi32_ps(_mm256_unpacklo_epi16(zero, c));
+    const __m256 hi = _mm256_cvtepi32_ps(_mm256_unpackhi_epi16(zero, c));
+    _mm256_storeu_ps(out, _mm256_fmadd_ps(lo, d, m));
+    _mm256_storeu_ps(out + 8, _mm256_fmadd_ps(hi, d, m));
+}
+
+/* A row's nb scales (or mins) as float32 times `mul` into out (fp16 or float32 source). */
+__attribute__((target("avx2,fma,f16c"))) static void scales_to_float(const uint8_t *p, int64_t nb, int half,
+                                                                    float mul, float *out) {
+    int64_t b = 0;
+    for (; b + 8 <= nb; b += 8) _mm256_storeu_ps(out + b, _mm256_mul_ps(q4_load8(p, b, half), _mm256_set1_ps(mul)));
+    for (; b < nb; b++) {
+        float v;
+        if (half) {
+            uint16_t h;
+            memcpy(&h, p + b * 2, 2);
+            v = _cvtsh_ss(h);
+        } else {
+            memcpy(&v, p + b * 4, 4);
+        }
+        out[b] = v * mul;
+    }
+}
+
+/* A Q4/Q5 row -> float32 out [K] in the float path's order: w = d * c + m per block (m = 0
+ * without mins). sm: 2 * nb floats of scratch for the row's scales and mins. */
+__attribute__((target("avx2,fma,f16c"))) static void q45_row_to_float(const QArgs *a, const uint8_t *row,
+                                                                     float *sm, float *out) {
+    const int64_t K = a->num_cols, nb = K / QK_BLOCK, pair_bytes = q4_pair_bytes(a->high);
+    const uint8_t *codes = row + q4_codes_offset(nb, a->half, a->has_mins);
+    scales_to_float(row, nb, a->half, QG_UNPACK_SCALE, sm);
+    if (a->has_mins) scales_to_float(row + nb * (a->half ? 2 : 4), nb, a->half, 1.0f, sm + nb);
+    for (int64_t p = 0; p < nb / 2; p++) {
+        __m256i w[4];
+        if (a->high) q45_decode_pair(codes + p * pair_bytes, 1, w);
+        else q45_decode_pair(codes + p * pair_bytes, 0, w);
+        for (int half_pair = 0; half_pair < 2; half_pair++) {
+            const int64_t b = 2 * p + half_pair;
+            const __m256 d = _mm256_broadcast_ss(sm + b);
+            const __m256 m = a->has_mins ? _mm256_broadcast_ss(sm + nb + b) : _mm256_setzero_ps();
+            codes16_to_float(w[2 * half_pair], d, m, out + b * QK_BLOCK);
+            codes16_to_float(w[2 * half_pair + 1], d, m, out + b * QK_BLOCK + 16);
+        }
+    }
+}
+
+/* A Q8 row -> float32 out [K] in the float path's order: w = q * scale per block. sm: nb
+ * floats of scratch for the row's scales. */
+__attribute__((target("avx2,fma,f16c"))) static void q8_row_to_float(const QArgs *a, const int8_t *row,
+                                                                    const uint8_t *scales, float *sm, float *out) {
+    const int64_t nb = a->num_cols / QK_BLOCK;
+    const __m256 zero = _mm256_setzero_ps();
+    scales_to_float(scales, nb, a->half, QG_UNPACK_SCALE, sm);
+    for (int64_t b = 0; b < nb; b++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(row + b * QK_BLOCK));
+        const __m256 d = _mm256_broadcast_ss(sm + b);
+        codes16_to_float(_mm256_srai_epi16(_mm256_slli_epi16(v, 8), 8), d, zero, out + b * QK_BLOCK);
+        codes16_to_float(_mm256_srai_epi16(v, 8), d, zero, out + b * QK_BLOCK + 16);
+    }
+}
+
 __attribute__((target("avx2,fma,f16c"))) static void q4_range_avx2(const void *p, int64_t n0, int64_t n1,
                                                                   float *scratch) {
     const QArgs *a = (const QArgs *)p;
-    const int64_t row_bytes = q4_row_bytes(a->num_cols / QK_BLOCK, a->half, a->high);
+    const int64_t row_bytes = q4_row_bytes(a->num_cols / QK_BLOCK, a->half, a->high, a->has_mins);
     for (int64_t n = n0; n < n1; n += QG_NR) {
         const int nr = n1 - n < QG_NR ? (int)(n1 - n) : QG_NR;
         const uint8_t *rows[QG_NR];
         for (int k = 0; k < QG_NR; k++) rows[k] = a->blocks + (n + (k < nr ? k : 0)) * row_bytes;
         prefetch_ahead(a->blocks + n * row_bytes, QG_NR * row_bytes, a->blocks + n1 * row_bytes);
+        if (a->xf != NULL) {
+            float *sm = scratch + QG_NR * a->num_cols;
+            for (int k = 0; k < QG_NR; k++) q45_row_to_float(a, rows[k], sm, scratch + k * a->num_cols);
+            float_rows_avx2(a, n, nr, scratch);
+            continue;
+        }
         int64_t i0 = 0;
         int16_t *decoded = NULL;
         if (a->num_rows > QG_TR) { /* decode the pass's rows once for all the activation rows */
             const int64_t K = a->num_cols, pair_bytes = q4_pair_bytes(a->high);
             decoded = (int16_t *)(scratch + QG_NR * QG_TR * (K / QK_BLOCK));
             for (int k = 0; k < QG_NR; k++) {
-                const uint8_t *codes = rows[k] + (K / QK_BLOCK) * (a->half ? 4 : 8);
+                const uint8_t *codes = rows[k] + q4_codes_offset(K / QK_BLOCK, a->half, a->has_mins);
                 for (int64_t p = 0; p < K / (2 * QK_BLOCK); p++) {
                     __m256i w[4];
                     if (a->high) q45_decode_pair(codes + p * pair_bytes, 1, w);
@@ -362,7 +487,7 @@ __attribute__((target("avx2,fma,f16c"))) static void q4_range_avx2(const void *p
 
 __attribute__((target("avx2,fma,f16c"), always_inline)) static inline void q8_tile_avx2(
         const QArgs *a, int64_t n, int nr, int64_t i0, const int TR, const int8_t *const *rows,
-        const float *const *wscales, float *scales) {
+        const uint8_t *const *wscales, float *scales) {
     const int64_t nb = a->num_cols / QK_BLOCK;
     __m256 acc[QG_NR][QG_TR];
     for (int r = 0; r < TR; r++) {
@@ -371,8 +496,8 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) static inline void q8_ti
             float *sc = scales + (k * QG_TR + r) * nb;
             int64_t b = 0;
             for (; b + 8 <= nb; b += 8)
-                _mm256_storeu_ps(sc + b, _mm256_mul_ps(_mm256_loadu_ps(wscales[k] + b), _mm256_loadu_ps(dx + b)));
-            for (; b < nb; b++) sc[b] = wscales[k][b] * dx[b];
+                _mm256_storeu_ps(sc + b, _mm256_mul_ps(q4_load8(wscales[k], b, a->half), _mm256_loadu_ps(dx + b)));
+            for (; b < nb; b++) sc[b] = q4_scale_f16c(wscales[k], nb, b, a->half, 0) * dx[b];
             acc[k][r] = _mm256_setzero_ps();
         }
     }
@@ -404,14 +529,20 @@ __attribute__((target("avx2,fma,f16c"))) static void q8_range_avx2(const void *p
     for (int64_t n = n0; n < n1; n += QG_NR) {
         const int nr = n1 - n < QG_NR ? (int)(n1 - n) : QG_NR;
         const int8_t *rows[QG_NR];
-        const float *wscales[QG_NR];
+        const uint8_t *wscales[QG_NR];
         for (int k = 0; k < QG_NR; k++) {
             const int64_t row = n + (k < nr ? k : 0);
             rows[k] = a->q8 + row * a->num_cols;
-            wscales[k] = a->scales + row * nb;
+            wscales[k] = a->scales + row * nb * (a->half ? 2 : 4);
         }
         prefetch_ahead((const uint8_t *)a->q8 + n * a->num_cols, QG_NR * a->num_cols,
                        (const uint8_t *)a->q8 + n1 * a->num_cols);
+        if (a->xf != NULL) {
+            float *sm = scratch + QG_NR * a->num_cols;
+            for (int k = 0; k < QG_NR; k++) q8_row_to_float(a, rows[k], wscales[k], sm, scratch + k * a->num_cols);
+            float_rows_avx2(a, n, nr, scratch);
+            continue;
+        }
         int64_t i0 = 0;
         for (; i0 + QG_TR <= a->num_rows; i0 += QG_TR) q8_tile_avx2(a, n, nr, i0, QG_TR, rows, wscales, scratch);
         if (i0 < a->num_rows) q8_tile_avx2(a, n, nr, i0, 1, rows, wscales, scratch);
@@ -421,23 +552,47 @@ __attribute__((target("avx2,fma,f16c"))) static void q8_range_avx2(const void *p
 
 /* ---- entry points ---- */
 
+static int64_t qg_float_rows = 6;  /* measured: benchmarks/qgemm_rows.py */
+
+void fk_qgemm_set_float_rows(int64_t rows) { qg_float_rows = rows; }
+
+int64_t fk_qgemm_get_float_rows(void) { return qg_float_rows; }
+
 static int run(QArgs *a, const void *x, int64_t x_stride, int is_q4) {
     const int64_t M = a->num_rows, K = a->num_cols, nb = K / QK_BLOCK;
     if (K <= 0 || K % (is_q4 ? 2 * QK_BLOCK : QK_BLOCK) != 0) return FK_BAD_LENGTH;
     if (M <= 0 || a->num_out <= 0) return FK_OK;
-    char *buf = (char *)malloc(sizeof(int16_t) * (size_t)(M * K) + sizeof(float) * 2 * (size_t)(M * nb));
-    if (buf == NULL) return FK_NO_MEMORY;
-    float *dx = (float *)buf, *sx = dx + M * nb;
-    int16_t *qx = (int16_t *)(sx + M * nb);
-    quantize_rows(x, x_stride, M, K, a->dtype, qx, dx, sx);
-    a->qx = qx; a->dx = dx; a->sx = sx;
     FkRangeFn fn = is_q4 ? q4_range_scalar : q8_range_scalar;
+    int use_float = 0;
 #ifdef QG_HAVE_X86
-    if (fk_use_avx2()) fn = is_q4 ? q4_range_avx2 : q8_range_avx2;
+    if (fk_use_avx2()) {
+        fn = is_q4 ? q4_range_avx2 : q8_range_avx2;
+        use_float = M >= qg_float_rows;
+    }
 #endif
+    char *buf;
+    if (use_float) {
+        buf = (char *)malloc(sizeof(float) * (size_t)(M * K));
+        if (buf == NULL) return FK_NO_MEMORY;
+        float *xf = (float *)buf;
+        for (int64_t i = 0; i < M; i++) { /* in the decoded weights' order (codes16_to_float) */
+            for (int64_t j = 0; j < K; j++) {
+                const int64_t e = j % 16, at = i * x_stride + j - e + (e % 4) + (e / 8) * 4 + ((e / 4) % 2) * 8;
+                xf[i * K + j] = a->dtype == FK_FLOAT32 ? ((const float *)x)[at] : bf16_to_float(((const uint16_t *)x)[at]);
+            }
+        }
+        a->xf = xf;
+    } else {
+        buf = (char *)malloc(sizeof(int16_t) * (size_t)(M * K) + sizeof(float) * 2 * (size_t)(M * nb));
+        if (buf == NULL) return FK_NO_MEMORY;
+        float *dx = (float *)buf, *sx = dx + M * nb;
+        int16_t *qx = (int16_t *)(sx + M * nb);
+        quantize_rows(x, x_stride, M, K, a->dtype, qx, dx, sx);
+        a->qx = qx; a->dx = dx; a->sx = sx;
+    }
     /* scratch per worker: the pass's scales, then (Q4/Q5) its rows' decoded codes, QG_NR x K int16 */
     int rc = fk_parallel_for(fn, a, a->num_out, M * a->num_out * K,
-                             (size_t)(QG_NR * QG_TR * nb + (is_q4 ? QG_NR * K / 2 : 0)));
+                             (size_t)(use_float ? QG_NR * K + 2 * nb : QG_NR * QG_TR * nb + (is_q4 ? QG_NR * K / 2 : 0)));
     free(buf);
     return rc;
 }
@@ -445,29 +600,31 @@ static int run(QArgs *a, const void *x, int64_t x_stride, int is_q4) {
 int fk_q4_matmul(const void *x, int64_t x_stride, int64_t num_rows, int64_t num_cols,
                  const uint8_t *blocks, int half, int layout, int64_t num_out, const float *bias,
                  void *y, int64_t y_stride, int dtype) {
-    QArgs a = {NULL, NULL, NULL, num_rows, num_cols, blocks, half, (layout & FK_Q5) != 0, !(layout & FK_NO_MINS), NULL,
+    QArgs a = {NULL, NULL, NULL, NULL, num_rows, num_cols, blocks, half, (layout & FK_Q5) != 0, !(layout & FK_NO_MINS), NULL,
                NULL, bias, y, y_stride, dtype, num_out};
     return run(&a, x, x_stride, 1);
 }
 
 int fk_q8_matmul(const void *x, int64_t x_stride, int64_t num_rows, int64_t num_cols,
-                 const int8_t *q, const float *scales, int64_t num_out, const float *bias,
+                 const int8_t *q, const void *scales, int half, int64_t num_out, const float *bias,
                  void *y, int64_t y_stride, int dtype) {
-    QArgs a = {NULL, NULL, NULL, num_rows, num_cols, NULL, 0, 0, 0, q, scales, bias, y, y_stride, dtype, num_out};
+    QArgs a = {NULL, NULL, NULL, NULL, num_rows, num_cols, NULL, half, 0, 0, q, (const uint8_t *)scales, bias, y, y_stride,
+               dtype, num_out};
     return run(&a, x, x_stride, 0);
 }
 
-int fk_q4_dequantize(const uint8_t *blocks, int half, int high, int64_t num_out, int64_t num_cols, float *w) {
+int fk_q4_dequantize(const uint8_t *blocks, int half, int layout, int64_t num_out, int64_t num_cols, float *w) {
     if (num_cols <= 0 || num_cols % (2 * QK_BLOCK) != 0) return FK_BAD_LENGTH;
     const int64_t nb = num_cols / QK_BLOCK;
+    const int high = (layout & FK_Q5) != 0, has_mins = !(layout & FK_NO_MINS);
     for (int64_t n = 0; n < num_out; n++) {
-        const uint8_t *row = blocks + n * q4_row_bytes(nb, half, high);
-        const uint8_t *codes = row + nb * (half ? 4 : 8);
+        const uint8_t *row = blocks + n * q4_row_bytes(nb, half, high, has_mins);
+        const uint8_t *codes = row + q4_codes_offset(nb, half, has_mins);
         float *out = w + n * num_cols;
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t *pair = codes + (b / 2) * q4_pair_bytes(high);
             const int first = (int)(b % 2) * QK_BLOCK;
-            const float d = q4_scale(row, nb, b, half, 0), m = q4_scale(row, nb, b, half, 1);
+            const float d = q4_scale(row, nb, b, half, 0), m = has_mins ? q4_scale(row, nb, b, half, 1) : 0.0f;
             for (int j = 0; j < QK_BLOCK; j++) out[b * QK_BLOCK + j] = d * (float)q45_code(pair, first + j, high) + m;
         }
     }

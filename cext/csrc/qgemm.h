@@ -21,7 +21,8 @@
  *   after hold element i's low 4 bits as nibble i (byte i / 2, low nibble first). Shifts
  *   left then arithmetic shifts right give each run of 16 codes, sign-extended. 24 (half)
  *   or 28 bytes per block of 32 in all, against int8's 36.
- * - Q8 rows: int8 q [N, K] and float32 scales [N, K / 32]: w = q * scale per block of 32
+ * - Q8 rows: int8 q [N, K] and scales [N, K / 32] (fp16 when `half`: a Q8_0 file's own d, else
+ *   float32): w = q * scale per block of 32
  *   (ggml's Q8_0), each block's bytes interleaved as word i = elements i and 16 + i (again
  *   two runs of 16 from shifts alone).
  *
@@ -36,7 +37,9 @@
 
 #define QK_BLOCK 32
 
-/* fk_q4_matmul's layout flags: Q5 rows (else Q4), and mins that are all 0 (Q5_0: the m term is skipped). */
+/* fk_q4_matmul's layout flags: Q5 rows (else Q4), and mins that are all 0 (Q5_0): the rows then
+ * hold no mins (scales, then the codes: 22 bytes per block of 32 with fp16 scales, as Q5_0 itself)
+ * and the m term is skipped. */
 #define FK_Q5 1
 #define FK_NO_MINS 2
 
@@ -45,7 +48,7 @@ int fk_q4_matmul(const void *x, int64_t x_stride, int64_t num_rows, int64_t num_
                  void *y, int64_t y_stride, int dtype);
 
 int fk_q8_matmul(const void *x, int64_t x_stride, int64_t num_rows, int64_t num_cols,
-                 const int8_t *q, const float *scales, int64_t num_out, const float *bias,
+                 const int8_t *q, const void *scales, int half, int64_t num_out, const float *bias,
                  void *y, int64_t y_stride, int dtype);
 
 /* Q5 rows' codes from ggml's order: packed [N, K / 2] (per block of 32, byte j = element j's
@@ -54,7 +57,12 @@ int fk_q8_matmul(const void *x, int64_t x_stride, int64_t num_rows, int64_t num_
 int fk_q5_pack(const uint8_t *packed, const uint8_t *high, int64_t num_rows, int64_t num_cols, uint8_t *out,
                int64_t out_stride);
 
-/* Q4 (or Q5: high) rows -> float32 w [N, K]. */
-int fk_q4_dequantize(const uint8_t *blocks, int half, int high, int64_t num_out, int64_t num_cols, float *w);
+/* From how many activation rows (M) the AVX2 products take the float path: each pass's
+ * weight rows decoded to float32 once, float32 activations, FMAs (qgemm.c). */
+void fk_qgemm_set_float_rows(int64_t rows);
+int64_t fk_qgemm_get_float_rows(void);
+
+/* Q4 or Q5 rows (layout: as fk_q4_matmul's) -> float32 w [N, K]. */
+int fk_q4_dequantize(const uint8_t *blocks, int half, int layout, int64_t num_out, int64_t num_cols, float *w);
 
 #endif

@@ -159,7 +159,7 @@ class GGUFStateDict(Mapping):
         if info.ggml_type == Q8_0:  # d * q: the codes, written once straight into the kernels' order
             blocks = raw.reshape(num_rows, num_cols // 32, 34)
             q = np.empty((num_rows, num_cols // 32, 16, 2), dtype=np.uint8)  # byte 2i: element i, 2i + 1: 16 + i
-            scales = np.empty((num_rows, num_cols // 32), dtype=np.float32)
+            scales = np.empty((num_rows, num_cols // 32), dtype=np.float16)  # the file's d, exactly
             for start in range(0, num_rows, CHUNK_ROWS):  # the file's pages dropped as they are used (the
                 part = blocks[start:start + CHUNK_ROWS]  # head: 145 MB mapped beside its copy otherwise)
                 q[start:start + len(part), ..., 0], q[start:start + len(part), ..., 1] = part[..., 2:18], part[..., 18:34]

@@ -9,13 +9,14 @@ keeps the plain weight and ``F.linear``.
 
 Int4 (``Int4Weight``): w = q * scale + min per group of 32 inputs, q in 0..15 (ggml's form, so
 Q4_0/Q4_1/Q4_K load exactly). Int5 (``Int5Weight``): the same with q in 0..31 (Q5_0/Q5_1).
-Int8 (``Int8Weight``): w = q * scale per block of 32. Decode-sized products
-(up to KERNEL_MAX_ROWS rows) run in C the way llama.cpp runs them: x quantized to int8 per block
-of 32, integer dot products against the codes (AVX2 maddubs, 32 multiply-adds an instruction),
-weights read once per call and never widened: a decode step is bound by the bytes of weights
-it streams, so the layout keeps them small (fp16 scales where that is exact). Larger products
-(prompts) dequantize the weight to float32 for the call and use the BLAS. aten's int4 op was
-replaced: on AVX2 it ran at ~5 GMAC/s at batch 1 against ~18-20 for these kernels
+Int8 (``Int8Weight``): w = q * scale per block of 32. Products of up to KERNEL_MAX_ROWS rows
+run in C (cext/csrc/qgemm.c), the weights read once per call in their codes: below
+``fused.get_float_rows()`` rows (decode batches, bound by the bytes of weights they stream) x is
+quantized to int16 per block of 32 and the codes are widened in registers for integer dot
+products (AVX2 madd); from there (bound by arithmetic) each pass decodes its weight rows once to
+float32 and runs FMAs against float32 x. Larger products (long prompt chunks) dequantize the
+weight to float32 a slice of rows at a time and use the BLAS. aten's int4 op was replaced: on
+AVX2 it ran at ~5 GMAC/s at batch 1 against ~18-20 for these kernels
 (benchmarks/quant_bench.py).
 
 Per-row-count policy: a quantized layer may keep a dense copy for products of more than
@@ -36,9 +37,21 @@ except ImportError:  # not built: quantized products dequantize the weight per c
     _qgemm = None
 
 GROUP_SIZE = 32
-KERNEL_MAX_ROWS = 16  # rows up to which the C kernels beat dequantize + float32 product (benchmarks/quant_bench.py)
+# Rows up to which the C kernels beat dequantize + BLAS: their float path ran 1.3-2x the BLAS
+# route at 128 rows and prefilled 256-token chunks 1.4-1.6x faster in the model (the scheduler's
+# default tick budget is 256); 512-1,000-row products measured even (benchmarks/qgemm_rows.py).
+KERNEL_MAX_ROWS = 256
+INT_KERNEL_MAX_ROWS = 16  # without AVX2 there is no float path: the scalar kernels up to here
 DEQUANT_ROWS = 1024  # output rows dequantized at once for a prompt's product (4 MB of float32 at K = 896)
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def _is_half_exact(t: torch.Tensor) -> bool:
+    """Whether every value of t is an fp16 value (float16 already, or float32 that converts back)."""
+    if t.dtype == torch.float16:
+        return True
+    values = t.float().numpy()
+    return bool((values.astype(np.float16).astype(np.float32) == values).all())
 
 
 @dataclass
@@ -97,8 +110,7 @@ class Int4Weight:
     def is_half_exact(self) -> bool:
         """Whether every scale and min is an fp16 value (Q4_0 and Q4_1 files: yes; Q4_K's
         products of two scales: in general no)."""
-        return all(bool((t.numpy().astype(np.float16).astype(np.float32) == t.numpy()).all())
-                   for t in (self.scales.float(), self.mins.float()))
+        return _is_half_exact(self.scales) and _is_half_exact(self.mins)
 
     def blocks(self, half: bool = False) -> torch.Tensor:
         """-> uint8 [N, K / 32 * (20 if half else 24)], the C kernels' layout (cext/csrc/qgemm.h):
@@ -190,21 +202,25 @@ class Int5Weight:
             return Int8Weight.from_codes(codes, self.scales.float(), is_exact=True)
         return Int8Weight.from_dense(self.dequantize())
 
-    def blocks(self, half: bool = False) -> torch.Tensor:
+    def blocks(self, half: bool = False, with_mins: bool = True) -> torch.Tensor:
         """-> uint8 [N, K / 32 * (24 if half else 28)], the C kernels' Q5 rows (cext/csrc/qgemm.h):
         per row the scales and kernel_mins (fp16 if half, else float32), then per pair of blocks
         40 bytes: 16-bit word i = the 5-bit two's complement codes (q - 16) of elements 48 + i,
         32 + i, 16 + i at bits 11, 6, 1 and the top bit of element i's at bit 0; then element
-        i's low 4 bits as nibble i. K: a multiple of 64."""
+        i's low 4 bits as nibble i. K: a multiple of 64. with_mins=False (every kernel min 0,
+        Q5_0): no mins, K / 32 * (22 if half else 24) bytes, for the kernels' FK_NO_MINS layout."""
         num_rows, num_cols = self.shape
         if num_cols % (2 * GROUP_SIZE):
             raise ValueError(f"Q5 blocks need K a multiple of {2 * GROUP_SIZE}, got {num_cols}")
+        if not with_mins and bool((self.kernel_mins != 0).any()):
+            raise ValueError("Q5 blocks without mins need every kernel min to be 0 (Q5_0)")
         num_groups, num_pairs = num_cols // GROUP_SIZE, num_cols // (2 * GROUP_SIZE)
         dtype, width = (np.float16, 2) if half else (np.float32, 4)
-        head = num_groups * 2 * width
+        head = num_groups * (2 if with_mins else 1) * width
         out = np.empty((num_rows, head + num_pairs * 40), dtype=np.uint8)
         out[:, : num_groups * width] = self.scales.numpy().astype(dtype).view(np.uint8)
-        out[:, num_groups * width: head] = self.kernel_mins.numpy().astype(dtype).view(np.uint8)
+        if with_mins:
+            out[:, num_groups * width: head] = self.kernel_mins.numpy().astype(dtype).view(np.uint8)
         if _qgemm is not None:  # a C loop: the NumPy below costs ~1.5 s at Qwen2.5-0.5B's load
             packed, high = self.packed.contiguous(), self.high.contiguous()
             _qgemm.q5_pack(packed.data_ptr(), high.data_ptr(), num_rows, num_cols, out[:, head:].ctypes.data,
@@ -349,10 +365,11 @@ class Linear:
     """y = x @ W.T + b for x [T, in] -> [T, out] (in x's dtype), W dense, Int4Weight or Int8Weight.
 
     quantized_dtype: how a quantized product runs. None (the default): the C kernels of
-    cext/csrc/qgemm.h for up to KERNEL_MAX_ROWS rows (x quantized to int8 per block of 32,
-    integer dot products against the 4- or 8-bit codes, as llama.cpp does), and for more rows
-    (prompts) the weight dequantized to float32 for the call and a float32 product. A dtype
-    (float32 in tests): always the dequantized weight in that dtype, the exact product.
+    cext/csrc/qgemm.h for up to KERNEL_MAX_ROWS rows (int16 activation codes and integer dot
+    products for decode batches, float32 FMAs over weights decoded per pass from
+    fused.get_float_rows() rows), and for more rows the weight dequantized to float32 a slice at
+    a time and a float32 product. A dtype (float32 in tests): always the dequantized weight in
+    that dtype, the exact product.
     dense_above_rows: for a quantized W, also keep a dense float32 oneDNN copy and use it for
     more rows than this (memory for speed on long prompts; off by default).
     """
@@ -383,8 +400,8 @@ class Linear:
         if isinstance(weight, Int5Weight):
             self.format = "int5"
             self._half = weight.is_half_exact()
-            self._blocks = weight.blocks(self._half)  # [N, K/32 * (24 or 28)]
-            self._no_mins = bool((weight.kernel_mins == 0).all())  # Q5_0: the kernels skip the m term
+            self._no_mins = bool((weight.kernel_mins == 0).all())  # Q5_0: rows without mins, no m term
+            self._blocks = weight.blocks(self._half, with_mins=not self._no_mins)  # [N, K/32 * (22-28)]
         elif isinstance(weight, Int4Weight):
             self.format = "int4"
             if self.in_features % (2 * GROUP_SIZE) == 0:
@@ -395,7 +412,9 @@ class Linear:
         elif isinstance(weight, Int8Weight):
             self.format = "int8"
             self._q8 = weight.q.contiguous()  # [N, K], already in the kernels' order
-            self._scales = weight.scales.float().contiguous()  # [N, K/32]
+            scales = weight.scales
+            self._half = scales.dtype == torch.float16 or _is_half_exact(scales)  # a file's fp16 d: half the bytes
+            self._scales = (scales.half() if self._half else scales.float()).contiguous()  # [N, K/32]
         else:
             raise TypeError(f"unsupported weight type {type(weight).__name__}")
         if dense_above_rows is not None:
@@ -429,7 +448,7 @@ class Linear:
         out = torch.empty(end_row - first_row, self.in_features, dtype=torch.float32)
         if _qgemm is not None:
             _qgemm.q4_dequantize(blocks.data_ptr(), self._half, len(blocks), self.in_features, out.data_ptr(),
-                                 self.format == "int5")
+                                 self.format == "int5", self._no_mins)
             return out
         return blocks_to_int4(blocks, self.in_features, self._half).dequantize()
 
@@ -441,8 +460,9 @@ class Linear:
         if self.dense is not None and num_rows > self.dense_above_rows:
             return self.dense(x.float()).to(x.dtype)
         code = _DTYPE_CODES.get(x.dtype)
-        if (self.quantized_dtype is None and _qgemm is not None and num_rows <= KERNEL_MAX_ROWS and code is not None
-                and (self._blocks is not None or self.format == "int8")):
+        if (self.quantized_dtype is None and _qgemm is not None and code is not None
+                and (self._blocks is not None or self.format == "int8")
+                and (num_rows <= INT_KERNEL_MAX_ROWS or (num_rows <= KERNEL_MAX_ROWS and _qgemm.get_isa() != "baseline"))):
             if x.stride(-1) != 1:
                 x = x.contiguous()
             y = torch.empty(num_rows, self.out_features, dtype=x.dtype)  # [T, N]
@@ -454,7 +474,7 @@ class Linear:
             else:
                 _qgemm.q8_matmul(x.data_ptr(), x.stride(0), num_rows, self.in_features, self._q8.data_ptr(),
                                  self._scales.data_ptr(), self.out_features, bias, y.data_ptr(), self.out_features,
-                                 code)
+                                 code, self._half)
             return y
         if self.quantized_dtype is not None:  # the exact product with the whole dequantized weight
             w = self.dequantize().to(self.quantized_dtype)  # [N, K]
