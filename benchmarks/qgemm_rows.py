@@ -35,7 +35,7 @@ ROUTES = ("int16", "float", "blas")
 
 def run_route(layer: Linear, x: torch.Tensor, route: str, min_seconds: float = 0.05) -> float:
     """Seconds per product of layer(x) through one route (repeated for at least min_seconds)."""
-    linear_module.KERNEL_MAX_ROWS = 0 if route == "blas" else 1 << 30
+    linear_module.KERNEL_MAX_ROWS = linear_module.INT_KERNEL_MAX_ROWS = 0 if route == "blas" else 1 << 30
     fused.set_float_rows(1 if route == "float" else 1 << 30)
     layer(x)
     calls, start = 0, time.perf_counter()
@@ -58,7 +58,7 @@ def main() -> None:
     formats = args.formats.split(",")
     fused.set_num_threads(args.threads)
     torch.set_num_threads(args.threads)
-    saved = (linear_module.KERNEL_MAX_ROWS, fused.get_float_rows())
+    saved = (linear_module.KERNEL_MAX_ROWS, linear_module.INT_KERNEL_MAX_ROWS, fused.get_float_rows())
     gen = torch.Generator().manual_seed(0)
     cases = []
     for name, num_out, num_in in SHAPES:
@@ -75,8 +75,8 @@ def main() -> None:
                     for route in ROUTES:
                         times.setdefault((label, m, route), []).append(run_route(layer, inputs[label, m], route))
     finally:
-        linear_module.KERNEL_MAX_ROWS, _ = saved
-        fused.set_float_rows(saved[1])
+        linear_module.KERNEL_MAX_ROWS, linear_module.INT_KERNEL_MAX_ROWS, float_rows = saved
+        fused.set_float_rows(float_rows)
     rows, results = [], []
     for label, _, num_in, num_out in cases:
         for m in row_counts:

@@ -368,9 +368,10 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) static inline void float
 __attribute__((target("avx2,fma,f16c"))) static void float_rows_avx2(const QArgs *a, int64_t n, int nr,
                                                                     const float *w) {
     int64_t i0 = 0;
-    for (; i0 + QG_FR <= a->num_rows; i0 += QG_FR) float_tile_avx2(a, n, nr, i0, QG_FR, w);
-    if (a->num_rows - i0 == 2) float_tile_avx2(a, n, nr, i0, 2, w);
-    else if (a->num_rows - i0 == 1) float_tile_avx2(a, n, nr, i0, 1, w);
+    /* tiles of 3 rows, the last 4 as 2 + 2 (a 1-row tile runs 4 FMA chains for 5 loads) */
+    for (; a->num_rows - i0 == 3 || a->num_rows - i0 > 4; i0 += QG_FR) float_tile_avx2(a, n, nr, i0, QG_FR, w);
+    for (; a->num_rows - i0 >= 2; i0 += 2) float_tile_avx2(a, n, nr, i0, 2, w);
+    if (i0 < a->num_rows) float_tile_avx2(a, n, nr, i0, 1, w);
 }
 
 /* 16 int16 codes -> two float32 vectors d * c + m at out, in the float path's order: each run
@@ -390,7 +391,7 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) static inline void codes
 }
 
 /* A row's nb scales (or mins) as float32 times `mul` into out (fp16 or float32 source). */
-__attribute__((target("avx2,fma,f16c"))) static void scales_to_float(const uint8_t *p, int64_t nb, int half,
+__attribute__((target("avx2,fma,f16c"), always_inline)) static inline void scales_to_float(const uint8_t *p, int64_t nb, int half,
                                                                     float mul, float *out) {
     int64_t b = 0;
     for (; b + 8 <= nb; b += 8) _mm256_storeu_ps(out + b, _mm256_mul_ps(q4_load8(p, b, half), _mm256_set1_ps(mul)));
@@ -550,6 +551,30 @@ __attribute__((target("avx2,fma,f16c"))) static void q8_range_avx2(const void *p
 }
 #endif
 
+/* x [M, K] (float32 or bfloat16, row stride x_stride) -> xf [M, K] float32 in the float path's
+ * order: each run of 16 elements as elements 0-3, 8-11, 4-7, 12-15 (codes16_to_float). */
+#ifdef QG_HAVE_X86
+__attribute__((target("avx2,fma,f16c"))) static void float_rows_in_decoded_order(
+        const void *x, int64_t x_stride, int64_t M, int64_t K, int dtype, float *xf) {
+    for (int64_t i = 0; i < M; i++) {
+        for (int64_t j = 0; j < K; j += 16) {
+            __m256 lo, hi;  /* elements 0-7, 8-15 */
+            if (dtype == FK_FLOAT32) {
+                const float *src = (const float *)x + i * x_stride + j;
+                lo = _mm256_loadu_ps(src);
+                hi = _mm256_loadu_ps(src + 8);
+            } else {  /* bfloat16: the 16 bits above 16 zero bits */
+                const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)x + i * x_stride + j));
+                lo = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(h)), 16));
+                hi = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(h, 1)), 16));
+            }
+            _mm256_storeu_ps(xf + i * K + j, _mm256_permute2f128_ps(lo, hi, 0x20));      /* 0-3, 8-11 */
+            _mm256_storeu_ps(xf + i * K + j + 8, _mm256_permute2f128_ps(lo, hi, 0x31));  /* 4-7, 12-15 */
+        }
+    }
+}
+#endif
+
 /* ---- entry points ---- */
 
 static int64_t qg_float_rows = 6;  /* measured: benchmarks/qgemm_rows.py */
@@ -574,14 +599,10 @@ static int run(QArgs *a, const void *x, int64_t x_stride, int is_q4) {
     if (use_float) {
         buf = (char *)malloc(sizeof(float) * (size_t)(M * K));
         if (buf == NULL) return FK_NO_MEMORY;
-        float *xf = (float *)buf;
-        for (int64_t i = 0; i < M; i++) { /* in the decoded weights' order (codes16_to_float) */
-            for (int64_t j = 0; j < K; j++) {
-                const int64_t e = j % 16, at = i * x_stride + j - e + (e % 4) + (e / 8) * 4 + ((e / 4) % 2) * 8;
-                xf[i * K + j] = a->dtype == FK_FLOAT32 ? ((const float *)x)[at] : bf16_to_float(((const uint16_t *)x)[at]);
-            }
-        }
-        a->xf = xf;
+#ifdef QG_HAVE_X86
+        float_rows_in_decoded_order(x, x_stride, M, K, a->dtype, (float *)buf);
+#endif
+        a->xf = (const float *)buf;
     } else {
         buf = (char *)malloc(sizeof(int16_t) * (size_t)(M * K) + sizeof(float) * 2 * (size_t)(M * nb));
         if (buf == NULL) return FK_NO_MEMORY;
