@@ -1,6 +1,7 @@
-/* Quantized weight products (see qgemm.h): activations quantized once per call on the
- * calling thread, then output features split across the pool. Scalar kernels for any
- * CPU, AVX2 kernels (madd_epi16 integer dot products) chosen at run time. */
+/* Quantized weight products (see qgemm.h): activations quantized (or, on the float path,
+ * reordered) once per call on the calling thread, then output features split across the
+ * pool. Scalar kernels for any CPU, AVX2 kernels (madd_epi16 integer dot products, or float32
+ * FMAs over weights decoded per pass) chosen at run time. */
 #include "qgemm.h"
 #include "fk_pool.h"
 #include "fused_kernels.h"

@@ -1,10 +1,13 @@
-/* Quantized weight products for decode-sized batches: y [M, N] = x [M, K] @ W.T (+ bias).
+/* Quantized weight products for decode batches and prompt chunks: y [M, N] = x [M, K] @ W.T (+ bias).
  *
- * The activations are quantized per row in blocks of 32 to int16 codes (dx = max|x| / 32767,
- * round half to even: a relative error below 2^-15 per element, where llama.cpp's int8
- * codes move logprobs by tenths); the weights stay in their 4- or 8-bit codes, widened to
+ * Fewer than fk_qgemm_get_float_rows() rows (a product bound by the bytes of weights it
+ * reads): the activations are quantized per row in blocks of 32 to int16 codes (dx = max|x| /
+ * 32767, round half to even: a relative error below 2^-15 per element, where llama.cpp's int8
+ * codes move logprobs by tenths); the weights stay in their 4-, 5- or 8-bit codes, widened to
  * int16 in registers, and the integer dot products run 16 multiply-adds per instruction
- * (AVX2 madd_epi16). Weights:
+ * (AVX2 madd_epi16). From there (bound by arithmetic; AVX2 only): each pass of 4 weight rows is
+ * decoded once to float32 and multiplied by the float32 activations with FMAs, the exact
+ * float32 product of the dequantized weights. Weights:
  *
  * - Q4 rows: for K / 32 blocks b of 32 inputs, w = d[b] * q + m[b] with q in 0..15 (Q4_0,
  *   Q4_1 and Q4_K sub-blocks map onto this exactly: engine/loader/repack.py). Row n is
