@@ -179,13 +179,12 @@ def test_full_replica_queues_give_429_with_retry_after(ray_url):
 
 
 def _replica_stats(replica_id: str) -> dict:
-    """One replica's engine stats, asked through the deployment's handle until it lands there."""
-    handle = serve.get_deployment_handle("EngineReplica", app_name="llm-engine")
-    for _ in range(40):
-        stats = handle.record_routing_stats.remote().result(timeout_s=30)
-        if stats["replica_id"] == replica_id:
-            return stats
-    raise AssertionError(f"no answer from {replica_id}")
+    """One replica's engine stats, asked of that replica's actor as Serve's controller asks it
+    (the deployment handle's router would send the call to the idler replica, never to the
+    one busy with the stream under test)."""
+    stats = ray.get(ray.get_actor(replica_id, namespace="serve").record_routing_stats.remote(), timeout=30)
+    assert stats["replica_id"] == replica_id
+    return stats
 
 
 def test_client_leaving_mid_stream_aborts_the_request_on_its_replica(ray_url):
