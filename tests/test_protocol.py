@@ -53,6 +53,14 @@ def test_defaults_and_aliases():
     assert chat(n=1, stop=None, seed=None).params.stop == ()
 
 
+def test_completions_max_tokens_defaults_to_16_as_openai():
+    assert protocol.parse_completion({"prompt": "a"}).params.max_tokens == 16  # OpenAI's documented default
+    assert protocol.parse_completion({"prompt": ["a", "b"]}).params.max_tokens == 16
+    assert protocol.parse_completion({"prompt": "a", "max_tokens": None}).params.max_tokens is None  # vLLM
+    assert protocol.parse_completion({"prompt": "a", "max_tokens": 40}).params.max_tokens == 40
+    assert chat().params.max_tokens is None and chat(max_tokens=None).params.max_tokens is None
+
+
 def test_content_parts_are_joined_with_newlines():
     req = protocol.parse_chat({"messages": [
         {"role": "system", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},

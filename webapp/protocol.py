@@ -26,7 +26,8 @@ from engine.tools import validate_tool_choice, validate_tools
 
 from .constraints import constraint
 from .errors import APIError, bad_request
-from .request_fields import CHAT, COMPLETIONS, CONSTRAINT_FIELDS, FIELDS_BY_ENDPOINT, MAX_TOKENS_LIMIT, Fate, check
+from .request_fields import (CHAT, COMPLETIONS, COMPLETIONS_DEFAULT_MAX_TOKENS, CONSTRAINT_FIELDS,
+                             FIELDS_BY_ENDPOINT, MAX_TOKENS_LIMIT, Fate, check)
 
 MAX_PROMPTS = 256  # prompts in one batched /v1/completions request
 MAX_CHOICES = 256  # prompts * n
@@ -73,7 +74,7 @@ def _reject_constant(name: str):
     raise ValueError(f"{name} is not a JSON number")
 
 
-def _check_text(value: str, param: str) -> str:
+def check_text(value: str, param: str) -> str:
     if _SURROGATES.search(value):
         raise bad_request(f"{param} contains a lone surrogate (not valid Unicode).", param)
     return value
@@ -94,7 +95,7 @@ def _is_ids(value) -> bool:
 def _prompts(prompt) -> list[str | list[int]]:
     """A string, token ids, or a batch of either -> the list of prompts."""
     if isinstance(prompt, str):
-        return [_check_text(prompt, "prompt")]
+        return [check_text(prompt, "prompt")]
     if _is_ids(prompt):
         if min(prompt) < 0:
             raise bad_request("prompt token ids must be >= 0", "prompt")
@@ -104,7 +105,7 @@ def _prompts(prompt) -> list[str | list[int]]:
             raise bad_request(f"prompt holds {len(prompt)} prompts; at most {MAX_PROMPTS} are allowed", "prompt")
         for k, p in enumerate(prompt):
             if isinstance(p, str):
-                _check_text(p, f"prompt[{k}]")
+                check_text(p, f"prompt[{k}]")
             elif min(p) < 0:
                 raise bad_request(f"prompt[{k}] token ids must be >= 0", f"prompt[{k}]")
         return list(prompt)
@@ -127,8 +128,10 @@ def _fields(body: dict, endpoint: str) -> dict:
     return values
 
 
-def _sampling(values: dict, endpoint: str, found: tuple | None = None) -> SamplingParams:
-    """``found``: the request's structured-output constraint (webapp.constraints.constraint)."""
+def sampling_params(values: dict, endpoint: str, found: tuple | None = None,
+              default_max_tokens: int | None = None) -> SamplingParams:
+    """``found``: the request's structured-output constraint (webapp.constraints.constraint).
+    ``default_max_tokens``: when the body has no max_tokens (None: the rest of the context)."""
     fields = FIELDS_BY_ENDPOINT[endpoint]
     kwargs = {}
     if found is not None:
@@ -139,12 +142,12 @@ def _sampling(values: dict, endpoint: str, found: tuple | None = None) -> Sampli
             kwargs[f.target or name] = value
     if "max_completion_tokens" in values:
         kwargs["max_tokens"] = values["max_completion_tokens"]
-    kwargs.setdefault("max_tokens", None)  # None: the rest of the context
+    kwargs.setdefault("max_tokens", default_max_tokens)  # None: the rest of the context
     stop = values.get("stop")
     if stop is not None:
         kwargs["stop"] = (stop,) if isinstance(stop, str) else tuple(stop)
         for s in kwargs["stop"]:
-            _check_text(s, "stop")
+            check_text(s, "stop")
     if kwargs.get("top_k") == -1:
         kwargs["top_k"] = 0  # vLLM spells "disabled" as -1
     if endpoint == COMPLETIONS and "logprobs" in values:  # legacy: an int, the number of alternatives
@@ -179,7 +182,7 @@ def parse_chat(body: dict) -> ParsedRequest:
     messages = _messages(body.get("messages"))
     _tools(values)
     found = constraint(values)  # (client field, SamplingParams field, value) or None
-    params = _sampling(values, CHAT, found)
+    params = sampling_params(values, CHAT, found)
     is_stream, include_usage = _stream_flags(values)
     return ParsedRequest(True, params, messages=messages, is_stream=is_stream, include_usage=include_usage,
                          is_prompt_logprobs_shown=params.prompt_logprobs is not None,
@@ -192,7 +195,9 @@ def parse_completion(body: dict) -> ParsedRequest:
     values = _fields(body, COMPLETIONS)
     prompts = _prompts(body.get("prompt"))
     found = constraint(values)
-    params = _sampling(values, COMPLETIONS, found)
+    # OpenAI's legacy default: 16 tokens when max_tokens is absent; an explicit null is the rest of the context
+    default_max_tokens = None if "max_tokens" in body else COMPLETIONS_DEFAULT_MAX_TOKENS
+    params = sampling_params(values, COMPLETIONS, found, default_max_tokens)
     if len(prompts) * params.n > MAX_CHOICES:
         raise bad_request(f"{len(prompts)} prompts x n={params.n} choices exceeds {MAX_CHOICES}", "n")
     is_echo = values.get("echo", False)
@@ -245,7 +250,7 @@ def parse_tokenize(body: dict) -> TokenizeRequest:
     prompt = body.get("prompt")
     if not isinstance(prompt, str):
         raise bad_request("prompt (a string) or messages is required", "prompt")
-    return TokenizeRequest(prompt=_check_text(prompt, "prompt"),
+    return TokenizeRequest(prompt=check_text(prompt, "prompt"),
                            add_special_tokens=_flag(body, "add_special_tokens", True),
                            return_token_strs=return_token_strs)
 
