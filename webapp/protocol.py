@@ -129,7 +129,7 @@ def _fields(body: dict, endpoint: str) -> dict:
 
 
 def sampling_params(values: dict, endpoint: str, found: tuple | None = None,
-              default_max_tokens: int | None = None) -> SamplingParams:
+                    default_max_tokens: int | None = None) -> SamplingParams:
     """``found``: the request's structured-output constraint (webapp.constraints.constraint).
     ``default_max_tokens``: when the body has no max_tokens (None: the rest of the context)."""
     fields = FIELDS_BY_ENDPOINT[endpoint]

@@ -184,7 +184,7 @@ TEXT_FORMAT = {"anyOf": [
 # POST /v1/responses (webapp.responses): a field not declared here is a 400 naming it.
 RESPONSES_FIELDS: tuple[Field, ...] = (
     Field("model", _nullable(STR), _R, "any name: this server serves one model", _RS),
-    Field("input", {"anyOf": [STR, {"type": "array", "items": {"type": "object"}, "minItems": 1}]}, _R,
+    Field("input", {"anyOf": [STR, {"type": "array", "minItems": 1}]}, _R,  # items: webapp.responses
           "a user message, or items: messages, function_call, function_call_output", _RS),
     Field("instructions", _nullable(STR), _R, "a system message first (not carried by previous_response_id)",
           _RS),
@@ -229,6 +229,7 @@ FIELDS_BY_ENDPOINT: dict[str, dict[str, Field]] = {
     for endpoint in (CHAT, COMPLETIONS, RESPONSES)
 }
 REQUIRED_FIELD = {CHAT: "messages", COMPLETIONS: "prompt", RESPONSES: "input"}
+ENDPOINTS = tuple(REQUIRED_FIELD)  # the endpoints GET /v1/schema describes
 
 
 def json_schema(endpoint: str) -> dict:
