@@ -56,7 +56,7 @@ class BaseRequestStream:
         return self._group.requests[index].prompt_logprobs
 
     def _event(self, item) -> StreamEvent | None:
-        """An item of the queue as the caller sees it: the filtered event, None at the end; raises an error."""
+        """A queued item as the caller sees it: the filtered event, None at the end; raises an error."""
         if item is FINISHED:
             self._done = True
             return None
