@@ -156,6 +156,24 @@ def test_responses_api_answers_as_the_single_server(ray_url, single):
     assert (answer.status_code, answer.json()) == (status, json.loads(raw)) and status == 400
 
 
+def test_fill_in_the_middle_routes_answer_as_the_single_server(ray_url, single):
+    """The replicas' vocabulary (SmolLM2) has no FIM tokens: suffix and /infill are the same 400s."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    cases = [("/v1/completions", {"prompt": "def f():", "suffix": "\n", "max_tokens": 4}),
+             ("/infill", {"input_prefix": "def f():", "input_suffix": "\n"}),
+             ("/infill", {"input_prefix": "a", "n_indent": 4}),
+             ("/v1/completions", {"prompt": "Once", "suffix": "", "max_tokens": 3, "temperature": 0})]
+    for path, body in cases:
+        got = httpx.post(ray_url + path, json=body, headers=headers, timeout=30)
+        status, _, raw = single.request("POST", path, json.dumps(body).encode(), headers)
+        expected = json.loads(raw)
+        if status == 200:
+            got_body = got.json()
+            assert got_body["choices"][0]["text"] == expected["choices"][0]["text"]
+        else:
+            assert (got.status_code, got.json()) == (status, expected) and status == 400, path
+
+
 def test_prefix_sharing_requests_land_on_one_replica(ray_url):
     replica_ids = set()
     for turn in range(6):

@@ -30,6 +30,7 @@ from . import (
     responses,
     sse,
 )
+from . import infill as infill_api
 from .errors import APIError
 from .metrics import RequestRecord, ServerMetrics
 from .response_store import ResponseStore
@@ -157,6 +158,10 @@ def create_app(engine, model_name: str | None = None, api_key: str | None = None
     def completions():
         return _limited(lambda: _generate(protocol.parse_completion(_read_body()), "completions"))
 
+    @app.post("/infill")
+    def infill():
+        return _limited(lambda: _infill(infill_api.parse_infill(_read_body())))
+
     @app.post("/v1/responses")
     def create_response():
         return _limited(lambda: _respond(responses.parse_responses(_read_body(), store)))
@@ -211,6 +216,19 @@ def create_app(engine, model_name: str | None = None, api_key: str | None = None
             return Response(status=499)
         body = generation.response_body(req, request_id, model_name, created, done, echo_texts, tokenizer)
         return _json(body)
+
+    def _infill(req: protocol.ParsedRequest) -> Response:
+        record = RequestRecord("infill", 0)
+        stream = generation.submit(engine, req)
+        record.num_prompt_tokens = num_prompt = generation.num_prompt_tokens(stream, 1)
+        is_disconnected = request.environ.get("waitress.client_disconnected") or _never_disconnected
+        if req.is_stream:
+            body = infill_api.stream_chunks(stream, record, metrics, is_disconnected, num_prompt)
+            return Response(body, mimetype="text/event-stream", headers=sse.STREAM_HEADERS)
+        done = sse.collect(stream, record, metrics, is_disconnected)
+        if done is None:
+            return Response(status=499)
+        return _json(infill_api.infill_body(done[0], num_prompt, model_name))
 
     def _respond(req: responses.ResponsesRequest) -> Response:
         record = RequestRecord("responses", 0)

@@ -49,6 +49,9 @@ class ParsedRequest:
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool = True
     constraint_param: str | None = None  # the client's structured-output field, named by a later compile error
+    suffix: str | None = None  # fill-in-the-middle: each prompt is the prefix (engine.Engine.prepare_infill)
+    extra_files: list[dict] | None = None  # with suffix: llama.cpp /infill's repo-level context
+    cursor_text: str = ""  # /infill's prompt: the line before the cursor, tokenized after the prefix
 
     @property
     def prompt(self) -> str | list[int] | None:
@@ -201,6 +204,9 @@ def parse_completion(body: dict) -> ParsedRequest:
     if len(prompts) * params.n > MAX_CHOICES:
         raise bad_request(f"{len(prompts)} prompts x n={params.n} choices exceeds {MAX_CHOICES}", "n")
     is_echo = values.get("echo", False)
+    suffix = check_text(values["suffix"], "suffix") if values.get("suffix") else None  # "": no insertion
+    if suffix is not None and is_echo:
+        raise bad_request("echo cannot be combined with suffix (fill-in-the-middle)", "suffix")
     is_prompt_logprobs_shown = params.prompt_logprobs is not None
     if is_echo and params.logprobs and (params.prompt_logprobs is None or params.prompt_logprobs < params.top_logprobs):
         # echo with logprobs: the echoed prompt's tokens get theirs too (OpenAI legacy, vLLM)
@@ -209,7 +215,7 @@ def parse_completion(body: dict) -> ParsedRequest:
     return ParsedRequest(False, params, prompts=prompts, is_stream=is_stream, include_usage=include_usage,
                          is_echo=is_echo, add_special_tokens=values.get("add_special_tokens", True),
                          is_prompt_logprobs_shown=is_prompt_logprobs_shown,
-                         constraint_param=found[0] if found else None)
+                         constraint_param=found[0] if found else None, suffix=suffix)
 
 
 # ---- /tokenize and /detokenize (vLLM's shapes) ----

@@ -34,7 +34,7 @@ from starlette.routing import Route
 from cext.chunk import ChunkWriter
 from engine.errors import EngineDead
 
-from . import errors, generation, protocol, request_fields, response_objects, responses, sse
+from . import errors, generation, infill, protocol, request_fields, response_objects, responses, sse
 from .errors import APIError
 from .metrics import RequestRecord, ServerMetrics
 from .ray_messages import StreamEnd
@@ -200,7 +200,7 @@ def build_app(engine_handle, model_name: str = "default", api_key: str | None = 
                     yield events.failure(item)
                     return
                 for event in item:
-                    response_objects.count(record, event)
+                    record.event(event)
                 yield b"".join(events.add(event) for event in item)
             yield events.closing(record.num_prompt_tokens)[0]
             status = "ok"
@@ -208,6 +208,32 @@ def build_app(engine_handle, model_name: str = "default", api_key: str | None = 
             status = "error"
             log.warning("engine replica died mid-stream: %s", exc)
             yield events.failure(_replica_gone(exc))
+        finally:
+            release()
+            metrics.finish(record, status)
+
+    async def infill_body(response, record, release):
+        """A streamed /infill request: one llama.cpp object per event (webapp.infill)."""
+        status = "abort"
+        try:
+            async for item in response:
+                if isinstance(item, StreamEnd):
+                    record.queue_s = item.queue_s
+                    continue
+                if isinstance(item, APIError):
+                    status = "error"
+                    yield b"data: " + item.body() + b"\n\n"
+                    return
+                parts = []
+                for event in item:
+                    record.event(event)
+                    parts.append(infill.event_chunk(event, record.num_generated, record.num_prompt_tokens))
+                yield b"".join(parts)
+            status = "ok"
+        except (RayActorError, DeploymentUnavailableError) as exc:
+            status = "error"
+            log.warning("engine replica died mid-stream: %s", exc)
+            yield b"data: " + errors.from_exception(_replica_gone(exc)).body() + b"\n\n"
         finally:
             release()
             metrics.finish(record, status)
@@ -231,8 +257,9 @@ def build_app(engine_handle, model_name: str = "default", api_key: str | None = 
         return completions
 
     async def generate(request: Request, endpoint_name: str, parse) -> Response:
-        """Chat, completions and responses alike: a Responses request runs as its chat request
-        (``req.chat``) and only its answer's shape differs (webapp.response_objects)."""
+        """Chat, completions, responses and /infill alike: a Responses request runs as its chat request
+        (``req.chat``), /infill as a completion with a suffix; only the answers' shapes differ
+        (webapp.response_objects, webapp.infill)."""
         admission.enter()
         is_admitted = True  # until the response body owns the slot
         try:
@@ -253,6 +280,8 @@ def build_app(engine_handle, model_name: str = "default", api_key: str | None = 
                 if is_responses:
                     events = ResponseEvents(req, store, request_id, model_name, created)
                     body = response_events_body(response, events, record, release)
+                elif endpoint_name == "infill":
+                    body = infill_body(response, record, release)
                 else:
                     writer = ChunkWriter(request_id, model_name, created, req.is_chat, req.include_usage)
                     body = stream_body(response, writer, record, req.include_usage, head.echo_texts, release)
@@ -264,6 +293,8 @@ def build_app(engine_handle, model_name: str = "default", api_key: str | None = 
             if is_responses:
                 body = response_objects.response_body(req, store, request_id, model_name, created,
                                                       completions[0], record.num_prompt_tokens)
+            elif endpoint_name == "infill":
+                body = infill.infill_body(completions[0], record.num_prompt_tokens, model_name)
             else:
                 body = generation.response_body(req, request_id, model_name, created, completions,
                                                 head.echo_texts)
@@ -277,6 +308,9 @@ def build_app(engine_handle, model_name: str = "default", api_key: str | None = 
 
     async def completions(request: Request) -> Response:
         return await generate(request, "completions", protocol.parse_completion)
+
+    async def infill_endpoint(request: Request) -> Response:
+        return await generate(request, "infill", infill.parse_infill)
 
     async def create_response(request: Request) -> Response:
         return await generate(request, "responses", lambda body: responses.parse_responses(body, store))
@@ -339,6 +373,7 @@ def build_app(engine_handle, model_name: str = "default", api_key: str | None = 
         ("/v1/chat/completions", "POST", chat),
         ("/v1/completions", "POST", completions),
         ("/v1/responses", "POST", create_response),
+        ("/infill", "POST", infill_endpoint),
         ("/v1/responses/{response_id}", "GET", get_response),
         ("/v1/responses/{response_id}", "DELETE", delete_response),
         ("/v1/models", "GET", models),

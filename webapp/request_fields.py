@@ -160,7 +160,8 @@ FIELDS: tuple[Field, ...] = (
     Field("documents", {"type": "null"}, _H, "not supported", _C),
     Field("echo", _nullable(FALSE), _H, "vLLM's chat echo: not supported", _C),
     Field("add_special_tokens", _nullable(FALSE), _H, "the chat template adds what it needs", _C),
-    Field("suffix", {"anyOf": [{"const": ""}, {"type": "null"}]}, _H, "insertion: not supported", _P),
+    Field("suffix", _nullable(STR), _R, "fill-in-the-middle: the text after the insertion (models with FIM "
+          "tokens; others: a 400 unless empty)", _P),
     Field("best_of", _nullable({"type": "integer", "minimum": 1}), _H, "no reranking: must equal n"),
     Field("use_beam_search", _nullable(FALSE), _H, "no beam search"),
     Field("length_penalty", _nullable({"const": 1}), _H, "beam search only"),

@@ -228,13 +228,6 @@ class ResponseEvents:
                 + self._event("response.failed", response=failed))
 
 
-def count(record: RequestRecord, event) -> None:
-    if event.token_ids:
-        record.tokens(len(event.token_ids))
-    if event.finish_reason is not None:
-        record.finish_reasons.append(event.finish_reason)
-
-
 def _never() -> bool:
     return False
 
@@ -250,7 +243,7 @@ def stream_events(stream, events: ResponseEvents, record: RequestRecord, metrics
         for event in stream:
             batch = [event, *stream.ready_events()]
             for e in batch:
-                count(record, e)
+                record.event(e)
             yield b"".join(events.add(e) for e in batch)
             if batch[-1].finish_reason is None and is_disconnected():
                 return

@@ -16,7 +16,7 @@ DEFAULT_THREADS = 64
 RESERVED_THREADS = 8
 # The routes whose every answer, refusals included, counts in llm:request_success_total.
 GENERATION_ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions",
-                        "/v1/responses": "responses"}
+                        "/v1/responses": "responses", "/infill": "infill"}
 STATIC_DIR = os.path.join(os.path.dirname(__file__), "static")
 
 
