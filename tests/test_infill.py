@@ -173,6 +173,15 @@ def test_suffix_on_a_model_without_fim_tokens_is_a_400_naming_it():
         assert answer.status_code == 400 and answer.json()["error"]["param"] == "suffix"
 
 
+def test_infill_needs_the_api_key_when_one_is_set(qwen_tokenizer):
+    with scripted_qwen_engine(qwen_tokenizer) as eng, LiveServer(eng, api_key="k") as server:
+        body = {"input_prefix": PREFIX, "input_suffix": SUFFIX, "n_predict": 4}
+        assert httpx.post(server.base_url + "/infill", json=body, timeout=60).status_code == 401
+        answer = httpx.post(server.base_url + "/infill", json=body, headers={"Authorization": "Bearer k"},
+                            timeout=60)
+        assert answer.status_code == 200 and answer.json()["content"]
+
+
 def test_llama_cpp_infill_route(fim_server, qwen_tokenizer, qwen_vocab):
     extra = [{"filename": "util.py", "text": "def helper():\n    return 1\n"}]
     body = {"input_prefix": PREFIX, "input_suffix": SUFFIX, "prompt": "re", "input_extra": extra,

@@ -276,3 +276,26 @@ def test_qwen_json_schema_text_format_validates(qwen_server):
                                  max_output_tokens=64) as stream:
         streamed = stream.get_final_response()
     assert streamed.output_text == full.output_text
+
+
+def test_parse_maps_onto_the_chat_request():
+    """The Responses body -> the chat route's ParsedRequest (what engine.stream_chat receives)."""
+    from webapp.responses import parse_responses
+
+    store = ResponseStore()
+    req = parse_responses({"input": [{"role": "developer", "content": [{"type": "input_text", "text": "a"},
+                                                                     {"type": "input_text", "text": "b"}]},
+                                     {"role": "user", "content": "q"}],
+                           "instructions": "sys", "text": {"format": {"type": "json_object"}},
+                           "tools": [WEATHER], "tool_choice": {"type": "function", "name": "get_weather"},
+                           "max_output_tokens": 7, "temperature": 0.5, "top_p": 0.9}, store)
+    chat = req.chat
+    assert chat.is_chat and chat.messages == [{"role": "system", "content": "sys"},
+                                              {"role": "developer", "content": "a\nb"},
+                                              {"role": "user", "content": "q"}]
+    assert chat.params.json_schema == {"type": "object"} and chat.constraint_param == "text.format"
+    assert (chat.params.max_tokens, chat.params.temperature, chat.params.top_p) == (7, 0.5, 0.9)
+    assert chat.tools == [CHAT_WEATHER] and chat.tool_choice == {"type": "function",
+                                                                "function": {"name": "get_weather"}}
+    assert req.conversation[0]["role"] == "developer"  # instructions are not part of what is stored
+    assert req.settings["tool_choice"] == {"type": "function", "name": "get_weather"}

@@ -39,9 +39,13 @@ def expected_authorization(api_key: str | None) -> bytes | None:
     return f"Bearer {api_key}".encode() if api_key else None
 
 
+KEYED_PATHS = frozenset({"/infill"})  # generation routes outside /v1/ that need the key as well
+
+
 def check_api_key(expected: bytes | None, path: str, method: str, authorization: str | None) -> None:
-    """/v1/* needs ``Authorization: Bearer <key>`` when a key is set (preflights excepted): else 401."""
-    if expected is None or not path.startswith("/v1/") or method == "OPTIONS":
+    """/v1/* and /infill need ``Authorization: Bearer <key>`` when a key is set (preflights excepted):
+    else 401."""
+    if expected is None or not (path.startswith("/v1/") or path in KEYED_PATHS) or method == "OPTIONS":
         return
     if not hmac.compare_digest((authorization or "").encode(), expected):
         raise errors.unauthorized()
@@ -81,8 +85,8 @@ def _prompts(engine, req: protocol.ParsedRequest) -> tuple[list, object]:
     prompts, params = [], req.params
     for prompt in req.prompts:
         if req.cursor_text:  # tokenized apart from the prefix, as llama.cpp's /infill does
-            encode = engine.tokenizer.encode
-            prompt = encode(prompt, add_special_tokens=False) + encode(req.cursor_text, add_special_tokens=False)
+            pieces = engine.tokenizer.encode_batch([prompt, req.cursor_text], add_special_tokens=False)
+            prompt = pieces[0] + pieces[1]
         ids, params = engine.prepare_infill(prompt, req.suffix, req.params, req.extra_files)
         prompts.append(ids)
     return prompts, params
