@@ -305,7 +305,7 @@ class EngineCore:
         if group.num_unfinished == 0:
             self.groups.pop(group.request_id, None)
             self._live_ids.discard(group.request_id)  # the id may be used again
-            group.outputs.put(FINISHED)
+            group.end(FINISHED)
 
     def _fail(self, request_id: str, exc: BaseException, req: Request | None = None) -> None:
         """A choice failed: its whole group fails (the caller's stream raises) and its other choices stop."""
@@ -321,9 +321,9 @@ class EngineCore:
         self.groups.pop(group.request_id, None)
         self._live_ids.discard(group.request_id)
         if isinstance(exc, ValueError):  # the scheduler refused the request (too long for the KV cache, ...)
-            group.outputs.put(exc)
+            group.end(exc)
         else:
-            group.outputs.put(EngineError(f"request {request_id} failed: {type(exc).__name__}: {exc}"))
+            group.end(EngineError(f"request {request_id} failed: {type(exc).__name__}: {exc}"))
 
     def _fail_all(self, exc: BaseException) -> None:
         pending = list(self.groups.values()) + list(self._new)
@@ -335,5 +335,5 @@ class EngineCore:
                 req.is_finished = True
             group.num_unfinished = 0
             self._live_ids.discard(group.request_id)
-            group.outputs.put(exc)
+            group.end(exc)
 
