@@ -34,10 +34,10 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks.common import environment, fmt_stats, print_table, summarize, write_json  # noqa: E402
-from engine import sampling_reference  # noqa: E402
-from engine.logits_process import LogitsAdjuster, adjust  # noqa: E402
 from engine.params import SamplingParams  # noqa: E402
-from engine.sampling import random_stream, sample  # noqa: E402
+from engine.sampling.logits_process import LogitsAdjuster, adjust  # noqa: E402
+from engine.sampling.sampler import random_stream, sample  # noqa: E402
+from tests import sampling_reference  # noqa: E402
 
 BATCH_SIZES = (1, 32)
 ALL_ON = dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1, min_p=0.05,

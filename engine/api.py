@@ -11,11 +11,11 @@ import weakref
 from collections.abc import Sequence as SequenceABC
 
 from .config import EngineConfig
+from .core.runtime import EngineCore
 from .errors import InvalidParameterError
 from .outputs import Completion
 from .params import SamplingParams
 from .request_stream import RequestStream
-from .runtime import EngineCore
 
 
 def _display_name(path: str) -> str:

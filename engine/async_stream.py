@@ -15,9 +15,9 @@ from __future__ import annotations
 import asyncio
 import queue
 
+from .core.runtime import FINISHED
 from .errors import EngineDead, InvalidParameterError
 from .outputs import Completion, CompletionFold, StreamEvent
-from .runtime import FINISHED
 
 # Without a wake-up for this long, check that the engine thread is still alive.
 ALIVE_CHECK_SECONDS = 1.0

@@ -10,9 +10,9 @@ from __future__ import annotations
 import queue
 from collections.abc import Callable
 
+from .core.runtime import FINISHED, EngineCore
 from .errors import EngineDead, InvalidParameterError
 from .outputs import Completion, CompletionFold, StreamEvent, TokenLogprob
-from .runtime import FINISHED, EngineCore
 
 
 class RequestStream:

@@ -7,10 +7,10 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from engine.errors import InvalidParameterError
-from engine.logits_process import LogitsAdjuster, adjust
 from engine.params import SamplingParams
-from engine.sampling import RandomStream, process, sample
-from engine.sampling_reference import mask_min_p
+from engine.sampling.logits_process import LogitsAdjuster, adjust
+from engine.sampling.sampler import RandomStream, process, sample
+from tests.sampling_reference import mask_min_p
 
 VOCAB = 40
 

@@ -15,8 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.config import EngineConfig
-from engine.scheduler import Scheduler, SchedulerConfig
-from engine.sequence import Sequence, SequenceStatus
+from engine.core.scheduler import Scheduler, SchedulerConfig
+from engine.core.sequence import Sequence, SequenceStatus
 from tests.sched_reference import RefSeq, ReferenceScheduler
 
 VOCAB = 50

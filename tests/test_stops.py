@@ -3,12 +3,11 @@ against the plain quadratic matcher it replaced; linear memory; the caps."""
 import tracemalloc
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from engine.detokenizer import IncrementalDetokenizer
 from engine.params import SamplingParams
-from engine.stops import MAX_NUM_STOPS, MAX_STOP_LEN, MAX_TOTAL_STOP_LEN, StopMatcher
+from engine.text.stops import MAX_NUM_STOPS, MAX_STOP_LEN, MAX_TOTAL_STOP_LEN, StopMatcher
 from tests import vocabs
 from webapp import protocol
 from webapp.errors import APIError

@@ -28,7 +28,7 @@ import numpy as np
 
 from cext.sampler import TouchedIds
 
-from .params import SamplingParams
+from ..params import SamplingParams
 
 
 class LogitsAdjuster:

@@ -20,15 +20,15 @@ import traceback
 import numpy as np
 import torch
 
-from . import sampling
-from .config import EngineConfig
-from .detokenizer import TokenPieces
-from .errors import EngineDead, EngineError, EngineOverloaded, InvalidParameterError
-from .outputs import StreamEvent, TokenLogprob
-from .params import SamplingParams
+from ..config import EngineConfig
+from ..errors import EngineDead, EngineError, EngineOverloaded, InvalidParameterError
+from ..outputs import StreamEvent, TokenLogprob
+from ..params import SamplingParams
+from ..sampling import sampler
+from ..structured import mask_rows
+from ..tokenizer.token_bytes import TokenPieces
 from .request import Request, RequestGroup
 from .scheduler import Scheduler, SchedulerConfig
-from .structured import mask_rows
 
 log = logging.getLogger("engine")
 
@@ -213,7 +213,7 @@ class EngineCore:
             if any(g is not None for g in grammars):  # structured output: before sampling and logprobs (vLLM)
                 rows = mask_rows(rows, grammars)
             adjusters = [r.adjuster for r in reqs]
-            token_ids, row_logprobs = sampling.sample(
+            token_ids, row_logprobs = sampler.sample(
                 rows, [r.params for r in reqs], [r.generator for r in reqs],
                 adjusters if any(a is not None for a in adjusters) else None,
             )
@@ -289,7 +289,7 @@ class EngineCore:
                 continue
             prompt = req.seq.token_ids
             targets = [int(prompt[first_pos + 1 + j]) for j in range(count)]
-            rows = sampling.prompt_logprobs(logits[first : first + count], targets, req.params.prompt_logprobs)
+            rows = sampler.prompt_logprobs(logits[first : first + count], targets, req.params.prompt_logprobs)
             for target, row in zip(targets, rows):
                 req.prompt_logprobs.append(self._token_logprob(target, row))
 

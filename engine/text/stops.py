@@ -15,13 +15,13 @@ whatever the number of stops and the length of the output. Limits, enforced by `
 in linear time: at most ``MAX_NUM_STOPS`` strings, each at most ``MAX_STOP_LEN``
 characters, ``MAX_TOTAL_STOP_LEN`` characters in all.
 
-The per-token step of a request (detokenizer + stops) is ``engine.text_stream.TextStream``.
+The per-token step of a request (detokenizer + stops) is ``engine.text.text_stream.TextStream``.
 """
 from __future__ import annotations
 
 from cext.stops import StopAutomaton
 
-from .errors import InvalidParameterError
+from ..errors import InvalidParameterError
 
 MAX_NUM_STOPS = 256  # stop strings per request (OpenAI allows 4)
 MAX_STOP_LEN = 131_072  # characters in one stop string

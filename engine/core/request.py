@@ -17,14 +17,14 @@ import dataclasses
 import queue
 from dataclasses import dataclass, field
 
-from .errors import ContextLengthError, InvalidParameterError
-from .logits_process import LogitsAdjuster
-from .outputs import TokenLogprob
-from .params import SamplingParams
-from .sampling import RandomStream, random_stream
+from ..errors import ContextLengthError, InvalidParameterError
+from ..outputs import TokenLogprob
+from ..params import SamplingParams
+from ..sampling.logits_process import LogitsAdjuster
+from ..sampling.sampler import RandomStream, random_stream
+from ..structured import GrammarMatcher, compile_grammar, spec_of
+from ..text.text_stream import TextStream
 from .sequence import Sequence
-from .structured import GrammarMatcher, compile_grammar, spec_of
-from .text_stream import TextStream
 
 
 class RequestGroup:

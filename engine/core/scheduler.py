@@ -25,10 +25,9 @@ import torch
 
 from cext.tick import TickState
 from engine.batch import ForwardBatch
-from engine.block_manager import BlockManager, prefix_block_hashes
-from engine.sequence import Sequence, SequenceStatus
-from engine.tick_cost import DEFAULT_TARGET_TICK_SECONDS, TickCostModel
-
+from engine.core.block_manager import BlockManager, prefix_block_hashes
+from engine.core.sequence import Sequence, SequenceStatus
+from engine.core.tick_cost import DEFAULT_TARGET_TICK_SECONDS, TickCostModel
 
 
 @dataclass(kw_only=True)
@@ -184,7 +183,7 @@ class Scheduler:
         return out
 
     def prefill_budget(self) -> int:
-        """Prefill tokens for the next tick (engine.tick_cost)."""
+        """Prefill tokens for the next tick (engine.core.tick_cost)."""
         return self.cost.prefill_budget()
 
     def update(self, out: SchedulerOutput, sampled_token_ids) -> None:
