@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import socket
 import statistics
 import subprocess
@@ -42,22 +43,39 @@ SCRIPT_TEXT = "The quick brown fox jumps over the lazy dog, and then it naps in 
 
 # ---------- child: one tree's engines ----------
 class TimedModel:
-    """Delegates to a model and sums its forward time (the host time is the rest)."""
+    """Delegates to a model and sums its forward time, and the engine thread's CPU time spent
+    between forwards (``host_cpu_s``: the tick's own work, not the time it waited for a core or
+    the GIL: on a shared machine the robust figure)."""
 
     def __init__(self, inner):
         self.inner = inner
         self.vocab_size = inner.vocab_size
         self.max_model_len = None
         self.forward_seconds = 0.0
+        self.host_cpu_s = 0.0
+        self._cpu_at_exit = None
 
     def make_kv_cache(self, num_blocks: int, block_size: int):
         return self.inner.make_kv_cache(num_blocks, block_size)
 
     def forward(self, batch, kv_cache):
+        cpu = time.thread_time()
+        if self._cpu_at_exit is not None:
+            self.host_cpu_s += cpu - self._cpu_at_exit
         start = time.perf_counter()
         out = self.inner.forward(batch, kv_cache)
         self.forward_seconds += time.perf_counter() - start
+        self._cpu_at_exit = time.thread_time()
         return out
+
+    def counters(self, ticks: int) -> dict:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return {"ticks": ticks, "forward_s": self.forward_seconds, "host_cpu_s": self.host_cpu_s,
+                "process_cpu_s": usage.ru_utime + usage.ru_stime}
+
+
+def delta(after: dict, before: dict) -> dict:
+    return {k: after[k] - before[k] for k in after}
 
 
 def scripted(script, vocab_size: int, step_seconds: float):
@@ -106,15 +124,15 @@ def child_main(max_batch: int, max_tokens: int) -> None:
         cmd = json.loads(line)
         eng, model = engines[cmd.get("engine", "host")]
         if cmd["op"] == "counters":
-            reply = {"ticks": eng._core.num_ticks, "forward_s": model.forward_seconds}
+            reply = model.counters(eng._core.num_ticks)
         elif cmd["op"] == "generate":
             params = SamplingParams(max_tokens=cmd["tokens"], temperature=0, ignore_eos=True)
-            ticks, fwd = eng._core.num_ticks, model.forward_seconds
+            before = model.counters(eng._core.num_ticks)
             start = time.perf_counter()
             done = eng.generate([prompt_ids] * cmd["batch"], params)
             wall = time.perf_counter() - start
-            reply = {"wall": wall, "ticks": eng._core.num_ticks - ticks, "forward_s": model.forward_seconds - fwd,
-                     "tokens": sum(len(c.token_ids) for c in done)}
+            reply = dict(delta(model.counters(eng._core.num_ticks), before), wall=wall,
+                         tokens=sum(len(c.token_ids) for c in done))
         elif cmd["op"] == "raw_rate":  # the double's own rate: its forwards in a loop, nothing else
             batch = _decode_batch(eng, cmd["batch"])
             start = time.perf_counter()
@@ -137,8 +155,9 @@ def _decode_batch(eng, batch: int):
     def t(values):
         return torch.tensor(values, dtype=torch.int64)
 
-    return ForwardBatch(input_ids=t([1] * batch), positions=t([8] * batch), slot_mapping=t(list(range(batch))),
-                        query_starts=t(list(range(batch + 1))), context_lens=t([9] * batch),
+    return ForwardBatch(input_ids=t([1] * batch), positions=t([8] * batch),
+                        slot_mapping=t(list(range(batch))), query_starts=t(list(range(batch + 1))),
+                        context_lens=t([9] * batch),
                         block_tables=t([[i] for i in range(batch)]), logit_rows=t(list(range(batch))),
                         prompt_lens=t([4] * batch), query_starts_list=list(range(batch + 1)),
                         context_lens_list=[9] * batch, num_decode_seqs=batch, block_size=16)
@@ -150,8 +169,8 @@ class Child:
         self.tree = tree
         self.proc = subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), "--child", "--max-batch", str(max_batch),
-             "--max-tokens", str(max_tokens)], cwd=tree, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            text=True)
+             "--max-tokens", str(max_tokens)],
+            cwd=tree, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.ports = json.loads(self.proc.stdout.readline())
 
     def ask(self, **cmd) -> dict:
@@ -251,16 +270,14 @@ def main() -> None:
                         before = child.ask(op="counters")
                         wall, results = run_streams(child.ports["host"], b, args.tokens)
                         after = child.ask(op="counters")
-                        host[name, "http", b].append({
-                            "wall": wall, "ticks": after["ticks"] - before["ticks"],
-                            "forward_s": after["forward_s"] - before["forward_s"],
-                            "tokens": sum(len(r) for r in results)})
+                        host[name, "http", b].append(dict(delta(after, before), wall=wall,
+                                                          tokens=sum(len(r) for r in results)))
             print(f"round {rnd + 1}/{args.repeats} done, load average {loads[-1]:.2f}", file=sys.stderr)
         raw = {}
         if not args.skip_fast:
             for name, child in zip(names, children):
-                raw[name] = {b: child.ask(op="raw_rate", engine="fast", batch=b, steps=650)["tok_s_per_stream"]
-                             for b in (1, 32)}
+                raw[name] = {b: child.ask(op="raw_rate", engine="fast", batch=b, steps=650)
+                             ["tok_s_per_stream"] for b in (1, 32)}
             for rnd in range(args.fast_repeats):
                 loads.append(os.getloadavg()[0])
                 for name, child in zip(names, children):
@@ -276,23 +293,30 @@ def main() -> None:
 
     report = {"trees": dict(zip(names, trees)), "tokens": args.tokens, "load_average_per_round": loads,
               "host": {}, "fast": {}}
-    print(f"host time (wall - model forward), ScriptedModel, {args.tokens} new tokens per request; "
-          f"median (min-max) of {args.repeats} interleaved rounds; load average "
-          f"{min(loads):.1f}-{max(loads):.1f} (2 cores shared by ~6 engineers)")
-    print(f"{'tree':<14}{'mode':<8}{'batch':>6}{'us/tick':>26}{'us/token':>24}{'forward us/tick':>18}")
+    print(f"ScriptedModel, {args.tokens} new tokens per request; median (min-max) of {args.repeats} "
+          f"interleaved rounds; load average {min(loads):.1f}-{max(loads):.1f} "
+          f"(2 cores shared by ~6 engineers)")
+    print("  engine cpu: the engine thread's CPU time outside forward (its own work, robust to load);")
+    print("  wall: wall time minus forward (includes waiting for a core and the GIL);")
+    print("  process cpu: all threads of the serving process (engine, consumers, HTTP handlers, the double's")
+    print("  forward) per token")
+    print(f"{'tree':<14}{'mode':<7}{'batch':>6}{'engine cpu us/tick':>24}{'us/token':>20}{'wall us/tick':>24}"
+          f"{'process cpu us/token':>24}")
     for b in sizes:
         for mode in ("inproc", "http"):
             for name in names:
                 rows = host[name, mode, b]
                 if not rows:
                     continue
-                per_tick = [(r["wall"] - r["forward_s"]) / r["ticks"] * 1e6 for r in rows]
-                per_token = [(r["wall"] - r["forward_s"]) / r["tokens"] * 1e6 for r in rows]
-                fwd = [r["forward_s"] / r["ticks"] * 1e6 for r in rows]
-                report["host"][f"{name} {mode} b={b}"] = {"us_per_tick": per_tick, "us_per_token": per_token,
-                                                          "forward_us_per_tick": fwd}
-                print(f"{name:<14}{mode:<8}{b:>6}{fmt(per_tick):>26}{fmt(per_token, '.2f'):>24}"
-                      f"{statistics.median(fwd):>18.1f}")
+                cpu_tick = [r["host_cpu_s"] / r["ticks"] * 1e6 for r in rows]
+                cpu_token = [r["host_cpu_s"] / r["tokens"] * 1e6 for r in rows]
+                wall_tick = [(r["wall"] - r["forward_s"]) / r["ticks"] * 1e6 for r in rows]
+                proc_token = [r["process_cpu_s"] / r["tokens"] * 1e6 for r in rows]
+                report["host"][f"{name} {mode} b={b}"] = {
+                    "engine_cpu_us_per_tick": cpu_tick, "engine_cpu_us_per_token": cpu_token,
+                    "wall_us_per_tick": wall_tick, "process_cpu_us_per_token": proc_token}
+                print(f"{name:<14}{mode:<7}{b:>6}{fmt(cpu_tick):>24}{fmt(cpu_token, '.2f'):>20}"
+                      f"{fmt(wall_tick):>24}{fmt(proc_token):>24}")
     if not args.skip_fast:
         print(f"\nstand-in fast model (step_seconds=1/650) over HTTP: decode tok/s, median (min-max) of "
               f"{args.fast_repeats}")

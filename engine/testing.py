@@ -52,7 +52,7 @@ class ScriptedModel:
         start = time.perf_counter()
         # numpy throughout: tiny arrays cost ~1 us an op there (and never wake torch's thread
         # pool), so the host-cost benchmarks measure the engine rather than this double.
-        rows = batch.logit_rows.numpy()  # [S]
+        rows = batch.array("logit_rows")  # [S]
         num_rows = rows.shape[0]
         if num_rows > _MAX_REUSED_ROWS:  # many prompt-logprob rows: not kept past this forward
             logits = np.zeros((num_rows, self.vocab_size), dtype=np.float32)
@@ -63,8 +63,8 @@ class ScriptedModel:
             logits = self._logits[:num_rows]
             logits.fill(0.0)  # the engine processes the rows in place
         if num_rows:
-            seq_of_row = np.searchsorted(batch.query_starts.numpy()[1:], rows, side="right")  # [S]
-            generated_pos = batch.positions.numpy()[rows] + 1 - batch.prompt_lens.numpy()[seq_of_row]  # [S]
+            seq_of_row = np.searchsorted(batch.array("query_starts")[1:], rows, side="right")  # [S]
+            generated_pos = batch.array("positions")[rows] + 1 - batch.array("prompt_lens")[seq_of_row]  # [S]
             index = np.minimum(np.maximum(generated_pos, 0), self._script.shape[0] - 2)
             peak = np.where(generated_pos >= 0, self._peak, 0.0).astype(np.float32)
             arange = np.arange(num_rows)

@@ -220,15 +220,20 @@ class EngineCore:
         else:
             token_ids, row_logprobs = [], []
         self.scheduler.update(out, token_ids)
+        if not token_ids:
+            return
         self.num_generated_tokens += len(token_ids)
-        for req, token_id, lp in zip(reqs, token_ids, row_logprobs):
+        # Every sampled sequence's length, with its new token, in one read of the tick state.
+        lengths = self.scheduler.state.num_tokens[out.slots[out.sample_entries]].tolist()
+        for req, token_id, lp, num_tokens in zip(reqs, token_ids, row_logprobs, lengths):
             try:
-                self._process_token(req, token_id, lp)
+                self._process_token(req, token_id, lp, num_tokens)
             except Exception as exc:
                 log.exception("output processing failed for %s", req.request_id)
                 self._fail(req.request_id, exc)
 
-    def _process_token(self, req: Request, token_id: int, lp) -> None:
+    def _process_token(self, req: Request, token_id: int, lp, num_tokens: int) -> None:
+        """``num_tokens``: the sequence's length with ``token_id``."""
         params = req.params
         seq = req.seq
         if req.adjuster is not None:
@@ -249,7 +254,8 @@ class EngineCore:
                 return
         logprobs = [self._token_logprob(token_id, lp)] if lp is not None else None
         finish_reason = None
-        if token_id in req.stop_ids and seq.num_generated > params.min_tokens:
+        num_generated = num_tokens - seq.num_prompt_tokens
+        if token_id in req.stop_ids and num_generated > params.min_tokens:
             text, is_stopped = req.text.finish()  # the stop token's own text is not output
             finish_reason = "stop"
         else:
@@ -260,18 +266,19 @@ class EngineCore:
                 tail, _ = req.text.finish()
                 text += tail
                 finish_reason = "stop"
-            elif seq.num_generated >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            elif num_generated >= params.max_tokens or num_tokens >= self.max_model_len:
                 tail, is_stopped = req.text.finish()
                 text += tail
                 finish_reason = "stop" if is_stopped else "length"
-        event = StreamEvent(req.group.request_id, text, [token_id], logprobs, finish_reason, req.index)
+        group = req.group
+        event = StreamEvent(group.request_id, text, [token_id], logprobs, finish_reason, req.index)
         if finish_reason is not None:
             self.scheduler.finish(seq)
             self.requests.pop(req.request_id, None)
-            req.outputs.put(event)
+            group.outputs.put(event)
             self._mark_finished(req)
         else:
-            req.outputs.put(event)
+            group.outputs.put(event)
 
     def _token_logprob(self, token_id: int, lp) -> TokenLogprob:
         pieces = self.pieces
