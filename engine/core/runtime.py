@@ -209,13 +209,14 @@ class EngineCore:
                 rows = logits.index_select(0, torch.from_numpy(np.asarray(index, dtype=np.int64)))
             else:
                 rows = logits
+            num_rows = len(reqs)
             grammars = [r.grammar for r in reqs]
-            if any(g is not None for g in grammars):  # structured output: before sampling and logprobs (vLLM)
+            if grammars.count(None) != num_rows:  # structured output: before sampling and logprobs (vLLM)
                 rows = mask_rows(rows, grammars)
             adjusters = [r.adjuster for r in reqs]
             token_ids, row_logprobs = sampler.sample(
                 rows, [r.params for r in reqs], [r.generator for r in reqs],
-                adjusters if any(a is not None for a in adjusters) else None,
+                adjusters if adjusters.count(None) != num_rows else None,
             )
         else:
             token_ids, row_logprobs = [], []
@@ -224,7 +225,8 @@ class EngineCore:
             return
         self.num_generated_tokens += len(token_ids)
         # Every sampled sequence's length, with its new token, in one read of the tick state.
-        lengths = self.scheduler.state.num_tokens[out.slots[out.sample_entries]].tolist()
+        slots = out.slots if len(token_ids) == len(out.slots) else out.slots[out.sample_entries]
+        lengths = self.scheduler.state.num_tokens[slots].tolist()
         for req, token_id, lp, num_tokens in zip(reqs, token_ids, row_logprobs, lengths):
             try:
                 self._process_token(req, token_id, lp, num_tokens)
