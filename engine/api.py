@@ -225,20 +225,18 @@ class Engine:
                 self._core.submit(request)
                 streams.append(RequestStream(self._core, request, prompt_ids, owner=self))
             # Wait for the ends only (no wake-up per token), then fold what queued.
-            bar = None
             if progress:
                 from tqdm.auto import tqdm
 
-                bar = tqdm(total=len(streams), desc="generate", unit="req")
-            try:
+                with tqdm(total=len(streams), desc="generate", unit="req") as bar:
+                    for _ in streams:
+                        if self._wait_finished(ended) < 0:
+                            break
+                        bar.update(1)
+            else:
                 for _ in streams:
                     if self._wait_finished(ended) < 0:
                         break
-                    if bar is not None:
-                        bar.update(1)
-            finally:
-                if bar is not None:
-                    bar.close()
             return [c for stream in streams for c in stream.collect_choices()]  # in prompt order
         finally:
             for stream in streams:
