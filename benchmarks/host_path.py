@@ -9,6 +9,9 @@ Sections (every tree's numbers measured in one run, interleaved round by round):
            in-process (``Engine.generate``) and over HTTP (raw SSE clients in this process, the
            server in the tree's child process). Host time = wall time minus the model's forward
            time; per tick = host / engine ticks, per token = host / generated tokens.
+  tick     the engine tick alone: requests added straight to a core whose ``_tick`` runs on the
+           child's main thread (no consumer, queue hand-off or GIL wait): the engine thread's CPU
+           per decode tick outside forward; on a loaded machine the steadiest figure.
   fast     ScriptedModel(step_seconds=1/650): a 650 tok/s model. One 4,096-token HTTP stream and
            32 concurrent 512-token HTTP streams; decode tok/s (first token of the last stream to
            start .. last token) against 650 per stream, and against the double's own measured rate
@@ -133,6 +136,8 @@ def child_main(max_batch: int, max_tokens: int) -> None:
             wall = time.perf_counter() - start
             reply = dict(delta(model.counters(eng._core.num_ticks), before), wall=wall,
                          tokens=sum(len(c.token_ids) for c in done))
+        elif cmd["op"] == "tick_cpu":
+            reply = {"us_per_tick": tick_cpu(tok, script, options, cmd["batch"], cmd["ticks"])}
         elif cmd["op"] == "raw_rate":  # the double's own rate: its forwards in a loop, nothing else
             batch = _decode_batch(eng, cmd["batch"])
             start = time.perf_counter()
@@ -144,6 +149,32 @@ def child_main(max_batch: int, max_tokens: int) -> None:
         print(json.dumps(reply), flush=True)
     for eng, _ in engines.values():
         eng.close()
+
+
+def tick_cpu(tok, script, options: dict, batch: int, num_ticks: int) -> float:
+    """The engine tick alone: ``batch`` requests added straight to a fresh core and ``_tick`` called
+    on this thread (the engine's own thread sleeps: nothing wakes it), so no consumer, queue hand-off
+    or GIL wait is in it. CPU microseconds per decode tick outside forward (steady state)."""
+    import engine
+    from engine.params import SamplingParams
+
+    model = TimedModel(scripted(script, tok.vocab_size, 0.0))
+    eng = engine.Engine(model, tok, **options)
+    core = eng._core
+    params = SamplingParams(max_tokens=num_ticks + 32, temperature=0, ignore_eos=True)
+    prompt_ids = tok.encode(PROMPT, add_special_tokens=False)
+    for _ in range(batch):
+        req = core.make_request(prompt_ids, params)
+        core.groups[req.group.request_id] = req.group
+        core._add(req)
+    for _ in range(16):  # prefill, then decode
+        core._tick()
+    before = model.counters(0)
+    for _ in range(num_ticks):
+        core._tick()
+    work = delta(model.counters(0), before)
+    eng.close()
+    return work["host_cpu_s"] / (num_ticks - 1) * 1e6  # CPU between forwards: num_ticks - 1 gaps
 
 
 def _decode_batch(eng, batch: int):
@@ -254,6 +285,7 @@ def main() -> None:
         os.path.basename(t)) > 1 else "") for i, t in enumerate(trees)]
     children = [Child(t, max(sizes + [32]), 4096) for t in trees]
     host = {(n, mode, b): [] for n in names for mode in ("inproc", "http") for b in sizes}
+    ticks = {(n, b): [] for n in names for b in sizes}
     fast = {(n, kind): [] for n in names for kind in ("1x4096", "32x512")}
     loads = []
     try:
@@ -264,6 +296,7 @@ def main() -> None:
             loads.append(os.getloadavg()[0])
             for b in sizes:
                 for name, child in zip(names, children):
+                    ticks[name, b].append(child.ask(op="tick_cpu", batch=b, ticks=200)["us_per_tick"])
                     r = child.ask(op="generate", batch=b, tokens=args.tokens)
                     host[name, "inproc", b].append(r)
                     if not args.skip_http:
@@ -317,6 +350,14 @@ def main() -> None:
                     "wall_us_per_tick": wall_tick, "process_cpu_us_per_token": proc_token}
                 print(f"{name:<14}{mode:<7}{b:>6}{fmt(cpu_tick):>24}{fmt(cpu_token, '.2f'):>20}"
                       f"{fmt(wall_tick):>24}{fmt(proc_token):>24}")
+    print("\nthe tick alone (requests added to a core, _tick called on one thread: no consumer or hand-off),")
+    print("engine CPU outside forward per decode tick, median (min-max)")
+    print(f"{'tree':<14}{'batch':>6}{'us/tick':>24}{'us/token':>20}")
+    for b in sizes:
+        for name in names:
+            values = ticks[name, b]
+            report.setdefault("tick", {})[f"{name} b={b}"] = values
+            print(f"{name:<14}{b:>6}{fmt(values):>24}{fmt([v / b for v in values], '.2f'):>20}")
     if not args.skip_fast:
         print(f"\nstand-in fast model (step_seconds=1/650) over HTTP: decode tok/s, median (min-max) of "
               f"{args.fast_repeats}")
