@@ -77,7 +77,7 @@ def test_completions_without_max_tokens_stop_at_16_tokens_chat_runs_on():
             assert batched.usage.completion_tokens == 32
             rest = c.completions.create(model="default", prompt="Once", max_tokens=None)  # null: the context
             assert rest.usage.completion_tokens == 256 - rest.usage.prompt_tokens
-            reply = c.chat.completions.create(model="default", messages=MESSAGES)  # chat: the rest of the context
+            reply = c.chat.completions.create(model="default", messages=MESSAGES)  # chat: the rest of it
             assert reply.usage.completion_tokens == 256 - reply.usage.prompt_tokens
             assert reply.choices[0].finish_reason == "length"
     finally:

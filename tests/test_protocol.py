@@ -199,8 +199,9 @@ def test_completion_prompt_forms():
     ({"echo": "yes"}, "echo"), ({"echo": 1, "logprobs": 1}, "echo"),
     ({"echo": True, "logprobs": 21}, "logprobs"), ({"echo": True, "logprobs": -1}, "logprobs"),
     ({"echo": True, "logprobs": 1, "prompt_logprobs": 21}, "prompt_logprobs"),
-    ({"echo": True, "logprobs": 2, "stream": True, "prompt_logprobs": "1"}, "prompt_logprobs"), ({"suffix": 5}, "suffix"),
-    ({"suffix": "x", "echo": True}, "suffix"),  # a suffix itself is the model's to refuse (tests/test_infill.py)
+    ({"echo": True, "logprobs": 2, "stream": True, "prompt_logprobs": "1"}, "prompt_logprobs"),
+    ({"suffix": 5}, "suffix"),
+    ({"suffix": "x", "echo": True}, "suffix"),  # a suffix itself is the model's to refuse (test_infill.py)
     ({"best_of": 3}, "best_of"), ({"logprobs": True}, "logprobs"), ({"logprobs": 21}, "logprobs"),
     ({"add_special_tokens": 1}, "add_special_tokens"), ({"guided_json": []}, "guided_json"),
     ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "structured_outputs.regex"),

@@ -198,7 +198,7 @@ def parse_completion(body: dict) -> ParsedRequest:
     values = _fields(body, COMPLETIONS)
     prompts = _prompts(body.get("prompt"))
     found = constraint(values)
-    # OpenAI's legacy default: 16 tokens when max_tokens is absent; an explicit null is the rest of the context
+    # OpenAI's legacy default: 16 tokens when max_tokens is absent; an explicit null: the rest of the context
     default_max_tokens = None if "max_tokens" in body else COMPLETIONS_DEFAULT_MAX_TOKENS
     params = sampling_params(values, COMPLETIONS, found, default_max_tokens)
     if len(prompts) * params.n > MAX_CHOICES:

@@ -84,8 +84,8 @@ FIELDS: tuple[Field, ...] = (
     Field("max_tokens", _nullable({"type": "integer", "minimum": 1, "maximum": MAX_TOKENS_LIMIT}), _S,
           "absent or null: the rest of the context", _C),
     Field("max_tokens", _nullable({"type": "integer", "minimum": 1, "maximum": MAX_TOKENS_LIMIT}), _S,
-          f"absent: {COMPLETIONS_DEFAULT_MAX_TOKENS} (OpenAI's default, as vLLM); null: the rest of the context",
-          _P),
+          f"absent: {COMPLETIONS_DEFAULT_MAX_TOKENS} (OpenAI's default, as vLLM); null: the rest of the "
+          "context", _P),
     Field("max_completion_tokens", _nullable({"type": "integer", "minimum": 1, "maximum": MAX_TOKENS_LIMIT}), _S,
           "the newer name of max_tokens (wins over it)", _C, "max_tokens"),
     Field("temperature", _nullable({"type": "number", "minimum": 0}), _S, "0: greedy"),
