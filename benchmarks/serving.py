@@ -16,7 +16,6 @@ Writes benchmarks/results/serving.json.
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import os
 import statistics

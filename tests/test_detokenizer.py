@@ -6,8 +6,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests import vocabs
 from engine.detokenizer import IncrementalDetokenizer, TokenPieces
+from tests import vocabs
 
 REAL_VOCABS = {"smollm2": vocabs.smollm2, "qwen": vocabs.qwen, "llama_spm": vocabs.llama_spm}
 MORE_VOCABS = {"qwen2_gguf": vocabs.qwen2_gguf}

@@ -57,7 +57,7 @@ def _raw_exchange(port: int, data: bytes, timeout: float = 10) -> bytes:
         while True:
             try:
                 chunk = sock.recv(65536)
-            except socket.timeout:
+            except TimeoutError:
                 break
             if not chunk:
                 break

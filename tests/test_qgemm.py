@@ -12,12 +12,12 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_fused_kernels import ISAS
 
 from cext import cpu, qgemm
 from engine.models import linear as linear_module
 from engine.models.linear import INT_KERNEL_MAX_ROWS, KERNEL_MAX_ROWS, Linear
 from engine.models.quant import GROUP_SIZE, Int4Weight, Int5Weight, Int8Weight, blocks_to_int4, cat_rows
-from test_fused_kernels import ISAS
 
 MAX_TEST_ROWS = min(KERNEL_MAX_ROWS, 40)  # both paths' tiles and their ragged tails
 SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

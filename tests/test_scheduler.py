@@ -19,7 +19,7 @@ from engine.core.scheduler import Scheduler, SchedulerConfig
 from engine.core.sequence import Sequence, SequenceStatus
 from engine.errors import InvalidParameterError, SchedulerRefused
 from engine.params import SamplingParams
-from tests.sched_reference import RefSeq, ReferenceScheduler
+from tests.sched_reference import ReferenceScheduler, RefSeq
 
 VOCAB = 50
 

@@ -3,7 +3,8 @@ against the plain quadratic matcher it replaced; linear memory; the caps."""
 import tracemalloc
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engine.detokenizer import IncrementalDetokenizer
 from engine.params import SamplingParams

@@ -10,8 +10,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.tools import (HermesParser, Llama3JsonParser, MistralParser, NamedParser, RequiredParser, ToolCall,
-                          ToolCallDelta, fold_tool_calls, parser_class_for)
+from engine.tools import (
+    HermesParser,
+    Llama3JsonParser,
+    MistralParser,
+    NamedParser,
+    RequiredParser,
+    ToolCall,
+    ToolCallDelta,
+    fold_tool_calls,
+    parser_class_for,
+)
 
 
 def make(parser_class, name=None):

@@ -14,11 +14,21 @@ import numpy as np
 import torch
 
 from engine.gguf_file import GGUFFile, is_gguf_file
-from engine.loader.repack import (INT4_TYPES, INT5_TYPES, PLAIN_TYPES, Q5_0, Q8_0, MappedRows, dequantize, int4_from_q4,
-                                  int5_from_q5, q5_0_codes)
+from engine.loader.repack import (
+    INT4_TYPES,
+    INT5_TYPES,
+    PLAIN_TYPES,
+    Q5_0,
+    Q8_0,
+    MappedRows,
+    dequantize,
+    int4_from_q4,
+    int5_from_q5,
+    q5_0_codes,
+)
 from engine.models.config import ModelConfig
-from engine.models.quant import Int4Weight, Int8Weight, Weight
 from engine.models.llama import resolve_dtype
+from engine.models.quant import Int4Weight, Int8Weight, Weight
 
 CHUNK_ROWS = 4096  # rows dequantized at once for dense or int8 conversions (~15 MB of float32)
 

@@ -10,7 +10,8 @@ import json
 import os
 from pathlib import Path
 
-from tokenizers import AddedToken, Tokenizer as HFTokenizer
+from tokenizers import AddedToken
+from tokenizers import Tokenizer as HFTokenizer
 
 from .tokenizer import EOG_TEXTS, MISSING_BYTE, Tokenizer
 

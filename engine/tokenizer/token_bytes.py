@@ -128,7 +128,7 @@ class TokenPieces:
     to the tokenizer or changing its decoder afterwards rebuilds the table.
     """
 
-    _cache: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+    _cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def __new__(cls, tokenizer):
         backend = getattr(tokenizer, "backend", tokenizer)
