@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Literal, Union
+from typing import Literal
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -39,7 +39,7 @@ BODIES = {
 def pydantic_parser():
     from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
-    Number = Union[StrictInt, StrictFloat]
+    Number = StrictInt | StrictFloat
 
     class TextPart(BaseModel):
         type: Literal["text"]
@@ -102,7 +102,7 @@ def main(argv=None) -> None:
     for _ in range(args.repeats):
         for body_name, body in BODIES.items():
             for name, parse in parsers.items():  # interleaved
-                seconds = measure(lambda: [parse(body) for _ in range(args.calls)], repeats=1)[0]
+                seconds = measure(lambda parse=parse, body=body: [parse(body) for _ in range(args.calls)], repeats=1)[0]
                 results[body_name][name].append(seconds / args.calls * 1e6)
     rows, summary = [], {}
     for body_name in BODIES:

@@ -135,7 +135,10 @@ def test_int5_product_matches_its_definition(path, num_rows, num_out, groups, ha
     assert linear.format == "int5" and (linear.half == half or not is_q5_0)  # Q5_1: m + 16 d may need float32
     y = linear(x)
     assert y.dtype == dtype and y.shape == (num_rows, num_out)
-    expected = exact_product(x, weight.dequantize()) if path(num_rows) == "float" else emulate_int4(x, weight, linear.half)
+    if path(num_rows) == "float":
+        expected = exact_product(x, weight.dequantize())
+    else:
+        expected = emulate_int4(x, weight, linear.half)
     _check(y, expected + bias.double(), dtype)
 
 

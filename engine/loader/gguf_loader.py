@@ -172,7 +172,8 @@ class GGUFStateDict(Mapping):
             scales = np.empty((num_rows, num_cols // 32), dtype=np.float16)  # the file's d, exactly
             for start in range(0, num_rows, CHUNK_ROWS):  # the file's pages dropped as they are used (the
                 part = blocks[start:start + CHUNK_ROWS]  # head: 145 MB mapped beside its copy otherwise)
-                q[start:start + len(part), ..., 0], q[start:start + len(part), ..., 1] = part[..., 2:18], part[..., 18:34]
+                q[start:start + len(part), ..., 0] = part[..., 2:18]
+                q[start:start + len(part), ..., 1] = part[..., 18:34]
                 scales[start:start + len(part)] = np.ascontiguousarray(part[..., :2]).view(np.float16)[..., 0]
                 self.gguf.release(info.name, start, start + len(part))
             return Int8Weight(torch.from_numpy(q.view(np.int8).reshape(num_rows, num_cols)), torch.from_numpy(scales),
@@ -182,7 +183,8 @@ class GGUFStateDict(Mapping):
             scales = torch.empty(num_rows, num_cols // 32, dtype=torch.float32)
             for start in range(0, num_rows, CHUNK_ROWS):
                 codes, d = q5_0_codes(raw[start:start + CHUNK_ROWS], num_cols)
-                q[start:start + len(codes)], scales[start:start + len(codes)] = torch.from_numpy(codes), torch.from_numpy(d)
+                q[start:start + len(codes)] = torch.from_numpy(codes)
+                scales[start:start + len(codes)] = torch.from_numpy(d)
             return Int8Weight(q, scales, is_exact=True)  # q5_0_codes gives the kernels' order
         q = torch.empty(num_rows, num_cols, dtype=torch.int8)
         scales = torch.empty(num_rows, num_cols // 32, dtype=torch.float32)
