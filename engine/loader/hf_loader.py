@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from engine.models.config import ModelConfig
+from engine.models.families import HF_NORM_OFFSET, hf_layer_name
 from engine.models.linear import Int4Weight, Int8Weight, Weight
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -61,6 +62,25 @@ def load_hf_state_dict(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, 
     return config, state_dict
 
 
+def family_state_dict(config: ModelConfig, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The file's tensors as the model reads them: Gemma's norm weights w - 1 -> w (its RMSNorm is
+    x * (1 + w), as llama.cpp's converter writes it), and experts saved by transformers >= 5 as
+    one [X, ...] tensor per layer (``mlp.experts.gate_up_proj``) -> one name per expert."""
+    offset = HF_NORM_OFFSET.get(config.architecture)
+    if offset:
+        state_dict = {name: t + offset if name.endswith("norm.weight") else t for name, t in state_dict.items()}
+    if config.num_experts:
+        state_dict = dict(state_dict)
+        for name in [n for n in state_dict if n.endswith(".experts.gate_up_proj")]:
+            layer = int(name.split(".")[2])
+            gate_up, down = state_dict.pop(name), state_dict.pop(name[: -len("gate_up_proj")] + "down_proj")
+            for j in range(gate_up.shape[0]):
+                gate, up = gate_up[j].chunk(2, dim=0)  # [I, E] each
+                for role, t in (("expert_gate", gate), ("expert_up", up), ("expert_down", down[j])):
+                    state_dict[hf_layer_name(config.architecture, role, layer, j)] = t.contiguous()
+    return state_dict
+
+
 def quantize_int4(state_dict: dict[str, torch.Tensor]) -> dict[str, Weight]:
     """quantization="int4" for a dense checkpoint: projections -> int4 groups of 32, the
     embedding and head -> per-row int8 ("auto" keeps a dense checkpoint dense)."""
@@ -81,6 +101,7 @@ def load_hf(path: str | os.PathLike, dtype: str = "float32", quantization: str =
     from engine.models import LlamaModel
 
     config, state_dict = load_hf_state_dict(path)
+    state_dict = family_state_dict(config, state_dict)
     if quantization == "int4":
         state_dict = quantize_int4(state_dict)
     try:

@@ -1,0 +1,94 @@
+"""Each model family against transformers (pinned, requirements-test.txt) on a small random
+checkpoint with the family's real structure, saved as safetensors with a real tokenizer and
+converted to GGUF by llama.cpp's own convert_hf_to_gguf.py: our logits over the whole prompt
+and one decode step at a time (64 steps, past the sliding windows) stay within 1e-3 of the
+logit range in float32. A negative control per family: leaving out one piece of its
+structure (a norm, a scale, a window) moves the logits far past that bound."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from engine.loader import load_model
+from engine.loader.hf_loader import family_state_dict, load_hf_state_dict
+from engine.models import LlamaModel
+from family_fixtures import (NUM_DECODE, TOLERANCE, convert_to_gguf, converter, decode_logits,  # noqa: F401
+                             prompt_ids, prompt_logits, randomize, reference_logits, relative_error, save_checkpoint)
+
+VOCAB = 49153  # SmolLM2's tokenizer as our GGUF reader builds it (one id past the file's for raw bytes)
+NUM_PROMPT = 16
+SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-6)
+
+
+def qwen3():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    return Qwen3ForCausalLM(Qwen3Config(**SMALL, num_hidden_layers=2, rope_parameters={
+        "rope_type": "default", "rope_theta": 5000.0}))
+
+
+FAMILIES = {"qwen3": qwen3}
+# What each family must not lose: (ModelConfig changes, what they leave out).
+CONTROLS = {
+    "qwen3": [({"qk_norm": None}, "q/k norms")],
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """family -> (transformers model, safetensors directory, token ids), built once."""
+    built = {}
+
+    def get(family: str):
+        if family not in built:
+            torch.manual_seed(0)
+            model = randomize(FAMILIES[family](), seed=1)
+            directory = save_checkpoint(model, tmp_path_factory.mktemp(family))
+            ids = prompt_ids(directory, NUM_PROMPT + NUM_DECODE)
+            built[family] = (model, directory, ids, reference_logits(model, ids))
+        return built[family]
+    return get
+
+
+def check_against_reference(ours, ids, reference) -> tuple[float, float]:
+    prompt_error = relative_error(prompt_logits(ours, ids), reference)
+    decode_error = relative_error(decode_logits(ours, ids, NUM_PROMPT), reference)
+    assert prompt_error <= TOLERANCE and decode_error <= TOLERANCE, (prompt_error, decode_error)
+    return prompt_error, decode_error
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_safetensors_matches_transformers(checkpoints, family):
+    _, directory, ids, reference = checkpoints(family)
+    ours = load_model(directory, quantization="float32")
+    assert ours.config.architecture == family
+    print(family, "safetensors", check_against_reference(ours, ids, reference))
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_torch_path_matches_transformers(checkpoints, family):
+    _, directory, ids, reference = checkpoints(family)
+    ours = load_model(directory, quantization="float32")
+    ours.use_fused = False
+    check_against_reference(ours, ids, reference)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_gguf_from_llamacpp_converter_matches_transformers(checkpoints, converter, tmp_path, family):  # noqa: F811
+    _, directory, ids, reference = checkpoints(family)
+    path = convert_to_gguf(converter, directory, tmp_path / f"{family}.gguf")
+    ours = load_model(path, quantization="float32")
+    assert ours.config.architecture == family
+    print(family, "gguf", check_against_reference(ours, ids, reference))
+
+
+@pytest.mark.parametrize("family, change, what", [(f, c, w) for f in sorted(CONTROLS) for c, w in CONTROLS[f]])
+def test_leaving_out_structure_breaks_parity(checkpoints, family, change, what):
+    _, directory, ids, reference = checkpoints(family)
+    config, state_dict = load_hf_state_dict(directory)
+    ours = LlamaModel(replace(config, **change), family_state_dict(config, state_dict))
+    error = relative_error(prompt_logits(ours, ids), reference)
+    assert error > 30 * TOLERANCE, f"{family} without {what}: error {error}"
