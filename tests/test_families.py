@@ -30,10 +30,31 @@ def qwen3():
         "rope_type": "default", "rope_theta": 5000.0}))
 
 
-FAMILIES = {"qwen3": qwen3}
+WINDOW = 8  # sliding windows well inside the 80-token contexts
+
+
+def gemma3(query_pre_attn_scalar: int = 16):
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    # six layers: llama.cpp's pattern (five sliding, one full), each kind with its own RoPE base
+    return Gemma3ForCausalLM(Gemma3TextConfig(
+        **SMALL, num_hidden_layers=6, sliding_window=WINDOW, query_pre_attn_scalar=query_pre_attn_scalar,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}))
+
+
+FAMILIES = {"qwen3": qwen3, "gemma3": gemma3,
+            "gemma3_scalar": lambda: gemma3(query_pre_attn_scalar=24)}  # llama.cpp derives it: no GGUF
+ARCHITECTURE = {"gemma3_scalar": "gemma3"}
+GGUF_FAMILIES = ["gemma3", "qwen3"]
 # What each family must not lose: (ModelConfig changes, what they leave out).
 CONTROLS = {
     "qwen3": [({"qk_norm": None}, "q/k norms")],
+    "gemma3": [({"post_norms": False}, "post-norms"), ({"qk_norm": None}, "q/k norms"),
+               ({"embedding_scale": 1.0}, "sqrt(hidden) embedding scale"), ({"hidden_act": "silu"}, "GeGLU"),
+               ({"rope_local_theta": None}, "the sliding layers' RoPE base"),
+               ({"layer_types": None, "sliding_window": None}, "sliding windows")],
+    "gemma3_scalar": [({"attention_scale": 16 ** -0.5}, "query_pre_attn_scalar")],
 }
 
 
@@ -64,7 +85,7 @@ def check_against_reference(ours, ids, reference) -> tuple[float, float]:
 def test_safetensors_matches_transformers(checkpoints, family):
     _, directory, ids, reference = checkpoints(family)
     ours = load_model(directory, quantization="float32")
-    assert ours.config.architecture == family
+    assert ours.config.architecture == ARCHITECTURE.get(family, family)
     print(family, "safetensors", check_against_reference(ours, ids, reference))
 
 
@@ -76,7 +97,7 @@ def test_torch_path_matches_transformers(checkpoints, family):
     check_against_reference(ours, ids, reference)
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", GGUF_FAMILIES)
 def test_gguf_from_llamacpp_converter_matches_transformers(checkpoints, converter, tmp_path, family):  # noqa: F811
     _, directory, ids, reference = checkpoints(family)
     path = convert_to_gguf(converter, directory, tmp_path / f"{family}.gguf")
