@@ -120,3 +120,40 @@ def convert_to_gguf(converter: Path, directory: Path, outfile: Path) -> Path:
     if result.returncode != 0:
         raise AssertionError(f"convert_hf_to_gguf.py failed:\n{result.stderr[-3000:]}")
     return outfile
+
+
+def write_gemma2_gguf(model, outfile: Path) -> Path:
+    """Gemma 2 as llama.cpp's converter writes it (its Gemma2Model needs a SentencePiece
+    tokenizer.model, which the test tokenizer is not): the metadata of its set_gguf_parameters,
+    the tensors named by gguf-py's own TensorNameMap, norms + 1, no lm_head (tied)."""
+    import gguf
+
+    cfg = model.config
+    writer = gguf.GGUFWriter(str(outfile), "gemma2")
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    writer.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+    writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    writer.add_sliding_window(cfg.sliding_window)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA2, cfg.num_hidden_layers)
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight":
+            continue
+        data = tensor.float()
+        if name.endswith("norm.weight"):
+            data = data + 1
+        target = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert target is not None, name
+        writer.add_tensor(target, data.numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return outfile
