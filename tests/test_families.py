@@ -53,10 +53,24 @@ def gemma2():
                                           final_logit_softcapping=3.0))
 
 
-FAMILIES = {"qwen3": qwen3, "gemma3": gemma3, "gemma2": gemma2,
+def granite():
+    from transformers import GraniteConfig, GraniteForCausalLM
+
+    return GraniteForCausalLM(GraniteConfig(**SMALL, num_hidden_layers=2, tie_word_embeddings=True,
+                                            embedding_multiplier=12.0, residual_multiplier=0.22,
+                                            attention_multiplier=4.0, logits_scaling=8.0))
+
+
+def olmo2():
+    from transformers import Olmo2Config, Olmo2ForCausalLM
+
+    return Olmo2ForCausalLM(Olmo2Config(**SMALL, num_hidden_layers=2))
+
+
+FAMILIES = {"qwen3": qwen3, "gemma3": gemma3, "gemma2": gemma2, "granite": granite, "olmo2": olmo2,
             "gemma3_scalar": lambda: gemma3(query_pre_attn_scalar=24)}  # llama.cpp derives it: no GGUF
 ARCHITECTURE = {"gemma3_scalar": "gemma3"}
-GGUF_FAMILIES = ["gemma3", "qwen3"]
+GGUF_FAMILIES = ["gemma3", "granite", "olmo2", "qwen3"]
 # What each family must not lose: (ModelConfig changes, what they leave out).
 CONTROLS = {
     "qwen3": [({"qk_norm": None}, "q/k norms")],
@@ -67,6 +81,9 @@ CONTROLS = {
     "gemma2": [({"post_norms": False}, "post-norms"), ({"attn_logit_softcap": None}, "attention soft-cap"),
                ({"final_logit_softcap": None}, "final soft-cap"),
                ({"layer_types": None, "sliding_window": None}, "sliding windows")],
+    "granite": [({"embedding_scale": 1.0}, "embedding multiplier"), ({"residual_scale": 1.0}, "residual multiplier"),
+                ({"attention_scale": None}, "attention multiplier"), ({"logit_scale": 1.0}, "logits scaling")],
+    "olmo2": [({"post_norms": False}, "post-norms"), ({"qk_norm": None}, "q/k norms")],
     "gemma3_scalar": [({"attention_scale": 16 ** -0.5}, "query_pre_attn_scalar")],
 }
 
