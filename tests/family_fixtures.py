@@ -3,6 +3,7 @@ tokenizer, llama.cpp's own convert_hf_to_gguf.py (from the pinned llama-cpp-pyth
 write them as GGUF, and our logits over a whole prompt and one decode step at a time."""
 from __future__ import annotations
 
+import json
 import os
 import random
 import subprocess
@@ -62,6 +63,9 @@ def randomize(model, seed: int, scale: float = 0.05):
 
 def save_checkpoint(model, directory: Path) -> Path:
     write_tokenizer(directory)
+    if model.config.model_type == "phi3":  # as Phi-4-mini ships it (llama.cpp's converter reads the class)
+        config_path = directory / "tokenizer_config.json"
+        config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "tokenizer_class": "GPT2Tokenizer"}))
     model.save_pretrained(directory, safe_serialization=True)
     return directory
 

@@ -67,10 +67,23 @@ def olmo2():
     return Olmo2ForCausalLM(Olmo2Config(**SMALL, num_hidden_layers=2))
 
 
-FAMILIES = {"qwen3": qwen3, "gemma3": gemma3, "gemma2": gemma2, "granite": granite, "olmo2": olmo2,
+def phi3():
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    # Phi-4-mini's shape: partial rotary (here 8 of 16 dims), LongRoPE past an original context of
+    # 32 positions (the 80-token contexts use the long factors, in transformers and here)
+    g = torch.Generator().manual_seed(7)
+    short, long = (1 + torch.rand(4, generator=g)).tolist(), (1 + 4 * torch.rand(4, generator=g)).tolist()
+    return Phi3ForCausalLM(Phi3Config(
+        **SMALL, num_hidden_layers=2, original_max_position_embeddings=32, pad_token_id=0,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                         "short_factor": short, "long_factor": long, "original_max_position_embeddings": 32}))
+
+
+FAMILIES = {"qwen3": qwen3, "gemma3": gemma3, "gemma2": gemma2, "granite": granite, "olmo2": olmo2, "phi3": phi3,
             "gemma3_scalar": lambda: gemma3(query_pre_attn_scalar=24)}  # llama.cpp derives it: no GGUF
 ARCHITECTURE = {"gemma3_scalar": "gemma3"}
-GGUF_FAMILIES = ["gemma3", "granite", "olmo2", "qwen3"]
+GGUF_FAMILIES = ["gemma3", "granite", "olmo2", "phi3", "qwen3"]
 # What each family must not lose: (ModelConfig changes, what they leave out).
 CONTROLS = {
     "qwen3": [({"qk_norm": None}, "q/k norms")],
@@ -84,8 +97,16 @@ CONTROLS = {
     "granite": [({"embedding_scale": 1.0}, "embedding multiplier"), ({"residual_scale": 1.0}, "residual multiplier"),
                 ({"attention_scale": None}, "attention multiplier"), ({"logit_scale": 1.0}, "logits scaling")],
     "olmo2": [({"post_norms": False}, "post-norms"), ({"qk_norm": None}, "q/k norms")],
+    "phi3": [(lambda c: {"rotary_dim": None, "rope_scaling": _padded_factors(c.rope_scaling)}, "partial rotary"),
+             ({"rope_scaling": None}, "LongRoPE")],
     "gemma3_scalar": [({"attention_scale": 16 ** -0.5}, "query_pre_attn_scalar")],
 }
+
+
+def _padded_factors(scaling: dict) -> dict:
+    """LongRoPE factors for every dim pair (the extra pairs' factors 1)."""
+    pad = [1.0] * len(scaling["short_factor"])
+    return {**scaling, "short_factor": scaling["short_factor"] + pad, "long_factor": scaling["long_factor"] + pad}
 
 
 @pytest.fixture(scope="module")
@@ -148,6 +169,7 @@ def test_gemma2_gguf_matches_transformers(checkpoints, tmp_path):
 def test_leaving_out_structure_breaks_parity(checkpoints, family, change, what):
     _, directory, ids, reference = checkpoints(family)
     config, state_dict = load_hf_state_dict(directory)
+    change = change(config) if callable(change) else change
     ours = LlamaModel(replace(config, **change), family_state_dict(config, state_dict))
     error = relative_error(prompt_logits(ours, ids), reference)
     assert error > 10 * TOLERANCE, f"{family} without {what}: error {error}"

@@ -188,9 +188,12 @@ def _gguf_gemma(arch: str, key: Callable, fields: dict) -> dict:
 
 
 def _gguf_phi3(arch: str, key: Callable, fields: dict) -> dict:
-    out = {"rotary_dim": int(key("rope.dimension_count", fields["head_dim"]))}
+    # rope.dimension_count is the rotated part; the head is E / H (the converter writes no key_length)
+    head_dim = int(key("attention.key_length", fields["hidden_size"] // fields["num_heads"]))
+    out = {"head_dim": head_dim, "rotary_dim": int(key("rope.dimension_count", head_dim))}
     original = key("rope.scaling.original_context_length", required=False)
-    if original is not None:  # the factors themselves are tensors (rope_factors_long/short.weight)
+    if key("rope.scaling.attn_factor", required=False) is not None:  # LongRoPE: factors are tensors
+        # (rope_factors_long/short.weight, which engine.loader.gguf_loader.read_config reads)
         out["rope_scaling"] = {"rope_type": "longrope", "original_max_position_embeddings": int(original),
                                "short_factor": None, "long_factor": None}
         attn_factor = key("rope.scaling.attn_factor", required=False)
