@@ -10,7 +10,7 @@ import torch
 
 from engine.models.config import ModelConfig
 from engine.models.families import HF_NORM_OFFSET, hf_layer_name
-from engine.models.linear import Int4Weight, Int8Weight, Weight
+from engine.models.quant import Int4Weight, Int8Weight, Weight
 
 INDEX_FILE = "model.safetensors.index.json"
 

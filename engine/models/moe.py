@@ -10,7 +10,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from engine.models.linear import Linear, Weight
+from engine.models.linear import Linear
+from engine.models.quant import Weight
 
 
 class MixtureOfExperts:
