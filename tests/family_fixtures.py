@@ -115,11 +115,11 @@ def converter(tmp_path_factory) -> Path:
     return dest / "convert_hf_to_gguf.py"
 
 
-def convert_to_gguf(converter: Path, directory: Path, outfile: Path) -> Path:
-    """Run llama.cpp's converter offline (float32 tensors)."""
+def convert_to_gguf(converter: Path, directory: Path, outfile: Path, outtype: str = "f32") -> Path:
+    """Run llama.cpp's converter offline (float32 tensors, or --outtype q8_0 ...)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     env.pop("PYTHONPATH", None)  # the converter's own gguf-py, not the tree's
-    result = subprocess.run([sys.executable, str(converter), str(directory), "--outtype", "f32", "--outfile",
+    result = subprocess.run([sys.executable, str(converter), str(directory), "--outtype", outtype, "--outfile",
                              str(outfile)], capture_output=True, text=True, env=env, timeout=600)
     if result.returncode != 0:
         raise AssertionError(f"convert_hf_to_gguf.py failed:\n{result.stderr[-3000:]}")

@@ -80,10 +80,28 @@ def phi3():
                          "short_factor": short, "long_factor": long, "original_max_position_embeddings": 32}))
 
 
-FAMILIES = {"qwen3": qwen3, "gemma3": gemma3, "gemma2": gemma2, "granite": granite, "olmo2": olmo2, "phi3": phi3,
+def qwen3moe(norm_topk_prob: bool = True, mlp_only_layers: tuple[int, ...] = ()):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    # 8 experts, top 2 (renormalised, as Qwen3-30B-A3B)
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(**SMALL, num_hidden_layers=3, num_experts=8, num_experts_per_tok=2,
+                                              moe_intermediate_size=32, norm_topk_prob=norm_topk_prob,
+                                              mlp_only_layers=list(mlp_only_layers)))
+
+
+def mixtral():
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    return MixtralForCausalLM(MixtralConfig(**SMALL, num_hidden_layers=2, num_local_experts=4,
+                                            num_experts_per_tok=2, rope_theta=10000.0))
+
+
+FAMILIES = {"qwen3": qwen3, "qwen3moe": qwen3moe, "mixtral": mixtral,
+            # a dense layer 1 and no renormalisation: llama.cpp's qwen3moe has neither (no GGUF)
+            "qwen3moe_mixed": lambda: qwen3moe(norm_topk_prob=False, mlp_only_layers=(1,)), "gemma3": gemma3, "gemma2": gemma2, "granite": granite, "olmo2": olmo2, "phi3": phi3,
             "gemma3_scalar": lambda: gemma3(query_pre_attn_scalar=24)}  # llama.cpp derives it: no GGUF
-ARCHITECTURE = {"gemma3_scalar": "gemma3"}
-GGUF_FAMILIES = ["gemma3", "granite", "olmo2", "phi3", "qwen3"]
+ARCHITECTURE = {"gemma3_scalar": "gemma3", "qwen3moe_mixed": "qwen3moe"}
+GGUF_FAMILIES = ["gemma3", "granite", "mixtral", "olmo2", "phi3", "qwen3", "qwen3moe"]
 # What each family must not lose: (ModelConfig changes, what they leave out).
 CONTROLS = {
     "qwen3": [({"qk_norm": None}, "q/k norms")],
@@ -99,6 +117,10 @@ CONTROLS = {
     "olmo2": [({"post_norms": False}, "post-norms"), ({"qk_norm": None}, "q/k norms")],
     "phi3": [(lambda c: {"rotary_dim": None, "rope_scaling": _padded_factors(c.rope_scaling)}, "partial rotary"),
              ({"rope_scaling": None}, "LongRoPE")],
+    "qwen3moe": [({"norm_topk_prob": False}, "top-k renormalisation"), ({"num_experts_per_tok": 1}, "top 2"),
+                 ({"qk_norm": None}, "q/k norms")],
+    "qwen3moe_mixed": [({"norm_topk_prob": True}, "no renormalisation")],
+    "mixtral": [({"num_experts_per_tok": 1}, "top 2")],
     "gemma3_scalar": [({"attention_scale": 16 ** -0.5}, "query_pre_attn_scalar")],
 }
 
@@ -173,3 +195,82 @@ def test_leaving_out_structure_breaks_parity(checkpoints, family, change, what):
     ours = LlamaModel(replace(config, **change), family_state_dict(config, state_dict))
     error = relative_error(prompt_logits(ours, ids), reference)
     assert error > 10 * TOLERANCE, f"{family} without {what}: error {error}"
+
+
+class ExpertCalls:
+    """Records which experts run, and over how many rows, in each MoE layer."""
+
+    def __init__(self, model):
+        self.calls: list[tuple[int, int, int]] = []  # (layer, expert, rows)
+        for i, layer in enumerate(model.layers):
+            if layer.moe is not None:
+                layer.moe.experts = [(self._wrap(gate_up, i, j), down) for j, (gate_up, down) in
+                                     enumerate(layer.moe.experts)]
+
+    def _wrap(self, linear, layer: int, expert: int):
+        def call(x):
+            self.calls.append((layer, expert, x.shape[0]))
+            return linear(x)
+        return call
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3moe_mixed"])
+def test_experts_run_once_per_forward_and_decode_reads_only_the_selected(checkpoints, family):
+    _, directory, ids, _ = checkpoints(family)
+    ours = load_model(directory, quantization="float32")
+    calls = ExpertCalls(ours)
+    prompt_logits(ours, ids)  # 80 rows: each expert's product once, over all the rows routed to it
+    per_layer: dict[int, list[tuple[int, int]]] = {}
+    for layer, expert, rows in calls.calls:
+        per_layer.setdefault(layer, []).append((expert, rows))
+    top_k = ours.config.num_experts_per_tok
+    for layer, runs in per_layer.items():
+        experts = [e for e, _ in runs]
+        assert len(experts) == len(set(experts)), f"layer {layer}: an expert ran twice in one forward"
+        assert sum(rows for _, rows in runs) == top_k * len(ids)
+    calls.calls.clear()
+    decode_logits(ours, ids[:NUM_PROMPT + 3], NUM_PROMPT)  # the last 3 forwards are single decode rows
+    decode_runs = [c for c in calls.calls if c[2] == 1][-3 * len(per_layer) * top_k:]
+    assert len(decode_runs) == 3 * len(per_layer) * top_k  # k experts per MoE layer per step, no more
+    layer = ours.layers[next(iter(per_layer))]
+    x = torch.randn(1, ours.config.hidden_size)
+    _, selected = layer.moe.route(x)
+    assert selected.shape == (1, top_k)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3moe"])
+def test_quantized_experts_run_in_the_kernels(checkpoints, converter, tmp_path, family):  # noqa: F811
+    """A Q8_0 file (llama.cpp's converter --outtype q8_0): the experts load as the file's int8
+    codes and run in the quantized kernels, with the logits of exact float32 products of the same
+    weights (the file dequantized), prompt and decode."""
+    _, directory, ids, _ = checkpoints(family)
+    path = convert_to_gguf(converter, directory, tmp_path / f"{family}-q8_0.gguf", outtype="q8_0")
+    ours = load_model(path)  # quantization "auto"
+    moe = next(layer.moe for layer in ours.layers if layer.moe is not None)
+    assert {gate_up.format for gate_up, _ in moe.experts} == {"int8"}
+    exact = prompt_logits(load_model(path, quantization="float32"), ids)
+    errors = relative_error(prompt_logits(ours, ids), exact), relative_error(decode_logits(ours, ids, NUM_PROMPT), exact)
+    print(family, "q8_0 kernels vs exact", errors)
+    assert max(errors) <= TOLERANCE, errors
+
+
+def test_unsupported_architectures_name_the_supported_ones(tmp_path):
+    import json
+
+    import gguf
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    with pytest.raises(ValueError, match=r"GPT2LMHeadModel.*Gemma3ForCausalLM.*Qwen3MoeForCausalLM") as info:
+        load_model(tmp_path)
+    assert "\n" not in str(info.value)
+    path = tmp_path / "falcon.gguf"
+    writer = gguf.GGUFWriter(str(path), "falcon")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", torch.zeros(8, 4).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match=r"'falcon'.*'gemma2'.*'phi3'.*'qwen3moe'") as info:
+        load_model(path)
+    assert "\n" not in str(info.value)

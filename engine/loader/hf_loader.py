@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from engine.models.config import ModelConfig
-from engine.models.families import HF_NORM_OFFSET, hf_layer_name
+from engine.models.families import HF_NORM_OFFSET
 from engine.models.quant import Int4Weight, Int8Weight, Weight
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -64,20 +64,10 @@ def load_hf_state_dict(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, 
 
 def family_state_dict(config: ModelConfig, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The file's tensors as the model reads them: Gemma's norm weights w - 1 -> w (its RMSNorm is
-    x * (1 + w), as llama.cpp's converter writes it), and experts saved by transformers >= 5 as
-    one [X, ...] tensor per layer (``mlp.experts.gate_up_proj``) -> one name per expert."""
+    x * (1 + w); llama.cpp's converter adds the 1 when it writes the GGUF)."""
     offset = HF_NORM_OFFSET.get(config.architecture)
     if offset:
         state_dict = {name: t + offset if name.endswith("norm.weight") else t for name, t in state_dict.items()}
-    if config.num_experts:
-        state_dict = dict(state_dict)
-        for name in [n for n in state_dict if n.endswith(".experts.gate_up_proj")]:
-            layer = int(name.split(".")[2])
-            gate_up, down = state_dict.pop(name), state_dict.pop(name[: -len("gate_up_proj")] + "down_proj")
-            for j in range(gate_up.shape[0]):
-                gate, up = gate_up[j].chunk(2, dim=0)  # [I, E] each
-                for role, t in (("expert_gate", gate), ("expert_up", up), ("expert_down", down[j])):
-                    state_dict[hf_layer_name(config.architecture, role, layer, j)] = t.contiguous()
     return state_dict
 
 

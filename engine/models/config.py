@@ -187,7 +187,7 @@ class ModelConfig:
         arch = metadata.get("general.architecture")
         if arch not in GGUF_ARCHITECTURES:
             raise ValueError(f"general.architecture: unsupported GGUF architecture {arch!r}, "
-                             f"expected one of {GGUF_ARCHITECTURES}")
+                             f"expected one of {tuple(GGUF_ARCHITECTURES)}")
 
         def key(name, default=None, required=True):
             value = metadata.get(f"{arch}.{name}", default)

@@ -211,7 +211,7 @@ def _gguf_moe(arch: str, key: Callable, fields: dict) -> dict:
     if arch == "llama":
         out.update(architecture="mixtral", norm_topk_prob=True)
     else:
-        out.update(qk_norm="head", norm_topk_prob=bool(key("expert_weights_norm", False)))
+        out.update(qk_norm="head", norm_topk_prob=bool(key("expert_weights_norm", True)))  # llama.cpp: always
     return out
 
 
