@@ -65,7 +65,8 @@ def save_checkpoint(model, directory: Path) -> Path:
     write_tokenizer(directory)
     if model.config.model_type == "phi3":  # as Phi-4-mini ships it (llama.cpp's converter reads the class)
         config_path = directory / "tokenizer_config.json"
-        config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "tokenizer_class": "GPT2Tokenizer"}))
+        config = json.loads(config_path.read_text())
+        config_path.write_text(json.dumps({**config, "tokenizer_class": "GPT2Tokenizer"}))
     model.save_pretrained(directory, safe_serialization=True)
     return directory
 
@@ -90,7 +91,8 @@ def decode_logits(ours, ids: list[int], num_prompt: int, seed: int = 0) -> torch
     cache = ours.make_kv_cache(2 * num_blocks, BLOCK_SIZE)
     pieces = [ours.forward(single_sequence_batch(ids[:num_prompt], 0, table, BLOCK_SIZE, "all"), cache)]
     for pos in range(num_prompt, len(ids)):
-        pieces.append(ours.forward(single_sequence_batch(ids[pos:pos + 1], pos, table, BLOCK_SIZE, "all"), cache))
+        batch = single_sequence_batch(ids[pos:pos + 1], pos, table, BLOCK_SIZE, "all")
+        pieces.append(ours.forward(batch, cache))
     return torch.cat(pieces)
 
 
@@ -103,7 +105,7 @@ def relative_error(logits: torch.Tensor, reference: torch.Tensor) -> float:
 def converter(tmp_path_factory) -> Path:
     """llama.cpp's convert_hf_to_gguf.py with its conversion package and gguf-py, from the sdist."""
     if not SDIST.is_file():
-        pytest.fail(f"{SDIST} is missing: run `make testdata` (tests/fetch_testdata.py .cache/testdata) first")
+        pytest.fail(f"{SDIST} is missing: run `make testdata` (tests/fetch_testdata.py) first")
     dest = tmp_path_factory.mktemp("llamacpp")
     prefix = "llama_cpp_python-0.3.36/vendor/llama.cpp/"
     with tarfile.open(SDIST, "r:gz") as tar:
@@ -119,8 +121,8 @@ def convert_to_gguf(converter: Path, directory: Path, outfile: Path, outtype: st
     """Run llama.cpp's converter offline (float32 tensors, or --outtype q8_0 ...)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     env.pop("PYTHONPATH", None)  # the converter's own gguf-py, not the tree's
-    result = subprocess.run([sys.executable, str(converter), str(directory), "--outtype", outtype, "--outfile",
-                             str(outfile)], capture_output=True, text=True, env=env, timeout=600)
+    command = [sys.executable, str(converter), str(directory), "--outtype", outtype, "--outfile", str(outfile)]
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
     if result.returncode != 0:
         raise AssertionError(f"convert_hf_to_gguf.py failed:\n{result.stderr[-3000:]}")
     return outfile

@@ -94,7 +94,8 @@ def read_config(gguf: GGUFFile) -> ModelConfig:
     except ValueError as exc:
         raise ValueError(f"{gguf.path}: {exc}") from None
     if config.num_experts:  # layers without a router have a dense FFN
-        config.dense_layers = tuple(i for i in range(config.num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensors)
+        config.dense_layers = tuple(i for i in range(config.num_layers)
+                                    if f"blk.{i}.ffn_gate_inp.weight" not in tensors)
     scaling = config.rope_scaling
     if scaling is not None and scaling["rope_type"] == "longrope":  # Phi-3: the factors are tensors
         for kind in ("long", "short"):

@@ -67,7 +67,8 @@ def family_state_dict(config: ModelConfig, state_dict: dict[str, torch.Tensor]) 
     x * (1 + w); llama.cpp's converter adds the 1 when it writes the GGUF)."""
     offset = HF_NORM_OFFSET.get(config.architecture)
     if offset:
-        state_dict = {name: t + offset if name.endswith("norm.weight") else t for name, t in state_dict.items()}
+        state_dict = {name: t + offset if name.endswith("norm.weight") else t
+                      for name, t in state_dict.items()}
     return state_dict
 
 

@@ -160,7 +160,8 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     scores = torch.tanh(scores / softcap) * softcap
     if is_causal:
         num_rows, num_ctx = scores.shape[-2:]
-        mask = _additive(torch.ones(num_rows, num_ctx, dtype=torch.bool).tril_(num_ctx - num_rows), scores.dtype)
+        causal = torch.ones(num_rows, num_ctx, dtype=torch.bool).tril_(num_ctx - num_rows)  # [T, C]
+        mask = _additive(causal, scores.dtype)
     if mask is not None:
         scores = scores + mask
     return torch.matmul(scores.softmax(dim=-1), v)

@@ -47,7 +47,7 @@ class ModelConfig:
     attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
     sliding_window: int | None = None  # Mistral / Qwen2: attend to at most this many keys
     # The families' structure (engine.models.families reads it from config.json or GGUF metadata):
-    layer_types: tuple[str, ...] | None = None  # "full" | "sliding" per layer (Gemma); None: all sliding_window
+    layer_types: tuple[str, ...] | None = None  # "full" | "sliding" per layer (Gemma); None: sliding_window
     rope_local_theta: float | None = None  # RoPE base of the sliding layers (Gemma 3); None: rope_theta
     rotary_dim: int | None = None  # dims of each head that RoPE rotates (Phi partial rotary); None: head_dim
     qk_norm: str | None = None  # RMSNorm of q and k before RoPE: "head" (Qwen3, Gemma 3), "all" (OLMo 2)
@@ -72,7 +72,8 @@ class ModelConfig:
         if self.layer_types is not None:
             self.layer_types = tuple(self.layer_types)
             if len(self.layer_types) != self.num_layers or not set(self.layer_types) <= set(LAYER_TYPES):
-                raise ValueError(f"layer_types: expected {self.num_layers} of {LAYER_TYPES}, got {self.layer_types!r}")
+                raise ValueError(f"layer_types: expected {self.num_layers} of {LAYER_TYPES}, "
+                                 f"got {self.layer_types!r}")
             if "sliding" in self.layer_types and not self.sliding_window:
                 raise ValueError("layer_types: sliding layers need a sliding_window")
         self.dense_layers = tuple(self.dense_layers)
@@ -80,10 +81,12 @@ class ModelConfig:
             raise ValueError(f"qk_norm: unsupported {self.qk_norm!r}, expected None or one of {QK_NORMS}")
         if self.hidden_act not in HIDDEN_ACTS:
             raise ValueError(f"hidden_act: unsupported {self.hidden_act!r}, expected one of {HIDDEN_ACTS}")
-        if self.rotary_dim is not None and not (0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0):
+        rotary_dim = self.rotary_dim
+        if rotary_dim is not None and not (0 < rotary_dim <= self.head_dim and rotary_dim % 2 == 0):
             raise ValueError(f"rotary_dim: must be even and in 1..{self.head_dim}, got {self.rotary_dim!r}")
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
-            raise ValueError(f"num_experts_per_tok: must be in 1..{self.num_experts}, got {self.num_experts_per_tok}")
+            raise ValueError(f"num_experts_per_tok: must be in 1..{self.num_experts}, "
+                             f"got {self.num_experts_per_tok}")
         if self.num_experts and self.moe_intermediate_size <= 0:
             raise ValueError(f"moe_intermediate_size: must be > 0, got {self.moe_intermediate_size}")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -125,7 +128,8 @@ class ModelConfig:
         sliding_window = get("sliding_window")
         if architecture == "qwen2" and not get("use_sliding_window", False):
             sliding_window = None
-        if architecture in ("llama", "qwen3", "granite", "olmo2", "qwen3moe") and not get("use_sliding_window"):
+        no_window = ("llama", "qwen3", "granite", "olmo2", "qwen3moe")  # unless use_sliding_window says so
+        if architecture in no_window and not get("use_sliding_window"):
             sliding_window = None
         fields = dict(
             architecture=architecture,

@@ -23,14 +23,16 @@ _LLAMA = {
 }
 _QK_NORMS = {"q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight"}
 _GEMMA = {**_LLAMA, "post_attn_norm": "post_attention_layernorm.weight",
-          "ffn_norm": "pre_feedforward_layernorm.weight", "post_ffn_norm": "post_feedforward_layernorm.weight"}
+          "ffn_norm": "pre_feedforward_layernorm.weight",
+          "post_ffn_norm": "post_feedforward_layernorm.weight"}
 _OLMO2 = {**{k: v for k, v in _LLAMA.items() if k not in ("attn_norm", "ffn_norm")}, **_QK_NORMS,
           "post_attn_norm": "post_attention_layernorm.weight",
           "post_ffn_norm": "post_feedforward_layernorm.weight"}
 _PHI3 = {**{k: v for k, v in _LLAMA.items() if k not in ("q", "k", "v", "gate", "up")},
          "qkv": "self_attn.qkv_proj.weight", "gate_up": "mlp.gate_up_proj.weight"}
-_QWEN3MOE = {**_LLAMA, **_QK_NORMS, "router": "mlp.gate.weight", "expert_gate": "mlp.experts.{j}.gate_proj.weight",
-             "expert_up": "mlp.experts.{j}.up_proj.weight", "expert_down": "mlp.experts.{j}.down_proj.weight"}
+_QWEN3MOE = {**_LLAMA, **_QK_NORMS, "router": "mlp.gate.weight",
+             "expert_gate": "mlp.experts.{j}.gate_proj.weight", "expert_up": "mlp.experts.{j}.up_proj.weight",
+             "expert_down": "mlp.experts.{j}.down_proj.weight"}
 _MIXTRAL = {**_LLAMA, "router": "block_sparse_moe.gate.weight",
             "expert_gate": "block_sparse_moe.experts.{j}.w1.weight",
             "expert_up": "block_sparse_moe.experts.{j}.w3.weight",
@@ -59,13 +61,15 @@ GGUF_LAYER_ROLES = {
     "ffn_gate.weight": "gate", "ffn_up.weight": "up", "ffn_down.weight": "down",
     "ffn_gate_inp.weight": "router",
     # [num_experts, rows, cols] tensors: one HF name per expert (engine.loader.gguf_loader)
-    "ffn_gate_exps.weight": "expert_gate", "ffn_up_exps.weight": "expert_up", "ffn_down_exps.weight": "expert_down",
+    "ffn_gate_exps.weight": "expert_gate", "ffn_up_exps.weight": "expert_up",
+    "ffn_down_exps.weight": "expert_down",
 }
 # A family's own reading of a GGUF name (Phi-3's ffn_up holds gate and up).
 GGUF_ROLE_OVERRIDES = {"phi3": {"ffn_up.weight": "gate_up"}}
 # GGUF general.architecture -> ours ("llama" with experts is Mixtral: gguf_extras renames it).
-GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2", "gemma3": "gemma3",
-                      "granite": "granite", "olmo2": "olmo2", "phi3": "phi3", "qwen3moe": "qwen3moe"}
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
+                      "gemma3": "gemma3", "granite": "granite", "olmo2": "olmo2", "phi3": "phi3",
+                      "qwen3moe": "qwen3moe"}
 # GGUF files that store q/k rows permuted for ggml's adjacent-pair rotation (undone at load).
 GGUF_PERMUTED_QK = ("llama", "granite")
 
@@ -99,18 +103,23 @@ def _hf_gemma(config_json: dict, fields: dict) -> dict:
     get = config_json.get
     out = dict(hidden_act="gelu_tanh", post_norms=True, embedding_scale=math.sqrt(fields["hidden_size"]),
                attention_scale=float(get("query_pre_attn_scalar") or fields["head_dim"]) ** -0.5,
-               attn_logit_softcap=get("attn_logit_softcapping"), final_logit_softcap=get("final_logit_softcapping"),
-               tie_word_embeddings=bool(get("tie_word_embeddings", True)), sliding_window=get("sliding_window"),
-               rms_norm_eps=float(get("rms_norm_eps", 1e-6)))
+               attn_logit_softcap=get("attn_logit_softcapping"),
+               final_logit_softcap=get("final_logit_softcapping"),
+               tie_word_embeddings=bool(get("tie_word_embeddings", True)),
+               sliding_window=get("sliding_window"), rms_norm_eps=float(get("rms_norm_eps", 1e-6)))
+    pattern = get("sliding_window_pattern") or get("_sliding_window_pattern")
     out["layer_types"] = _layer_types(config_json) or _gemma_layer_types(
-        fields["architecture"], fields["num_layers"], get("sliding_window_pattern") or get("_sliding_window_pattern"))
+        fields["architecture"], fields["num_layers"], pattern)
     if fields["architecture"] == "gemma3":
         out["qk_norm"] = "head"
-        full, local = _rope_params(config_json, "full_attention"), _rope_params(config_json, "sliding_attention")
+        full = _rope_params(config_json, "full_attention")
+        local = _rope_params(config_json, "sliding_attention")
         out["rope_theta"] = float(full.get("rope_theta") or get("rope_theta") or 1e6)
         out["rope_local_theta"] = float(local.get("rope_theta") or get("rope_local_base_freq") or 10000.0)
         scaling = get("rope_scaling") or (full if full.get("rope_type", "default") != "default" else None)
-        out["rope_scaling"] = None if scaling is None else {k: v for k, v in scaling.items() if k != "rope_theta"}
+        if scaling is not None:
+            scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
+        out["rope_scaling"] = scaling
     return out
 
 
@@ -135,7 +144,8 @@ def _hf_phi3(config_json: dict, fields: dict) -> dict:
     out = dict(rotary_dim=int(fields["head_dim"] * factor), sliding_window=get("sliding_window"))
     scaling = fields["rope_scaling"]
     if scaling is not None and (scaling.get("type") or scaling.get("rope_type")) in ("longrope", "su"):
-        scaling = {k: v for k, v in scaling.items() if k not in ("rope_theta", "partial_rotary_factor", "type")}
+        dropped = ("rope_theta", "partial_rotary_factor", "type")
+        scaling = {k: v for k, v in scaling.items() if k not in dropped}
         scaling["rope_type"] = "longrope"
         scaling.setdefault("original_max_position_embeddings",
                            get("original_max_position_embeddings") or fields["max_position_embeddings"])
@@ -152,7 +162,8 @@ def _hf_moe(config_json: dict, fields: dict) -> dict:
     step = int(get("decoder_sparse_step", 1) or 1)
     only_dense = set(get("mlp_only_layers") or ())
     dense = tuple(i for i in range(fields["num_layers"]) if i in only_dense or (i + 1) % step != 0)
-    return dict(qk_norm="head", num_experts=num_experts, num_experts_per_tok=int(get("num_experts_per_tok", 8)),
+    return dict(qk_norm="head", num_experts=num_experts,
+                num_experts_per_tok=int(get("num_experts_per_tok", 8)),
                 moe_intermediate_size=int(get("moe_intermediate_size", 0)),
                 norm_topk_prob=bool(get("norm_topk_prob", False)), dense_layers=dense)
 
@@ -178,7 +189,8 @@ def _gguf_gemma(arch: str, key: Callable, fields: dict) -> dict:
     # llama.cpp: 1/sqrt(head_dim), except the 27B models' 1/sqrt(E / H) (46 and 62 layers)
     is_27b = num_layers == (46 if arch == "gemma2" else 62)
     scalar = E / fields["num_heads"] if is_27b else fields["head_dim"]
-    out = dict(hidden_act="gelu_tanh", post_norms=True, embedding_scale=math.sqrt(E), attention_scale=scalar ** -0.5,
+    out = dict(hidden_act="gelu_tanh", post_norms=True, embedding_scale=math.sqrt(E),
+               attention_scale=scalar ** -0.5,
                attn_logit_softcap=key("attn_logit_softcapping", required=False),
                final_logit_softcap=key("final_logit_softcapping", required=False),
                layer_types=_gemma_layer_types(arch, num_layers, None) if fields["sliding_window"] else None)
@@ -216,7 +228,8 @@ def _gguf_moe(arch: str, key: Callable, fields: dict) -> dict:
 
 
 def _gguf_granite(arch: str, key: Callable, fields: dict) -> dict:
-    return dict(embedding_scale=float(key("embedding_scale", 1.0)), residual_scale=float(key("residual_scale", 1.0)),
+    return dict(embedding_scale=float(key("embedding_scale", 1.0)),
+                residual_scale=float(key("residual_scale", 1.0)),
                 attention_scale=float(key("attention.scale", fields["head_dim"] ** -0.5)),
                 logit_scale=1.0 / float(key("logit_scale", 1.0)))
 

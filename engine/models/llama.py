@@ -60,7 +60,8 @@ class DecoderLayer(nn.Module):
     the config (engine.models.families); weights a family lacks are None."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, Weight | None], layer_index: int,
-                 pack_weights: bool = True, exact_products: bool = False, dense_above_rows: int | None = None):
+                 pack_weights: bool = True, exact_products: bool = False,
+                 dense_above_rows: int | None = None):
         super().__init__()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
@@ -75,7 +76,9 @@ class DecoderLayer(nn.Module):
         self.qk_norm = config.qk_norm
         self.residual_scale = config.residual_scale
         self.hidden_act = config.hidden_act
-        norm = lambda name: None if weights[name] is None else nn.Parameter(weights[name], requires_grad=False)  # noqa: E731
+        def norm(name: str) -> nn.Parameter | None:
+            return None if weights[name] is None else nn.Parameter(weights[name], requires_grad=False)
+
         self.attn_norm, self.ffn_norm = norm("attn_norm"), norm("ffn_norm")  # [E] (None: no pre-norm)
         self.post_attn_norm, self.post_ffn_norm = norm("post_attn_norm"), norm("post_ffn_norm")  # [E]
         self.q_norm, self.k_norm = norm("q_norm"), norm("k_norm")  # [D] ("head") or [H D] / [KH D] ("all")
@@ -119,7 +122,7 @@ class DecoderLayer(nn.Module):
             k.copy_(F.rms_norm(k, (self.kv_size,), self.k_norm, self.eps))
 
     def _out(self, y: torch.Tensor, post_norm: torch.Tensor | None) -> torch.Tensor:
-        """A block's output before the residual add: post-norm and residual scale where the family has them."""
+        """A block's output before the residual add, with the family's post-norm and residual scale."""
         if post_norm is not None:
             y = F.rms_norm(y.float(), self.norm_shape, post_norm.float(), self.eps).to(y.dtype)
         if self.residual_scale != 1.0:
@@ -171,7 +174,7 @@ class DecoderLayer(nn.Module):
 
     def _fused_pre(self, step: fused.FusedStep, resid: torch.Tensor, delta: torch.Tensor | None,
                    weight: torch.Tensor | None) -> torch.Tensor:
-        """resid += delta; -> the pre-norm of resid (OLMo 2, no pre-norms: resid itself in the compute dtype)."""
+        """resid += delta; -> the pre-norm of resid (OLMo 2 has none: resid in the compute dtype)."""
         if weight is not None:
             return step.norm(resid, delta, weight)
         if delta is not None:
@@ -236,7 +239,10 @@ class LlamaModel(nn.Module):
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [T] -> [T, E] in the model dtype."""
-        x = self.embed_rows.rows(ids, self.dtype) if self.embed_rows is not None else F.embedding(ids, self.embed)
+        if self.embed_rows is not None:
+            x = self.embed_rows.rows(ids, self.dtype)
+        else:
+            x = F.embedding(ids, self.embed)
         if self.config.embedding_scale != 1.0:
             x = x * torch.tensor(self.config.embedding_scale, dtype=x.dtype)
         return x
@@ -384,8 +390,9 @@ def _layer_weights(config: ModelConfig, weights: _WeightReader, i: int) -> dict[
     if config.is_moe_layer(i):
         X, MI = config.num_experts, config.moe_intermediate_size
         out["router"] = take("router", (X, E))  # [X, E]
-        out["experts"] = [(cat_rows([take("expert_gate", (MI, E), expert=j), take("expert_up", (MI, E), expert=j)]),
-                           take("expert_down", (E, MI), expert=j)) for j in range(X)]  # [2 MI, E], [E, MI]
+        out["experts"] = [(cat_rows([take("expert_gate", (MI, E), expert=j),
+                                     take("expert_up", (MI, E), expert=j)]),  # [2 MI, E]
+                           take("expert_down", (E, MI), expert=j)) for j in range(X)]  # [E, MI]
     elif hf_layer_name(config.architecture, "gate_up", i):
         out["w_gate_up"] = take("gate_up", (2 * I, E))  # Phi-3: fused in the file
         out["w_down"] = take("down", (E, I))

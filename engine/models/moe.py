@@ -26,7 +26,8 @@ class MixtureOfExperts:
         if not isinstance(router, torch.Tensor):  # small: [X, E]; a quantized file's router is dequantized
             router = router.dequantize()
         self.router = router.float().contiguous()  # [X, E]
-        self.experts = [(Linear(gate_up, None, **linear), Linear(down, None, **linear)) for gate_up, down in experts]
+        self.experts = [(Linear(gate_up, None, **linear), Linear(down, None, **linear))
+                        for gate_up, down in experts]
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
         self.act_mul = act_mul

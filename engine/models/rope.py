@@ -38,7 +38,8 @@ def rope_inv_freq(config: ModelConfig, freq_factors: torch.Tensor | None = None)
     return inv_freq, attention_factor
 
 
-def _longrope_inv_freq(config: ModelConfig, scaling: dict, inv_freq: torch.Tensor) -> tuple[torch.Tensor, float]:
+def _longrope_inv_freq(config: ModelConfig, scaling: dict,
+                       inv_freq: torch.Tensor) -> tuple[torch.Tensor, float]:
     """Phi-3's LongRoPE: the frequencies divided by per-frequency factors, the long ones when the
     model's context (max_position_embeddings) exceeds the original one, as llama.cpp chooses by
     its context size (transformers chooses by the current sequence length, so the two agree on
