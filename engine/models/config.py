@@ -152,7 +152,10 @@ class ModelConfig:
         return cls(**fields)
 
     def to_hf_dict(self) -> dict[str, Any]:
-        """The ``config.json`` dict transformers would read back into the same model."""
+        """The ``config.json`` dict transformers would read back into the same model (the Llama-like
+        architectures; the other families' structure has no writer here)."""
+        if self.architecture not in ("llama", "qwen2", "mistral"):
+            raise ValueError(f"to_hf_dict: not written for architecture {self.architecture!r}")
         hf_arch = {v: k for k, v in _HF_ARCHITECTURES.items()}[self.architecture]
         out = {
             "architectures": [hf_arch],
