@@ -50,9 +50,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m engine") -> int:
     args = parser.parse_args(argv)
     from .errors import ModelFileError
     from .loader import default_model_path
-    from .startup import check_model_path
+    from .startup import check_startup
 
     def fail(message: str) -> int:
+        message = " ".join(message.splitlines())  # one line, whatever a library put in it
         print(f"{parser.prog}: error: {message}", file=sys.stderr)
         return 2
 
@@ -61,10 +62,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m engine") -> int:
             max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
         )
         options = engine_options_from_args(args)
-        EngineConfig.from_options(options)
+        config = EngineConfig.from_options(options)
         if args.command == "complete" and args.text is None:
             return fail("complete needs a prompt")
-        check_model_path(default_model_path() if args.model is None else args.model)
+        check_startup(default_model_path() if args.model is None else args.model, config)
     except (ValueError, ModelFileError, FileNotFoundError) as exc:
         return fail(str(exc))
     if not sys.stderr.isatty():  # the load's stages as log lines

@@ -13,9 +13,11 @@ from collections.abc import Iterator, Mapping
 import numpy as np
 import torch
 
+from engine.errors import ModelFileError
 from engine.gguf_file import GGUFFile, is_gguf_file
 from engine.loader.repack import (INT4_TYPES, INT5_TYPES, PLAIN_TYPES, Q5_0, Q8_0, MappedRows, dequantize, int4_from_q4,
                                   int5_from_q5, q5_0_codes)
+from engine.loader.validate import check_gguf
 from engine.models.config import ModelConfig
 from engine.models.linear import Int4Weight, Int8Weight, Weight
 from engine.models.llama import resolve_dtype
@@ -55,6 +57,21 @@ def hf_name(gguf_name: str) -> str | None:
     return None
 
 
+_HF_GLOBAL_NAMES = {v: k for k, v in _GLOBAL_NAMES.items()}
+_HF_LAYER_NAMES = {v: k for k, v in _LAYER_NAMES.items()}
+_HF_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
+
+
+def gguf_name(name: str) -> str:
+    """Hugging Face tensor name -> GGUF name (the inverse of hf_name; unknown names unchanged)."""
+    if name in _HF_GLOBAL_NAMES:
+        return _HF_GLOBAL_NAMES[name]
+    match = _HF_LAYER_RE.fullmatch(name)
+    if match and match.group(2) in _HF_LAYER_NAMES:
+        return f"blk.{match.group(1)}.{_HF_LAYER_NAMES[match.group(2)]}"
+    return name
+
+
 def unpermute_qk(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     """Undo llama.cpp's ``permute``: rows per head go from interleaved pairs back to halves.
 
@@ -67,21 +84,9 @@ def unpermute_qk(w: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 def read_config(gguf: GGUFFile) -> ModelConfig:
-    metadata = gguf.metadata
-    if "general.architecture" not in metadata:
-        raise ValueError(f"{gguf.path}: GGUF metadata has no general.architecture")
-    tensors = gguf.tensors
-    if "token_embd.weight" not in tensors:
-        raise ValueError(f"{gguf.path}: GGUF file has no token_embd.weight tensor")
-    try:
-        return ModelConfig.from_gguf_metadata(
-            metadata,
-            vocab_size=int(tensors["token_embd.weight"].dims[1]),
-            attention_bias="blk.0.attn_q.bias" in tensors,
-            tie_word_embeddings="output.weight" not in tensors,
-        )
-    except ValueError as exc:
-        raise ValueError(f"{gguf.path}: {exc}") from None
+    """The file's ModelConfig, checked against its tensors (engine.loader.validate): ModelFileError
+    naming the key or tensor at fault."""
+    return check_gguf(gguf, hf_name, gguf_name)
 
 
 class GGUFStateDict(Mapping):
@@ -186,7 +191,7 @@ class GGUFStateDict(Mapping):
         try:
             return dequantize(raw, info.ggml_type, (num_rows, info.dims[0]))
         except ValueError as exc:
-            raise ValueError(f"{self.gguf.path}: tensor {info.name!r}: {exc}") from None
+            raise ModelFileError(f"{self.gguf.path}: tensor {info.name!r}: {exc}", self.gguf.path) from None
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.gguf_names)
@@ -233,13 +238,15 @@ def load_gguf(path: str | os.PathLike, dtype: str | torch.dtype = "bfloat16", qu
 
     path = os.fspath(path)
     if not is_gguf_file(path):
-        raise ValueError(f"{path}: not a GGUF file (the first bytes are not 'GGUF')")
+        raise ModelFileError(f"{path}: not a GGUF file (the first bytes are not 'GGUF')", path)
     with GGUFFile(path, with_vocabulary=False) as gguf:
-        config = read_config(gguf)
+        config = read_config(gguf)  # every tensor checked against the metadata before any is used
         state_dict = GGUFStateDict(gguf, config, quantization, resolve_dtype(dtype))
         try:
             return LlamaModel(config, state_dict, dtype=dtype, rope_freq_factors=_freq_factors(gguf),
                               pack_weights=pack_weights, dense_above_rows=dense_above_rows,
                               quantized_dtype=quantized_dtype, kv_cache_dtype=kv_cache_dtype(dtype, quantization))
+        except ModelFileError:
+            raise
         except ValueError as exc:
-            raise ValueError(f"{path}: {exc}") from None
+            raise ModelFileError(f"{path}: {exc}", path) from None
