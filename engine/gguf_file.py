@@ -236,6 +236,9 @@ class GGUFFile:
             if not 1 <= num_dims <= MAX_DIMS:
                 raise ModelFileError(f"{self.path}: GGUF file is corrupt: tensor {name!r} has {num_dims} dims", self.path)
             dims = struct.unpack(f"<{num_dims}Q", reader.take(8 * num_dims))
+            if 0 in dims:  # no model has an empty tensor; rows of 0 would divide by zero below
+                raise ModelFileError(f"{self.path}: GGUF file is corrupt: tensor {name!r} has a zero dim "
+                                     f"{list(dims)}", self.path)
             ggml_type, offset = struct.unpack("<IQ", reader.take(12))
             entries.append((name, dims, ggml_type, offset))
         data_start = -(-reader.offset // self.alignment) * self.alignment
