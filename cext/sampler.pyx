@@ -5,7 +5,7 @@ under min-p, top-k and top-p, drawn from the request's ``RandomStream``) and the
 and top logprobs of the raw row. See cext/csrc/sampler_kernels.h for the definitions.
 
 The Python side (``engine.sampling``) passes the batch's ``SamplingParams``, streams and
-``engine.logits_process.LogitsAdjuster`` objects; this module reads their fields once per row
+``engine.sampling.logits_process.LogitsAdjuster`` objects; this module reads their fields once per row
 and hands the C kernel raw pointers to the adjusters' arrays (``TouchedIds``, kept here so
 that counting a generated id is a few C operations).
 """

@@ -16,8 +16,8 @@ import logging
 import math
 from dataclasses import dataclass, field
 
+from .core.tick_cost import DEFAULT_TARGET_TICK_SECONDS
 from .errors import InvalidParameterError
-from .tick_cost import DEFAULT_TARGET_TICK_SECONDS
 
 log = logging.getLogger("engine")
 
