@@ -51,7 +51,8 @@ class Engine:
         self.model = model
         self.config = config.resolve(getattr(model, "max_model_len", None))
         if hasattr(model, "kv_cache_bytes"):  # before the cache is allocated (the weights are resident)
-            check_memory(self.config, model.kv_cache_bytes(self.config.kv_cache_tokens), param=_sizing_option(config))
+            check_memory(self.config, model.kv_cache_bytes(self.config.kv_cache_tokens),
+                         param=_sizing_option(config))
         self.model_path: str | None = None  # set by from_pretrained
         self._core = EngineCore(model, self.tokenizer, self.config)
         # Collected without close() (a re-run notebook cell): stop the thread, which frees the

@@ -88,7 +88,8 @@ class HeaderReader:
                 data = self.take(num_items * dtype.itemsize)
                 return np.frombuffer(data, dtype=dtype).tolist()
             return [self.value(item_type) for _ in range(num_items)]
-        raise ModelFileError(f"{self.path}: unknown GGUF value type {type_id} at byte {self.offset}", self.path)
+        raise ModelFileError(f"{self.path}: unknown GGUF value type {type_id} at byte {self.offset}",
+                             self.path)
 
 
 # ggml tensor types -> (elements per block, bytes per block). Types missing here are looked up
@@ -234,7 +235,8 @@ class GGUFFile:
             name = reader.string()
             (num_dims,) = struct.unpack("<I", reader.take(4))
             if not 1 <= num_dims <= MAX_DIMS:
-                raise ModelFileError(f"{self.path}: GGUF file is corrupt: tensor {name!r} has {num_dims} dims", self.path)
+                raise ModelFileError(f"{self.path}: GGUF file is corrupt: tensor {name!r} has {num_dims} dims",
+                                     self.path)
             dims = struct.unpack(f"<{num_dims}Q", reader.take(8 * num_dims))
             if 0 in dims:  # no model has an empty tensor; rows of 0 would divide by zero below
                 raise ModelFileError(f"{self.path}: GGUF file is corrupt: tensor {name!r} has a zero dim "
@@ -246,7 +248,8 @@ class GGUFFile:
         for name, dims, ggml_type, offset in entries:
             block = ggml_block_size(ggml_type)
             if block is None:
-                raise ModelFileError(f"{self.path}: tensor {name!r} has unknown ggml type {ggml_type}", self.path)
+                raise ModelFileError(f"{self.path}: tensor {name!r} has unknown ggml type {ggml_type}",
+                                     self.path)
             block_elements, block_bytes = block
             if dims[0] % block_elements:
                 raise ModelFileError(f"{self.path}: GGUF file is corrupt: tensor {name!r} rows of {dims[0]} "
@@ -260,7 +263,8 @@ class GGUFFile:
                 raise ModelFileError(f"{self.path}: GGUF file is truncated: tensor {name!r} needs bytes "
                                  f"{start}..{start + num_bytes}, the file has {len(self._buffer)}", self.path)
             if name in tensors:
-                raise ModelFileError(f"{self.path}: GGUF file is corrupt: tensor {name!r} appears twice", self.path)
+                raise ModelFileError(f"{self.path}: GGUF file is corrupt: tensor {name!r} appears twice",
+                                     self.path)
             tensors[name] = TensorInfo(name, tuple(dims), ggml_type, start, num_bytes)
         return tensors
 
@@ -275,7 +279,8 @@ class GGUFFile:
         """An unquantized tensor as a typed view in numpy order (F32, F16, BF16 as uint16, I*)."""
         info = self.tensors[name]
         if info.ggml_type not in _PLAIN_DTYPES:
-            raise ModelFileError(f"{self.path}: tensor {name!r} is quantized (ggml type {info.ggml_type})", self.path)
+            raise ModelFileError(f"{self.path}: tensor {name!r} is quantized (ggml type {info.ggml_type})",
+                                 self.path)
         data = np.frombuffer(self._buffer, dtype=_PLAIN_DTYPES[info.ggml_type],
                              count=info.num_elements, offset=info.offset)
         return data.reshape(info.shape)

@@ -8,6 +8,7 @@ and the same weights as a Hugging Face directory. Each case runs in a child fork
 process that imported the engine once, so a crash or a hang fails that case, not the suite.
 MODEL_FILES_FUZZ_EXAMPLES sets the examples per test (make test: 12, make fuzz: 2000).
 """
+
 from __future__ import annotations
 
 import json
@@ -29,11 +30,16 @@ NUM_EXAMPLES = int(os.environ.get("MODEL_FILES_FUZZ_EXAMPLES", "12"))
 CASE_TIMEOUT = 120  # seconds a case may take before it counts as a hang
 NUM_TOKENS = 1024
 SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-FUZZ = settings(max_examples=NUM_EXAMPLES, deadline=None, database=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+FUZZ = settings(
+    max_examples=NUM_EXAMPLES,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 
 
 # ---------------------------------------------------------------- the model
+
 
 def _vocabulary():
     """The default model's first NUM_TOKENS tokens, and the merges among them."""
@@ -43,13 +49,25 @@ def _vocabulary():
     metadata = read_gguf_metadata(default_model_path())
     tokens = metadata["tokenizer.ggml.tokens"][:NUM_TOKENS]
     kept = set(tokens)
-    merges = [m for m in metadata["tokenizer.ggml.merges"]
-              if (parts := m.split(" ", 1)) and len(parts) == 2 and {parts[0], parts[1], parts[0] + parts[1]} <= kept]
+    merges = [
+        m
+        for m in metadata["tokenizer.ggml.merges"]
+        if (parts := m.split(" ", 1))
+        and len(parts) == 2
+        and {parts[0], parts[1], parts[0] + parts[1]} <= kept
+    ]
     return metadata, tokens, metadata["tokenizer.ggml.token_type"][:NUM_TOKENS], merges
 
 
-CONFIG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=256, vocab_size=NUM_TOKENS)
+CONFIG = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    vocab_size=NUM_TOKENS,
+)
 
 
 def _weights(rng) -> dict[str, np.ndarray]:
@@ -60,13 +78,25 @@ def _weights(rng) -> dict[str, np.ndarray]:
     shapes = {"model.embed_tokens.weight": (V, E), "model.norm.weight": (E,)}
     for i in range(CONFIG["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        shapes.update({p + "input_layernorm.weight": (E,), p + "post_attention_layernorm.weight": (E,),
-                       p + "self_attn.q_proj.weight": (H * D, E), p + "self_attn.k_proj.weight": (KH * D, E),
-                       p + "self_attn.v_proj.weight": (KH * D, E), p + "self_attn.o_proj.weight": (E, H * D),
-                       p + "mlp.gate_proj.weight": (I, E), p + "mlp.up_proj.weight": (I, E),
-                       p + "mlp.down_proj.weight": (E, I)})
-    return {name: (rng.standard_normal(shape) * (0.1 if len(shape) == 2 else 1) + (len(shape) == 1))
-            .astype(np.float32) for name, shape in shapes.items()}
+        shapes.update(
+            {
+                p + "input_layernorm.weight": (E,),
+                p + "post_attention_layernorm.weight": (E,),
+                p + "self_attn.q_proj.weight": (H * D, E),
+                p + "self_attn.k_proj.weight": (KH * D, E),
+                p + "self_attn.v_proj.weight": (KH * D, E),
+                p + "self_attn.o_proj.weight": (E, H * D),
+                p + "mlp.gate_proj.weight": (I, E),
+                p + "mlp.up_proj.weight": (I, E),
+                p + "mlp.down_proj.weight": (E, I),
+            }
+        )
+    return {
+        name: (rng.standard_normal(shape) * (0.1 if len(shape) == 2 else 1) + (len(shape) == 1)).astype(
+            np.float32
+        )
+        for name, shape in shapes.items()
+    }
 
 
 def write_tiny_gguf(path: Path) -> None:
@@ -96,8 +126,11 @@ def write_tiny_gguf(path: Path) -> None:
     writer.add_add_bos_token(False)
     writer.add_chat_template(metadata["tokenizer.chat_template"])
     for name, w in _weights(np.random.default_rng(0)).items():
-        qtype = (gguf.GGMLQuantizationType.Q8_0 if "embed" in name else gguf.GGMLQuantizationType.Q4_1) \
-            if w.ndim == 2 else None
+        qtype = (
+            (gguf.GGMLQuantizationType.Q8_0 if "embed" in name else gguf.GGMLQuantizationType.Q4_1)
+            if w.ndim == 2
+            else None
+        )
         if qtype is None:
             writer.add_tensor(gguf_name(name), w)
         else:
@@ -115,18 +148,29 @@ def write_tiny_hf(directory: Path, gguf_path: Path) -> None:
     from engine.tokenizer import load_tokenizer
 
     directory.mkdir()
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "rms_norm_eps": 1e-5,
-              "rope_theta": 10000.0, "tie_word_embeddings": True, "hidden_act": "silu", **CONFIG}
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": True,
+        "hidden_act": "silu",
+        **CONFIG,
+    }
     (directory / "config.json").write_text(json.dumps(config))
-    save_file({k: torch.from_numpy(v) for k, v in _weights(np.random.default_rng(0)).items()},
-              str(directory / "model.safetensors"))
+    save_file(
+        {k: torch.from_numpy(v) for k, v in _weights(np.random.default_rng(0)).items()},
+        str(directory / "model.safetensors"),
+    )
     tokenizer = load_tokenizer(gguf_path)
     (directory / "tokenizer.json").write_text(tokenizer.backend.to_str())
-    (directory / "tokenizer_config.json").write_text(json.dumps(
-        {"eos_token": "<|im_end|>", "chat_template": tokenizer.chat_template}))
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps({"eos_token": "<|im_end|>", "chat_template": tokenizer.chat_template})
+    )
 
 
 # ---------------------------------------------------------------- where each field is
+
 
 def gguf_fields(data: bytes) -> tuple[list[tuple[str, int, str, int | float]], int]:
     """-> ([(what, byte offset, struct format, value)] for every header scalar, count, length,
@@ -140,7 +184,7 @@ def gguf_fields(data: bytes) -> tuple[list[tuple[str, int, str, int | float]], i
         (n,) = struct.unpack_from("<Q", data, pos)
         fields.append((f"{what}.length", pos, "Q", n))
         pos += 8 + n
-        return data[pos - n:pos].decode()
+        return data[pos - n : pos].decode()
 
     for _ in range(num_kv):
         key = string("key")
@@ -188,17 +232,37 @@ def field_value(draw, field):
     type's extremes) or any value of the field's type."""
     _, _, fmt, value = field
     if fmt in "fd":
-        return draw(st.one_of(st.sampled_from([0.0, -1.0, float("nan"), float("inf"), -float("inf"), 1e30]),
-                              st.floats(width=32 if fmt == "f" else 64)))
+        return draw(
+            st.one_of(
+                st.sampled_from([0.0, -1.0, float("nan"), float("inf"), -float("inf"), 1e30]),
+                st.floats(width=32 if fmt == "f" else 64),
+            )
+        )
     if fmt == "?":
         return draw(st.booleans())
     low, high = _range(fmt)
-    favourites = [0, 1, value + 1, value - 1, value * 2, value // 2, 2**31 - 1, 10**9, 2**32 - 1, 2**63 - 1, high,
-                  low, value + 32]
-    return draw(st.one_of(st.sampled_from([v for v in favourites if low <= v <= high]), st.integers(low, high)))
+    favourites = [
+        0,
+        1,
+        value + 1,
+        value - 1,
+        value * 2,
+        value // 2,
+        2**31 - 1,
+        10**9,
+        2**32 - 1,
+        2**63 - 1,
+        high,
+        low,
+        value + 32,
+    ]
+    return draw(
+        st.one_of(st.sampled_from([v for v in favourites if low <= v <= high]), st.integers(low, high))
+    )
 
 
 # ---------------------------------------------------------------- the worker
+
 
 def _child(path: str) -> tuple[int, str]:
     """Load and generate 2 tokens: 0 ok, 3 a clean ModelFileError, 1 anything else."""
@@ -261,8 +325,9 @@ def worker() -> None:
 class Worker:
     def __init__(self):
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-        self.proc = subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True, env=env)
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+        )
 
     def run(self, path: Path) -> dict:
         self.proc.stdin.write(f"{path}\n")
@@ -307,10 +372,11 @@ def test_a_corrupt_file_is_reported_as_wrong_kind_not_hidden(files, tmp_path):
 
 # ---------------------------------------------------------------- GGUF
 
+
 def _edited(tmp_path: Path, data: bytes, edits: list[tuple[int, bytes]], cut: int | None = None) -> Path:
     buf = bytearray(data if cut is None else data[:cut])
     for at, raw in edits:
-        buf[at:at + len(raw)] = raw[:max(0, len(buf) - at)]
+        buf[at : at + len(raw)] = raw[: max(0, len(buf) - at)]
     path = tmp_path / f"case-{os.getpid()}-{time.monotonic_ns()}.gguf"
     path.write_bytes(bytes(buf))
     return path
@@ -348,6 +414,7 @@ def test_gguf_truncations_and_random_header_bytes(files, tmp_path_factory, data)
 
 # ---------------------------------------------------------------- Hugging Face directories
 
+
 def _hf_copy(root: Path, tmp_path: Path) -> Path:
     target = tmp_path / "model"
     target.mkdir()
@@ -359,7 +426,7 @@ def _hf_copy(root: Path, tmp_path: Path) -> Path:
 def _safetensors_parts(path: Path) -> tuple[dict, bytes]:
     raw = path.read_bytes()
     (n,) = struct.unpack_from("<Q", raw)
-    return json.loads(raw[8:8 + n]), raw[8 + n:]
+    return json.loads(raw[8 : 8 + n]), raw[8 + n :]
 
 
 def _write_safetensors(path: Path, header: dict | bytes, body: bytes, length: int | None = None) -> None:
@@ -367,8 +434,9 @@ def _write_safetensors(path: Path, header: dict | bytes, body: bytes, length: in
     path.write_bytes(struct.pack("<Q", len(text) if length is None else length) + text + body)
 
 
-ODD_VALUES = st.one_of(st.sampled_from([0, 1, -1, 2**31 - 1, 2**63, 10**9, None, "x", 1.5, [], {}]),
-                       st.integers(-2**64, 2**64))
+ODD_VALUES = st.one_of(
+    st.sampled_from([0, 1, -1, 2**31 - 1, 2**63, 10**9, None, "x", 1.5, [], {}]), st.integers(-(2**64), 2**64)
+)
 
 
 @FUZZ
@@ -379,22 +447,33 @@ def test_safetensors_header_edits(files, tmp_path_factory, data):
     file = model / "model.safetensors"
     header, body = _safetensors_parts(file)
     names = sorted(k for k in header if k != "__metadata__")
-    how = data.draw(st.sampled_from(["shape", "dtype", "data_offsets", "entry", "length", "cut", "bytes"]),
-                    label="how")
+    how = data.draw(
+        st.sampled_from(["shape", "dtype", "data_offsets", "entry", "length", "cut", "bytes"]), label="how"
+    )
     name = data.draw(st.sampled_from(names), label="tensor")
     length = None
     if how == "shape":
         shape = header[name]["shape"]
-        header[name]["shape"] = data.draw(st.one_of(
-            st.lists(st.integers(0, 2**40), max_size=4),
-            st.sampled_from([[d + 1 for d in shape], [d // 2 for d in shape], shape[::-1], shape + [1], [-1] + shape])))
+        header[name]["shape"] = data.draw(
+            st.one_of(
+                st.lists(st.integers(0, 2**40), max_size=4),
+                st.sampled_from(
+                    [[d + 1 for d in shape], [d // 2 for d in shape], shape[::-1], shape + [1], [-1] + shape]
+                ),
+            )
+        )
     elif how == "dtype":
         header[name]["dtype"] = data.draw(st.sampled_from(["F16", "BF16", "I32", "U8", "F64", "Q4", "", 7]))
     elif how == "data_offsets":
         begin, end = header[name]["data_offsets"]
-        header[name]["data_offsets"] = data.draw(st.one_of(
-            st.lists(st.integers(-1, 2**63), min_size=0, max_size=3),
-            st.sampled_from([[end, begin], [begin, end + 4], [begin + 4, end], [0, len(body) + 1], [begin, 2**62]])))
+        header[name]["data_offsets"] = data.draw(
+            st.one_of(
+                st.lists(st.integers(-1, 2**63), min_size=0, max_size=3),
+                st.sampled_from(
+                    [[end, begin], [begin, end + 4], [begin + 4, end], [0, len(body) + 1], [begin, 2**62]]
+                ),
+            )
+        )
     elif how == "entry":
         header[name] = data.draw(ODD_VALUES)
     elif how == "length":
@@ -403,11 +482,11 @@ def test_safetensors_header_edits(files, tmp_path_factory, data):
     if how == "bytes":
         at = data.draw(st.integers(0, len(text) - 1), label="at")
         junk = data.draw(st.binary(min_size=1, max_size=8), label="junk")
-        text = text[:at] + junk + text[at + len(junk):]
+        text = text[:at] + junk + text[at + len(junk) :]
     _write_safetensors(file, text, body, length if how != "bytes" else len(text))
     if how == "cut":
         raw = file.read_bytes()
-        file.write_bytes(raw[:data.draw(st.integers(0, len(raw) - 1), label="cut")])
+        file.write_bytes(raw[: data.draw(st.integers(0, len(raw) - 1), label="cut")])
     check(worker, model, f"{how} of {name}")
 
 
@@ -418,8 +497,15 @@ def test_config_json_edits(files, tmp_path_factory, data):
     model = _hf_copy(root, tmp_path_factory.mktemp("case"))
     config = json.loads((model / "config.json").read_text())
     key = data.draw(st.sampled_from(sorted(config)), label="key")
-    value = data.draw(st.one_of(ODD_VALUES, st.sampled_from(
-        [v * 2 for v in [config[key]] if isinstance(v, int)] + ["LlamaForCausalLM", ["Nope"], 1e-30, float("nan")])))
+    value = data.draw(
+        st.one_of(
+            ODD_VALUES,
+            st.sampled_from(
+                [v * 2 for v in [config[key]] if isinstance(v, int)]
+                + ["LlamaForCausalLM", ["Nope"], 1e-30, float("nan")]
+            ),
+        )
+    )
     config[key] = value
     (model / "config.json").write_text(json.dumps(config))
     check(worker, model, f"config.json {key} = {value!r}")

@@ -2,6 +2,7 @@
 
 Each hostile edit is one field of a small real model (tests/test_model_files_fuzz.py writes it);
 the error must be a ModelFileError naming the file and what is wrong, before any tensor is used."""
+
 import json
 import os
 import struct
@@ -32,7 +33,7 @@ def patched(tiny, tmp_path, field_name: str, value) -> str:
     raw = bytearray((tiny / "tiny.gguf").read_bytes())
     fields, _ = gguf_fields(bytes(raw))
     [(_, at, fmt, _)] = [f for f in fields if f[0] == field_name]
-    raw[at:at + struct.calcsize(fmt)] = struct.pack("<" + fmt, value)
+    raw[at : at + struct.calcsize(fmt)] = struct.pack("<" + fmt, value)
     path = tmp_path / "patched.gguf"
     path.write_bytes(bytes(raw))
     return str(path)
@@ -44,18 +45,37 @@ def test_the_tiny_model_loads(tiny):
     assert load_model(tiny / "tiny.gguf").config.num_layers == 2
 
 
-@pytest.mark.parametrize("field,value,says", [
-    ("blk.0.attn_q.weight.dims[1]", 63, r"tensor 'blk\.0\.attn_q\.weight' has shape \[63, 64\], but the metadata implies "
-                                 r"\[64, 64\] \(llama\.attention\.head_count = 4 x .*llama\.embedding_length = 64\)"),
-    ("blk.1.attn_k.weight.dims[1]", 1, r"'blk\.1\.attn_k\.weight' has shape \[1, 64\].*\[32, 64\].*head_count_kv = 2"),
-    ("llama.feed_forward_length", 127, r"'blk\.0\.ffn_gate\.weight' has shape \[128, 64\].*\[127, 64\]"),
-    ("llama.block_count", 3, r"tensor 'blk\.2\.attn_norm\.weight' is missing"),
-    ("llama.context_length", 2**31 - 1, r"max_position_embeddings: 2147483647 is outside the plausible range "
-                                        r"\[32, 16777216\] \(GGUF key llama\.context_length\)"),
-    ("llama.attention.head_count", 0, r"num_heads: must be a positive int.*llama\.attention\.head_count"),
-    ("blk.0.ffn_up.weight.type", 9, r"'blk\.0\.ffn_up\.weight' has ggml type Q8_1 \(9\), which the loader cannot"),
-    ("output_norm.weight.dims[0]", 0, r"'output_norm\.weight' has a zero dim"),
-])
+@pytest.mark.parametrize(
+    "field,value,says",
+    [
+        (
+            "blk.0.attn_q.weight.dims[1]",
+            63,
+            r"tensor 'blk\.0\.attn_q\.weight' has shape \[63, 64\], but the metadata implies "
+            r"\[64, 64\] \(llama\.attention\.head_count = 4 x .*llama\.embedding_length = 64\)",
+        ),
+        (
+            "blk.1.attn_k.weight.dims[1]",
+            1,
+            r"'blk\.1\.attn_k\.weight' has shape \[1, 64\].*\[32, 64\].*head_count_kv = 2",
+        ),
+        ("llama.feed_forward_length", 127, r"'blk\.0\.ffn_gate\.weight' has shape \[128, 64\].*\[127, 64\]"),
+        ("llama.block_count", 3, r"tensor 'blk\.2\.attn_norm\.weight' is missing"),
+        (
+            "llama.context_length",
+            2**31 - 1,
+            r"max_position_embeddings: 2147483647 is outside the plausible range "
+            r"\[32, 16777216\] \(GGUF key llama\.context_length\)",
+        ),
+        ("llama.attention.head_count", 0, r"num_heads: must be a positive int.*llama\.attention\.head_count"),
+        (
+            "blk.0.ffn_up.weight.type",
+            9,
+            r"'blk\.0\.ffn_up\.weight' has ggml type Q8_1 \(9\), which the loader cannot",
+        ),
+        ("output_norm.weight.dims[0]", 0, r"'output_norm\.weight' has a zero dim"),
+    ],
+)
 def test_a_tensor_or_key_at_odds_with_the_metadata_names_both(tiny, tmp_path, field, value, says):
     path = patched(tiny, tmp_path, field, value)
     for attempt in (check_model_path, load_model):
@@ -67,14 +87,19 @@ def test_a_tensor_or_key_at_odds_with_the_metadata_names_both(tiny, tmp_path, fi
 def test_a_float_that_is_not_finite_is_refused(tiny, tmp_path):
     for value in (float("nan"), float("inf"), 0.0, -1.0):
         path = patched(tiny, tmp_path, "llama.rope.freq_base", value)
-        with pytest.raises(ModelFileError, match="rope_theta: must be a finite number > 0.*llama.rope.freq_base"):
+        with pytest.raises(
+            ModelFileError, match="rope_theta: must be a finite number > 0.*llama.rope.freq_base"
+        ):
             check_model_path(path)
 
 
 def test_special_ids_outside_the_vocabulary_are_refused(tiny, tmp_path):
     path = patched(tiny, tmp_path, "tokenizer.ggml.eos_token_id", 10**9)
-    with pytest.raises(ModelFileError, match=r"tokenizer\.ggml\.eos_token_id = 1000000000 is not a token id of this "
-                                             r"vocabulary \(1024 tokens\)"):
+    with pytest.raises(
+        ModelFileError,
+        match=r"tokenizer\.ggml\.eos_token_id = 1000000000 is not a token id of this "
+        r"vocabulary \(1024 tokens\)",
+    ):
         load_tokenizer(path)
 
 
@@ -88,9 +113,12 @@ def test_a_merge_the_tokenizer_library_refuses_is_named(tiny, tmp_path):
     at = raw.index(struct.pack("<Q", len(first)) + first) + 8
     path = tmp_path / "merges.gguf"
     junk = bytes(b if b == 0x20 else 0x7E for b in first)  # "~~ ~": no such tokens
-    path.write_bytes(raw[:at] + junk + raw[at + len(first):])
-    with pytest.raises(ModelFileError, match=r"tokenizer\.ggml\.merges\[0\] = .* is not in tokenizer\.ggml\.tokens; "
-                                             r"the tokenizers library refuses the vocabulary") as info:
+    path.write_bytes(raw[:at] + junk + raw[at + len(first) :])
+    with pytest.raises(
+        ModelFileError,
+        match=r"tokenizer\.ggml\.merges\[0\] = .* is not in tokenizer\.ggml\.tokens; "
+        r"the tokenizers library refuses the vocabulary",
+    ) as info:
         load_tokenizer(path)
     assert "\n" not in str(info.value) and str(info.value).startswith(str(path))
 
@@ -99,9 +127,14 @@ def test_a_chat_template_that_does_not_compile_is_refused_at_load(tiny, tmp_path
     (tmp_path / "hf").mkdir()
     for f in (tiny / "hf").iterdir():
         (tmp_path / "hf" / f.name).write_bytes(f.read_bytes())
-    (tmp_path / "hf" / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{% for m in messages %}"}))
-    with pytest.raises(ModelFileError, match=r"chat_template \(tokenizer_config\.json or chat_template\.jinja\): "
-                                             r"chat template is not valid jinja2"):
+    (tmp_path / "hf" / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": "{% for m in messages %}"})
+    )
+    with pytest.raises(
+        ModelFileError,
+        match=r"chat_template \(tokenizer_config\.json or chat_template\.jinja\): "
+        r"chat template is not valid jinja2",
+    ):
         load_tokenizer(tmp_path / "hf")
 
 
@@ -116,17 +149,19 @@ def _copy_hf(tiny, tmp_path):
 def _rewrite_header(file, edit):
     raw = file.read_bytes()
     (n,) = struct.unpack_from("<Q", raw)
-    header = json.loads(raw[8:8 + n])
+    header = json.loads(raw[8 : 8 + n])
     edit(header)
     text = json.dumps(header).encode()
-    file.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n:])
+    file.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n :])
 
 
 def test_safetensors_offsets_that_overrun_the_file_are_refused(tiny, tmp_path):
     model = _copy_hf(tiny, tmp_path)
     file = model / "model.safetensors"
     _rewrite_header(file, lambda h: h["model.norm.weight"].update(data_offsets=[0, 1 << 40]))
-    with pytest.raises(ModelFileError, match=r"'model\.norm\.weight': data_offsets \[0, 1099511627776\] overrun"):
+    with pytest.raises(
+        ModelFileError, match=r"'model\.norm\.weight': data_offsets \[0, 1099511627776\] overrun"
+    ):
         read_safetensors_header(file)
     with pytest.raises(ModelFileError, match="overrun"):
         load_model(model)
@@ -137,9 +172,12 @@ def test_config_json_is_checked_against_the_safetensors_headers(tiny, tmp_path):
     config = json.loads((model / "config.json").read_text())
     config["intermediate_size"] = 96
     (model / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ModelFileError, match=r"config\.json: tensor 'model\.layers\.0\.mlp\.gate_proj\.weight' "
-                                             r"\(in .*model\.safetensors\) has shape \[128, 64\], but the metadata "
-                                             r"implies \[96, 64\]"):
+    with pytest.raises(
+        ModelFileError,
+        match=r"config\.json: tensor 'model\.layers\.0\.mlp\.gate_proj\.weight' "
+        r"\(in .*model\.safetensors\) has shape \[128, 64\], but the metadata "
+        r"implies \[96, 64\]",
+    ):
         check_model_path(model)
 
 
@@ -153,6 +191,7 @@ def test_a_header_length_beyond_the_file_is_refused(tiny, tmp_path):
 
 
 # ---------------------------------------------------------------- memory
+
 
 def fake_system(tmp_path, mem_available_kb: int, v1=None, v2=None):
     """A /proc and /sys/fs/cgroup of plain files: meminfo, the process's cgroup lines and limits."""
@@ -193,21 +232,37 @@ def test_a_kv_cache_beyond_the_memory_is_refused_naming_the_option_and_both_size
     from engine.config import EngineConfig
 
     config = EngineConfig(kv_cache_tokens=100_000_000).resolve(8192)
-    with pytest.raises(MemoryLimitError, match=r"kv_cache_tokens=100000000 needs 2\.1 TiB \(a KV cache of 2\.1 TiB "
-                                               r".*more than the 1\.0 GiB this process may use \(test\)") as info:
+    with pytest.raises(
+        MemoryLimitError,
+        match=r"kv_cache_tokens=100000000 needs 2\.1 TiB \(a KV cache of 2\.1 TiB "
+        r".*more than the 1\.0 GiB this process may use \(test\)",
+    ) as info:
         check_memory(config, 2_304_000_000_000, 0, "kv_cache_tokens", available=(1 << 30, "test"))
     assert info.value.param == "kv_cache_tokens" and info.value.num_bytes_available == 1 << 30
     check_memory(config, 1 << 20, 0, available=(1 << 30, "test"))  # fits
-    check_memory(EngineConfig(kv_cache_tokens=100_000_000, allow_overcommit=True).resolve(8192), 1 << 50,
-                 available=(1 << 30, "test"))  # the user's opt-in
+    check_memory(
+        EngineConfig(kv_cache_tokens=100_000_000, allow_overcommit=True).resolve(8192),
+        1 << 50,
+        available=(1 << 30, "test"),
+    )  # the user's opt-in
 
 
-@pytest.mark.parametrize("args,param", [(["--kv-cache-tokens", "100000000"], "kv_cache_tokens"),
-                                        (["--max-model-len", "1000000000"], "max_model_len")])
+@pytest.mark.parametrize(
+    "args,param",
+    [
+        (["--kv-cache-tokens", "100000000"], "kv_cache_tokens"),
+        (["--max-model-len", "1000000000"], "max_model_len"),
+    ],
+)
 def test_start_up_refuses_an_impossible_kv_cache_in_one_line(args, param):
     env = dict(os.environ, PYTHONPATH=ROOT)
-    done = subprocess.run([sys.executable, "-m", "engine", "complete", "Hi", "--max-tokens", "1", *args],
-                          capture_output=True, text=True, env=env, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-m", "engine", "complete", "Hi", "--max-tokens", "1", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert done.returncode == 2, done.stderr
     [line] = [ln for ln in done.stderr.splitlines() if "error" in ln]
     assert line.startswith(f"python -m engine: error: {param}=") and "this process may use" in line

@@ -10,6 +10,7 @@ so config.json is checked against them before the safetensors library maps anyth
 Every failure is a ModelFileError (a ValueError) whose message starts with the file and names
 the tensor or key at fault and what the metadata implies. Reading costs milliseconds (headers only).
 """
+
 from __future__ import annotations
 
 import json
@@ -24,8 +25,18 @@ from engine.errors import ModelFileError
 from engine.gguf_file import GGUFFile
 from engine.models.config import ModelConfig
 
-__all__ = ["GGUF_WEIGHT_TYPES", "TENSOR_TABLES", "TensorSpec", "check_gguf", "check_hf_directory",
-           "check_tensor_shapes", "gguf_config", "hf_config", "read_safetensors_header", "safetensors_files"]
+__all__ = [
+    "GGUF_WEIGHT_TYPES",
+    "TENSOR_TABLES",
+    "TensorSpec",
+    "check_gguf",
+    "check_hf_directory",
+    "check_tensor_shapes",
+    "gguf_config",
+    "hf_config",
+    "read_safetensors_header",
+    "safetensors_files",
+]
 
 
 @dataclass(frozen=True)
@@ -34,6 +45,7 @@ class TensorSpec:
     layer. shape: numpy order, each dim a ModelConfig field or a product ("num_heads * head_dim").
     required: "always", "optional" (checked when present), or a ModelConfig bool field that makes
     it required ("attention_bias"; "!tie_word_embeddings" for its negation)."""
+
     name: str
     shape: tuple[str, ...]
     required: str = "always"
@@ -60,26 +72,37 @@ DECODER_TENSORS = (
 )
 # ModelConfig.architecture -> the tensors it reads. New families add a row (or a table of their own).
 TENSOR_TABLES: dict[str, tuple[TensorSpec, ...]] = {
-    "llama": DECODER_TENSORS, "qwen2": DECODER_TENSORS, "mistral": DECODER_TENSORS,
+    "llama": DECODER_TENSORS,
+    "qwen2": DECODER_TENSORS,
+    "mistral": DECODER_TENSORS,
 }
 
 # ModelConfig field -> the GGUF key (after "{arch}.") it comes from, to name keys in errors.
 GGUF_KEYS = {
-    "vocab_size": "vocab_size", "hidden_size": "embedding_length", "intermediate_size": "feed_forward_length",
-    "num_layers": "block_count", "num_heads": "attention.head_count", "num_kv_heads": "attention.head_count_kv",
-    "head_dim": "attention.key_length", "max_position_embeddings": "context_length",
-    "rms_norm_eps": "attention.layer_norm_rms_epsilon", "rope_theta": "rope.freq_base",
-    "sliding_window": "attention.sliding_window", "rope_scaling": "rope.scaling.factor",
-    "num_experts": "expert_count", "num_experts_per_tok": "expert_used_count",
+    "vocab_size": "vocab_size",
+    "hidden_size": "embedding_length",
+    "intermediate_size": "feed_forward_length",
+    "num_layers": "block_count",
+    "num_heads": "attention.head_count",
+    "num_kv_heads": "attention.head_count_kv",
+    "head_dim": "attention.key_length",
+    "max_position_embeddings": "context_length",
+    "rms_norm_eps": "attention.layer_norm_rms_epsilon",
+    "rope_theta": "rope.freq_base",
+    "sliding_window": "attention.sliding_window",
+    "rope_scaling": "rope.scaling.factor",
+    "num_experts": "expert_count",
+    "num_experts_per_tok": "expert_used_count",
 }
 # ggml types the GGUF loader converts (engine.loader.repack: its own and gguf.quants'); the rest
 # (Q8_1, Q8_K, the integer types, F64, ...) are refused before any conversion starts.
-GGUF_WEIGHT_TYPES = frozenset({0, 1, 2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 16, 17, 18, 19, 20, 21, 22, 23,
-                               29, 30, 34, 35, 39})
+GGUF_WEIGHT_TYPES = frozenset(
+    {0, 1, 2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 16, 17, 18, 19, 20, 21, 22, 23, 29, 30, 34, 35, 39}
+)
 
 
 def ggml_type_name(ggml_type: int) -> str:
-    """"Q4_1 (3)" for a type gguf knows, the number otherwise."""
+    """ "Q4_1 (3)" for a type gguf knows, the number otherwise."""
     try:
         from gguf.constants import GGMLQuantizationType
 
@@ -108,8 +131,13 @@ def _describe(config: ModelConfig, spec: TensorSpec, field_name: Callable[[str],
     return "; ".join(parts)
 
 
-def check_tensor_shapes(config: ModelConfig, shapes: Mapping[str, tuple[int, ...]], path: str,
-                        file_name: Callable[[str], str] = repr, field_name: Callable[[str], str] = str) -> None:
+def check_tensor_shapes(
+    config: ModelConfig,
+    shapes: Mapping[str, tuple[int, ...]],
+    path: str,
+    file_name: Callable[[str], str] = repr,
+    field_name: Callable[[str], str] = str,
+) -> None:
     """Every tensor of config's architecture in `shapes` (Hugging Face name -> shape) with the
     shape config implies. file_name / field_name: how the file spells a tensor / a config field."""
     table = TENSOR_TABLES.get(config.architecture)
@@ -117,22 +145,29 @@ def check_tensor_shapes(config: ModelConfig, shapes: Mapping[str, tuple[int, ...
         raise ModelFileError(f"{path}: no tensor table for architecture {config.architecture!r}", path)
     for spec in table:
         expected = tuple(_dim(config, d) for d in spec.shape)
-        names = [spec.name.format(i=i) for i in range(config.num_layers)] if "{i}" in spec.name else [spec.name]
+        names = (
+            [spec.name.format(i=i) for i in range(config.num_layers)] if "{i}" in spec.name else [spec.name]
+        )
         for name in names:
             shape = shapes.get(name)
             if shape is None:
                 if _is_required(config, spec.required):
                     raise ModelFileError(
-                        f"{path}: tensor {file_name(name)} is missing: the {config.architecture} architecture "
-                        f"needs it with shape {list(expected)} ({_describe(config, spec, field_name)})", path)
+                        f"{path}: tensor {file_name(name)} is missing: the {config.architecture} "
+                        f"architecture needs it with shape {list(expected)} ({_describe(config, spec, field_name)})",
+                        path,
+                    )
                 continue
             if tuple(shape) != expected:
                 raise ModelFileError(
                     f"{path}: tensor {file_name(name)} has shape {list(shape)}, but the metadata implies "
-                    f"{list(expected)} ({_describe(config, spec, field_name)})", path)
+                    f"{list(expected)} ({_describe(config, spec, field_name)})",
+                    path,
+                )
 
 
 # ---------------------------------------------------------------- GGUF
+
 
 def gguf_config(gguf: GGUFFile) -> ModelConfig:
     """The GGUF file's ModelConfig (bounds checked), errors naming the key."""
@@ -144,11 +179,16 @@ def gguf_config(gguf: GGUFFile) -> ModelConfig:
         raise ModelFileError(f"{path}: GGUF file has no token_embd.weight tensor", path)
     embd = tensors["token_embd.weight"]
     if len(embd.dims) != 2:
-        raise ModelFileError(f"{path}: tensor 'token_embd.weight' has {len(embd.dims)} dims, expected 2", path)
+        raise ModelFileError(
+            f"{path}: tensor 'token_embd.weight' has {len(embd.dims)} dims, expected 2", path
+        )
     try:
         return ModelConfig.from_gguf_metadata(
-            metadata, vocab_size=int(embd.dims[1]), attention_bias="blk.0.attn_q.bias" in tensors,
-            tie_word_embeddings="output.weight" not in tensors)
+            metadata,
+            vocab_size=int(embd.dims[1]),
+            attention_bias="blk.0.attn_q.bias" in tensors,
+            tie_word_embeddings="output.weight" not in tensors,
+        )
     except (ValueError, TypeError, OverflowError) as exc:
         detail = str(exc)
         field = detail.split(":", 1)[0]
@@ -157,7 +197,9 @@ def gguf_config(gguf: GGUFFile) -> ModelConfig:
         raise ModelFileError(f"{path}: {detail}", path) from None
 
 
-def check_gguf(gguf: GGUFFile, hf_name: Callable[[str], str | None], gguf_name: Callable[[str], str]) -> ModelConfig:
+def check_gguf(
+    gguf: GGUFFile, hf_name: Callable[[str], str | None], gguf_name: Callable[[str], str]
+) -> ModelConfig:
     """-> the file's ModelConfig once its tensors match it (shapes, types, rope_freqs). hf_name /
     gguf_name: the loader's tensor renaming, both ways (engine.loader.gguf_loader)."""
     config = gguf_config(gguf)
@@ -169,26 +211,49 @@ def check_gguf(gguf: GGUFFile, hf_name: Callable[[str], str | None], gguf_name: 
             continue
         shapes[hf] = info.shape
         if info.ggml_type not in GGUF_WEIGHT_TYPES:
-            raise ModelFileError(f"{path}: tensor {name!r} has ggml type {ggml_type_name(info.ggml_type)}, which "
-                                 "the loader cannot convert", path)
+            raise ModelFileError(
+                f"{path}: tensor {name!r} has ggml type {ggml_type_name(info.ggml_type)}, which "
+                "the loader cannot convert",
+                path,
+            )
 
     def field_name(field: str) -> str:
         return f"{arch}.{GGUF_KEYS[field]}" if field in GGUF_KEYS else field
 
     check_tensor_shapes(config, shapes, path, file_name=lambda n: repr(gguf_name(n)), field_name=field_name)
     freqs = gguf.tensors.get("rope_freqs.weight")
-    if freqs is not None and (freqs.shape != (config.head_dim // 2,) or freqs.ggml_type not in GGUF_WEIGHT_TYPES):
-        raise ModelFileError(f"{path}: tensor 'rope_freqs.weight' has shape {list(freqs.shape)} (ggml type "
-                             f"{ggml_type_name(freqs.ggml_type)}), but the metadata implies [{config.head_dim // 2}] "
-                             f"(head_dim / 2)", path)
+    if freqs is not None and (
+        freqs.shape != (config.head_dim // 2,) or freqs.ggml_type not in GGUF_WEIGHT_TYPES
+    ):
+        raise ModelFileError(
+            f"{path}: tensor 'rope_freqs.weight' has shape {list(freqs.shape)} (ggml type "
+            f"{ggml_type_name(freqs.ggml_type)}), but the metadata implies [{config.head_dim // 2}] "
+            f"(head_dim / 2)",
+            path,
+        )
     return config
 
 
 # ---------------------------------------------------------------- Hugging Face directories
 
 # safetensors dtype -> bytes per element.
-_SAFETENSORS_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2,
-                         "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+_SAFETENSORS_ITEMSIZE = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E5M2": 1,
+    "F8_E4M3": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
+}
 MAX_SAFETENSORS_HEADER = 100 << 20  # the safetensors library's own limit
 
 
@@ -203,8 +268,11 @@ def read_safetensors_header(file: str | os.PathLike) -> dict[str, tuple[str, tup
             raise ModelFileError(f"{path}: truncated safetensors file ({size} bytes, no header)", path)
         (num_header,) = struct.unpack("<Q", head)
         if num_header > min(size - 8, MAX_SAFETENSORS_HEADER):
-            raise ModelFileError(f"{path}: corrupt safetensors file: its header claims {num_header} bytes, "
-                                 f"the file has {size}", path)
+            raise ModelFileError(
+                f"{path}: corrupt safetensors file: its header claims {num_header} bytes, "
+                f"the file has {size}",
+                path,
+            )
         raw = f.read(num_header)
     try:
         header = json.loads(raw)
@@ -225,16 +293,26 @@ def read_safetensors_header(file: str | os.PathLike) -> dict[str, tuple[str, tup
             raise ModelFileError(f"{where}: unknown dtype {dtype!r}", path)
         if not isinstance(shape, list) or not all(type(d) is int and 0 <= d < 1 << 40 for d in shape):
             raise ModelFileError(f"{where}: shape {shape!r} is not a list of sizes", path)
-        if (not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets)
-                or not 0 <= offsets[0] <= offsets[1]):
+        if (
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(type(o) is int for o in offsets)
+            or not 0 <= offsets[0] <= offsets[1]
+        ):
             raise ModelFileError(f"{where}: data_offsets {offsets!r} is not [begin, end]", path)
         if offsets[1] > num_data:
-            raise ModelFileError(f"{where}: data_offsets {offsets} overrun the file's {num_data} data bytes "
-                                 "(truncated or corrupt)", path)
+            raise ModelFileError(
+                f"{where}: data_offsets {offsets} overrun the file's {num_data} data bytes "
+                "(truncated or corrupt)",
+                path,
+            )
         num_bytes = math.prod(shape) * _SAFETENSORS_ITEMSIZE[dtype]
         if offsets[1] - offsets[0] != num_bytes:
-            raise ModelFileError(f"{where}: shape {shape} in {dtype} needs {num_bytes} bytes, its data_offsets "
-                                 f"span {offsets[1] - offsets[0]}", path)
+            raise ModelFileError(
+                f"{where}: shape {shape} in {dtype} needs {num_bytes} bytes, its data_offsets "
+                f"span {offsets[1] - offsets[0]}",
+                path,
+            )
         out[name] = (dtype, tuple(shape))
     return out
 
@@ -253,16 +331,22 @@ def safetensors_files(directory: Path) -> list[Path]:
         except (OSError, ValueError, AttributeError, TypeError) as exc:
             raise ModelFileError(f"{index_path}: not a safetensors index ({exc})", str(index_path)) from None
         if not all(isinstance(n, str) and n and Path(n).name == n for n in names):
-            raise ModelFileError(f"{index_path}: weight_map names files outside the directory", str(index_path))
+            raise ModelFileError(
+                f"{index_path}: weight_map names files outside the directory", str(index_path)
+            )
         files = [directory / name for name in names]
         missing = [str(f) for f in files if not f.is_file()]
         if missing:
-            raise ModelFileError(f"{index_path}: lists shard files that do not exist: {missing}", str(index_path))
+            raise ModelFileError(
+                f"{index_path}: lists shard files that do not exist: {missing}", str(index_path)
+            )
         return files
     files = sorted(directory.glob("*.safetensors"))
     if not files:
-        raise ModelFileError(f"{directory}: no *.safetensors weights (only safetensors checkpoints are supported)",
-                             str(directory))
+        raise ModelFileError(
+            f"{directory}: no *.safetensors weights (only safetensors checkpoints are supported)",
+            str(directory),
+        )
     return files
 
 
@@ -270,7 +354,9 @@ def hf_config(directory: str | os.PathLike) -> ModelConfig:
     """config.json -> ModelConfig (bounds checked); ModelFileError names config.json."""
     config_path = Path(directory) / "config.json"
     if not config_path.is_file():
-        raise ModelFileError(f"{directory}: not a Hugging Face model directory (no config.json)", str(directory))
+        raise ModelFileError(
+            f"{directory}: not a Hugging Face model directory (no config.json)", str(directory)
+        )
     try:
         config_json = json.loads(config_path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
@@ -294,5 +380,7 @@ def check_hf_directory(directory: str | os.PathLike) -> ModelConfig:
             shapes[name] = shape
             owner[name] = str(file)
     where = str(Path(directory) / "config.json")
-    check_tensor_shapes(config, shapes, where, file_name=lambda n: f"{n!r} (in {owner.get(n, '*.safetensors')})")
+    check_tensor_shapes(
+        config, shapes, where, file_name=lambda n: f"{n!r} (in {owner.get(n, '*.safetensors')})"
+    )
     return config

@@ -61,7 +61,8 @@ def load_tokenizer(source) -> Tokenizer:
         raise ModelFileError(f"{path}: {where}: {exc}", str(path)) from None
     except (ValueError, OSError) as exc:  # a file that is not what it claims; the message names it
         message = " ".join(str(exc).split())
-        raise ModelFileError(message if message.startswith(str(path)) else f"{path}: {message}", str(path)) from None
+        message = message if message.startswith(str(path)) else f"{path}: {message}"
+        raise ModelFileError(message, str(path)) from None
     return tokenizer
 
 

@@ -34,7 +34,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from ..errors import InvalidParameterError
 
-__all__ = ["ChatTemplateError", "KNOWN_ROLES", "check_chat_template", "render_chat_template", "validate_messages"]
+__all__ = ["ChatTemplateError", "KNOWN_ROLES", "check_chat_template", "render_chat_template",
+           "validate_messages"]
 
 KNOWN_ROLES = ("system", "developer", "user", "assistant", "tool")
 _SURROGATE = re.compile("[\ud800-\udfff]")

@@ -159,7 +159,8 @@ def _library_refusal(metadata: dict, exc: Exception) -> str:
             left, _, right = str(merge).partition(" ")
             for part in (left, right, left + right):
                 if part not in vocab:
-                    return f"tokenizer.ggml.merges[{i}] = {merge!r}: {part!r} is not in tokenizer.ggml.tokens; {message}"
+                    return (f"tokenizer.ggml.merges[{i}] = {merge!r}: {part!r} is not in tokenizer.ggml.tokens; "
+                            f"{message}")
     return message
 
 
@@ -168,7 +169,8 @@ def check_special_ids(metadata: dict, num_tokens: int) -> None:
     for key, value in metadata.items():
         if key.startswith("tokenizer.ggml.") and key.endswith("_token_id"):
             if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < num_tokens:
-                raise ValueError(f"{key} = {value!r} is not a token id of this vocabulary ({num_tokens} tokens)")
+                raise ValueError(f"{key} = {value!r} is not a token id of this vocabulary "
+                                 f"({num_tokens} tokens)")
 
 
 def vocab_from_metadata(metadata: dict) -> GGUFVocab:
