@@ -10,7 +10,7 @@ import torch
 from engine.errors import ModelFileError
 from engine.loader.validate import check_hf_directory, safetensors_files
 from engine.models.config import ModelConfig
-from engine.models.linear import Int4Weight, Int8Weight, Weight
+from engine.models.quant import Int4Weight, Int8Weight, Weight
 
 
 def read_config(directory: Path) -> ModelConfig:

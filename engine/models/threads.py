@@ -65,9 +65,9 @@ def apply_thread_policy(num_threads: int | None = None) -> ThreadPolicy:
         torch.set_num_threads(num_threads)
     kernel_threads = num_threads
     try:
-        from cext import fused
+        from cext import cpu
     except ImportError:
         kernel_threads = 0
     else:
-        fused.set_num_threads(num_threads)
+        cpu.set_num_threads(num_threads)
     return ThreadPolicy(num_threads, kernel_threads, os.environ.get("OMP_WAIT_POLICY"))
