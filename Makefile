@@ -69,7 +69,7 @@ sanitize: $(STAMP)
 	@echo "==> cext/ with -fsanitize=address,undefined into $(SANITIZE_DIR)"
 	CEXT_SANITIZE=1 $(PY) setup.py -q build_ext --build-lib $(SANITIZE_DIR) --build-temp $(SANITIZE_DIR)/obj
 	cp cext/__init__.py $(SANITIZE_DIR)/cext/
-	$(SANITIZE_ENV) $(PY) -c "import cext.cpu, cext.ops, cext.qgemm, cext.sampler; assert "$(SANITIZE_DIR)" in cext.qgemm.__file__"
+	$(SANITIZE_ENV) $(PY) -c "import cext.cpu, cext.ops, cext.qgemm, cext.sampler; assert '$(SANITIZE_DIR)' in cext.qgemm.__file__"
 	$(SANITIZE_ENV) $(PY) -m pytest -q -p no:cacheprovider $(SANITIZE_TESTS)
 
 # The model-file fuzz test with many more examples than make test runs (FUZZ_EXAMPLES each).
