@@ -85,7 +85,7 @@ GGUF_KEYS = {
     "num_layers": "block_count",
     "num_heads": "attention.head_count",
     "num_kv_heads": "attention.head_count_kv",
-    "head_dim": "attention.key_length",
+    "head_dim": "attention.key_length or rope.dimension_count",
     "max_position_embeddings": "context_length",
     "rms_norm_eps": "attention.layer_norm_rms_epsilon",
     "rope_theta": "rope.freq_base",
@@ -154,7 +154,8 @@ def check_tensor_shapes(
                 if _is_required(config, spec.required):
                     raise ModelFileError(
                         f"{path}: tensor {file_name(name)} is missing: the {config.architecture} "
-                        f"architecture needs it with shape {list(expected)} ({_describe(config, spec, field_name)})",
+                        f"architecture needs it with shape {list(expected)} "
+                        f"({_describe(config, spec, field_name)})",
                         path,
                     )
                 continue
@@ -193,7 +194,8 @@ def gguf_config(gguf: GGUFFile) -> ModelConfig:
         detail = str(exc)
         field = detail.split(":", 1)[0]
         if field in GGUF_KEYS:
-            detail += f" (GGUF key {arch}.{GGUF_KEYS[field]})"
+            keys = " or ".join(f"{arch}.{key}" for key in GGUF_KEYS[field].split(" or "))
+            detail += f" (GGUF key {keys})"
         raise ModelFileError(f"{path}: {detail}", path) from None
 
 
@@ -218,7 +220,9 @@ def check_gguf(
             )
 
     def field_name(field: str) -> str:
-        return f"{arch}.{GGUF_KEYS[field]}" if field in GGUF_KEYS else field
+        if field not in GGUF_KEYS:
+            return field
+        return " or ".join(f"{arch}.{key}" for key in GGUF_KEYS[field].split(" or "))
 
     check_tensor_shapes(config, shapes, path, file_name=lambda n: repr(gguf_name(n)), field_name=field_name)
     freqs = gguf.tensors.get("rope_freqs.weight")
