@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m engine") -> int:
 
     try:
         eng = Engine.from_pretrained(args.model, progress=True, **options)
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, MemoryError) as exc:  # MemoryError: an over-committed KV cache
         return fail(str(exc))
     with eng:
         try:

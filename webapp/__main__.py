@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m webapp") -> None:
 
     try:
         eng = engine.Engine.from_pretrained(args.model, progress=True, **options)
-    except (ValueError, OSError) as exc:  # a file that passed the checks and still would not load
+    except (ValueError, OSError, MemoryError) as exc:  # passed the checks and still would not load
         sock.close()
         parser.exit(2, f"{parser.prog}: error: {_one_line(exc)}\n")
     try:
