@@ -8,7 +8,7 @@ TESTDATA := .cache/testdata
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: install build serve test lint testdata browser notebook bench llamacpp clean
+.PHONY: install build serve test lint testdata browser notebook bench llamacpp clean sanitize fuzz
 
 install: $(STAMP) build
 
@@ -54,6 +54,34 @@ lint: $(STAMP)
 test: install testdata $(BROWSER)
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q tests
+
+# The C in cext/ under AddressSanitizer + UBSan: built into build/sanitize (the in-place build is
+# untouched), then the tests of the kernels (every ISA route the CPU has: the tests switch them),
+# the sampler, UTF-8, stops, chunk and the GGUF reader run with that build first on the path.
+# Python itself is not instrumented: libasan is preloaded for it, and leak detection is off
+# (the interpreter keeps its allocations to exit). PYTHONSAFEPATH and an empty pytest
+# pythonpath keep the repo's own cext/ (the in-place build) from shadowing build/sanitize.
+# UBSan halts on its first report, so any report fails the run. ~5 minutes on two cores.
+SANITIZE_DIR := build/sanitize
+SANITIZE_TESTS := tests/test_fused_kernels.py tests/test_qgemm.py tests/test_fused_threads.py \
+	tests/test_sampler_kernel.py tests/test_utf8.py tests/test_stops.py tests/test_chunk.py \
+	tests/test_quant_gguf_file.py tests/test_model_files_fuzz.py
+SANITIZE_ENV := LD_PRELOAD=$$(gcc -print-file-name=libasan.so) PYTHONMALLOC=malloc \
+	ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:alloc_dealloc_mismatch=0:detect_odr_violation=0 \
+	UBSAN_OPTIONS=halt_on_error=1:abort_on_error=1:print_stacktrace=1 \
+	PYTHONSAFEPATH=1 PYTHONPATH=$(SANITIZE_DIR):$(CURDIR)
+
+sanitize: $(STAMP)
+	@echo "==> cext/ with -fsanitize=address,undefined into $(SANITIZE_DIR)"
+	CEXT_SANITIZE=1 $(PY) setup.py -q build_ext --build-lib $(SANITIZE_DIR) --build-temp $(SANITIZE_DIR)/obj
+	cp cext/__init__.py $(SANITIZE_DIR)/cext/
+	$(SANITIZE_ENV) $(PY) -c "import cext.cpu, cext.ops, cext.qgemm, cext.sampler; assert '$(SANITIZE_DIR)' in cext.qgemm.__file__"
+	$(SANITIZE_ENV) $(PY) -m pytest -q -p no:cacheprovider -o pythonpath= $(SANITIZE_TESTS)
+
+# The model-file fuzz test with many more examples than make test runs (FUZZ_EXAMPLES each).
+FUZZ_EXAMPLES ?= 2000
+fuzz: install
+	MODEL_FILES_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q -p no:cacheprovider tests/test_model_files_fuzz.py
 
 # Re-run examples/quickstart.ipynb headless and keep its outputs (commit the result).
 notebook: install

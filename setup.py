@@ -3,7 +3,9 @@
 Compiler directives live here and only here. Build in place with
 ``python setup.py build_ext --inplace`` (the Makefile does it). Set
 ``CEXT_MODULES=utf8,chunk`` to build only some modules while developing, and
-``CEXT_DEBUG=1`` to turn bounds checks back on (the tests in CI run the fast build).
+``CEXT_DEBUG=1`` to turn bounds checks back on (the tests in CI run the fast build), and
+``CEXT_SANITIZE=1`` to compile with AddressSanitizer and UBSan (``make sanitize`` builds that
+into build/sanitize, leaving the in-place build alone).
 
 Hand-written C lives in cext/csrc/ (``cext/*.c`` are Cython's generated files). C_SOURCES
 names the sources each module compiles with its ``.pyx``: cext.cpu owns the CPU probe, the
@@ -20,6 +22,8 @@ from setuptools import Extension, setup
 
 HERE = Path(__file__).parent
 DEBUG = os.environ.get("CEXT_DEBUG") == "1"
+SANITIZE = os.environ.get("CEXT_SANITIZE") == "1"
+SANITIZE_FLAGS = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer"]
 
 DIRECTIVES = {
     "language_level": "3",
@@ -38,6 +42,13 @@ C_FLAGS = {"cpu": ["-pthread"], "ops": ["-fopenmp-simd", "-fno-math-errno"], "qg
            "sampler": ["-fno-math-errno", "-fno-trapping-math", "-Wno-psabi"]}
 LINK_FLAGS = {"cpu": ["-pthread"], "ops": ["-lm"], "qgemm": ["-lm"]}
 
+
+def _opt_flags():
+    if SANITIZE:  # -O1: reports keep their frames; the kernels' ISA variants are compiled all the same
+        return ["-O1", "-g", *SANITIZE_FLAGS]
+    return ["-O3"] if not DEBUG else ["-O0", "-g"]
+
+
 def extensions():
     wanted = {m for m in os.environ.get("CEXT_MODULES", "").split(",") if m}
     exts = []
@@ -51,8 +62,8 @@ def extensions():
                 [str(pyx.relative_to(HERE)), *C_SOURCES.get(name, [])],
                 include_dirs=[np.get_include(), str(HERE / "cext")],
                 define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
-                extra_compile_args=(["-O3"] if not DEBUG else ["-O0", "-g"]) + C_FLAGS.get(name, []),
-                extra_link_args=LINK_FLAGS.get(name, []),
+                extra_compile_args=_opt_flags() + C_FLAGS.get(name, []),
+                extra_link_args=LINK_FLAGS.get(name, []) + (SANITIZE_FLAGS if SANITIZE else []),
                 depends=[str(p.relative_to(HERE)) for p in (HERE / "cext" / "csrc").glob("*.h")],
             )
         )

@@ -51,9 +51,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m engine") -> int:
     args = parser.parse_args(argv)
     from .errors import ModelFileError
     from .loader import default_model_path
-    from .startup import check_model_path
+    from .startup import check_startup
 
     def fail(message: str) -> int:
+        message = " ".join(message.splitlines())  # one line, whatever a library put in it
         print(f"{parser.prog}: error: {message}", file=sys.stderr)
         return 2
 
@@ -62,10 +63,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m engine") -> int:
             max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
         )
         options = engine_options_from_args(args)
-        EngineConfig.from_options(options)
+        config = EngineConfig.from_options(options)
         if args.command == "complete" and args.text is None:
             return fail("complete needs a prompt")
-        check_model_path(default_model_path() if args.model is None else args.model)
+        check_startup(default_model_path() if args.model is None else args.model, config)
     except (ValueError, ModelFileError, FileNotFoundError) as exc:
         return fail(str(exc))
     if not sys.stderr.isatty():  # the load's stages as log lines
@@ -76,7 +77,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m engine") -> int:
 
     try:
         eng = Engine.from_pretrained(args.model, progress=True, **options)
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, MemoryError) as exc:  # MemoryError: an over-committed KV cache
         return fail(str(exc))
     with eng:
         try:

@@ -18,10 +18,16 @@ from .errors import InvalidParameterError
 from .outputs import Completion
 from .params import SamplingParams
 from .request_stream import RequestStream
+from .startup import check_memory
 
 
 def _display_name(path: str) -> str:
     return os.path.basename(os.path.normpath(path)).removesuffix(".gguf")
+
+
+def _sizing_option(config: EngineConfig) -> str:
+    """The option that sized the KV cache: the user's kv_cache_tokens, else max_model_len (its default)."""
+    return "kv_cache_tokens" if config.kv_cache_tokens is not None else "max_model_len"
 
 
 # Models loaded by from_pretrained, while some engine still uses them: a second engine over the
@@ -44,6 +50,9 @@ class Engine:
         self.tokenizer = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
         self.model = model
         self.config = config.resolve(getattr(model, "max_model_len", None))
+        if hasattr(model, "kv_cache_bytes"):  # before the cache is allocated (the weights are resident)
+            check_memory(self.config, model.kv_cache_bytes(self.config.kv_cache_tokens),
+                         param=_sizing_option(config))
         self.model_path: str | None = None  # set by from_pretrained
         self._core = EngineCore(model, self.tokenizer, self.config)
         # Collected without close() (a re-run notebook cell): stop the thread, which frees the
@@ -63,7 +72,7 @@ class Engine:
         """
         from .loader import default_model_path, load_model, release_free_heap
         from .models.threads import apply_thread_policy
-        from .startup import LoadProgress, check_model_path
+        from .startup import LoadProgress, check_startup
         from .tokenizer import load_tokenizer
 
         config = EngineConfig.from_options(options)
@@ -72,13 +81,15 @@ class Engine:
         runtime_options = {k: v for k, v in options.items() if k not in config.load_options}
         with LoadProgress(_display_name(path), num_stages=4, enabled=progress) as load:
             load.stage("checking files")
-            check_model_path(path)
+            stat = os.stat(path) if os.path.exists(path) else None
+            key = stat and (os.path.realpath(path), stat.st_mtime_ns, stat.st_size,
+                            tuple(sorted(config.load_options.items())))
+            loaded = _shared_models.get(key) if key else None
+            # The files, then the KV cache and the weights still to load against the memory, before either.
+            check_startup(path, config, weights_loaded=loaded is not None)
             load.stage("loading tokenizer")
             tokenizer = load_tokenizer(path)
             load.stage("loading weights")
-            stat = os.stat(path)
-            key = (os.path.realpath(path), stat.st_mtime_ns, stat.st_size, tuple(sorted(config.load_options.items())))
-            loaded = _shared_models.get(key)
             if loaded is None:
                 loaded = load_model(path, dtype=config.dtype, quantization=config.quantization)
                 try:

@@ -51,6 +51,9 @@ class EngineConfig:
     kv_cache_tokens: int | None = _option(None, "KV cache size in tokens (default: max(2 x max_model_len, 16384))")
     block_size: int = _option(16, "tokens per KV cache block")
     enable_prefix_caching: bool = _option(True, "reuse the KV blocks of shared prompt prefixes", cli=False)
+    allow_overcommit: bool = _option(
+        False, "start even when the KV cache and the weights exceed the memory this process may use "
+        "(cgroup limit, MemAvailable); without it such a start is refused")
     max_waiting: int = _option(1024, "most requests waiting for a slot; beyond it submit raises EngineOverloaded")
     target_tick_seconds: float | None = _option(
         DEFAULT_TARGET_TICK_SECONDS, "prefill paced so a tick takes about this long while streams decode "
@@ -71,6 +74,9 @@ class EngineConfig:
             raise InvalidParameterError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
                 f"({self.max_num_seqs}) so every running decode fits in one tick", "max_num_batched_tokens")
+        if not isinstance(self.allow_overcommit, bool):
+            raise InvalidParameterError(
+                f"allow_overcommit must be a boolean, got {self.allow_overcommit!r}", "allow_overcommit")
         if not isinstance(self.enable_prefix_caching, bool):
             raise InvalidParameterError(
                 f"enable_prefix_caching must be a boolean, got {self.enable_prefix_caching!r}", "enable_prefix_caching")
@@ -135,6 +141,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         if not f.metadata["cli"]:
             continue
         flag = "--" + f.name.replace("_", "-")
+        if f.type in (bool, "bool"):
+            group.add_argument(flag, dest=f.name, action="store_true", default=None, help=f.metadata["help"])
+            continue
         kind = str if f.name in ("dtype", "quantization") else int
         choices = {"dtype": DTYPES, "quantization": QUANTIZATIONS}.get(f.name)
         group.add_argument(flag, dest=f.name, type=kind, choices=choices, default=None, help=f.metadata["help"])

@@ -4,6 +4,7 @@ which parameter): callers branch on types and read ``param``, never the message 
     ValueError
     └── InvalidParameterError        a request field is wrong; .param names it
         ├── ContextLengthError       prompt + max_tokens do not fit the context
+        ├── MemoryLimitError         the KV cache (+ weights) exceed the memory the process may use
         ├── SchedulerRefused         the scheduler cannot hold a sequence (rows, KV cache, ids)
         └── (ChatTemplateError)      messages the chat template cannot render (tokenizer)
     └── ModelFileError               a model path is missing, incomplete, truncated or corrupt; .path
@@ -33,6 +34,17 @@ class ContextLengthError(InvalidParameterError):
     def __init__(self, message: str, param: str | None = "prompt", *, max_model_len: int | None = None):
         super().__init__(message, param)
         self.max_model_len = max_model_len
+
+
+class MemoryLimitError(InvalidParameterError):
+    """The KV cache (and the weights' resident estimate) would exceed the memory this process may
+    still use (its cgroup's limit, MemAvailable). ``param`` names the option that sized the cache
+    ("kv_cache_tokens" or "max_model_len"); ``num_bytes_needed`` / ``num_bytes_available``."""
+
+    def __init__(self, message: str, param: str, *, num_bytes_needed: int, num_bytes_available: int):
+        super().__init__(message, param)
+        self.num_bytes_needed = num_bytes_needed
+        self.num_bytes_available = num_bytes_available
 
 
 class SchedulerRefused(InvalidParameterError):
@@ -67,5 +79,5 @@ class EngineOverloaded(EngineError):
 
 __all__ = [
     "ContextLengthError", "EngineDead", "EngineError", "EngineOverloaded", "InvalidParameterError",
-    "ModelFileError", "SchedulerRefused",
+    "MemoryLimitError", "ModelFileError", "SchedulerRefused",
 ]

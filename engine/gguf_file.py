@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from engine.errors import ModelFileError
+
 GGUF_MAGIC = b"GGUF"
 
 
@@ -34,7 +36,7 @@ class HeaderReader:
     def take(self, num_bytes: int) -> memoryview:
         end = self.offset + num_bytes
         if end > len(self.buffer):
-            raise ValueError(f"{self.path}: GGUF header is truncated at byte {self.offset}")
+            raise ModelFileError(f"{self.path}: GGUF header is truncated at byte {self.offset}", self.path)
         view = memoryview(self.buffer)[self.offset:end]
         self.offset = end
         return view
@@ -54,7 +56,7 @@ class HeaderReader:
 
         out, offset = read_strings(self.buffer, self.offset, num_items, decode)
         if offset < 0:
-            raise ValueError(f"{self.path}: GGUF header is truncated at byte {-1 - offset}")
+            raise ModelFileError(f"{self.path}: GGUF header is truncated at byte {-1 - offset}", self.path)
         self.offset = offset
         return out
 
@@ -86,7 +88,8 @@ class HeaderReader:
                 data = self.take(num_items * dtype.itemsize)
                 return np.frombuffer(data, dtype=dtype).tolist()
             return [self.value(item_type) for _ in range(num_items)]
-        raise ValueError(f"{self.path}: unknown GGUF value type {type_id} at byte {self.offset}")
+        raise ModelFileError(f"{self.path}: unknown GGUF value type {type_id} at byte {self.offset}",
+                             self.path)
 
 
 # ggml tensor types -> (elements per block, bytes per block). Types missing here are looked up
@@ -138,7 +141,7 @@ def _map(path: str) -> mmap.mmap:
             # numpy/torch views over them are writable, which torch.from_numpy wants.
             return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         except ValueError:  # empty file
-            raise ValueError(f"{path}: not a GGUF file (empty)") from None
+            raise ModelFileError(f"{path}: not a GGUF file (empty)", path) from None
 
 
 MAX_PLAUSIBLE_ENTRIES = 1 << 24  # tensors + header keys of any real model are far fewer
@@ -149,22 +152,22 @@ def _read_header(buffer, path: str, skip_prefix: str | None = None) -> tuple[Hea
     of keys starting with skip_prefix are walked past, not read (the model loader skips the
     vocabulary)."""
     if len(buffer) < 4 or bytes(buffer[:4]) != GGUF_MAGIC:
-        raise ValueError(f"{path}: not a GGUF file (bad magic)")
+        raise ModelFileError(f"{path}: not a GGUF file (bad magic)", path)
     reader = HeaderReader(buffer, path)
     reader.offset = 4
     version = reader.scalar(4)
     if version > 0xFFFF:
-        raise ValueError(f"{path}: big-endian GGUF files are not supported")
+        raise ModelFileError(f"{path}: big-endian GGUF files are not supported", path)
     if version < 2:
-        raise ValueError(f"{path}: GGUF version {version} is not supported (need 2 or later)")
+        raise ModelFileError(f"{path}: GGUF version {version} is not supported (need 2 or later)", path)
     num_tensors, num_kv = struct.unpack("<QQ", reader.take(16))
     # Every key/value and tensor entry takes at least 12 bytes: a count beyond that is corruption,
     # and checking it here keeps the loops below linear in the file size.
     if (num_tensors + num_kv) * 12 > len(buffer):
         # Plausible counts in too short a file: a cut download; absurd counts: garbage.
         what = "truncated" if num_tensors + num_kv < MAX_PLAUSIBLE_ENTRIES else "corrupt"
-        raise ValueError(f"{path}: GGUF file is {what}: its header lists {num_tensors} tensors and "
-                         f"{num_kv} keys, which cannot fit in {len(buffer)} bytes")
+        raise ModelFileError(f"{path}: GGUF file is {what}: its header lists {num_tensors} tensors and "
+                         f"{num_kv} keys, which cannot fit in {len(buffer)} bytes", path)
     metadata: dict[str, object] = {}
     for _ in range(num_kv):
         key = reader.string()
@@ -222,8 +225,8 @@ class GGUFFile:
     def _alignment(self) -> int:
         alignment = self.metadata.get("general.alignment", DEFAULT_ALIGNMENT)
         if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
-            raise ValueError(f"{self.path}: GGUF file is corrupt: general.alignment {alignment!r} "
-                             "is not a power of two")
+            raise ModelFileError(f"{self.path}: GGUF file is corrupt: general.alignment {alignment!r} "
+                             "is not a power of two", self.path)
         return alignment
 
     def _read_tensor_infos(self, reader: HeaderReader, num_tensors: int) -> dict[str, TensorInfo]:
@@ -232,8 +235,12 @@ class GGUFFile:
             name = reader.string()
             (num_dims,) = struct.unpack("<I", reader.take(4))
             if not 1 <= num_dims <= MAX_DIMS:
-                raise ValueError(f"{self.path}: GGUF file is corrupt: tensor {name!r} has {num_dims} dims")
+                raise ModelFileError(f"{self.path}: GGUF file is corrupt: tensor {name!r} has {num_dims} dims",
+                                     self.path)
             dims = struct.unpack(f"<{num_dims}Q", reader.take(8 * num_dims))
+            if 0 in dims:  # no model has an empty tensor; rows of 0 would divide by zero below
+                raise ModelFileError(f"{self.path}: GGUF file is corrupt: tensor {name!r} has a zero dim "
+                                     f"{list(dims)}", self.path)
             ggml_type, offset = struct.unpack("<IQ", reader.take(12))
             entries.append((name, dims, ggml_type, offset))
         data_start = -(-reader.offset // self.alignment) * self.alignment
@@ -241,21 +248,23 @@ class GGUFFile:
         for name, dims, ggml_type, offset in entries:
             block = ggml_block_size(ggml_type)
             if block is None:
-                raise ValueError(f"{self.path}: tensor {name!r} has unknown ggml type {ggml_type}")
+                raise ModelFileError(f"{self.path}: tensor {name!r} has unknown ggml type {ggml_type}",
+                                     self.path)
             block_elements, block_bytes = block
             if dims[0] % block_elements:
-                raise ValueError(f"{self.path}: GGUF file is corrupt: tensor {name!r} rows of {dims[0]} "
-                                 f"elements are not whole blocks of {block_elements}")
+                raise ModelFileError(f"{self.path}: GGUF file is corrupt: tensor {name!r} rows of {dims[0]} "
+                                 f"elements are not whole blocks of {block_elements}", self.path)
             if offset % self.alignment:
-                raise ValueError(f"{self.path}: GGUF file is corrupt: tensor {name!r} at offset {offset} "
-                                 f"is not aligned to {self.alignment}")
+                raise ModelFileError(f"{self.path}: GGUF file is corrupt: tensor {name!r} at offset {offset} "
+                                 f"is not aligned to {self.alignment}", self.path)
             num_bytes = math.prod(dims) // block_elements * block_bytes
             start = data_start + offset
             if start + num_bytes > len(self._buffer):
-                raise ValueError(f"{self.path}: GGUF file is truncated: tensor {name!r} needs bytes "
-                                 f"{start}..{start + num_bytes}, the file has {len(self._buffer)}")
+                raise ModelFileError(f"{self.path}: GGUF file is truncated: tensor {name!r} needs bytes "
+                                 f"{start}..{start + num_bytes}, the file has {len(self._buffer)}", self.path)
             if name in tensors:
-                raise ValueError(f"{self.path}: GGUF file is corrupt: tensor {name!r} appears twice")
+                raise ModelFileError(f"{self.path}: GGUF file is corrupt: tensor {name!r} appears twice",
+                                     self.path)
             tensors[name] = TensorInfo(name, tuple(dims), ggml_type, start, num_bytes)
         return tensors
 
@@ -270,7 +279,8 @@ class GGUFFile:
         """An unquantized tensor as a typed view in numpy order (F32, F16, BF16 as uint16, I*)."""
         info = self.tensors[name]
         if info.ggml_type not in _PLAIN_DTYPES:
-            raise ValueError(f"{self.path}: tensor {name!r} is quantized (ggml type {info.ggml_type})")
+            raise ModelFileError(f"{self.path}: tensor {name!r} is quantized (ggml type {info.ggml_type})",
+                                 self.path)
         data = np.frombuffer(self._buffer, dtype=_PLAIN_DTYPES[info.ggml_type],
                              count=info.num_elements, offset=info.offset)
         return data.reshape(info.shape)

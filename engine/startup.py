@@ -1,9 +1,12 @@
 """Start-up that fails fast and shows progress.
 
 ``check_model_path(path)`` looks at a model path before any weights load, in milliseconds:
+a model whose tensors do not match its metadata (engine.loader.validate),
 a missing path, a directory without config.json / tokenizer.json / *.safetensors, a file that
 is no GGUF, a GGUF whose header or tensor data is cut short (a truncated download) all raise
-ModelFileError naming the path. ``bind_listen_socket`` takes the server's port before the
+ModelFileError naming the path. ``check_memory`` refuses a KV cache (+ weights) larger than
+what the process may use (cgroup limit, MemAvailable) unless over-commit is allowed.
+``bind_listen_socket`` takes the server's port before the
 model loads. ``LoadProgress`` shows the load's stages: a tqdm bar on a terminal (a widget in
 Jupyter), log lines otherwise.
 """
@@ -40,25 +43,140 @@ def check_model_path(path: str | os.PathLike) -> None:
         if missing:
             raise ModelFileError(f"{path}: not a complete Hugging Face model directory (missing "
                                  f"{', '.join(missing)})", str(path))
+        from .loader.validate import check_hf_directory
+
+        check_hf_directory(path)  # config.json against the safetensors headers
         return
     check_gguf_file(path)
 
 
 def check_gguf_file(path: str | os.PathLike) -> None:
     """Read the GGUF header and tensor table (engine.gguf_file, the loader's own reader; the
-    vocabulary is walked, not decoded) and check that every tensor's bytes lie inside the file.
-    Raises ModelFileError: not a GGUF, truncated, or corrupt."""
+    vocabulary is walked, not decoded), check that every tensor's bytes lie inside the file, and
+    that the tensors the architecture needs have the shapes the metadata implies
+    (engine.loader.validate). Raises ModelFileError: not a GGUF, truncated, or corrupt."""
     path = str(path)
     if not is_gguf_file(path):
         raise ModelFileError(f"{path}: not a GGUF file (the first bytes are not 'GGUF') "
                              "and not a Hugging Face model directory", path)
     try:
-        with GGUFFile(path, with_vocabulary=False):
-            pass
+        gguf = GGUFFile(path, with_vocabulary=False)
     except ValueError as exc:
         detail = str(exc).removeprefix(f"{path}: ")
         kind = "truncated" if "truncated" in detail else "corrupt"
         raise ModelFileError(f"{path}: {kind} GGUF file ({detail}): download it again", path) from None
+    from .loader.gguf_loader import read_config
+
+    with gguf:
+        read_config(gguf)  # the metadata's bounds, every tensor's shape and type
+
+
+# ---------------------------------------------------------------- memory
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+_NO_LIMIT = 1 << 60  # cgroup v1 writes ~2^63 for "no limit"
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None  # cgroup v2 "max": no limit
+
+
+def _cgroup_dirs(base: Path, relative: str) -> list[Path]:
+    """The process's cgroup directory under base and its ancestors up to base (each limit applies);
+    base alone where the path is not visible (a container's namespace)."""
+    here = base / relative.lstrip("/")
+    if not here.is_dir():
+        return [base]
+    return [here, *(p for p in here.parents if p == base or base in p.parents)]
+
+
+def memory_available(cgroup_root: Path = CGROUP_ROOT, proc: Path = Path("/proc")) -> tuple[int, str]:
+    """-> (bytes this process may still allocate, where the figure comes from): the least of the
+    system's MemAvailable and, for the process's cgroup and each ancestor, its memory limit less
+    its usage (cgroup v2 memory.max - memory.current, v1 memory.limit_in_bytes - usage_in_bytes)."""
+    found: list[tuple[int, str]] = []
+    try:
+        for line in (proc / "meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                found.append((int(line.split()[1]) * 1024, "MemAvailable"))
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        cgroups = (proc / "self" / "cgroup").read_text().splitlines()
+    except OSError:
+        cgroups = []
+    for line in cgroups:
+        hierarchy, controllers, relative = (line.split(":", 2) + ["", ""])[:3]
+        if hierarchy == "0" and controllers == "":  # v2 (possibly under "unified" beside v1)
+            for base in (cgroup_root, cgroup_root / "unified"):
+                for d in _cgroup_dirs(base, relative):
+                    limit, usage = _read_int(d / "memory.max"), _read_int(d / "memory.current")
+                    if limit is not None and usage is not None:
+                        found.append((limit - usage, f"cgroup memory.max of {d}"))
+        elif "memory" in controllers.split(","):
+            for d in _cgroup_dirs(cgroup_root / "memory", relative):
+                limit, usage = _read_int(d / "memory.limit_in_bytes"), _read_int(d / "memory.usage_in_bytes")
+                if limit is not None and usage is not None and limit < _NO_LIMIT:
+                    found.append((limit - usage, f"cgroup memory.limit_in_bytes of {d}"))
+    if not found:
+        return _NO_LIMIT, "no limit found"
+    return min(found)
+
+
+def format_bytes(num_bytes: int) -> str:
+    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20)):
+        if num_bytes >= size:
+            return f"{num_bytes / size:.1f} {unit}"
+    return f"{num_bytes / 1024:.1f} KiB"
+
+
+def check_memory(config, kv_cache_bytes: int, weights_bytes: int = 0, param: str = "kv_cache_tokens",
+                 available: tuple[int, str] | None = None) -> None:
+    """MemoryLimitError unless the KV cache, the weights still to load and the scheduler's token
+    table ([max_num_seqs, max_model_len] int32) fit in what the process may still use.
+
+    config: a resolved EngineConfig (config.allow_overcommit skips the check). param: the option
+    that sized the cache ("kv_cache_tokens" when the user set it, else "max_model_len")."""
+    from .errors import MemoryLimitError
+
+    if config.allow_overcommit:
+        return
+    table_bytes = config.max_num_seqs * config.max_model_len * 4
+    need = kv_cache_bytes + weights_bytes + table_bytes
+    num_available, source = memory_available() if available is None else available
+    if need <= num_available:
+        return
+    flag = "--" + param.replace("_", "-")
+    value = config.kv_cache_tokens if param == "kv_cache_tokens" else config.max_model_len
+    parts = [f"a KV cache of {format_bytes(kv_cache_bytes)} ({config.kv_cache_tokens} tokens)"]
+    if weights_bytes:
+        parts.append(f"{format_bytes(weights_bytes)} of weights")
+    parts.append(f"{format_bytes(table_bytes)} of scheduler tables")
+    raise MemoryLimitError(
+        f"{param}={value} needs {format_bytes(need)} ({' + '.join(parts)}), more than the "
+        f"{format_bytes(num_available)} this process may use ({source}): lower {param} ({flag}), "
+        "or pass allow_overcommit=True (--allow-overcommit) to start anyway",
+        param, num_bytes_needed=need, num_bytes_available=num_available)
+
+
+def check_startup(path: str | os.PathLike, config, *, weights_loaded: bool = False) -> None:
+    """Everything a start-up can refuse before loading: the model files (check_model_path, the
+    tensors against the metadata) and the memory the KV cache, the weights (unless already
+    loaded) and the scheduler's tables will take (check_memory). config: the user's EngineConfig
+    (unresolved). ModelFileError or MemoryLimitError, both ValueErrors with one-line messages."""
+    from .loader import model_footprint
+    from .models.llama import kv_cache_bytes
+
+    check_model_path(path)
+    model_config, kv_dtype, weights_bytes = model_footprint(path, config.dtype, config.quantization)
+    resolved = config.resolve(model_config.max_position_embeddings)
+    param = "kv_cache_tokens" if config.kv_cache_tokens is not None else "max_model_len"
+    check_memory(resolved, kv_cache_bytes(model_config, resolved.kv_cache_tokens, kv_dtype),
+                 0 if weights_loaded else weights_bytes, param=param)
 
 
 # ---------------------------------------------------------------- the server's port

@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m webapp") -> None:
     from engine.config import EngineConfig
     from engine.errors import ModelFileError
     from engine.loader import default_model_path
-    from engine.startup import PortInUseError, bind_listen_socket, check_model_path
+    from engine.startup import PortInUseError, bind_listen_socket, check_model_path, check_startup
 
     from .cors import parse_origins
     from .shared import RESERVED_THREADS
@@ -63,17 +63,20 @@ def main(argv: list[str] | None = None, prog: str = "python -m webapp") -> None:
         if args.max_concurrent_requests is not None and args.max_concurrent_requests < 1:
             raise ValueError(f"--max-concurrent-requests must be a positive integer, "
                              f"got {args.max_concurrent_requests}")
-        EngineConfig.from_options(options)
+        config = EngineConfig.from_options(options)
         allowed_origins = parse_origins(args.allowed_origins)
         model_path = default_model_path() if args.model is None else args.model
-        check_model_path(model_path)
+        if args.ray_address is None:  # the model files, and the memory a local engine will take
+            check_startup(model_path, config)
+        else:  # the replicas run on the cluster's machines
+            check_model_path(model_path)
         if args.ray_replicas is not None and args.ray_replicas < 1:
             raise ValueError(f"--ray-replicas must be a positive integer, got {args.ray_replicas}")
         if (args.ray_replicas or args.ray_address) and allowed_origins:
             raise ValueError("--allowed-origins is not supported with Ray Serve yet (docs/scale-out.md)")
         sock = bind_listen_socket(args.host, args.port)
     except (ValueError, ModelFileError, PortInUseError, FileNotFoundError) as exc:
-        parser.exit(2, f"{parser.prog}: error: {exc}\n")
+        parser.exit(2, f"{parser.prog}: error: {_one_line(exc)}\n")
 
     if args.served_model_name:
         name = args.served_model_name
@@ -92,9 +95,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m webapp") -> None:
 
     try:
         eng = engine.Engine.from_pretrained(args.model, progress=True, **options)
-    except (ValueError, OSError) as exc:  # a file that passed the checks and still would not load
+    except (ValueError, OSError, MemoryError) as exc:  # passed the checks and still would not load
         sock.close()
-        parser.exit(2, f"{parser.prog}: error: {exc}\n")
+        parser.exit(2, f"{parser.prog}: error: {_one_line(exc)}\n")
     try:
         serve(eng, sock=sock, api_key=args.api_key, model_name=name, threads=args.threads,
               max_concurrent_requests=args.max_concurrent_requests, allowed_origins=allowed_origins)
@@ -102,6 +105,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m webapp") -> None:
         pass
     finally:
         eng.close()
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).splitlines())
 
 
 def _serve_on_ray(parser: argparse.ArgumentParser, args, options: dict, name: str) -> None:
@@ -112,7 +119,7 @@ def _serve_on_ray(parser: argparse.ArgumentParser, args, options: dict, name: st
         serve_on_ray(spec, args.host, args.port, args.ray_replicas or 1, address=args.ray_address,
                      api_key=args.api_key, max_concurrent_requests=args.max_concurrent_requests)
     except DeployError as exc:
-        parser.exit(2, f"{parser.prog}: error: {exc}\n")
+        parser.exit(2, f"{parser.prog}: error: {_one_line(exc)}\n")
     except KeyboardInterrupt:
         pass
 

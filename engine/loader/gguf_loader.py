@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine.errors import ModelFileError
 from engine.gguf_file import GGUFFile, TensorInfo, is_gguf_file
 from engine.loader.repack import (
     INT4_TYPES,
@@ -27,6 +28,7 @@ from engine.loader.repack import (
     int5_from_q5,
     q5_0_codes,
 )
+from engine.loader.validate import check_gguf
 from engine.models.config import ModelConfig
 from engine.models.families import GGUF_LAYER_ROLES, GGUF_PERMUTED_QK, GGUF_ROLE_OVERRIDES, hf_layer_name
 from engine.models.llama import resolve_dtype
@@ -63,6 +65,25 @@ def hf_names(gguf_name: str, info: TensorInfo | None, config: ModelConfig) -> li
     return [] if name is None else [(name, None)]
 
 
+def gguf_name(name: str, architecture: str = "llama") -> str:
+    """Hugging Face tensor name -> GGUF name for a dense family (the inverse of hf_names; unknown
+    names unchanged). For writers of test files and for naming tensors in errors."""
+    inverse = {hf: gguf for gguf, hf in _GLOBAL_NAMES.items()}
+    if name in inverse:
+        return inverse[name]
+    match = _HF_LAYER_RE.fullmatch(name)
+    if match:
+        layer = int(match.group(1))
+        for suffix, role in GGUF_LAYER_ROLES.items():
+            role = GGUF_ROLE_OVERRIDES.get(architecture, {}).get(suffix, role)
+            if not role.startswith("expert_") and hf_layer_name(architecture, role, layer) == name:
+                return f"blk.{layer}.{suffix}"
+    return name
+
+
+_HF_LAYER_RE = re.compile(r"model\.layers\.(\d+)\..+")
+
+
 @dataclass(frozen=True)
 class _ExpertRows:
     """Expert j's [rows, cols] of a [X, rows, cols] GGUF tensor (ggml dims (cols, rows, X))."""
@@ -88,21 +109,11 @@ def unpermute_qk(w: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 def read_config(gguf: GGUFFile) -> ModelConfig:
-    metadata = gguf.metadata
-    if "general.architecture" not in metadata:
-        raise ValueError(f"{gguf.path}: GGUF metadata has no general.architecture")
+    """The file's ModelConfig, checked against its tensors (engine.loader.validate) with the
+    family's own tensor names (hf_names), then the facts only tensors know (MoE dense layers,
+    Phi-3's LongRoPE factors). ModelFileError naming the key or tensor at fault."""
+    config = check_gguf(gguf, hf_names, gguf_name)
     tensors = gguf.tensors
-    if "token_embd.weight" not in tensors:
-        raise ValueError(f"{gguf.path}: GGUF file has no token_embd.weight tensor")
-    try:
-        config = ModelConfig.from_gguf_metadata(
-            metadata,
-            vocab_size=int(tensors["token_embd.weight"].dims[1]),
-            attention_bias="blk.0.attn_q.bias" in tensors,
-            tie_word_embeddings="output.weight" not in tensors,
-        )
-    except ValueError as exc:
-        raise ValueError(f"{gguf.path}: {exc}") from None
     if config.num_experts:  # layers without a router have a dense FFN
         config.dense_layers = tuple(i for i in range(config.num_layers)
                                     if f"blk.{i}.ffn_gate_inp.weight" not in tensors)
@@ -111,8 +122,11 @@ def read_config(gguf: GGUFFile) -> ModelConfig:
         for kind in ("long", "short"):
             name = f"rope_factors_{kind}.weight"
             if name not in tensors:
-                raise ValueError(f"{gguf.path}: LongRoPE GGUF file has no {name} tensor")
+                raise ModelFileError(f"{gguf.path}: LongRoPE GGUF file has no {name} tensor", gguf.path)
             info = tensors[name]
+            if info.shape != (config.head_dim // 2,):
+                raise ModelFileError(f"{gguf.path}: tensor {name!r} has shape {list(info.shape)}, but the "
+                                     f"metadata implies [{config.head_dim // 2}] (head_dim / 2)", gguf.path)
             scaling[f"{kind}_factor"] = dequantize(gguf.raw(name), info.ggml_type, info.shape).tolist()
     return config
 
@@ -227,7 +241,7 @@ class GGUFStateDict(Mapping):
         try:
             return dequantize(raw, info.ggml_type, (num_rows, info.dims[0]))
         except ValueError as exc:
-            raise ValueError(f"{self.gguf.path}: tensor {info.name!r}: {exc}") from None
+            raise ModelFileError(f"{self.gguf.path}: tensor {info.name!r}: {exc}", self.gguf.path) from None
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.gguf_names)
@@ -274,13 +288,15 @@ def load_gguf(path: str | os.PathLike, dtype: str | torch.dtype = "bfloat16", qu
 
     path = os.fspath(path)
     if not is_gguf_file(path):
-        raise ValueError(f"{path}: not a GGUF file (the first bytes are not 'GGUF')")
+        raise ModelFileError(f"{path}: not a GGUF file (the first bytes are not 'GGUF')", path)
     with GGUFFile(path, with_vocabulary=False) as gguf:
-        config = read_config(gguf)
+        config = read_config(gguf)  # every tensor checked against the metadata before any is used
         state_dict = GGUFStateDict(gguf, config, quantization, resolve_dtype(dtype))
         try:
             return LlamaModel(config, state_dict, dtype=dtype, rope_freq_factors=_freq_factors(gguf),
                               pack_weights=pack_weights, dense_above_rows=dense_above_rows,
                               exact_products=exact_products, kv_cache_dtype=kv_cache_dtype(dtype, quantization))
+        except ModelFileError:
+            raise
         except ValueError as exc:
-            raise ValueError(f"{path}: {exc}") from None
+            raise ModelFileError(f"{path}: {exc}", path) from None

@@ -2,48 +2,21 @@
 listed by model.safetensors.index.json)."""
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import torch
 
+from engine.errors import ModelFileError
+from engine.loader.validate import check_hf_directory, safetensors_files
 from engine.models.config import ModelConfig
 from engine.models.families import HF_NORM_OFFSET
 from engine.models.quant import Int4Weight, Int8Weight, Weight
 
-INDEX_FILE = "model.safetensors.index.json"
-
 
 def read_config(directory: Path) -> ModelConfig:
-    config_path = directory / "config.json"
-    if not config_path.is_file():
-        raise ValueError(f"{directory}: not a Hugging Face model directory (no config.json)")
-    try:
-        config_json = json.loads(config_path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{config_path}: cannot read JSON: {exc}") from None
-    if not isinstance(config_json, dict):
-        raise ValueError(f"{config_path}: expected a JSON object")
-    try:
-        return ModelConfig.from_hf_dict(config_json)
-    except (ValueError, TypeError) as exc:
-        raise ValueError(f"{config_path}: {exc}") from None
-
-
-def safetensors_files(directory: Path) -> list[Path]:
-    index_path = directory / INDEX_FILE
-    if index_path.is_file():
-        weight_map = json.loads(index_path.read_text(encoding="utf-8")).get("weight_map") or {}
-        files = [directory / name for name in sorted(set(weight_map.values()))]
-        missing = [str(f) for f in files if not f.is_file()]
-        if missing:
-            raise FileNotFoundError(f"{index_path}: lists shard files that do not exist: {missing}")
-        return files
-    files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"{directory}: no *.safetensors weights (only safetensors checkpoints are supported)")
-    return files
+    """config.json's ModelConfig, checked against the safetensors headers (engine.loader.validate)."""
+    return check_hf_directory(directory)
 
 
 def load_hf_state_dict(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
@@ -58,7 +31,7 @@ def load_hf_state_dict(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, 
                 for name in f.keys():
                     state_dict[name] = f.get_tensor(name)
         except Exception as exc:  # safetensors raises its own error types
-            raise ValueError(f"{file}: cannot read safetensors: {exc}") from None
+            raise ModelFileError(f"{file}: cannot read safetensors: {exc}", str(file)) from None
     return config, state_dict
 
 
@@ -98,5 +71,7 @@ def load_hf(path: str | os.PathLike, dtype: str = "float32", quantization: str =
     try:
         return LlamaModel(config, state_dict, dtype=dtype, pack_weights=pack_weights,
                           dense_above_rows=dense_above_rows, kv_cache_dtype=kv_cache_dtype(dtype, quantization))
+    except ModelFileError:
+        raise
     except ValueError as exc:
-        raise ValueError(f"{os.fspath(path)}: {exc}") from None
+        raise ModelFileError(f"{os.fspath(path)}: {exc}", os.fspath(path)) from None

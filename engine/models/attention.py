@@ -28,7 +28,11 @@ def _zeroed(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if num_bytes < 1 << 20:  # small (tests): not worth a mapping
         return torch.zeros(shape, dtype=dtype)
-    region = mmap.mmap(-1, num_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        region = mmap.mmap(-1, num_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except OSError as exc:  # only past the start-up memory check with allow_overcommit
+        raise MemoryError(f"kv_cache_tokens: the OS refused to map {num_bytes} bytes for the KV cache "
+                          f"({exc.strerror}); lower kv_cache_tokens or max_model_len") from None
     return torch.frombuffer(region, dtype=dtype).view(shape)  # the tensor keeps the map alive
 
 

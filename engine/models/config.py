@@ -2,6 +2,7 @@
 Hugging Face ``config.json`` dict or from GGUF metadata."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,6 +12,27 @@ ROPE_SCALING_TYPES = ("linear", "llama3", "yarn", "longrope")
 QK_NORMS = ("head", "all")
 HIDDEN_ACTS = ("silu", "gelu_tanh")
 LAYER_TYPES = ("full", "sliding")
+
+# Plausible bounds [low, high] of the integers that size what a model allocates (README, "Model
+# files"): every released model sits far inside them (the largest vocabularies ~262k, hidden sizes
+# 16k, 128 layers, 128 heads, head_dim 256, contexts of 10M tokens, 256 experts), so a value outside
+# is a corrupt or hostile file, refused before anything is allocated in proportion to it. Families
+# that add a field (num_experts, ...) add its row; a field a config lacks or holds None is skipped.
+BOUNDS = {
+    "vocab_size": (1, 1 << 21),
+    "hidden_size": (1, 1 << 16),
+    "intermediate_size": (1, 1 << 18),
+    "num_layers": (1, 1 << 10),
+    "num_heads": (1, 1 << 10),
+    "num_kv_heads": (1, 1 << 10),
+    "head_dim": (2, 1 << 12),
+    "max_position_embeddings": (32, 1 << 24),  # fewer than 32 tokens hold no chat turn
+    "sliding_window": (1, 1 << 24),
+    "num_experts": (0, 1 << 10),  # 0: a dense model
+    "num_experts_per_tok": (0, 1 << 10),
+    "moe_intermediate_size": (0, 1 << 18),
+}
+MAX_RMS_NORM_EPS = 1.0  # real models use 1e-6 .. 1e-5
 
 # Hugging Face "architectures" entries and model_type values we can run.
 _HF_ARCHITECTURES = {
@@ -94,14 +116,15 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name}: must be a positive int, got {value!r}")
+        check_bounds(self)
         if self.num_heads % self.num_kv_heads != 0:
             raise ValueError(f"num_kv_heads: {self.num_kv_heads} does not divide num_heads {self.num_heads}")
         if self.head_dim % 2 != 0:
             raise ValueError(f"head_dim: must be even for RoPE, got {self.head_dim}")
-        if not self.rms_norm_eps > 0:
-            raise ValueError(f"rms_norm_eps: must be > 0, got {self.rms_norm_eps!r}")
-        if not self.rope_theta > 0:
-            raise ValueError(f"rope_theta: must be > 0, got {self.rope_theta!r}")
+        if not 0 < self.rms_norm_eps < MAX_RMS_NORM_EPS:
+            raise ValueError(f"rms_norm_eps: must be in (0, {MAX_RMS_NORM_EPS}), got {self.rms_norm_eps!r}")
+        if not (self.rope_theta > 0 and math.isfinite(self.rope_theta)):
+            raise ValueError(f"rope_theta: must be a finite number > 0, got {self.rope_theta!r}")
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ValueError(f"sliding_window: must be a positive int or None, got {self.sliding_window!r}")
         self.rope_scaling = _normalize_rope_scaling(self.rope_scaling)
@@ -240,6 +263,18 @@ class ModelConfig:
         return cls(**fields)
 
 
+def check_bounds(config) -> None:
+    """ValueError naming the field when an integer of `config` lies outside BOUNDS."""
+    for name, (low, high) in BOUNDS.items():
+        value = getattr(config, name, None)
+        if value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ValueError(f"{name}: must be an int, got {value!r}")
+        if not low <= value <= high:
+            raise ValueError(f"{name}: {value} is outside the plausible range [{low}, {high}]")
+
+
 def _hf_architecture(config_json: dict[str, Any]) -> str:
     for name in config_json.get("architectures") or ():
         if name in _HF_ARCHITECTURES:
@@ -277,7 +312,7 @@ def _normalize_rope_scaling(rope_scaling: dict | None) -> dict | None:
                 raise ValueError(f"rope_scaling.{name}: required for rope_type 'longrope'")
         return scaling
     factor = scaling.get("factor")
-    if not isinstance(factor, (int, float)) or factor <= 0:
+    if not isinstance(factor, (int, float)) or not (factor > 0 and math.isfinite(factor)):
         raise ValueError(f"rope_scaling.factor: must be a positive number, got {factor!r}")
     if rope_type == "llama3":
         for name in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):

@@ -53,6 +53,12 @@ def _resolve_kv_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return _resolve(dtype, KV_CACHE_DTYPES, "kv_cache_dtype")
 
 
+def kv_cache_bytes(config: ModelConfig, num_tokens: int, dtype: torch.dtype) -> int:
+    """K and V of every layer: 2 x [L, num_tokens, KH, D] in dtype."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return 2 * config.num_layers * num_tokens * config.num_kv_heads * config.head_dim * itemsize
+
+
 class DecoderLayer(nn.Module):
     """One block of every family: [pre-norm] attention [post-norm] + residual, then [pre-norm]
     FFN (dense SwiGLU/GeGLU, or mixture of experts) [post-norm] + residual. Which norms exist,
@@ -252,6 +258,10 @@ class LlamaModel(nn.Module):
         if self.head_int8 is not None:
             return self.head_int8.rows(ids, torch.float32)
         return self.lm_head[ids].float()
+
+    def kv_cache_bytes(self, num_tokens: int) -> int:
+        """Bytes of the K and V make_kv_cache allocates for num_tokens slots (checked before it does)."""
+        return kv_cache_bytes(self.config, num_tokens, self.kv_cache_dtype)
 
     def make_kv_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
         c = self.config

@@ -24,16 +24,21 @@ from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
 
+from ..errors import ModelFileError
 from ..gguf_file import is_gguf_file
 from . import hf
-from .chat_template import ChatTemplateError, validate_messages
+from .chat_template import ChatTemplateError, check_chat_template, validate_messages
 from .tokenizer import Tokenizer
 
 __all__ = ["ChatTemplateError", "Tokenizer", "load_tokenizer", "validate_messages"]
 
 
 def load_tokenizer(source) -> Tokenizer:
-    """A Tokenizer from a tokenizer.json path, an HF model dir, a .gguf file or a tokenizers.Tokenizer."""
+    """A Tokenizer from a tokenizer.json path, an HF model dir, a .gguf file or a tokenizers.Tokenizer.
+
+    A path whose files are malformed (a vocabulary or merges list the tokenizers library refuses,
+    special-token ids outside the vocabulary, a chat template that does not compile) raises
+    ModelFileError naming the file and the entry."""
     if isinstance(source, Tokenizer):
         return source
     if isinstance(source, HFTokenizer):
@@ -44,6 +49,24 @@ def load_tokenizer(source) -> Tokenizer:
             f"or a tokenizers.Tokenizer, got {type(source).__name__}"
         )
     path = Path(source)
+    try:
+        tokenizer = _from_path(path)
+        if tokenizer.chat_template is not None:
+            check_chat_template(tokenizer.chat_template)
+    except ModelFileError:
+        raise
+    except ChatTemplateError as exc:
+        where = "tokenizer.chat_template" if path.is_file() and is_gguf_file(path) else \
+            "chat_template (tokenizer_config.json or chat_template.jinja)"
+        raise ModelFileError(f"{path}: {where}: {exc}", str(path)) from None
+    except (ValueError, OSError) as exc:  # a file that is not what it claims; the message names it
+        message = " ".join(str(exc).split())
+        message = message if message.startswith(str(path)) else f"{path}: {message}"
+        raise ModelFileError(message, str(path)) from None
+    return tokenizer
+
+
+def _from_path(path: Path) -> Tokenizer:
     if path.is_dir():
         if (path / "tokenizer.json").is_file():
             return hf.from_directory(path)

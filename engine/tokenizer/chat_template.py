@@ -34,7 +34,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from ..errors import InvalidParameterError
 
-__all__ = ["ChatTemplateError", "KNOWN_ROLES", "validate_messages", "render_chat_template"]
+__all__ = ["ChatTemplateError", "KNOWN_ROLES", "check_chat_template", "render_chat_template",
+           "validate_messages"]
 
 KNOWN_ROLES = ("system", "developer", "user", "assistant", "tool")
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -89,6 +90,16 @@ def _compile(template: str) -> jinja2.Template:
         return env.from_string(template)
     except jinja2.TemplateSyntaxError as e:
         raise ChatTemplateError(f"chat template is not valid jinja2 (line {e.lineno}: {e.message})") from None
+
+
+def check_chat_template(template: str) -> None:
+    """ChatTemplateError unless `template` compiles (its syntax; what it renders is per request)."""
+    try:
+        _compile(template)
+    except ChatTemplateError:
+        raise
+    except (jinja2.TemplateError, RecursionError, MemoryError) as e:
+        raise ChatTemplateError(f"chat template cannot be compiled ({type(e).__name__}: {e})") from None
 
 
 def _check_text(text: str, where: str) -> str:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as HFTokenizer
 
+from ..errors import ModelFileError
 from ..gguf_file import read_gguf_metadata
 from .gguf_special import TokenType, fim_token_ids, header_id, llamacpp_special_tokens
 from .tokenizer import Tokenizer
@@ -136,13 +137,42 @@ def load_gguf_tokenizer(path: str | os.PathLike) -> Tokenizer:
 
 
 def load_gguf_vocab(path: str | os.PathLike) -> GGUFVocab:
-    """Read a GGUF file's vocabulary into a GGUFVocab. Errors name the file and the key."""
+    """Read a GGUF file's vocabulary into a GGUFVocab. Errors (ModelFileError) name the file and
+    the key or entry: the tokenizers library's own refusals are wrapped, naming the entry at fault."""
     path = os.fspath(path)
     metadata = read_gguf_metadata(path)
     try:
         return vocab_from_metadata(metadata)
-    except ValueError as e:
-        raise ValueError(f"{path}: {e}") from None
+    except ModelFileError:
+        raise
+    except Exception as e:  # the tokenizers library raises plain Exception ("Error while initializing BPE")
+        detail = str(e) if isinstance(e, (ValueError, TypeError)) else _library_refusal(metadata, e)
+        raise ModelFileError(f"{path}: {' '.join(detail.split())}", path) from None
+
+
+def _library_refusal(metadata: dict, exc: Exception) -> str:
+    """The tokenizers library's error, with the merges entry it refused when there is one (found
+    only on this failure path: a merge whose parts or result are not tokens)."""
+    message = f"the tokenizers library refuses the vocabulary ({exc})"
+    tokens, merges = metadata.get("tokenizer.ggml.tokens"), metadata.get("tokenizer.ggml.merges")
+    if isinstance(tokens, list) and isinstance(merges, list):
+        vocab = set(unique_token_texts(tokens))
+        for i, merge in enumerate(merges):
+            left, _, right = str(merge).partition(" ")
+            for part in (left, right, left + right):
+                if part not in vocab:
+                    return (f"tokenizer.ggml.merges[{i}] = {merge!r}: {part!r} is not in tokenizer.ggml.tokens; "
+                            f"{message}")
+    return message
+
+
+def check_special_ids(metadata: dict, num_tokens: int) -> None:
+    """Every tokenizer.ggml.*_token_id the header stores is an id of this vocabulary."""
+    for key, value in metadata.items():
+        if key.startswith("tokenizer.ggml.") and key.endswith("_token_id"):
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < num_tokens:
+                raise ValueError(f"{key} = {value!r} is not a token id of this vocabulary "
+                                 f"({num_tokens} tokens)")
 
 
 def vocab_from_metadata(metadata: dict) -> GGUFVocab:
@@ -153,6 +183,7 @@ def vocab_from_metadata(metadata: dict) -> GGUFVocab:
     if not isinstance(tokens, list) or not tokens:
         raise ValueError("tokenizer.ggml.tokens is missing or empty")
     tokens = unique_token_texts(tokens)
+    check_special_ids(metadata, len(tokens))
     types, eos_ids = llamacpp_special_tokens(metadata, tokens, token_types(metadata, len(tokens)))
     missing_byte_id = None
     if model_type == "gpt2":
