@@ -36,7 +36,8 @@ BLOCK_SIZE = 16
 
 
 def products(model):
-    return [p for layer in model.layers for p in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
+    return [p for layer in model.layers
+            for p in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
 
 
 def set_variant(model, variant: str, tables: dict) -> None:

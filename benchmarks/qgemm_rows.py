@@ -6,7 +6,7 @@ on the real models' layer shapes, interleaved (every repeat runs every route at 
 medians with min-max of GMAC/s (wall time). Routes the CPU lacks are left out and named.
 
     python benchmarks/qgemm_rows.py [--rows 1,2,3,4,6,8,16,64,128,256,512] [--threads 1]
-        [--repeats 5] [--formats int4,int8] [--isa auto]
+        [--repeats 5] [--formats int4,int8] [--isas avx2,avx512]
 
 engine.models.routes makes the same measurement per shape at load and picks per row count;
 these figures show the whole curve. Prints a table and writes benchmarks/results/qgemm_rows.json.
@@ -47,17 +47,34 @@ def run_route(layer: Linear, x: torch.Tensor, route: str, min_seconds: float = 0
             return elapsed / calls
 
 
+def _can_set(isa: str) -> bool:
+    try:
+        cpu.set_isa(isa)
+    except ValueError:
+        return False
+    finally:
+        cpu.set_isa("auto")
+    return True
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", default="1,2,3,4,6,8,16,64,128,256,512")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--formats", default="int4,int8")
-    parser.add_argument("--isa", default="auto", help="cext.cpu.set_isa before measuring (auto: the best)")
+    parser.add_argument("--isas", default="auto",
+                        help="instruction sets the kernel routes run on, side by side (e.g. avx2,avx512)")
     args = parser.parse_args()
-    cpu.set_isa(args.isa)
-    routes = [r for r in ROUTES if r in available_routes(allow_approximate=True)]
-    skipped = [r for r in ROUTES if r not in routes]
+    available = available_routes(allow_approximate=True)
+    isas = args.isas.split(",")
+    known = (*cpu.ISA_NAMES.values(), "auto")
+    skipped = [r for r in ROUTES if r not in available]
+    skipped += [i for i in isas if i not in known or (i != "auto" and not _can_set(i))]
+    isas = [i for i in isas if i not in skipped]
+    # (label, isa, route): the C kernels' routes once per ISA, amx and blas once
+    routes = [(f"{r}@{i}" if len(isas) > 1 else r, i, r) for r in ROUTES if r in available
+              for i in (isas if r in ("int16", "float") else ["auto"])]
     row_counts = [int(r) for r in args.rows.split(",")]
     formats = args.formats.split(",")
     cpu.set_num_threads(args.threads)
@@ -74,22 +91,25 @@ def main() -> None:
     for _ in range(args.repeats):
         for label, layer, _, _ in cases:
             for m in row_counts:
-                for route in routes:
-                    times.setdefault((label, m, route), []).append(run_route(layer, inputs[label, m], route))
+                for name, isa, route in routes:
+                    cpu.set_isa(isa)
+                    times.setdefault((label, m, name), []).append(run_route(layer, inputs[label, m], route))
+    cpu.set_isa("auto")
     rows, results = [], []
     for label, _, num_in, num_out in cases:
         for m in row_counts:
-            gmacs = {route: summarize([m * num_in * num_out / t / 1e9 for t in times[label, m, route]])
-                     for route in routes}
-            best = max(routes, key=lambda r: gmacs[r]["median"])
-            rows.append([label, m, *(fmt_stats(gmacs[r]) for r in routes), best])
+            names = [name for name, _, _ in routes]
+            gmacs = {name: summarize([m * num_in * num_out / t / 1e9 for t in times[label, m, name]])
+                     for name in names}
+            best = max(names, key=lambda r: gmacs[r]["median"])
+            rows.append([label, m, *(fmt_stats(gmacs[r]) for r in names), best])
             results.append({"case": label, "rows": m, "gmac_s": gmacs, "best": best})
-    title = (f"quantized products by row count, {args.threads} thread(s), isa {cpu.get_isa()} "
-             f"({', '.join(cpu.features())}), medians (min-max) of {args.repeats}")
-    print_table(["layer", "rows", *(f"{r} GMAC/s" for r in routes), "best"], rows, title=title)
+    title = (f"quantized products by row count (GMAC/s), {args.threads} thread(s), CPU "
+             f"{', '.join(cpu.features())}, medians (min-max) of {args.repeats}")
+    print_table(["layer", "rows", *(name for name, _, _ in routes), "best"], rows, title=title)
     env = environment()
     if skipped:
-        print(f"routes this CPU lacks: {', '.join(skipped)}")
+        print(f"left out (this CPU lacks them): {', '.join(skipped)}")
     print(f"load average: {env['load_average']}")
     write_json("qgemm_rows", {"args": vars(args), "environment": env, "results": results})
 

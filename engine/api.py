@@ -119,7 +119,8 @@ class Engine:
         ("layout NxK"), the route each row count takes (engine.models.routes; {} when fixed)."""
         from .models.routes import summary
 
-        return {**self._core.stats(), "product_routes": summary(getattr(self.model, "product_routes", None) or {})}
+        product_routes = summary(getattr(self.model, "product_routes", None) or {})
+        return {**self._core.stats(), "product_routes": product_routes}
 
     def __repr__(self) -> str:
         state = "running" if self.is_alive() else "closed"

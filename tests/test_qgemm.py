@@ -23,7 +23,8 @@ MAX_TEST_ROWS = min(KERNEL_MAX_ROWS, 40)  # both paths' tiles and their ragged t
 SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
-@pytest.fixture(params=[(isa, threads) for isa in ALL_ISAS for threads in (1, 2)], ids=lambda p: f"{p[0]}-{p[1]}t")
+@pytest.fixture(params=[(isa, threads) for isa in ALL_ISAS for threads in (1, 2)],
+                ids=lambda p: f"{p[0]}-{p[1]}t")
 def variant(request):
     """avx512: the VNNI variant (vpdpwssd, 16-lane FMAs) where the CPU has AVX-512 VNNI, else avx2's."""
     isa, threads = request.param
@@ -283,7 +284,8 @@ def test_dequantize_to_bfloat16_rounds_like_torch(variant, kind):
     linear = Linear(_weights(kind, w))
     out = torch.empty(20, 256, dtype=torch.bfloat16)
     scales = 0 if linear._scales is None else linear._scales.data_ptr()
-    qgemm.dequantize(linear.layout, linear._rows.data_ptr(), scales, 11, 20, 256, out.data_ptr(), qgemm.BFLOAT16)
+    qgemm.dequantize(linear.layout, linear._rows.data_ptr(), scales, 11, 20, 256, out.data_ptr(),
+                     qgemm.BFLOAT16)
     f32 = linear.dequantize(11, 31)
     assert torch.equal(f32, _weights(kind, w).dequantize()[11:31])
     assert torch.equal(out, f32.bfloat16())

@@ -382,8 +382,10 @@ QG_ALWAYS_INLINE static inline void QG_FN(store16)(__m256i c, __m256 d, __m256 m
     }
     const __m256i bias = _mm256_set1_epi32(0x7fff), one = _mm256_set1_epi32(1);
     __m256i ul = _mm256_castps_si256(lo), uh = _mm256_castps_si256(hi);
-    ul = _mm256_srli_epi32(_mm256_add_epi32(ul, _mm256_add_epi32(bias, _mm256_and_si256(_mm256_srli_epi32(ul, 16), one))), 16);
-    uh = _mm256_srli_epi32(_mm256_add_epi32(uh, _mm256_add_epi32(bias, _mm256_and_si256(_mm256_srli_epi32(uh, 16), one))), 16);
+    const __m256i rl = _mm256_add_epi32(bias, _mm256_and_si256(_mm256_srli_epi32(ul, 16), one));
+    const __m256i rh = _mm256_add_epi32(bias, _mm256_and_si256(_mm256_srli_epi32(uh, 16), one));
+    ul = _mm256_srli_epi32(_mm256_add_epi32(ul, rl), 16);
+    uh = _mm256_srli_epi32(_mm256_add_epi32(uh, rh), 16);
     /* packus works per 128-bit lane: [l0-3, h0-3, l4-7, h4-7] -> reorder the 64-bit quarters */
     const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(ul, uh), 0xD8);
     _mm256_storeu_si256((__m256i *)((uint16_t *)out + at), packed);
@@ -418,7 +420,8 @@ static void QG_FN(dequantize_range)(const void *p, int64_t i0, int64_t i1, float
             for (int j = 0; j < 4; j++) {
                 const int64_t b = 2 * pair + j / 2;
                 const __m256 d = _mm256_set1_ps(block_scale(row, nb, b, a->half, 0));
-                const __m256 m = a->has_mins ? _mm256_set1_ps(block_scale(row, nb, b, a->half, 1)) : _mm256_setzero_ps();
+                const __m256 m = a->has_mins ? _mm256_set1_ps(block_scale(row, nb, b, a->half, 1))
+                                             : _mm256_setzero_ps();
                 QG_FN(store16)(c[j], d, m, a->out, at + pair * 2 * QK_BLOCK + 16 * j, a->out_dtype);
             }
         }

@@ -236,9 +236,8 @@ class Linear:
             bias = 0 if self.bias is None else self.bias.data_ptr()
             scales = 0 if self._scales is None else self._scales.data_ptr()
             layout = self.layout | (ROUTE_INT if route == "int16" else ROUTE_FLOAT)
-            qgemm.matmul(layout, x.data_ptr(), x.stride(0), num_rows, self.in_features,
-                         self._rows.data_ptr(), scales, self.out_features, bias, y.data_ptr(), self.out_features,
-                         code)
+            qgemm.matmul(layout, x.data_ptr(), x.stride(0), num_rows, self.in_features, self._rows.data_ptr(),
+                         scales, self.out_features, bias, y.data_ptr(), self.out_features, code)
             return y
         if route == "amx":
             return self._bf16_product(x)
@@ -265,7 +264,8 @@ class Linear:
             count = min(chunk, self.out_features - first)
             qgemm.dequantize(self.layout, self._rows.data_ptr(), scales, first, count, self.in_features,
                              w.data_ptr(), qgemm.BFLOAT16)
-            y[:, first:first + count] = torch.mm(xb, w[:count].t())  # bfloat16 out: torch's CPU mm has no float32
+            # bfloat16 out: torch's CPU mm has no float32 output for bfloat16 inputs
+            y[:, first:first + count] = torch.mm(xb, w[:count].t())
         if self.bias is not None:
             y += self.bias
         return y.to(x.dtype)

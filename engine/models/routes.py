@@ -110,8 +110,9 @@ def _time(fn, budget: float) -> float:
     return best
 
 
-def measure(layer, routes: tuple[str, ...], grid: tuple[int, ...] = ROW_GRID, budget: float = 0.002) -> list[str]:
-    """The fastest of `routes` for `layer` (a quantized engine.models.linear.Linear) at each row count of grid."""
+def measure(layer, routes: tuple[str, ...], grid: tuple[int, ...] = ROW_GRID,
+            budget: float = 0.002) -> list[str]:
+    """The fastest of `routes` for `layer` (a quantized Linear) at each row count of grid."""
     gen = torch.Generator().manual_seed(0)
     best = []
     for num_rows in grid:
