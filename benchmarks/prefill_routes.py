@@ -66,7 +66,8 @@ def main() -> None:
     parser.add_argument("--lengths", default="512,2048")
     parser.add_argument("--chunk", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch and kernel threads (the engine's default here: 1)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     cpu.set_num_threads(args.threads)

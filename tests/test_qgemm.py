@@ -322,6 +322,9 @@ def test_measured_routes_are_ones_this_cpu_runs():
     w = torch.randn(96, 128, generator=torch.Generator().manual_seed(4)) * 0.05
     layer = Linear(Int4Weight.from_dense(w))
     available = routes.available_routes(allow_approximate=True)
-    best = routes.measure(layer, available, grid=(1, 64), budget=0.0005)
+    best = routes.measure(layer, available, grid=(1, 64), rounds=1)
     assert len(best) == 2 and set(best) <= set(available)
     assert ("amx" in available) == ("amx_bf16" in cpu.features())
+    part = layer.row_slice(40)
+    x = torch.randn(3, 128)
+    torch.testing.assert_close(part(x), layer(x)[:, :40], atol=0, rtol=0)

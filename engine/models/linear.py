@@ -189,6 +189,24 @@ class Linear:
         return out
 
     # ----- routes (engine.models.routes) -----
+    def row_slice(self, num_out: int) -> Linear:
+        """The same layer's first num_out output rows (sharing storage), for timing its routes."""
+        part = object.__new__(Linear)
+        for name in self.__slots__:
+            setattr(part, name, getattr(self, name))
+        part.out_features = num_out
+        part.dense = None
+        part._route_grid = part._route_best = None
+        if self._rows is not None:
+            part._rows = self._rows[:num_out]
+        if self._scales is not None:
+            part._scales = self._scales[:num_out]
+        if self.bias is not None:
+            part.bias = self.bias[:num_out]
+        if self._int4 is not None:
+            part._int4 = self._int4.map_rows(lambda t: t[:num_out])
+        return part
+
     def set_routes(self, grid: tuple[int, ...], best: list[str]) -> None:
         """The route for up to grid[i] rows is best[i] (beyond the last entry: the last route)."""
         self._route_grid, self._route_best = tuple(grid), list(best)

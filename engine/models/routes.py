@@ -11,9 +11,9 @@ A quantized layer's product of M rows can run as:
 - ``blas``: the weights dequantized to float32 a slice at a time and the float32 BLAS.
 
 ``calibrate`` times every route the CPU has on each distinct (layout, N, K) at the row counts
-of ``ROW_GRID`` (a few ms per shape) and keeps the fastest per row count; the table is cached
-per machine (CPU model, features, threads) in the user cache dir, so later loads skip the
-timing. ``ENGINE_ROUTES=fixed`` keeps the fixed thresholds (engine.models.linear), and
+of ``ROW_GRID`` on a slice of its rows (0.25-2.7 s per shape measured on the shared 2-vCPU
+Xeon at load average ~18) and keeps the fastest per row count; the table is cached per machine
+(CPU model, features, threads, torch) in the user cache dir, so later loads skip the timing. ``ENGINE_ROUTES=fixed`` keeps the fixed thresholds (engine.models.linear), and
 ``ENGINE_ROUTES=recalibrate`` measures again.
 """
 from __future__ import annotations
@@ -33,7 +33,8 @@ log = logging.getLogger("engine")
 ROW_GRID = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 EXACT_ROUTES = ("int16", "float", "blas")  # int16: activations within 2^-15 per element
 APPROXIMATE = ("amx",)  # bfloat16 weights and activations: 8 mantissa bits
-CACHE_VERSION = 1
+CACHE_VERSION = 3
+PROXY_ROWS = 256  # output rows a shape is timed on
 
 
 def available_routes(allow_approximate: bool) -> tuple[str, ...]:
@@ -96,29 +97,39 @@ def _store_cache(key: str, table: dict) -> None:
         log.debug("product routes not cached: %s", exc)
 
 
-def _time(fn, budget: float) -> float:
-    """Seconds per call of fn: the best of a few calls within about `budget` seconds."""
-    fn()
-    best, spent = float("inf"), 0.0
-    for _ in range(5):
-        start = time.perf_counter()
-        fn()
-        elapsed = time.perf_counter() - start
-        best, spent = min(best, elapsed), spent + elapsed
-        if spent > budget:
-            break
-    return best
+def _clock():
+    """The calling thread's CPU time when every kernel runs on it, else wall time."""
+    from cext import cpu
+
+    if cpu.get_num_threads() == 1 and torch.get_num_threads() == 1:
+        return time.thread_time
+    return time.perf_counter
 
 
 def measure(layer, routes: tuple[str, ...], grid: tuple[int, ...] = ROW_GRID,
-            budget: float = 0.002) -> list[str]:
-    """The fastest of `routes` for `layer` (a quantized Linear) at each row count of grid."""
+            rounds: int = 2) -> list[str]:
+    """The fastest of `routes` for `layer` (a quantized Linear) at each row count of grid.
+
+    Timed on the first PROXY_ROWS output rows (every route's time grows linearly with the
+    output rows past a few hundred), each route once per round with the rounds interleaved and
+    the minimum kept (a busy neighbour only adds time), after one warm-up call (oneDNN builds
+    its kernel for a shape on the first). With one thread the clock is the thread's CPU time,
+    which a neighbour that preempts us does not inflate (the machine may be shared)."""
+    proxy = layer.row_slice(min(layer.out_features, PROXY_ROWS))
+    clock = _clock()
     gen = torch.Generator().manual_seed(0)
     best = []
     for num_rows in grid:
         x = torch.randn(num_rows, layer.in_features, generator=gen)
-        times = {route: _time(lambda r=route: layer.run(x, r), budget) for route in routes
-                 if layer.can_run(route, num_rows)}
+        candidates = [r for r in routes if proxy.can_run(r, num_rows)]
+        times = dict.fromkeys(candidates, float("inf"))
+        for route in candidates:
+            proxy.run(x, route)
+        for _ in range(rounds):
+            for route in candidates:
+                start = clock()
+                proxy.run(x, route)
+                times[route] = min(times[route], clock() - start)
         best.append(min(times, key=times.get))
     return best
 
