@@ -28,6 +28,7 @@ from engine.batch import ForwardBatch
 from engine.core.block_manager import BlockManager, prefix_block_hashes
 from engine.core.sequence import Sequence, SequenceStatus
 from engine.core.tick_cost import DEFAULT_TARGET_TICK_SECONDS, TickCostModel
+from engine.errors import SchedulerRefused
 
 
 @dataclass(kw_only=True)
@@ -100,23 +101,23 @@ class Scheduler:
     # -- requests --
 
     def add(self, seq: Sequence) -> None:
+        """Queue a waiting sequence. Its ids and its length against the model's context were checked
+        where the request entered (engine/core/request.py); the scheduler refuses (SchedulerRefused)
+        only what its own buffers cannot hold: a sequence longer than a TickState row or than the
+        KV cache, or an id it already schedules."""
         cfg = self.config
         total = seq.num_prompt_tokens + seq.max_tokens
-        if total > cfg.max_model_len:
-            raise ValueError(
-                f"prompt ({seq.num_prompt_tokens} tokens) + max_tokens ({seq.max_tokens}) = {total} "
-                f"exceeds max_model_len={cfg.max_model_len}"
-            )
         num_blocks = -(-total // self.block_size)
-        if num_blocks > cfg.num_blocks:
-            raise ValueError(
-                f"prompt ({seq.num_prompt_tokens} tokens) + max_tokens ({seq.max_tokens}) needs {num_blocks} "
-                f"KV blocks but the cache holds {cfg.num_blocks} (kv_cache_tokens={cfg.num_blocks * self.block_size})"
-            )
+        if total > cfg.max_model_len or num_blocks > cfg.num_blocks:
+            raise SchedulerRefused(
+                f"prompt ({seq.num_prompt_tokens} tokens) + max_tokens ({seq.max_tokens}) = {total} tokens "
+                f"in {num_blocks} KV blocks: more than the scheduler holds (max_model_len="
+                f"{cfg.max_model_len} tokens, {cfg.num_blocks} KV blocks: kv_cache_tokens="
+                f"{cfg.num_blocks * self.block_size})", "max_tokens")
         if seq.request_id in self._seqs:
-            raise ValueError(f"request_id {seq.request_id!r} is already scheduled")
+            raise SchedulerRefused(f"request_id {seq.request_id!r} is already scheduled", "request_id")
         if seq.status is not SequenceStatus.WAITING:
-            raise ValueError(f"sequence {seq.request_id!r} is {seq.status.name}, not WAITING")
+            raise SchedulerRefused(f"sequence {seq.request_id!r} is {seq.status.name}, not WAITING")
         self._seqs[seq.request_id] = seq
         self.waiting.append(seq)
 
@@ -268,11 +269,14 @@ class Scheduler:
         layout = state.build()
         B, num_samples, num_spans = layout.num_seqs, layout.num_samples, layout.num_spans
         slots = state.entry_slots[:B].copy()
-        slot_seqs = self._slot_seqs
-        seqs = [slot_seqs[s] for s in slots.tolist()]
+        if B == num_decodes == len(self.running):  # decode-only steady state: the running order
+            seqs = list(self.running)
+        else:
+            slot_seqs = self._slot_seqs
+            seqs = [slot_seqs[s] for s in slots.tolist()]
         sample_entries = state.sample_entries[:num_samples].copy()
         if num_samples == B:
-            sample_seqs = list(seqs)
+            sample_seqs = seqs
         else:
             sample_seqs = [seqs[i] for i in sample_entries.tolist()]
         spans = []
@@ -284,16 +288,15 @@ class Scheduler:
                 state.span_positions[:num_spans].tolist(),
             ):
                 spans.append((seqs[i], first, count, pos))
-        tensor = torch.from_numpy
-        batch = ForwardBatch(
-            input_ids=tensor(layout.input_ids),
-            positions=tensor(layout.positions),
-            slot_mapping=tensor(layout.slot_mapping),
-            query_starts=tensor(layout.query_starts),
-            context_lens=tensor(layout.context_lens),
-            block_tables=tensor(layout.block_tables),
-            logit_rows=tensor(layout.logit_rows),
-            prompt_lens=tensor(layout.prompt_lens),
+        batch = ForwardBatch(  # numpy views of the layout: tensors only for what the model reads
+            input_ids=layout.input_ids,
+            positions=layout.positions,
+            slot_mapping=layout.slot_mapping,
+            query_starts=layout.query_starts,
+            context_lens=layout.context_lens,
+            block_tables=layout.block_tables,
+            logit_rows=layout.logit_rows,
+            prompt_lens=layout.prompt_lens,
             query_starts_list=layout.query_starts.tolist(),
             context_lens_list=layout.context_lens.tolist(),
             num_decode_seqs=num_decodes,

@@ -7,7 +7,7 @@ min-p, top-k and top-p masks by partial selection, drawn by inverting the CDF in
 one uniform from the request's own ``RandomStream``, so a seeded request gives the same tokens
 whatever else is in the batch), then, if asked, the logprob, rank and top logprobs.
 Logprobs always describe the model's raw distribution (before processing, temperature, masks).
-engine.sampling_reference holds the same definitions in plain NumPy (the tests' reference).
+tests/sampling_reference.py holds the same definitions in plain NumPy (the tests' reference).
 """
 from __future__ import annotations
 
@@ -61,6 +61,8 @@ def sample(
     if logits.shape[0] == 0:
         return [], []
     token_ids, rows = sample_rows(_as_array(logits), params, generators, adjusters)
+    if rows.count(None) == len(rows):  # no row asked for logprobs
+        return token_ids, rows
     row_logprobs = [None if r is None else RowLogprobs(r[0], r[2], r[3], r[1]) for r in rows]
     return token_ids, row_logprobs
 
