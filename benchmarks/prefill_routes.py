@@ -3,8 +3,9 @@ measured route table, interleaved in one process (no llama.cpp needed).
 
 - before: ``cext.cpu.set_isa("avx2")`` (the AVX2 kernels) and the fixed row thresholds
   (engine.models.linear: the kernels up to 256 rows, then dequantize + float32 BLAS);
-- after: the best ISA this CPU has (AVX-512 VNNI variants) and the routes measured at load
-  (engine.models.routes: int16 / float / amx / blas per row count).
+- exact: the best ISA this CPU has (AVX-512 VNNI variants) and the exact routes measured at
+  load (engine.models.routes: int16 / float / blas per row count, the default);
+- amx: the same with the amx route allowed (``ENGINE_AMX=1``: bfloat16 weights on AMX tiles).
 
 Each prompt is prefilled as the engine does by default, in chunks of ``--chunk`` tokens (the
 scheduler's 256-token tick budget) through the paged KV cache; every repeat runs every
@@ -40,14 +41,17 @@ def products(model):
             for p in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
 
 
+VARIANTS = ("before", "exact", "amx")
+
+
 def set_variant(model, variant: str, tables: dict) -> None:
-    """before: AVX2 kernels, fixed thresholds; after: the best ISA, the measured tables."""
+    """before: AVX2 kernels, fixed thresholds; exact / amx: the best ISA, that variant's tables."""
     cpu.set_isa("avx2" if variant == "before" else "auto")
     for layer in products(model) + [model.head_proj]:
-        if variant == "before" or layer.layout is None:
+        if variant == "before" or id(layer) not in tables[variant]:
             layer._route_grid = layer._route_best = None
         else:
-            layer.set_routes(routes.ROW_GRID, tables[id(layer)])
+            layer.set_routes(routes.ROW_GRID, tables[variant][id(layer)])
 
 
 def prefill_seconds(model, ids: list[int], chunk: int) -> float:
@@ -79,9 +83,13 @@ def main() -> None:
             print(f"{name}: {QWEN} missing (make testdata), skipped")
             continue
         model = load_model(path)
-        tables = {id(p): list(p._route_best) for p in products(model) + [model.head_proj] if p._route_best}
+        layers = products(model) + [model.head_proj]
+        tables = {"exact": {id(p): list(p._route_best) for p in layers if p._route_best}}
+        amx = routes.calibrate(products(model), True, args.threads)
+        tables["amx"] = {id(p): list(p._route_best) for p in layers if p._route_best}
         models[name] = (model, tables)
-        print(f"{name} routes: {routes.describe(model.product_routes)}")
+        print(f"{name} exact routes: {routes.describe(model.product_routes)}")
+        print(f"{name} amx routes: {routes.describe(amx)}")
     gen = torch.Generator().manual_seed(0)
     prompts = {(name, n): torch.randint(100, models[name][0].vocab_size - 100, (n,), generator=gen).tolist()
                for name in models for n in lengths}
@@ -89,18 +97,20 @@ def main() -> None:
     for _ in range(args.repeats):
         for (name, n), ids in prompts.items():
             model, tables = models[name]
-            for variant in ("before", "after"):
+            for variant in VARIANTS:
                 set_variant(model, variant, tables)
                 times.setdefault((name, n, variant), []).append(prefill_seconds(model, ids, args.chunk))
     cpu.set_isa("auto")
     rows, results = [], []
     for name, n in prompts:
-        stats = {v: summarize([n / t for t in times[name, n, v]]) for v in ("before", "after")}
-        ratio = stats["after"]["median"] / stats["before"]["median"]
-        rows.append([name, n, fmt_stats(stats["before"]), fmt_stats(stats["after"]), f"{ratio:.2f}x"])
-        results.append({"model": name, "tokens": n, "tok_s": stats, "ratio": ratio})
+        stats = {v: summarize([n / t for t in times[name, n, v]]) for v in VARIANTS}
+        ratios = {v: stats[v]["median"] / stats["before"]["median"] for v in VARIANTS[1:]}
+        rows.append([name, n, *(fmt_stats(stats[v]) for v in VARIANTS),
+                     *(f"{ratios[v]:.2f}x" for v in VARIANTS[1:])])
+        results.append({"model": name, "tokens": n, "tok_s": stats, "ratios": ratios})
     env = environment()
-    print_table(["model", "prompt", "before tok/s", "after tok/s", "after/before"], rows,
+    columns = ["model", "prompt", "before tok/s", "exact tok/s", "amx tok/s", "exact/before", "amx/before"]
+    print_table(columns, rows,
                 title=f"prefill in {args.chunk}-token chunks, {args.threads} thread(s), medians (min-max) of "
                       f"{args.repeats}, CPU {', '.join(cpu.features())}")
     print(f"load average: {env['load_average']}")

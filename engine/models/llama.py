@@ -15,6 +15,7 @@ Weights come in as a state dict with Hugging Face names (``model.layers.0.self_a
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 import torch.nn.functional as F
@@ -114,7 +115,7 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, state_dict: dict[str, Weight], dtype: str | torch.dtype = "float32",
                  rope_freq_factors: torch.Tensor | None = None, pack_weights: bool = True,
                  dense_above_rows: int | None = None, exact_products: bool = False,
-                 approximate_products: bool = True,
+                 approximate_products: bool | None = None,
                  kv_cache_dtype: str | torch.dtype | None = None):
         """state_dict: Hugging Face names -> dense tensors, or the quantized formats of
         engine.models.quant (Int4Weight / Int5Weight / Int8Weight for projections; Int8Weight
@@ -127,7 +128,9 @@ class LlamaModel(nn.Module):
         to int16 codes per block of 32: engine.models.linear), whatever the activation dtype.
         approximate_products: the decoder layers' quantized products may take the amx route
         (bfloat16 weights, activations and outputs on AMX tiles) at the row counts where it
-        measured fastest (engine.models.routes); the head's never do. The routes chosen are in
+        measured fastest (engine.models.routes); the head's never do. None (the default): only
+        with ``ENGINE_AMX=1`` in the environment (opt-in: at a near-tie its rounding can swap
+        llama.cpp's 3rd and 4th token, tests/test_parity_engine.py). The routes chosen are in
         ``product_routes``."""
         super().__init__()
         self.config = config
@@ -161,7 +164,10 @@ class LlamaModel(nn.Module):
         num_threads = torch.get_num_threads()
         layers = [proj for layer in self.layers
                   for proj in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
-        self.product_routes = routes.calibrate(layers, approximate_products and not exact_products, num_threads)
+        if approximate_products is None:
+            approximate_products = os.environ.get("ENGINE_AMX") == "1"
+        allow_amx = approximate_products and not exact_products
+        self.product_routes = routes.calibrate(layers, allow_amx, num_threads)
         self.product_routes.update(routes.calibrate([self.head_proj], False, num_threads))
         if self.product_routes:
             log.info("product routes (rows: route): %s", routes.describe(self.product_routes))

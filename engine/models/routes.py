@@ -7,7 +7,8 @@ A quantized layer's product of M rows can run as:
   FMAs 16 or 8 lanes wide): the exact float32 product of the dequantized weights;
 - ``amx``: the weights dequantized to bfloat16 a slice of rows at a time (C, all threads)
   and oneDNN's bfloat16 matmul through torch, which runs on AMX tiles where the CPU has them:
-  bfloat16 weights and activations, float32 sums (not exact: see ``APPROXIMATE``);
+  bfloat16 weights, activations and outputs, float32 sums (not exact: see ``APPROXIMATE``;
+  only where the model allows it, LlamaModel's ``approximate_products`` / ``ENGINE_AMX=1``);
 - ``blas``: the weights dequantized to float32 a slice at a time and the float32 BLAS.
 
 ``calibrate`` times every route the CPU has on each distinct (layout, N, K) at the row counts
