@@ -38,7 +38,7 @@ BLOCK_SIZE = 16
 
 def products(model):
     return [p for layer in model.layers
-            for p in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
+            for p in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj) if p is not None]
 
 
 VARIANTS = ("before", "exact", "amx")

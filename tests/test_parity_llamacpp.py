@@ -124,7 +124,8 @@ def test_teacher_forced_matches_llamacpp(model, index):
     name, model = model
     entry = REFERENCES[name][index]
     failures = _mismatches(entry, teacher_forced_logprobs(model, entry))
-    assert not failures, f"{name} {model.layers[0].qkv_proj.format} {model.dtype} prompt {entry['prompt']!r}:\n" + "\n".join(failures)
+    assert not failures, (f"{name} {model.layers[0].qkv_proj.format} {model.dtype} prompt {entry['prompt']!r}:\n"
+                          + "\n".join(failures))
 
 
 DECODE_STEPS = 16  # generated positions per prompt checked one decode step at a time
@@ -161,7 +162,7 @@ def test_each_prompt_route_keeps_the_parity_bounds(name, route):
     model = load_model(model_path(name))
     for layer in model.layers:
         for proj in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
-            if proj.layout is not None:
+            if proj is not None and proj.layout is not None:
                 proj.set_routes(routes.ROW_GRID, [route] * len(routes.ROW_GRID))
     failures, worst = [], 0.0
     for entry in REFERENCES[name]:

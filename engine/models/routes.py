@@ -14,7 +14,8 @@ A quantized layer's product of M rows can run as:
 ``calibrate`` times every route the CPU has on each distinct (layout, N, K) at the row counts
 of ``ROW_GRID`` on a slice of its rows (0.25-2.7 s per shape measured on the shared 2-vCPU
 Xeon at load average ~18) and keeps the fastest per row count; the table is cached per machine
-(CPU model, features, threads, torch) in the user cache dir, so later loads skip the timing. ``ENGINE_ROUTES=fixed`` keeps the fixed thresholds (engine.models.linear), and
+(CPU model, features, threads, torch) in the user cache dir, so later loads skip the timing.
+``ENGINE_ROUTES=fixed`` keeps the fixed thresholds (engine.models.linear), and
 ``ENGINE_ROUTES=recalibrate`` measures again.
 """
 from __future__ import annotations
