@@ -5,6 +5,8 @@ Q5: int
 Q8: int
 HALF: int
 NO_MINS: int
+ROUTE_INT: int
+ROUTE_FLOAT: int
 FLOAT32: int
 BFLOAT16: int
 

@@ -1,7 +1,8 @@
 """Quantized weight products y [M, N] = x [M, K] @ W.T (+ bias) in C, on cext.cpu's
 instruction set and thread pool; W in one of the layouts of cext/csrc/qgemm.h (built by
 engine.models.quant), named by ``layout`` = Q4, Q5 or Q8, plus HALF (fp16 scales) and NO_MINS
-(Q5 rows without mins).
+(Q5 rows without mins), and for matmul optionally the route: ROUTE_INT (int16 activation codes)
+or ROUTE_FLOAT (float32 FMAs over decoded weights; AVX2 and up).
 
 Arguments are raw addresses (``tensor.data_ptr()``) and sizes; the caller
 (``engine.models.linear``) checks dtypes and shapes. The GIL is released while a kernel runs.
@@ -24,6 +25,8 @@ Q5 = QG_Q5
 Q8 = QG_Q8
 HALF = QG_HALF
 NO_MINS = QG_NO_MINS
+ROUTE_INT = QG_ROUTE_INT
+ROUTE_FLOAT = QG_ROUTE_FLOAT
 FLOAT32 = DT_FLOAT32
 BFLOAT16 = DT_BFLOAT16
 

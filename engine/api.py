@@ -128,7 +128,12 @@ class Engine:
         return self._core.is_alive()
 
     def stats(self) -> dict:
-        return self._core.stats()
+        """The engine thread's counters, and ``product_routes``: per quantized product shape
+        ("layout NxK"), the route each row count takes (engine.models.routes; {} when fixed)."""
+        from .models.routes import summary
+
+        product_routes = summary(getattr(self.model, "product_routes", None) or {})
+        return {**self._core.stats(), "product_routes": product_routes}
 
     def __repr__(self) -> str:
         state = "running" if self.is_alive() else "closed"

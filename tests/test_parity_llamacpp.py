@@ -141,3 +141,33 @@ def test_decode_path_matches_llamacpp(model, index):
     truncated = dict(entry, greedy_ids=entry["greedy_ids"][:num_steps], top5=entry["top5"][:num_steps])
     failures = _mismatches(truncated, decode_path_logprobs(model, entry, num_steps))
     assert not failures, f"{name} decode path, prompt {entry['prompt']!r}:\n" + "\n".join(failures)
+
+
+def _max_logprob_diff(entry, logprobs) -> float:
+    return max(abs(logprobs[i][token].item() - dict((t, lp) for t, lp in top5)[token])
+               for i, (token, top5) in enumerate(zip(entry["greedy_ids"], entry["top5"])))
+
+
+@pytest.mark.parametrize("route", ["amx", "float"])
+@pytest.mark.parametrize("name", sorted(REFERENCES))
+def test_each_prompt_route_keeps_the_parity_bounds(name, route):
+    """Every decoder product forced onto one route at every row count (the default weights):
+    amx (bfloat16 weights, activations and outputs on AMX tiles, float32 sums) must keep the
+    same bounds as the exact float route; the head keeps its own routes (never amx)."""
+    from cext import cpu
+    from engine.models import routes
+
+    if route == "amx" and "amx_bf16" not in cpu.features():
+        pytest.skip("CPU lacks AMX bf16")
+    model = load_model(model_path(name))
+    for layer in model.layers:
+        for proj in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
+            if proj is not None and proj.layout is not None:
+                proj.set_routes(routes.ROW_GRID, [route] * len(routes.ROW_GRID))
+    failures, worst = [], 0.0
+    for entry in REFERENCES[name]:
+        logprobs = teacher_forced_logprobs(model, entry)
+        failures += _mismatches(entry, logprobs)
+        worst = max(worst, _max_logprob_diff(entry, logprobs))
+    print(f"{name} {route}: max |dlogprob| vs llama.cpp {worst:.3f} over {len(REFERENCES[name])} prompts")
+    assert not failures, f"{name} {route}:\n" + "\n".join(failures)

@@ -12,7 +12,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_fused_kernels import ISAS
+from test_fused_kernels import ALL_ISAS, use_isa
 
 from cext import cpu, qgemm
 from engine.models import linear as linear_module
@@ -23,11 +23,13 @@ MAX_TEST_ROWS = min(KERNEL_MAX_ROWS, 40)  # both paths' tiles and their ragged t
 SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
-@pytest.fixture(params=[(isa, threads) for isa in ISAS for threads in (1, 2)], ids=lambda p: f"{p[0]}-{p[1]}t")
+@pytest.fixture(params=[(isa, threads) for isa in ALL_ISAS for threads in (1, 2)],
+                ids=lambda p: f"{p[0]}-{p[1]}t")
 def variant(request):
+    """avx512: the VNNI variant (vpdpwssd, 16-lane FMAs) where the CPU has AVX-512 VNNI, else avx2's."""
     isa, threads = request.param
     old_threads, old_threshold = cpu.get_num_threads(), cpu.get_parallel_threshold()
-    cpu.set_isa(isa)
+    use_isa(isa)
     cpu.set_num_threads(threads)
     cpu.set_parallel_threshold(0)  # with 2 threads every call is split
     yield request.param
@@ -227,7 +229,7 @@ def test_exact_mode_and_rows_beyond_the_kernels_use_the_dequantized_weight():
 
 
 def test_layout_codes_agree_with_the_kernels():
-    names = ("Q4", "Q5", "Q8", "HALF", "NO_MINS")
+    names = ("Q4", "Q5", "Q8", "HALF", "NO_MINS", "ROUTE_INT", "ROUTE_FLOAT")
     assert [getattr(linear_module, n) for n in names] == [getattr(qgemm, n) for n in names]
     with pytest.raises(ValueError, match="unknown layout"):
         qgemm.matmul(3, 0, 0, 1, 64, 0, 0, 1, 0, 0, 1, qgemm.FLOAT32)
@@ -238,3 +240,94 @@ def test_bad_width_is_an_error_not_a_read_past_the_row():
         qgemm.matmul(qgemm.Q8, 0, 0, 1, 48, 0, 0, 1, 0, 0, 1, qgemm.FLOAT32)
     with pytest.raises(ValueError, match="multiple of 64"):
         Int4Weight.from_dense(torch.randn(2, 96)).blocks()
+
+
+# ----- routes (engine.models.routes): every route this CPU has, against float64 -----
+
+ROUTE_NEEDS = {"float": ("avx2", "AVX2"), "amx": ("amx_bf16", "AMX bf16")}
+
+
+def _weights(kind: str, w: torch.Tensor):
+    if kind == "int4":
+        return Int4Weight.from_dense(w)
+    if kind == "int8":
+        return Int8Weight.from_dense(w)
+    return random_int5(torch.Generator().manual_seed(5), w.shape[0], w.shape[1], half=True, is_q5_0=False)
+
+
+@pytest.mark.parametrize("route", ["int16", "float", "amx", "blas"])
+@pytest.mark.parametrize("kind", ["int4", "int5", "int8"])
+@pytest.mark.parametrize("num_rows", [1, 7, 33])
+def test_every_route_matches_the_float64_product(route, kind, num_rows):
+    """int16: the emulated integer definition; float and blas: the exact float32 product;
+    amx: bfloat16 x, W and y with float32 sums, so |err| <= 2^-8 (|x| @ |W|.T) + 2^-8 |y|."""
+    if route in ROUTE_NEEDS and ROUTE_NEEDS[route][0] not in cpu.features():
+        pytest.skip(f"CPU lacks {ROUTE_NEEDS[route][1]}")
+    w, x, bias = _inputs(num_rows, num_rows, 45, 192, torch.float32)
+    weight = _weights(kind, w)
+    linear = Linear(weight, bias)
+    assert linear.can_run(route, num_rows)
+    y = linear.run(x, route)
+    dense = weight.dequantize().double()
+    exact = x.double() @ dense.T + bias.double()
+    if route == "int16":
+        emulated = emulate_int8(x, weight) if kind == "int8" else emulate_int4(x, weight, linear.half)
+        torch.testing.assert_close(y.double(), emulated + bias.double(), atol=1e-4, rtol=1e-5)
+    elif route == "amx":
+        bound = 2 ** -8 * (x.double().abs() @ dense.abs().T + exact.abs()) + 1e-6
+        assert ((y.double() - exact).abs() <= bound).all()
+        assert (y.double() - exact).abs().max() > 0  # bfloat16 really ran (not a float32 route)
+    else:
+        torch.testing.assert_close(y.double(), exact, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["int4", "int5", "int8"])
+def test_dequantize_to_bfloat16_rounds_like_torch(variant, kind):
+    w = torch.randn(37, 256, generator=torch.Generator().manual_seed(2)) * 0.05
+    linear = Linear(_weights(kind, w))
+    out = torch.empty(20, 256, dtype=torch.bfloat16)
+    scales = 0 if linear._scales is None else linear._scales.data_ptr()
+    qgemm.dequantize(linear.layout, linear._rows.data_ptr(), scales, 11, 20, 256, out.data_ptr(),
+                     qgemm.BFLOAT16)
+    f32 = linear.dequantize(11, 31)
+    assert torch.equal(f32, _weights(kind, w).dequantize()[11:31])
+    assert torch.equal(out, f32.bfloat16())
+
+
+def test_route_table_picks_by_row_count_and_is_cached(tmp_path, monkeypatch):
+    from engine.models import routes
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("ENGINE_ROUTES", raising=False)
+    w = torch.randn(64, 128, generator=torch.Generator().manual_seed(1)) * 0.05
+    layers = [Linear(Int4Weight.from_dense(w)), Linear(Int4Weight.from_dense(w)), Linear(Int8Weight.from_dense(w))]
+    calls = []
+    best = ["int16"] * 3 + ["blas"] * (len(routes.ROW_GRID) - 3)
+    monkeypatch.setattr(routes, "measure", lambda layer, available: calls.append(layer) or list(best))
+    table = routes.calibrate(layers, allow_approximate=False, num_threads=1)
+    assert len(calls) == 2 and len(table) == 2  # one measurement per distinct (layout, N, K)
+    assert [layers[0].route(m) for m in (1, 4, 5, 600)] == ["int16", "int16", "blas", "blas"]
+    assert set(routes.summary(table).values()) == {"1-4 int16, 5+ blas"}
+    calls.clear()
+    fresh = [Linear(Int4Weight.from_dense(w))]
+    assert routes.calibrate(fresh, allow_approximate=False, num_threads=1) == {list(table)[0]: best}
+    assert not calls and fresh[0].route(600) == "blas"  # read from the per-machine cache
+    exact = Linear(Int4Weight.from_dense(w), exact=True)
+    routes.calibrate([exact], allow_approximate=False, num_threads=1)
+    assert exact.route(1) == "blas"  # exact products never take a table's route
+    monkeypatch.setenv("ENGINE_ROUTES", "fixed")
+    assert routes.calibrate([Linear(Int4Weight.from_dense(w))], allow_approximate=False, num_threads=1) == {}
+
+
+def test_measured_routes_are_ones_this_cpu_runs():
+    from engine.models import routes
+
+    w = torch.randn(96, 128, generator=torch.Generator().manual_seed(4)) * 0.05
+    layer = Linear(Int4Weight.from_dense(w))
+    available = routes.available_routes(allow_approximate=True)
+    best = routes.measure(layer, available, grid=(1, 64), rounds=1)
+    assert len(best) == 2 and set(best) <= set(available)
+    assert ("amx" in available) == ("amx_bf16" in cpu.features())
+    part = layer.row_slice(40)
+    x = torch.randn(3, 128)
+    torch.testing.assert_close(part(x), layer(x)[:, :40], atol=0, rtol=0)

@@ -288,7 +288,8 @@ static int ensure_workers(int wanted) {
  * several Python threads at once are serialised by job_mutex. */
 static pthread_mutex_t job_mutex = PTHREAD_MUTEX_INITIALIZER;
 
-int cpu_parallel_for(CpuRangeFn fn, const void *args, int64_t num_items, int64_t work, size_t scratch_floats) {
+int cpu_parallel_for(CpuRangeFn fn, const void *args, int64_t num_items, int64_t work,
+                     size_t scratch_floats) {
     int num_threads = __atomic_load_n(&pool.num_threads, __ATOMIC_RELAXED);
     if (num_threads <= 1 || work < cpu_parallel_threshold() || num_items < 2 || num_items > 0x7fffffff) {
         float *buf = cpu_scratch(scratch_floats);
@@ -335,7 +336,9 @@ int cpu_set_num_threads(int num_threads) {
 }
 
 int cpu_num_threads(void) { return __atomic_load_n(&pool.num_threads, __ATOMIC_RELAXED); }
-void cpu_set_parallel_threshold(int64_t work) { __atomic_store_n(&parallel_threshold, work, __ATOMIC_RELAXED); }
+void cpu_set_parallel_threshold(int64_t work) {
+    __atomic_store_n(&parallel_threshold, work, __ATOMIC_RELAXED);
+}
 int64_t cpu_parallel_threshold(void) { return __atomic_load_n(&parallel_threshold, __ATOMIC_RELAXED); }
 void cpu_set_spin_ns(int64_t ns) { __atomic_store_n(&spin_ns, ns < 0 ? 0 : ns, __ATOMIC_RELAXED); }
 int64_t cpu_get_spin_ns(void) { return __atomic_load_n(&spin_ns, __ATOMIC_RELAXED); }

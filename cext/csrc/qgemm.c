@@ -169,379 +169,54 @@ static void q8_range_scalar(const void *p, int64_t n0, int64_t n1, float *scratc
     }
 }
 
-/* ---- AVX2 kernels ---- */
+/* A dequantize call: rows [first, first + count) of W -> out. */
+typedef struct {
+    int format, half, has_mins; const uint8_t *w; const int8_t *w8; const uint8_t *scales;
+    int64_t first, num_cols; void *out; int out_dtype;
+} DqArgs;
+
+/* ---- x86 kernels: one source (qgemm_x86.h), two variants ---- */
 
 #ifdef QG_HAVE_X86
-__attribute__((target("avx2,fma,f16c"))) static inline float hsum_avx2(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
+#define QG_CAT2(a, b) a##_##b
+#define QG_CAT(a, b) QG_CAT2(a, b)
+#define QG_FN(name) QG_CAT(name, QG_SUFFIX)
+#define QG_ALWAYS_INLINE __attribute__((always_inline))
+#define QG_LOAD16(p) _mm256_loadu_si256((const __m256i *)(p))
 
-/* The weight bytes QG_PREFETCH_BYTES ahead of this pass (one pass's worth, not beyond
- * `end`): a pass reads only QG_NR short rows (576 bytes each for SmolLM2's head), too little
- * for the hardware prefetcher to run ahead of. On SmolLM2's int8 head at batch 1 this took
- * the product from ~5.0 to ~2.0-3.3 ms (the distance: best of 2-24 passes tried). */
-#define QG_PREFETCH_BYTES 24576
-__attribute__((target("avx2,fma,f16c"))) static inline void prefetch_ahead(const uint8_t *at, int64_t bytes,
-                                                                          const uint8_t *end) {
-    const uint8_t *from = at + QG_PREFETCH_BYTES, *to = from + bytes;
-    if (to > end) to = end;
-    for (const uint8_t *p = from; p < to; p += 64) _mm_prefetch((const char *)p, _MM_HINT_T0);
-}
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+#define QG_SUFFIX avx2
+#define QG_DOT2(a, x, b, y) _mm256_add_epi32(_mm256_madd_epi16(a, x), _mm256_madd_epi16(b, y))
+#define QG_FVEC __m256
+#define QG_FLANES 8
+#define QG_FZERO() _mm256_setzero_ps()
+#define QG_FLOAD(p) _mm256_loadu_ps(p)
+#define QG_FFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define QG_FHSUM(v) hsum_avx2(v)
+#include "qgemm_x86.h"
+#undef QG_SUFFIX
+#undef QG_DOT2
+#undef QG_FVEC
+#undef QG_FLANES
+#undef QG_FZERO
+#undef QG_FLOAD
+#undef QG_FFMA
+#undef QG_FHSUM
+#pragma GCC pop_options
 
-/* Both kernels take QG_NR weight rows x up to QG_TR activation rows per pass: QG_NR * QG_TR
- * independent accumulators (one FMA chain each, so a single activation row still keeps the
- * FMA units busy), the activation block loaded once per pass and shared by the weight rows. */
-#define QG_NR 4
-#define QG_TR 2
-
-/* One pass: weight rows n .. n + nr - 1 (pointers in d, m, codes) x activation rows
- * i0 .. i0 + TR - 1. TR is a constant at each call site, so the loops over it unroll. */
-/* 8 scales or mins of a Q4 row from block b (fp16 or float32). */
-__attribute__((target("avx2,fma,f16c"))) static inline __m256 q4_load8(const uint8_t *p, int64_t b, int half) {
-    if (half) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + b * 2)));
-    return _mm256_loadu_ps((const float *)p + b);
-}
-
-__attribute__((target("avx2,fma,f16c"))) static inline float block_scale_f16c(const uint8_t *row, int64_t nb, int64_t b,
-                                                                          int half, int which) {
-    if (half) {
-        uint16_t h;
-        memcpy(&h, row + (which * nb + b) * 2, 2);
-        return _cvtsh_ss(h);
-    }
-    return block_scale(row, nb, b, half, which);
-}
-
-/* A Q4 (or Q5: HIGH) pair's 64 codes as four runs of 16 int16 (elements 0-15, 16-31, 32-47, 48-63). */
-__attribute__((target("avx2,fma,f16c"), always_inline)) static inline void q45_decode_pair(
-        const uint8_t *pair, const int HIGH, __m256i w[4]) {
-    const __m256i v = _mm256_loadu_si256((const __m256i *)pair);
-    if (HIGH) { /* Q5: word i = c3 (bits 11-15), c2 (6-10), c1 (1-5), c0's sign bit (0); the
-                 * nibble after: c0's low 4 bits. Arithmetic shifts sign-extend each field. */
-        const __m128i p = _mm_loadl_epi64((const __m128i *)(pair + 32));
-        const __m256i low = _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_unpacklo_epi8(_mm_slli_epi16(p, 4), p)), 7);
-        w[0] = _mm256_srai_epi16(_mm256_or_si256(_mm256_slli_epi16(v, 15), low), 11);  /* bits 7-10: don't care */
-        w[1] = _mm256_srai_epi16(_mm256_slli_epi16(v, 10), 11);
-        w[2] = _mm256_srai_epi16(_mm256_slli_epi16(v, 5), 11);
-        w[3] = _mm256_srai_epi16(v, 11);
-    } else {
-        const __m256i nibble = _mm256_set1_epi16(0x000F);
-        w[0] = _mm256_and_si256(v, nibble);
-        w[1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
-        w[2] = _mm256_and_si256(_mm256_srli_epi16(v, 8), nibble);  /* block b + 1 */
-        w[3] = _mm256_srli_epi16(v, 12);
-    }
-}
-
-/* One pass: QG_NR weight rows x TR activation rows. The weights come decoded from `decoded`
- * ([QG_NR][K] int16, filled once per pass when there are more than QG_TR activation rows, so
- * the decode is not repeated for every pair of them) or, when it is NULL, straight from the
- * codes. */
-__attribute__((target("avx2,fma,f16c"), always_inline)) static inline void q4_tile_avx2(
-        const QArgs *a, int64_t n, int nr, int64_t i0, const int TR, const int HIGH, const uint8_t *const *rows,
-        float *scales, const int16_t *decoded) {
-    const int64_t K = a->num_cols, nb = K / QK_BLOCK;
-    const int half = a->half;
-    const int64_t pair_bytes = q4_pair_bytes(HIGH);
-    const int16_t *xrow[QG_TR];
-    const uint8_t *codes[QG_NR];
-    float macc[QG_NR][QG_TR];
-    __m256 acc[QG_NR][QG_TR];
-    for (int k = 0; k < QG_NR; k++) codes[k] = rows[k] + q4_codes_offset(nb, half, a->has_mins);
-    for (int r = 0; r < TR; r++) {
-        xrow[r] = a->qx + (i0 + r) * K;
-        const float *dx = a->dx + (i0 + r) * nb, *sx = a->sx + (i0 + r) * nb;
-        for (int k = 0; k < QG_NR; k++) {
-            const uint8_t *d = rows[k], *m = rows[k] + nb * (half ? 2 : 4);
-            float *sc = scales + (k * QG_TR + r) * nb;
-            __m256 mv = _mm256_setzero_ps();
-            int64_t b = 0;
-            for (; b + 8 <= nb; b += 8) {
-                _mm256_storeu_ps(sc + b, _mm256_mul_ps(q4_load8(d, b, half), _mm256_loadu_ps(dx + b)));
-                if (a->has_mins) mv = _mm256_fmadd_ps(q4_load8(m, b, half), _mm256_loadu_ps(sx + b), mv);
-            }
-            float mm = hsum_avx2(mv);
-            for (; b < nb; b++) { /* the tail (K = 896: 4 of 28 blocks) with F16C, not the portable conversion */
-                sc[b] = block_scale_f16c(rows[k], nb, b, half, 0) * dx[b];
-                if (a->has_mins) mm += block_scale_f16c(rows[k], nb, b, half, 1) * sx[b];
-            }
-            macc[k][r] = mm;
-            acc[k][r] = _mm256_setzero_ps();
-        }
-    }
-    for (int64_t b = 0; b < nb; b += 2) {
-        for (int k = 0; k < QG_NR; k++) {
-            __m256i w[4];
-            if (decoded != NULL) {
-                const int16_t *dw = decoded + k * K + b * QK_BLOCK;
-                for (int j = 0; j < 4; j++) w[j] = _mm256_loadu_si256((const __m256i *)(dw + 16 * j));
-            } else {
-                q45_decode_pair(codes[k] + (b / 2) * pair_bytes, HIGH, w);
-            }
-            const __m256i w00 = w[0], w01 = w[1], w10 = w[2], w11 = w[3];
-            for (int r = 0; r < TR; r++) {
-                const int16_t *x = xrow[r] + b * QK_BLOCK;
-                const float *sc = scales + (k * QG_TR + r) * nb + b;
-                const __m256i p0 = _mm256_add_epi32(_mm256_madd_epi16(w00, _mm256_loadu_si256((const __m256i *)x)),
-                                                    _mm256_madd_epi16(w01, _mm256_loadu_si256((const __m256i *)(x + 16))));
-                const __m256i p1 = _mm256_add_epi32(_mm256_madd_epi16(w10, _mm256_loadu_si256((const __m256i *)(x + 32))),
-                                                    _mm256_madd_epi16(w11, _mm256_loadu_si256((const __m256i *)(x + 48))));
-                acc[k][r] = _mm256_fmadd_ps(_mm256_broadcast_ss(sc), _mm256_cvtepi32_ps(p0), acc[k][r]);
-                acc[k][r] = _mm256_fmadd_ps(_mm256_broadcast_ss(sc + 1), _mm256_cvtepi32_ps(p1), acc[k][r]);
-            }
-        }
-    }
-    for (int k = 0; k < nr; k++)
-        for (int r = 0; r < TR; r++) {
-            const float bias = a->bias ? a->bias[n + k] : 0.0f;
-            store_out(a, i0 + r, n + k, hsum_avx2(acc[k][r]) + macc[k][r] + bias);
-        }
-}
-
-/* ---- the float path (many activation rows) ----
- * With QG_FLOAT_ROWS or more activation rows a product is bound by arithmetic, not by the
- * weights' bytes, and the integer tiles spend as many instructions per block on the float
- * epilogue (convert, scale, FMA per block of 32 and row pair) as on the multiply-adds. There,
- * each pass decodes its QG_NR weight rows once into float32 scratch (w = d * c + m: the
- * dequantized weights) and runs plain FMAs against the float32 activations, QG_NR x QG_FR
- * accumulators: no activation quantization, 8 multiply-adds per FMA at two FMAs a cycle. */
-#define QG_FR 3
-
-__attribute__((target("avx2,fma,f16c"), always_inline)) static inline void float_tile_avx2(
-        const QArgs *a, int64_t n, int nr, int64_t i0, const int TR, const float *w) {
-    const int64_t K = a->num_cols;
-    const float *x[QG_FR];
-    __m256 acc[QG_NR][QG_FR];
-    for (int r = 0; r < TR; r++) x[r] = a->xf + (i0 + r) * K;
-    for (int k = 0; k < QG_NR; k++)
-        for (int r = 0; r < TR; r++) acc[k][r] = _mm256_setzero_ps();
-    for (int64_t j = 0; j < K; j += 8) {
-        __m256 xv[QG_FR];
-        for (int r = 0; r < TR; r++) xv[r] = _mm256_loadu_ps(x[r] + j);
-        for (int k = 0; k < QG_NR; k++) {
-            const __m256 wv = _mm256_loadu_ps(w + k * K + j);
-            for (int r = 0; r < TR; r++) acc[k][r] = _mm256_fmadd_ps(wv, xv[r], acc[k][r]);
-        }
-    }
-    for (int k = 0; k < nr; k++)
-        for (int r = 0; r < TR; r++) {
-            const float bias = a->bias ? a->bias[n + k] : 0.0f;
-            store_out(a, i0 + r, n + k, hsum_avx2(acc[k][r]) + bias);
-        }
-}
-
-/* Every activation row against the QG_NR weight rows decoded at w ([QG_NR][K] float32). */
-__attribute__((target("avx2,fma,f16c"))) static void float_rows_avx2(const QArgs *a, int64_t n, int nr,
-                                                                    const float *w) {
-    int64_t i0 = 0;
-    /* tiles of 3 rows, the last 4 as 2 + 2 (a 1-row tile runs 4 FMA chains for 5 loads) */
-    for (; a->num_rows - i0 == 3 || a->num_rows - i0 > 4; i0 += QG_FR) float_tile_avx2(a, n, nr, i0, QG_FR, w);
-    for (; a->num_rows - i0 >= 2; i0 += 2) float_tile_avx2(a, n, nr, i0, 2, w);
-    if (i0 < a->num_rows) float_tile_avx2(a, n, nr, i0, 1, w);
-}
-
-/* 16 int16 codes -> two float32 vectors d * c + m at out, in the float path's order: each run
- * of 16 elements is stored as elements 0-3, 8-11, then 4-7, 12-15 (what unpacking the words
- * into the high halves of 32-bit lanes gives, with no lane crossing: the lanes hold c * 65536,
- * so d arrives scaled by 2^-16); the activations are laid out in the same order (run()), and
- * a dot product does not depend on the order of its terms' pairs. */
-#define QG_UNPACK_SCALE (1.0f / 65536.0f)
-
-__attribute__((target("avx2,fma,f16c"), always_inline)) static inline void codes16_to_float(
-        __m256i c, __m256 d, __m256 m, float *out) {
-    const __m256i zero = _mm256_setzero_si256();
-    const __m256 lo = _mm256_cvtepi32_ps(_mm256_unpacklo_epi16(zero, c));
-    const __m256 hi = _mm256_cvtepi32_ps(_mm256_unpackhi_epi16(zero, c));
-    _mm256_storeu_ps(out, _mm256_fmadd_ps(lo, d, m));
-    _mm256_storeu_ps(out + 8, _mm256_fmadd_ps(hi, d, m));
-}
-
-/* A row's nb scales (or mins) as float32 times `mul` into out (fp16 or float32 source). */
-__attribute__((target("avx2,fma,f16c"), always_inline)) static inline void scales_to_float(const uint8_t *p, int64_t nb, int half,
-                                                                    float mul, float *out) {
-    int64_t b = 0;
-    for (; b + 8 <= nb; b += 8) _mm256_storeu_ps(out + b, _mm256_mul_ps(q4_load8(p, b, half), _mm256_set1_ps(mul)));
-    for (; b < nb; b++) {
-        float v;
-        if (half) {
-            uint16_t h;
-            memcpy(&h, p + b * 2, 2);
-            v = _cvtsh_ss(h);
-        } else {
-            memcpy(&v, p + b * 4, 4);
-        }
-        out[b] = v * mul;
-    }
-}
-
-/* A Q4/Q5 row -> float32 out [K] in the float path's order: w = d * c + m per block (m = 0
- * without mins). sm: 2 * nb floats of scratch for the row's scales and mins. */
-__attribute__((target("avx2,fma,f16c"))) static void q45_row_to_float(const QArgs *a, const uint8_t *row,
-                                                                     float *sm, float *out) {
-    const int64_t K = a->num_cols, nb = K / QK_BLOCK, pair_bytes = q4_pair_bytes(a->high);
-    const uint8_t *codes = row + q4_codes_offset(nb, a->half, a->has_mins);
-    scales_to_float(row, nb, a->half, QG_UNPACK_SCALE, sm);
-    if (a->has_mins) scales_to_float(row + nb * (a->half ? 2 : 4), nb, a->half, 1.0f, sm + nb);
-    for (int64_t p = 0; p < nb / 2; p++) {
-        __m256i w[4];
-        if (a->high) q45_decode_pair(codes + p * pair_bytes, 1, w);
-        else q45_decode_pair(codes + p * pair_bytes, 0, w);
-        for (int half_pair = 0; half_pair < 2; half_pair++) {
-            const int64_t b = 2 * p + half_pair;
-            const __m256 d = _mm256_broadcast_ss(sm + b);
-            const __m256 m = a->has_mins ? _mm256_broadcast_ss(sm + nb + b) : _mm256_setzero_ps();
-            codes16_to_float(w[2 * half_pair], d, m, out + b * QK_BLOCK);
-            codes16_to_float(w[2 * half_pair + 1], d, m, out + b * QK_BLOCK + 16);
-        }
-    }
-}
-
-/* A Q8 row -> float32 out [K] in the float path's order: w = q * scale per block. sm: nb
- * floats of scratch for the row's scales. */
-__attribute__((target("avx2,fma,f16c"))) static void q8_row_to_float(const QArgs *a, const int8_t *row,
-                                                                    const uint8_t *scales, float *sm, float *out) {
-    const int64_t nb = a->num_cols / QK_BLOCK;
-    const __m256 zero = _mm256_setzero_ps();
-    scales_to_float(scales, nb, a->half, QG_UNPACK_SCALE, sm);
-    for (int64_t b = 0; b < nb; b++) {
-        const __m256i v = _mm256_loadu_si256((const __m256i *)(row + b * QK_BLOCK));
-        const __m256 d = _mm256_broadcast_ss(sm + b);
-        codes16_to_float(_mm256_srai_epi16(_mm256_slli_epi16(v, 8), 8), d, zero, out + b * QK_BLOCK);
-        codes16_to_float(_mm256_srai_epi16(v, 8), d, zero, out + b * QK_BLOCK + 16);
-    }
-}
-
-__attribute__((target("avx2,fma,f16c"))) static void q4_range_avx2(const void *p, int64_t n0, int64_t n1,
-                                                                  float *scratch) {
-    const QArgs *a = (const QArgs *)p;
-    const int64_t row_bytes = q4_row_bytes(a->num_cols / QK_BLOCK, a->half, a->high, a->has_mins);
-    for (int64_t n = n0; n < n1; n += QG_NR) {
-        const int nr = n1 - n < QG_NR ? (int)(n1 - n) : QG_NR;
-        const uint8_t *rows[QG_NR];
-        for (int k = 0; k < QG_NR; k++) rows[k] = a->blocks + (n + (k < nr ? k : 0)) * row_bytes;
-        prefetch_ahead(a->blocks + n * row_bytes, QG_NR * row_bytes, a->blocks + n1 * row_bytes);
-        if (a->xf != NULL) {
-            float *sm = scratch + QG_NR * a->num_cols;
-            for (int k = 0; k < QG_NR; k++) q45_row_to_float(a, rows[k], sm, scratch + k * a->num_cols);
-            float_rows_avx2(a, n, nr, scratch);
-            continue;
-        }
-        int64_t i0 = 0;
-        int16_t *decoded = NULL;
-        if (a->num_rows > QG_TR) { /* decode the pass's rows once for all the activation rows */
-            const int64_t K = a->num_cols, pair_bytes = q4_pair_bytes(a->high);
-            decoded = (int16_t *)(scratch + QG_NR * QG_TR * (K / QK_BLOCK));
-            for (int k = 0; k < QG_NR; k++) {
-                const uint8_t *codes = rows[k] + q4_codes_offset(K / QK_BLOCK, a->half, a->has_mins);
-                for (int64_t p = 0; p < K / (2 * QK_BLOCK); p++) {
-                    __m256i w[4];
-                    if (a->high) q45_decode_pair(codes + p * pair_bytes, 1, w);
-                    else q45_decode_pair(codes + p * pair_bytes, 0, w);
-                    for (int j = 0; j < 4; j++)
-                        _mm256_storeu_si256((__m256i *)(decoded + k * K + p * 2 * QK_BLOCK + 16 * j), w[j]);
-                }
-            }
-        }
-        if (a->high) {
-            for (; i0 + QG_TR <= a->num_rows; i0 += QG_TR) q4_tile_avx2(a, n, nr, i0, QG_TR, 1, rows, scratch, decoded);
-            if (i0 < a->num_rows) q4_tile_avx2(a, n, nr, i0, 1, 1, rows, scratch, decoded);
-        } else {
-            for (; i0 + QG_TR <= a->num_rows; i0 += QG_TR) q4_tile_avx2(a, n, nr, i0, QG_TR, 0, rows, scratch, decoded);
-            if (i0 < a->num_rows) q4_tile_avx2(a, n, nr, i0, 1, 0, rows, scratch, decoded);
-        }
-    }
-}
-
-__attribute__((target("avx2,fma,f16c"), always_inline)) static inline void q8_tile_avx2(
-        const QArgs *a, int64_t n, int nr, int64_t i0, const int TR, const int8_t *const *rows,
-        const uint8_t *const *wscales, float *scales) {
-    const int64_t nb = a->num_cols / QK_BLOCK;
-    __m256 acc[QG_NR][QG_TR];
-    for (int r = 0; r < TR; r++) {
-        const float *dx = a->dx + (i0 + r) * nb;
-        for (int k = 0; k < QG_NR; k++) {
-            float *sc = scales + (k * QG_TR + r) * nb;
-            int64_t b = 0;
-            for (; b + 8 <= nb; b += 8)
-                _mm256_storeu_ps(sc + b, _mm256_mul_ps(q4_load8(wscales[k], b, a->half), _mm256_loadu_ps(dx + b)));
-            for (; b < nb; b++) sc[b] = block_scale_f16c(wscales[k], nb, b, a->half, 0) * dx[b];
-            acc[k][r] = _mm256_setzero_ps();
-        }
-    }
-    for (int64_t b = 0; b < nb; b++) {
-        for (int k = 0; k < QG_NR; k++) {
-            const __m256i w = _mm256_loadu_si256((const __m256i *)(rows[k] + b * QK_BLOCK));
-            const __m256i w0 = _mm256_srai_epi16(_mm256_slli_epi16(w, 8), 8);  /* low bytes: elements 0..15 */
-            const __m256i w1 = _mm256_srai_epi16(w, 8);                         /* high bytes: 16..31 */
-            for (int r = 0; r < TR; r++) {
-                const int16_t *x = a->qx + (i0 + r) * a->num_cols + b * QK_BLOCK;
-                const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)x)),
-                                                     _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(x + 16))));
-                const float *sc = scales + (k * QG_TR + r) * nb + b;
-                acc[k][r] = _mm256_fmadd_ps(_mm256_broadcast_ss(sc), _mm256_cvtepi32_ps(dot), acc[k][r]);
-            }
-        }
-    }
-    for (int k = 0; k < nr; k++)
-        for (int r = 0; r < TR; r++) {
-            const float bias = a->bias ? a->bias[n + k] : 0.0f;
-            store_out(a, i0 + r, n + k, hsum_avx2(acc[k][r]) + bias);
-        }
-}
-
-__attribute__((target("avx2,fma,f16c"))) static void q8_range_avx2(const void *p, int64_t n0, int64_t n1,
-                                                                  float *scratch) {
-    const QArgs *a = (const QArgs *)p;
-    const int64_t nb = a->num_cols / QK_BLOCK;
-    for (int64_t n = n0; n < n1; n += QG_NR) {
-        const int nr = n1 - n < QG_NR ? (int)(n1 - n) : QG_NR;
-        const int8_t *rows[QG_NR];
-        const uint8_t *wscales[QG_NR];
-        for (int k = 0; k < QG_NR; k++) {
-            const int64_t row = n + (k < nr ? k : 0);
-            rows[k] = a->q8 + row * a->num_cols;
-            wscales[k] = a->scales + row * nb * (a->half ? 2 : 4);
-        }
-        prefetch_ahead((const uint8_t *)a->q8 + n * a->num_cols, QG_NR * a->num_cols,
-                       (const uint8_t *)a->q8 + n1 * a->num_cols);
-        if (a->xf != NULL) {
-            float *sm = scratch + QG_NR * a->num_cols;
-            for (int k = 0; k < QG_NR; k++) q8_row_to_float(a, rows[k], wscales[k], sm, scratch + k * a->num_cols);
-            float_rows_avx2(a, n, nr, scratch);
-            continue;
-        }
-        int64_t i0 = 0;
-        for (; i0 + QG_TR <= a->num_rows; i0 += QG_TR) q8_tile_avx2(a, n, nr, i0, QG_TR, rows, wscales, scratch);
-        if (i0 < a->num_rows) q8_tile_avx2(a, n, nr, i0, 1, rows, wscales, scratch);
-    }
-}
-#endif
-
-/* x [M, K] (float32 or bfloat16, row stride x_stride) -> xf [M, K] float32 in the float path's
- * order: each run of 16 elements as elements 0-3, 8-11, 4-7, 12-15 (codes16_to_float). */
-#ifdef QG_HAVE_X86
-__attribute__((target("avx2,fma,f16c"))) static void float_rows_in_decoded_order(
-        const void *x, int64_t x_stride, int64_t M, int64_t K, int dtype, float *xf) {
-    for (int64_t i = 0; i < M; i++) {
-        for (int64_t j = 0; j < K; j += 16) {
-            __m256 lo, hi;  /* elements 0-7, 8-15 */
-            if (dtype == DT_FLOAT32) {
-                const float *src = (const float *)x + i * x_stride + j;
-                lo = _mm256_loadu_ps(src);
-                hi = _mm256_loadu_ps(src + 8);
-            } else {  /* bfloat16: the 16 bits above 16 zero bits */
-                const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)x + i * x_stride + j));
-                lo = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(h)), 16));
-                hi = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(h, 1)), 16));
-            }
-            _mm256_storeu_ps(xf + i * K + j, _mm256_permute2f128_ps(lo, hi, 0x20));      /* 0-3, 8-11 */
-            _mm256_storeu_ps(xf + i * K + j + 8, _mm256_permute2f128_ps(lo, hi, 0x31));  /* 4-7, 12-15 */
-        }
-    }
-}
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
+#define QG_SUFFIX avx512
+#define QG_DOT2(a, x, b, y) _mm256_dpwssd_epi32(_mm256_madd_epi16(a, x), b, y)
+#define QG_FVEC __m512
+#define QG_FLANES 16
+#define QG_FZERO() _mm512_setzero_ps()
+#define QG_FLOAD(p) _mm512_loadu_ps(p)
+#define QG_FFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define QG_FHSUM(v) _mm512_reduce_add_ps(v)
+#include "qgemm_x86.h"
+#pragma GCC pop_options
 #endif
 
 /* ---- entry points ---- */
@@ -552,16 +227,17 @@ void qg_set_float_rows(int64_t rows) { qg_float_rows = rows; }
 
 int64_t qg_get_float_rows(void) { return qg_float_rows; }
 
-static int run(QArgs *a, const void *x, int64_t x_stride, int is_q4) {
+static int run(QArgs *a, const void *x, int64_t x_stride, int is_q4, int route) {
     const int64_t M = a->num_rows, K = a->num_cols, nb = K / QK_BLOCK;
     if (K <= 0 || K % (is_q4 ? 2 * QK_BLOCK : QK_BLOCK) != 0) return QG_BAD_LENGTH;
     if (M <= 0 || a->num_out <= 0) return QG_OK;
     CpuRangeFn fn = is_q4 ? q4_range_scalar : q8_range_scalar;
     int use_float = 0;
 #ifdef QG_HAVE_X86
+    const int wide = cpu_allows(CPU_HAS_AVX512_VNNI);  /* the avx512 variant needs VNNI */
     if (cpu_isa() >= CPU_ISA_AVX2) {
-        fn = is_q4 ? q4_range_avx2 : q8_range_avx2;
-        use_float = M >= qg_float_rows;
+        fn = wide ? (is_q4 ? q4_range_avx512 : q8_range_avx512) : (is_q4 ? q4_range_avx2 : q8_range_avx2);
+        use_float = route == QG_ROUTE_FLOAT ? 1 : route == QG_ROUTE_INT ? 0 : M >= qg_float_rows;
     }
 #endif
     char *buf;
@@ -569,7 +245,8 @@ static int run(QArgs *a, const void *x, int64_t x_stride, int is_q4) {
         buf = (char *)malloc(sizeof(float) * (size_t)(M * K));
         if (buf == NULL) return QG_NO_MEMORY;
 #ifdef QG_HAVE_X86
-        float_rows_in_decoded_order(x, x_stride, M, K, a->dtype, (float *)buf);
+        if (wide) float_rows_in_decoded_order_avx512(x, x_stride, M, K, a->dtype, (float *)buf);
+        else float_rows_in_decoded_order_avx2(x, x_stride, M, K, a->dtype, (float *)buf);
 #endif
         a->xf = (const float *)buf;
     } else {
@@ -595,12 +272,12 @@ int qg_matmul(int layout, const void *x, int64_t x_stride, int64_t num_rows, int
     if (format == QG_Q8) {
         QArgs a = {NULL, NULL, NULL, NULL, num_rows, num_cols, NULL, half, 0, 0, (const int8_t *)w,
                    (const uint8_t *)scales, bias, y, y_stride, dtype, num_out};
-        return run(&a, x, x_stride, 0);
+        return run(&a, x, x_stride, 0, layout & (QG_ROUTE_INT | QG_ROUTE_FLOAT));
     }
     if (format != QG_Q4 && format != QG_Q5) return QG_BAD_LAYOUT;
     QArgs a = {NULL, NULL, NULL, NULL, num_rows, num_cols, (const uint8_t *)w, half, format == QG_Q5,
                !(layout & QG_NO_MINS), NULL, NULL, bias, y, y_stride, dtype, num_out};
-    return run(&a, x, x_stride, 1);
+    return run(&a, x, x_stride, 1, layout & (QG_ROUTE_INT | QG_ROUTE_FLOAT));
 }
 
 int qg_dequantize(int layout, const void *w, const void *scales, int64_t first, int64_t count,
@@ -610,6 +287,14 @@ int qg_dequantize(int layout, const void *w, const void *scales, int64_t first, 
     if (num_cols <= 0 || num_cols % ((format == QG_Q8 ? 1 : 2) * QK_BLOCK) != 0) return QG_BAD_LENGTH;
     const int64_t nb = num_cols / QK_BLOCK;
     const int high = format == QG_Q5, has_mins = !(layout & QG_NO_MINS);
+#ifdef QG_HAVE_X86
+    if (cpu_isa() >= CPU_ISA_AVX2) {  /* the same values, 16 at a time, rows across the pool */
+        DqArgs args = {format, half, has_mins, (const uint8_t *)w, (const int8_t *)w, (const uint8_t *)scales,
+                       first, num_cols, out, out_dtype};
+        CpuRangeFn fn = cpu_allows(CPU_HAS_AVX512_VNNI) ? dequantize_range_avx512 : dequantize_range_avx2;
+        return cpu_parallel_for(fn, &args, count, count * num_cols, 1) == CPU_OK ? QG_OK : QG_NO_MEMORY;
+    }
+#endif
     float v[QK_BLOCK];
     for (int64_t n = first; n < first + count; n++) {
         const int64_t at = (n - first) * num_cols;

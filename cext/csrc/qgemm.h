@@ -49,6 +49,10 @@ enum { QG_Q4 = 0, QG_Q5 = 1, QG_Q8 = 2 };
 #define QG_FORMAT_MASK 3
 #define QG_HALF 4     /* fp16 scales and mins */
 #define QG_NO_MINS 8  /* Q5 rows without mins */
+/* qg_matmul only: the route, else the integer route below qg_get_float_rows() rows and the
+ * float route from there (the float route needs AVX2: without it the integer route runs). */
+#define QG_ROUTE_INT 16
+#define QG_ROUTE_FLOAT 32
 
 /* Error codes (as cext.ops'): K not a multiple of the layout's block, a layout unknown, no memory. */
 enum { QG_OK = 0, QG_BAD_LENGTH = 4, QG_NO_MEMORY = 5, QG_BAD_LAYOUT = 6 };

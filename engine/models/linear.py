@@ -41,7 +41,8 @@ except ImportError:  # not built: quantized products dequantize the weight per c
 KERNEL_MAX_ROWS = 256
 INT_KERNEL_MAX_ROWS = 16  # without AVX2 there is no float path: the scalar kernels up to here
 # The kernels' layout codes (cext/csrc/qgemm.h's QG_*; tests/test_qgemm.py checks they agree).
-Q4, Q5, Q8, HALF, NO_MINS = 0, 1, 2, 4, 8
+Q4, Q5, Q8, HALF, NO_MINS, ROUTE_INT, ROUTE_FLOAT = 0, 1, 2, 4, 8, 16, 32
+AMX_ROWS = 1024  # output rows dequantized to bfloat16 at once on the amx route (1.8 MB at K = 896)
 DEQUANT_ROWS = 1024  # output rows dequantized at once for a prompt's product (4 MB of float32 at K = 896)
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -104,7 +105,7 @@ class Linear:
     """
 
     __slots__ = ("format", "out_features", "in_features", "bias", "dense", "dense_above_rows", "exact",
-                 "weight_dtype", "layout", "_rows", "_scales", "_int4")
+                 "weight_dtype", "layout", "_rows", "_scales", "_int4", "_route_grid", "_route_best")
 
     def __init__(self, weight: Weight, bias: torch.Tensor | None = None, pack: bool = True,
                  keep_dense: bool = False, exact: bool = False, dense_above_rows: int | None = None):
@@ -114,6 +115,7 @@ class Linear:
         self.exact = exact
         self.layout = None  # the qgemm layout of _rows (and _scales), None: no kernel layout
         self._rows = self._scales = self._int4 = None
+        self._route_grid = self._route_best = None  # engine.models.routes' table; None: the fixed thresholds
         if isinstance(weight, torch.Tensor):
             self.format = "dense"
             self.weight_dtype = weight.dtype
@@ -193,29 +195,78 @@ class Linear:
                          self.in_features, out.data_ptr())
         return out
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, in] -> [T, out]."""
-        if self.format == "dense":
-            return self.dense(x)
+    # ----- routes (engine.models.routes) -----
+    def row_slice(self, num_out: int) -> Linear:
+        """The same layer's first num_out output rows (sharing storage), for timing its routes."""
+        part = object.__new__(Linear)
+        for name in self.__slots__:
+            setattr(part, name, getattr(self, name))
+        part.out_features = num_out
+        part.dense = None
+        part._route_grid = part._route_best = None
+        if self._rows is not None:
+            part._rows = self._rows[:num_out]
+        if self._scales is not None:
+            part._scales = self._scales[:num_out]
+        if self.bias is not None:
+            part.bias = self.bias[:num_out]
+        if self._int4 is not None:
+            part._int4 = self._int4.map_rows(lambda t: t[:num_out])
+        return part
+
+    def set_routes(self, grid: tuple[int, ...], best: list[str]) -> None:
+        """The route for up to grid[i] rows is best[i] (beyond the last entry: the last route)."""
+        self._route_grid, self._route_best = tuple(grid), list(best)
+
+    def fixed_route(self, num_rows: int) -> str:
+        """The route without a measured table: the kernels up to KERNEL_MAX_ROWS rows (the
+        scalar ones up to INT_KERNEL_MAX_ROWS), float from qgemm.get_float_rows(), else blas."""
+        if self.exact or self.layout is None or qgemm is None:
+            return "blas"
+        if cpu.get_isa() == "baseline":
+            return "int16" if num_rows <= INT_KERNEL_MAX_ROWS else "blas"
+        if num_rows > KERNEL_MAX_ROWS:
+            return "blas"
+        return "float" if num_rows >= qgemm.get_float_rows() else "int16"
+
+    def route(self, num_rows: int) -> str:
+        if self._route_best is None or self.exact:
+            return self.fixed_route(num_rows)
+        for limit, route in zip(self._route_grid, self._route_best):
+            if num_rows <= limit:
+                return route
+        return self._route_best[-1]
+
+    def can_run(self, route: str, num_rows: int) -> bool:
+        if route == "blas":
+            return True
+        if self.layout is None or qgemm is None:
+            return False
+        if route == "float":
+            return cpu.get_isa() != "baseline"
+        if route == "amx":
+            return cpu.allows("amx_bf16")
+        return route == "int16"
+
+    def run(self, x: torch.Tensor, route: str) -> torch.Tensor:
+        """x [T, in] -> [T, out] through one route ("int16", "float", "amx" or "blas")."""
         num_rows = x.shape[0]
-        if self.dense is not None and num_rows > self.dense_above_rows:
-            return self.dense(x.float()).to(x.dtype)
-        code = _DTYPE_CODES.get(x.dtype)
-        if (not self.exact and self.layout is not None and qgemm is not None and code is not None
-                and (num_rows <= INT_KERNEL_MAX_ROWS
-                     or (num_rows <= KERNEL_MAX_ROWS and cpu.get_isa() != "baseline"))):
+        if route in ("int16", "float"):
+            code = _DTYPE_CODES.get(x.dtype)
+            if code is None:
+                x, code = x.float(), 0
             if x.stride(-1) != 1:
                 x = x.contiguous()
             y = torch.empty(num_rows, self.out_features, dtype=x.dtype)  # [T, N]
             bias = 0 if self.bias is None else self.bias.data_ptr()
             scales = 0 if self._scales is None else self._scales.data_ptr()
-            qgemm.matmul(self.layout, x.data_ptr(), x.stride(0), num_rows, self.in_features,
-                         self._rows.data_ptr(), scales, self.out_features, bias, y.data_ptr(), self.out_features,
-                         code)
+            layout = self.layout | (ROUTE_INT if route == "int16" else ROUTE_FLOAT)
+            qgemm.matmul(layout, x.data_ptr(), x.stride(0), num_rows, self.in_features, self._rows.data_ptr(),
+                         scales, self.out_features, bias, y.data_ptr(), self.out_features, code)
             return y
-        if self.exact:  # the exact product with the whole dequantized weight
-            return F.linear(x.float(), self.dequantize(), self.bias).to(x.dtype)
-        # Prompts: float32 products over DEQUANT_ROWS output rows at a time, so the dequantized
+        if route == "amx":
+            return self._bf16_product(x)
+        # blas: float32 products over DEQUANT_ROWS output rows at a time, so the dequantized
         # weight held at once is a few MB, not the layer (35 MB for Qwen2.5-0.5B's gate/up).
         x32 = x.float()
         y = torch.empty(num_rows, self.out_features, dtype=torch.float32)  # [T, N]
@@ -224,6 +275,36 @@ class Linear:
             bias = None if self.bias is None else self.bias[first:end]
             y[:, first:end] = F.linear(x32, self.dequantize(first, end), bias)
         return y.to(x.dtype)
+
+    def _bf16_product(self, x: torch.Tensor) -> torch.Tensor:
+        """The weights dequantized to bfloat16 AMX_ROWS output rows at a time and oneDNN's
+        bfloat16 matmul (AMX tiles): x, W and y rounded to bfloat16, float32 sums."""
+        num_rows = x.shape[0]
+        xb = x.to(torch.bfloat16)
+        y = torch.empty(num_rows, self.out_features, dtype=torch.float32)  # [T, N]
+        chunk = min(AMX_ROWS, self.out_features)
+        w = torch.empty(chunk, self.in_features, dtype=torch.bfloat16)  # [chunk, K]
+        scales = 0 if self._scales is None else self._scales.data_ptr()
+        for first in range(0, self.out_features, chunk):
+            count = min(chunk, self.out_features - first)
+            qgemm.dequantize(self.layout, self._rows.data_ptr(), scales, first, count, self.in_features,
+                             w.data_ptr(), qgemm.BFLOAT16)
+            # bfloat16 out: torch's CPU mm has no float32 output for bfloat16 inputs
+            y[:, first:first + count] = torch.mm(xb, w[:count].t())
+        if self.bias is not None:
+            y += self.bias
+        return y.to(x.dtype)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, in] -> [T, out]."""
+        if self.format == "dense":
+            return self.dense(x)
+        num_rows = x.shape[0]
+        if self.dense is not None and num_rows > self.dense_above_rows:
+            return self.dense(x.float()).to(x.dtype)
+        if self.exact:  # the exact product with the whole dequantized weight
+            return F.linear(x.float(), self.dequantize(), self.bias).to(x.dtype)
+        return self.run(x, self.route(num_rows))
 
 
 def _layout(fmt: int, half: bool, no_mins: bool = False) -> int:

@@ -14,6 +14,8 @@ Weights come in as a state dict with Hugging Face names (``model.layers.0.self_a
 """
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import replace
 
 import torch
@@ -21,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.batch import ForwardBatch
-from engine.models import fused
+from engine.models import fused, routes
 from engine.models.attention import AttentionPlan, PagedKVCache, paged_attention, plan_attention
 from engine.models.config import ModelConfig
 from engine.models.families import hf_layer_name
@@ -30,6 +32,7 @@ from engine.models.moe import MixtureOfExperts
 from engine.models.quant import Int8Weight, Weight, cat_rows
 from engine.models.rope import RotaryTable, apply_rope
 
+log = logging.getLogger("engine")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 REFINE_TOP_K = 64  # bfloat16: logits recomputed in float32 for this many best tokens per row
 
@@ -192,6 +195,7 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, state_dict: dict[str, Weight], dtype: str | torch.dtype = "float32",
                  rope_freq_factors: torch.Tensor | None = None, pack_weights: bool = True,
                  dense_above_rows: int | None = None, exact_products: bool = False,
+                 approximate_products: bool | None = None,
                  kv_cache_dtype: str | torch.dtype | None = None):
         """state_dict: Hugging Face names -> dense tensors, or the quantized formats of
         engine.models.quant (Int4Weight / Int5Weight / Int8Weight for projections; Int8Weight
@@ -201,7 +205,13 @@ class LlamaModel(nn.Module):
         dense_above_rows: quantized projections also keep a dense copy for larger products.
         exact_products: quantized products are the float32 products of the dequantized weights
         (else the C kernels of cext.qgemm, whose decode-sized batches quantize the activations
-        to int16 codes per block of 32: engine.models.linear), whatever the activation dtype."""
+        to int16 codes per block of 32: engine.models.linear), whatever the activation dtype.
+        approximate_products: the decoder layers' quantized products may take the amx route
+        (bfloat16 weights, activations and outputs on AMX tiles) at the row counts where it
+        measured fastest (engine.models.routes); the head's never do. None (the default): only
+        with ``ENGINE_AMX=1`` in the environment (opt-in: at a near-tie its rounding can swap
+        llama.cpp's 3rd and 4th token, tests/test_parity_engine.py). The routes chosen are in
+        ``product_routes``."""
         super().__init__()
         self.config = config
         self.dtype = resolve_dtype(dtype)
@@ -242,6 +252,17 @@ class LlamaModel(nn.Module):
         # the whole context's K and V, so at long contexts their bytes rival the weights'.
         self.kv_cache_dtype = self.dtype if kv_cache_dtype is None else _resolve_kv_dtype(kv_cache_dtype)
         self.use_fused = fused.default_enabled()  # C kernels between the matmuls (else the torch reference)
+        num_threads = torch.get_num_threads()
+        layers = [proj for layer in self.layers
+                  for proj in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+                  if proj is not None]  # MoE layers: no dense gate/up
+        if approximate_products is None:
+            approximate_products = os.environ.get("ENGINE_AMX") == "1"
+        allow_amx = approximate_products and not exact_products
+        self.product_routes = routes.calibrate(layers, allow_amx, num_threads)
+        self.product_routes.update(routes.calibrate([self.head_proj], False, num_threads))
+        if self.product_routes:
+            log.info("product routes (rows: route): %s", routes.describe(self.product_routes))
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [T] -> [T, E] in the model dtype."""

@@ -1,0 +1,185 @@
+"""Which route each quantized product takes, chosen by measurement at load.
+
+A quantized layer's product of M rows can run as:
+- ``int16``: the C kernels' integer route (activations quantized to int16 codes per block of
+  32, integer dot products: vpdpwssd on AVX-512 VNNI, madd on AVX2);
+- ``float``: the C kernels' float route (each pass's weight rows decoded once to float32,
+  FMAs 16 or 8 lanes wide): the exact float32 product of the dequantized weights;
+- ``amx``: the weights dequantized to bfloat16 a slice of rows at a time (C, all threads)
+  and oneDNN's bfloat16 matmul through torch, which runs on AMX tiles where the CPU has them:
+  bfloat16 weights, activations and outputs, float32 sums (not exact: see ``APPROXIMATE``;
+  only where the model allows it, LlamaModel's ``approximate_products`` / ``ENGINE_AMX=1``);
+- ``blas``: the weights dequantized to float32 a slice at a time and the float32 BLAS.
+
+``calibrate`` times every route the CPU has on each distinct (layout, N, K) at the row counts
+of ``ROW_GRID`` on a slice of its rows (0.25-2.7 s per shape measured on the shared 2-vCPU
+Xeon at load average ~18) and keeps the fastest per row count; the table is cached per machine
+(CPU model, features, threads, torch) in the user cache dir, so later loads skip the timing.
+``ENGINE_ROUTES=fixed`` keeps the fixed thresholds (engine.models.linear), and
+``ENGINE_ROUTES=recalibrate`` measures again.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("engine")
+
+ROW_GRID = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+EXACT_ROUTES = ("int16", "float", "blas")  # int16: activations within 2^-15 per element
+APPROXIMATE = ("amx",)  # bfloat16 weights and activations: 8 mantissa bits
+CACHE_VERSION = 3
+PROXY_ROWS = 256  # output rows a shape is timed on
+
+
+def available_routes(allow_approximate: bool) -> tuple[str, ...]:
+    """The routes this CPU and build can run (amx: the CPU has AMX bf16 and torch's oneDNN)."""
+    try:
+        from cext import cpu
+    except ImportError:
+        return ("blas",)
+    routes = ["int16"] + (["float"] if cpu.get_isa() != "baseline" else []) + ["blas"]
+    if allow_approximate and cpu.allows("amx_bf16") and torch.backends.mkldnn.is_available():
+        routes.append("amx")
+    return tuple(routes)
+
+
+def _machine_key(num_threads: int) -> str:
+    from cext import cpu
+
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = (line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+            model = next(names, model)
+    except OSError:
+        pass
+    features = ",".join(cpu.features())
+    return f"{model}|{features}|isa={cpu.get_isa()}|threads={num_threads}|torch={torch.__version__}"
+
+
+def _cache_path() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "llm-engine" / "product_routes.json"
+
+
+def _load_cache(key: str) -> dict:
+    try:
+        data = json.loads(_cache_path().read_text())
+    except (OSError, ValueError):
+        return {}
+    if data.get("version") != CACHE_VERSION:
+        return {}
+    return data.get("machines", {}).get(hashlib.sha1(key.encode()).hexdigest(), {})
+
+
+def _store_cache(key: str, table: dict) -> None:
+    path = _cache_path()
+    try:
+        data = json.loads(path.read_text())
+        if data.get("version") != CACHE_VERSION:
+            data = {}
+    except (OSError, ValueError):
+        data = {}
+    data.setdefault("machines", {})[hashlib.sha1(key.encode()).hexdigest()] = table
+    data["version"] = CACHE_VERSION
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+        tmp.replace(path)
+    except OSError as exc:  # a read-only home: measure again next time
+        log.debug("product routes not cached: %s", exc)
+
+
+def _clock():
+    """The calling thread's CPU time when every kernel runs on it, else wall time."""
+    from cext import cpu
+
+    if cpu.get_num_threads() == 1 and torch.get_num_threads() == 1:
+        return time.thread_time
+    return time.perf_counter
+
+
+def measure(layer, routes: tuple[str, ...], grid: tuple[int, ...] = ROW_GRID,
+            rounds: int = 2) -> list[str]:
+    """The fastest of `routes` for `layer` (a quantized Linear) at each row count of grid.
+
+    Timed on the first PROXY_ROWS output rows (every route's time grows linearly with the
+    output rows past a few hundred), each route once per round with the rounds interleaved and
+    the minimum kept (a busy neighbour only adds time), after one warm-up call (oneDNN builds
+    its kernel for a shape on the first). With one thread the clock is the thread's CPU time,
+    which a neighbour that preempts us does not inflate (the machine may be shared)."""
+    proxy = layer.row_slice(min(layer.out_features, PROXY_ROWS))
+    clock = _clock()
+    gen = torch.Generator().manual_seed(0)
+    best = []
+    for num_rows in grid:
+        x = torch.randn(num_rows, layer.in_features, generator=gen)
+        candidates = [r for r in routes if proxy.can_run(r, num_rows)]
+        times = dict.fromkeys(candidates, float("inf"))
+        for route in candidates:
+            proxy.run(x, route)
+        for _ in range(rounds):
+            for route in candidates:
+                start = clock()
+                proxy.run(x, route)
+                times[route] = min(times[route], clock() - start)
+        best.append(min(times, key=times.get))
+    return best
+
+
+def calibrate(layers, allow_approximate: bool, num_threads: int) -> dict[str, list[str]]:
+    """Give each quantized layer its route table (one measurement per distinct shape, cached per
+    machine) -> {"layout NxK": [route per ROW_GRID entry]} for the logs and Engine.stats()."""
+    mode = os.environ.get("ENGINE_ROUTES", "")
+    routes = available_routes(allow_approximate)
+    if mode == "fixed" or routes == ("blas",):
+        return {}
+    key = f"{_machine_key(num_threads)}|routes={','.join(routes)}"
+    cached = {} if mode == "recalibrate" else _load_cache(key)
+    table: dict[str, list[str]] = {}
+    start = time.perf_counter()
+    measured = 0
+    for layer in layers:
+        if layer.layout is None or layer.exact:
+            continue
+        shape = f"{layer.layout} {layer.out_features}x{layer.in_features}"
+        if shape not in table:
+            if shape in cached and len(cached[shape]) == len(ROW_GRID):
+                table[shape] = cached[shape]
+            else:
+                table[shape] = measure(layer, routes)
+                measured += 1
+        layer.set_routes(ROW_GRID, table[shape])
+    if measured:
+        _store_cache(key, {**cached, **table})
+        log.info("product routes measured for %d shape(s) in %.2f s", measured, time.perf_counter() - start)
+    return table
+
+
+def summary(table: dict[str, list[str]]) -> dict[str, str]:
+    """{shape: where the route changes}, e.g. {"0 3072x576": "1-4 int16, 5-128 float, 129+ amx"}."""
+    out = {}
+    for shape, best in sorted(table.items()):
+        spans, begin = [], 0
+        for i in range(1, len(best) + 1):
+            if i == len(best) or best[i] != best[begin]:
+                low = 1 if begin == 0 else ROW_GRID[begin - 1] + 1
+                high = "+" if i == len(best) else f"-{ROW_GRID[i - 1]}"
+                spans.append(f"{low}{high} {best[begin]}")
+                begin = i
+        out[shape] = ", ".join(spans)
+    return out
+
+
+def describe(table: dict[str, list[str]]) -> str:
+    """The summary on one line, for the start-up log."""
+    return "; ".join(f"{shape}: {spans}" for shape, spans in summary(table).items())
