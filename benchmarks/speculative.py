@@ -70,14 +70,16 @@ def run_one(eng: Engine, prompt: str, max_tokens: int) -> tuple[list[int], float
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None, help="GGUF file or HF directory (default: the embedded model)")
+    parser.add_argument("--model", default=None,
+                        help="GGUF file or HF directory (default: the embedded model)")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("-k", "--num-speculative-tokens", type=int, default=4)
     args = parser.parse_args()
     load_before = os.getloadavg()
     plain = Engine.from_pretrained(args.model)
-    fast = Engine.from_pretrained(args.model, speculative="ngram", num_speculative_tokens=args.num_speculative_tokens)
+    fast = Engine.from_pretrained(args.model, speculative="ngram",
+                                  num_speculative_tokens=args.num_speculative_tokens)
     rows, results = [], {}
     try:
         run_one(plain, "Hello", 8), run_one(fast, "Hello", 8)  # warm-up
@@ -107,7 +109,8 @@ def main() -> None:
             results[task] = {
                 "tok_s": stats, "ratio_e2e": summarize(ratio_e2e), "ratio_decode": summarize(ratio_dec),
                 "acceptance_rate": accepted / drafts if drafts else 0.0, "draft_tokens": drafts,
-                "accepted_tokens": accepted, "mismatches": mismatches, "mean_tokens": num_tokens / len(e2e["plain"]),
+                "accepted_tokens": accepted, "mismatches": mismatches,
+                "mean_tokens": num_tokens / len(e2e["plain"]),
             }
             rows.append([
                 task, fmt_stats(stats["e2e"]["plain"]), fmt_stats(stats["e2e"]["ngram"]),
@@ -121,8 +124,8 @@ def main() -> None:
         fast.close()
     load_after = os.getloadavg()
     print_table(
-        ["task", "e2e plain tok/s", "e2e ngram tok/s", "e2e ratio", "decode plain tok/s", "decode ngram tok/s",
-         "decode ratio", "accept rate", "draft/accepted", "mismatches"],
+        ["task", "e2e plain tok/s", "e2e ngram tok/s", "e2e ratio", "decode plain tok/s",
+         "decode ngram tok/s", "decode ratio", "accept rate", "draft/accepted", "mismatches"],
         rows,
         title=f"one stream, greedy, max_tokens={args.max_tokens}, k={args.num_speculative_tokens}, "
               f"{args.repeats} repeats x 4 prompts, interleaved; medians (min-max)",
@@ -135,7 +138,8 @@ def main() -> None:
         n = cur - prev
         results[task]["proposals"] = n
         results[task]["mean_accepted_per_proposal"] = accepted / n if n else 0.0
-        print(f"{task}: {n} proposals, mean accepted length {results[task]['mean_accepted_per_proposal']:.2f} "
+        mean = results[task]["mean_accepted_per_proposal"]
+        print(f"{task}: {n} proposals, mean accepted length {mean:.2f} "
               f"of up to {args.num_speculative_tokens}")
     path = write_json("speculative", {"args": vars(args), "environment": environment(),
                                       "load_average_before": load_before, "load_average_after": load_after,

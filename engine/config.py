@@ -84,7 +84,8 @@ class EngineConfig:
                 f"enable_prefix_caching must be a boolean, got {self.enable_prefix_caching!r}", "enable_prefix_caching")
         if self.speculative is not None and self.speculative not in SPECULATIVE:
             raise InvalidParameterError(
-                f"speculative must be None or one of {', '.join(SPECULATIVE)}, got {self.speculative!r}", "speculative")
+                f"speculative must be None or one of {', '.join(SPECULATIVE)}, got {self.speculative!r}",
+                "speculative")
         if self.speculative in ("draft", "auto"):
             raise InvalidParameterError(
                 f"speculative={self.speculative!r} is not supported yet; use 'ngram'", "speculative")

@@ -66,11 +66,13 @@ def test_default_model_stops_and_max_tokens_mid_run(engines):
         cut = len(c.text) // 2
         stop = c.text[cut : cut + 4]
         for params in (SamplingParams(max_tokens=64, temperature=0, stop=[stop]),
-                       SamplingParams(max_tokens=64, temperature=0, stop=[stop], include_stop_str_in_output=True),
+                       SamplingParams(max_tokens=64, temperature=0, stop=[stop],
+                                      include_stop_str_in_output=True),
                        SamplingParams(max_tokens=23, temperature=0, ignore_eos=True)):
             [want] = generate(plain, [prompt], params)
             [got] = generate(fast, [prompt], params)
-            assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, want.finish_reason)
+            assert (got.token_ids, got.text, got.finish_reason) == \
+                (want.token_ids, want.text, want.finish_reason)
 
 
 def test_default_model_abort_then_equal(engines):

@@ -160,7 +160,8 @@ class Scheduler:
         if spec is not None:
             spec.entries = []
             if not self.waiting:
-                spec.propose(state, self.running, bm, cfg.max_num_batched_tokens, prefill_budget, cfg.max_model_len)
+                spec.propose(state, self.running, bm, cfg.max_num_batched_tokens, prefill_budget,
+                             cfg.max_model_len)
         while True:
             max_chunk = prefill_budget
             if self.waiting and len(self.running) < cfg.max_num_seqs:
