@@ -192,6 +192,8 @@ class SpecDecoder:
         """Every row of each speculative entry gets logits. Returns (logit_rows [R] int64,
         sample_logit_index [S]: the first row of each sampled entry, [(SpecEntry, sample index,
         first row)]). Speculative ticks have no prompt-logprob spans (no prefill runs)."""
+        if layout.num_spans:
+            raise RuntimeError("a speculative tick has prompt-logprob rows")
         spec_slots = {e.slot: e for e in self.entries}
         qs = layout.query_starts
         rows: list[int] = []
