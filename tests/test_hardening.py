@@ -57,7 +57,7 @@ def _raw_exchange(port: int, data: bytes, timeout: float = 10) -> bytes:
         while True:
             try:
                 chunk = sock.recv(65536)
-            except socket.timeout:
+            except TimeoutError:
                 break
             if not chunk:
                 break
@@ -110,7 +110,8 @@ def test_requests_rejected_while_parsing_are_counted():
             assert live.post_json(COMPLETIONS, {"model": "x"})[0] == 400
             metrics = live.request("GET", "/metrics")[2].decode()
             assert 'llm:http_requests_total{endpoint="chat",model_name="default",status="http_400"} 1.0' in metrics
-            assert 'llm:http_requests_total{endpoint="completions",model_name="default",status="http_400"} 1.0' in metrics
+            assert ('llm:http_requests_total{endpoint="completions",model_name="default",status="http_400"} 1.0'
+                    in metrics)
     finally:
         eng.close()
 

@@ -46,7 +46,8 @@ def test_chat_fields_map_to_sampling_params():
 
 def test_defaults_and_aliases():
     req = chat()
-    assert req.params.max_tokens is None and not req.is_stream and not req.include_usage  # None: the rest of the context
+    # max_tokens None: the rest of the context
+    assert req.params.max_tokens is None and not req.is_stream and not req.include_usage
     assert chat(max_completion_tokens=5, max_tokens=9).params.max_tokens == 5
     assert chat(top_k=-1).params.top_k == 0  # vLLM's "disabled"
     assert not chat(stream_options={"include_usage": True}).include_usage  # only with stream

@@ -16,7 +16,6 @@ import threading
 import httpx
 import openai
 import pytest
-
 import ray  # noqa: E402  (ray[serve]: requirements-ray.txt)
 from ray import serve  # noqa: E402
 

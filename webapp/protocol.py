@@ -26,8 +26,16 @@ from engine.tools import validate_tool_choice, validate_tools
 
 from .constraints import constraint
 from .errors import APIError, bad_request
-from .request_fields import (CHAT, COMPLETIONS, COMPLETIONS_DEFAULT_MAX_TOKENS, CONSTRAINT_FIELDS,
-                             FIELDS_BY_ENDPOINT, MAX_TOKENS_LIMIT, Fate, check)
+from .request_fields import (
+    CHAT,
+    COMPLETIONS,
+    COMPLETIONS_DEFAULT_MAX_TOKENS,
+    CONSTRAINT_FIELDS,
+    FIELDS_BY_ENDPOINT,
+    MAX_TOKENS_LIMIT,
+    Fate,
+    check,
+)
 
 MAX_PROMPTS = 256  # prompts in one batched /v1/completions request
 MAX_CHOICES = 256  # prompts * n

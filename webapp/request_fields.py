@@ -64,7 +64,8 @@ RESPONSE_FORMAT = {"anyOf": [
     {"type": "object", "required": ["type", "json_schema"], "properties": {
         "type": {"const": "json_schema"},
         "json_schema": {"type": "object", "required": ["name"], "properties": {
-            "name": STR, "description": STR, "schema": {"type": "object"}, "strict": {"anyOf": [BOOL, {"type": "null"}]}}}}},
+            "name": STR, "description": STR, "schema": {"type": "object"},
+            "strict": {"anyOf": [BOOL, {"type": "null"}]}}}}},
 ]}
 STRUCTURED_OUTPUTS = {"type": "object", "properties": {
     "json": {"anyOf": [{"type": "object"}, STR]}, "regex": STR, "choice": STRINGS, "grammar": STR, "json_object": BOOL}}

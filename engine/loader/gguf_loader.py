@@ -9,16 +9,28 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from engine.gguf_file import GGUFFile, is_gguf_file
-from engine.loader.repack import (INT4_TYPES, INT5_TYPES, PLAIN_TYPES, Q5_0, Q8_0, MappedRows, dequantize, int4_from_q4,
-                                  int5_from_q5, q5_0_codes)
+from engine.gguf_file import GGUFFile, TensorInfo, is_gguf_file
+from engine.loader.repack import (
+    INT4_TYPES,
+    INT5_TYPES,
+    PLAIN_TYPES,
+    Q5_0,
+    Q8_0,
+    MappedRows,
+    dequantize,
+    int4_from_q4,
+    int5_from_q5,
+    q5_0_codes,
+)
 from engine.models.config import ModelConfig
-from engine.models.quant import Int4Weight, Int8Weight, Weight
+from engine.models.families import GGUF_LAYER_ROLES, GGUF_PERMUTED_QK, GGUF_ROLE_OVERRIDES, hf_layer_name
 from engine.models.llama import resolve_dtype
+from engine.models.quant import Int4Weight, Int8Weight, Weight
 
 CHUNK_ROWS = 4096  # rows dequantized at once for dense or int8 conversions (~15 MB of float32)
 
@@ -27,32 +39,41 @@ _GLOBAL_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-_LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_output.bias": "self_attn.o_proj.bias",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """GGUF tensor name -> Hugging Face name, None for tensors the model does not use."""
+def hf_names(gguf_name: str, info: TensorInfo | None, config: ModelConfig) -> list[tuple[str, int | None]]:
+    """GGUF tensor name -> [(Hugging Face name, expert index or None)] of the family
+    (engine.models.families); [] for tensors the model does not use. A [X, rows, cols] experts
+    tensor gives one name per expert."""
     if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
+        return [(_GLOBAL_NAMES[gguf_name], None)]
     match = _LAYER_RE.fullmatch(gguf_name)
-    if match and match.group(2) in _LAYER_NAMES:
-        return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
-    return None
+    if not match:
+        return []
+    layer, suffix = int(match.group(1)), match.group(2)
+    role = GGUF_ROLE_OVERRIDES.get(config.architecture, {}).get(suffix) or GGUF_LAYER_ROLES.get(suffix)
+    if role is None:
+        return []
+    if role.startswith("expert_"):
+        num_experts = info.dims[2] if info is not None and len(info.dims) == 3 else config.num_experts
+        return [(name, j) for j in range(num_experts)
+                if (name := hf_layer_name(config.architecture, role, layer, j)) is not None]
+    name = hf_layer_name(config.architecture, role, layer)
+    return [] if name is None else [(name, None)]
+
+
+@dataclass(frozen=True)
+class _ExpertRows:
+    """Expert j's [rows, cols] of a [X, rows, cols] GGUF tensor (ggml dims (cols, rows, X))."""
+    name: str
+    dims: tuple[int, int]
+    ggml_type: int
+    expert: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.dims[1], self.dims[0])
 
 
 def unpermute_qk(w: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -74,7 +95,7 @@ def read_config(gguf: GGUFFile) -> ModelConfig:
     if "token_embd.weight" not in tensors:
         raise ValueError(f"{gguf.path}: GGUF file has no token_embd.weight tensor")
     try:
-        return ModelConfig.from_gguf_metadata(
+        config = ModelConfig.from_gguf_metadata(
             metadata,
             vocab_size=int(tensors["token_embd.weight"].dims[1]),
             attention_bias="blk.0.attn_q.bias" in tensors,
@@ -82,6 +103,18 @@ def read_config(gguf: GGUFFile) -> ModelConfig:
         )
     except ValueError as exc:
         raise ValueError(f"{gguf.path}: {exc}") from None
+    if config.num_experts:  # layers without a router have a dense FFN
+        config.dense_layers = tuple(i for i in range(config.num_layers)
+                                    if f"blk.{i}.ffn_gate_inp.weight" not in tensors)
+    scaling = config.rope_scaling
+    if scaling is not None and scaling["rope_type"] == "longrope":  # Phi-3: the factors are tensors
+        for kind in ("long", "short"):
+            name = f"rope_factors_{kind}.weight"
+            if name not in tensors:
+                raise ValueError(f"{gguf.path}: LongRoPE GGUF file has no {name} tensor")
+            info = tensors[name]
+            scaling[f"{kind}_factor"] = dequantize(gguf.raw(name), info.ggml_type, info.shape).tolist()
+    return config
 
 
 class GGUFStateDict(Mapping):
@@ -104,11 +137,15 @@ class GGUFStateDict(Mapping):
         self.config = config
         self.quantization = quantization
         self.dtype = dtype
-        self.is_permuted = gguf.metadata["general.architecture"] == "llama"
-        self.gguf_names = {hf_name(n): n for n in gguf.tensors if hf_name(n) is not None}
+        self.is_permuted = gguf.metadata["general.architecture"] in GGUF_PERMUTED_QK
+        self.gguf_names = {hf: (n, expert) for n, info in gguf.tensors.items()
+                           for hf, expert in hf_names(n, info, config)}
 
     def __getitem__(self, name: str) -> Weight:
-        info = self.gguf.tensors[self.gguf_names[name]]
+        gguf_name, expert = self.gguf_names[name]
+        info = self.gguf.tensors[gguf_name]
+        if expert is not None:
+            info = _ExpertRows(gguf_name, (info.dims[0], info.dims[1]), info.ggml_type, expert)
         try:
             weight = self._convert(name, info)
         finally:
@@ -121,6 +158,8 @@ class GGUFStateDict(Mapping):
 
     def _convert(self, name: str, info) -> Weight:
         raw = self.gguf.raw(info.name)
+        if isinstance(info, _ExpertRows):
+            raw = raw[info.expert * info.dims[1]: (info.expert + 1) * info.dims[1]]
         is_plain = info.ggml_type in PLAIN_TYPES
         is_matrix = len(info.dims) == 2
         if not is_matrix or self.quantization in ("bfloat16", "float32"):
@@ -162,7 +201,8 @@ class GGUFStateDict(Mapping):
             scales = np.empty((num_rows, num_cols // 32), dtype=np.float16)  # the file's d, exactly
             for start in range(0, num_rows, CHUNK_ROWS):  # the file's pages dropped as they are used (the
                 part = blocks[start:start + CHUNK_ROWS]  # head: 145 MB mapped beside its copy otherwise)
-                q[start:start + len(part), ..., 0], q[start:start + len(part), ..., 1] = part[..., 2:18], part[..., 18:34]
+                q[start:start + len(part), ..., 0] = part[..., 2:18]
+                q[start:start + len(part), ..., 1] = part[..., 18:34]
                 scales[start:start + len(part)] = np.ascontiguousarray(part[..., :2]).view(np.float16)[..., 0]
                 self.gguf.release(info.name, start, start + len(part))
             return Int8Weight(torch.from_numpy(q.view(np.int8).reshape(num_rows, num_cols)), torch.from_numpy(scales),
@@ -172,7 +212,8 @@ class GGUFStateDict(Mapping):
             scales = torch.empty(num_rows, num_cols // 32, dtype=torch.float32)
             for start in range(0, num_rows, CHUNK_ROWS):
                 codes, d = q5_0_codes(raw[start:start + CHUNK_ROWS], num_cols)
-                q[start:start + len(codes)], scales[start:start + len(codes)] = torch.from_numpy(codes), torch.from_numpy(d)
+                q[start:start + len(codes)] = torch.from_numpy(codes)
+                scales[start:start + len(codes)] = torch.from_numpy(d)
             return Int8Weight(q, scales, is_exact=True)  # q5_0_codes gives the kernels' order
         q = torch.empty(num_rows, num_cols, dtype=torch.int8)
         scales = torch.empty(num_rows, num_cols // 32, dtype=torch.float32)

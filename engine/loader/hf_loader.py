@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from engine.models.config import ModelConfig
+from engine.models.families import HF_NORM_OFFSET
 from engine.models.quant import Int4Weight, Int8Weight, Weight
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -61,6 +62,16 @@ def load_hf_state_dict(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, 
     return config, state_dict
 
 
+def family_state_dict(config: ModelConfig, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The file's tensors as the model reads them: Gemma's norm weights w - 1 -> w (its RMSNorm is
+    x * (1 + w); llama.cpp's converter adds the 1 when it writes the GGUF)."""
+    offset = HF_NORM_OFFSET.get(config.architecture)
+    if offset:
+        state_dict = {name: t + offset if name.endswith("norm.weight") else t
+                      for name, t in state_dict.items()}
+    return state_dict
+
+
 def quantize_int4(state_dict: dict[str, torch.Tensor]) -> dict[str, Weight]:
     """quantization="int4" for a dense checkpoint: projections -> int4 groups of 32, the
     embedding and head -> per-row int8 ("auto" keeps a dense checkpoint dense)."""
@@ -81,6 +92,7 @@ def load_hf(path: str | os.PathLike, dtype: str = "float32", quantization: str =
     from engine.models import LlamaModel
 
     config, state_dict = load_hf_state_dict(path)
+    state_dict = family_state_dict(config, state_dict)
     if quantization == "int4":
         state_dict = quantize_int4(state_dict)
     try:

@@ -147,22 +147,47 @@ def _int64_rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()
 
 
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, is_causal: bool,
+            scale: float | None, softcap: float | None) -> torch.Tensor:
+    """q [B, H, T, D], k/v [B, KH, C, D] -> [B, H, T, D]: SDPA, or with scores soft-capped
+    (Gemma 2: cap * tanh(s / cap) before the mask and softmax) the same steps written out."""
+    groups = q.shape[1] // k.shape[1]
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
+                                              enable_gqa=groups > 1)
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # [B, H, C, D]
+    scores = torch.matmul(q, k.transpose(-1, -2)) * (scale or q.shape[-1] ** -0.5)  # [B, H, T, C]
+    scores = torch.tanh(scores / softcap) * softcap
+    if is_causal:
+        num_rows, num_ctx = scores.shape[-2:]
+        causal = torch.ones(num_rows, num_ctx, dtype=torch.bool).tril_(num_ctx - num_rows)  # [T, C]
+        mask = _additive(causal, scores.dtype)
+    if mask is not None:
+        scores = scores + mask
+    return torch.matmul(scores.softmax(dim=-1), v)
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
-    """q [T, H, D], k/v [T, KH, D] (already written to the cache) -> [T, H * D]."""
+                    v_cache: torch.Tensor, plan: AttentionPlan, scale: float | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
+    """q [T, H, D], k/v [T, KH, D] (already written to the cache) -> [T, H * D].
+    scale: the softmax scale (None: 1/sqrt(D)); softcap: Gemma 2's score cap (torch path only)."""
     num_rows, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     groups = num_heads // num_kv_heads
     pieces = []
     nd = plan.num_decode_seqs
     if nd and plan.is_fused:
+        if softcap is not None:
+            raise ValueError("softcap: the fused decode kernel has none (plan the torch path)")
         pieces.append(fused.decode_attention(q[:nd], k_cache, v_cache, plan.block_tables, plan.context_lens,
-                                             plan.block_size, plan.sliding_window))  # [B, H * D]
+                                             plan.block_size, plan.sliding_window, scale=scale))  # [B, H * D]
     elif nd:
         qd = q[:nd].view(nd, num_kv_heads, groups, head_dim)  # [B, KH, G, D]
         kd = k_cache[plan.decode_slots].transpose(1, 2).to(q.dtype)  # [B, KH, L, D]
         vd = v_cache[plan.decode_slots].transpose(1, 2).to(q.dtype)  # [B, KH, L, D]
-        out = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=plan.decode_mask)  # [B, KH, G, D]
+        out = _attend(qd.reshape(nd, num_heads, 1, head_dim), kd, vd, plan.decode_mask, False, scale,
+                      softcap).view(nd, num_kv_heads, groups, head_dim)  # [B, KH, G, D]
         pieces.append(out.reshape(nd, num_heads * head_dim))
     for seq in plan.prefills:
         # 4-D inputs with enable_gqa take torch's fused CPU (flash) kernel; 3-D ones fall back to
@@ -171,7 +196,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         if seq.kv_slots is None:
             ks = k[seq.row_start:seq.row_end].transpose(0, 1).unsqueeze(0)  # [1, KH, T, D]
             vs = v[seq.row_start:seq.row_end].transpose(0, 1).unsqueeze(0)  # [1, KH, T, D]
-            out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=groups > 1)
+            out = _attend(qs, ks, vs, None, True, scale, softcap)
         else:
             if seq.kv_first_slot is not None:
                 span = slice(seq.kv_first_slot, seq.kv_first_slot + seq.kv_slots.shape[0])
@@ -180,7 +205,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
                 ks, vs = k_cache[seq.kv_slots], v_cache[seq.kv_slots]  # [C, KH, D] gathered
             ks = ks.transpose(0, 1).unsqueeze(0).to(q.dtype)  # [1, KH, C, D] (a float16 cache: widened)
             vs = vs.transpose(0, 1).unsqueeze(0).to(q.dtype)  # [1, KH, C, D]
-            out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=seq.mask, enable_gqa=groups > 1)
+            out = _attend(qs, ks, vs, seq.mask, False, scale, softcap)
         pieces.append(out[0].transpose(0, 1).reshape(seq.row_end - seq.row_start, num_heads * head_dim))  # [T, H*D]
     if len(pieces) == 1:
         return pieces[0]

@@ -5,15 +5,28 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-ARCHITECTURES = ("llama", "qwen2", "mistral")
-ROPE_SCALING_TYPES = ("linear", "llama3", "yarn")
+ARCHITECTURES = ("llama", "qwen2", "mistral", "qwen3", "gemma2", "gemma3", "granite", "olmo2", "phi3",
+                 "qwen3moe", "mixtral")
+ROPE_SCALING_TYPES = ("linear", "llama3", "yarn", "longrope")
+QK_NORMS = ("head", "all")
+HIDDEN_ACTS = ("silu", "gelu_tanh")
+LAYER_TYPES = ("full", "sliding")
 
 # Hugging Face "architectures" entries and model_type values we can run.
 _HF_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "MistralForCausalLM": "mistral",
+    "Qwen3ForCausalLM": "qwen3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
+    "GraniteForCausalLM": "granite",
+    "Olmo2ForCausalLM": "olmo2",
+    "Phi3ForCausalLM": "phi3",
+    "Qwen3MoeForCausalLM": "qwen3moe",
+    "MixtralForCausalLM": "mixtral",
 }
+_HF_MODEL_TYPES = {"gemma3_text": "gemma3", "qwen3_moe": "qwen3moe"}
 
 
 @dataclass
@@ -33,10 +46,49 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
     sliding_window: int | None = None  # Mistral / Qwen2: attend to at most this many keys
+    # The families' structure (engine.models.families reads it from config.json or GGUF metadata):
+    layer_types: tuple[str, ...] | None = None  # "full" | "sliding" per layer (Gemma); None: sliding_window
+    rope_local_theta: float | None = None  # RoPE base of the sliding layers (Gemma 3); None: rope_theta
+    rotary_dim: int | None = None  # dims of each head that RoPE rotates (Phi partial rotary); None: head_dim
+    qk_norm: str | None = None  # RMSNorm of q and k before RoPE: "head" (Qwen3, Gemma 3), "all" (OLMo 2)
+    pre_norms: bool = True  # RMSNorm before attention and FFN (OLMo 2: none)
+    post_norms: bool = False  # RMSNorm of the attention and FFN outputs (Gemma 2/3, OLMo 2)
+    hidden_act: str = "silu"  # "silu" (SwiGLU) | "gelu_tanh" (Gemma's GeGLU)
+    embedding_scale: float = 1.0  # embeddings times this (Gemma: sqrt(E); Granite: embedding_multiplier)
+    residual_scale: float = 1.0  # each block's output times this (Granite: residual_multiplier)
+    attention_scale: float | None = None  # softmax scale; None: 1 / sqrt(head_dim)
+    logit_scale: float = 1.0  # logits times this (Granite: 1 / logits_scaling)
+    attn_logit_softcap: float | None = None  # Gemma 2: scores -> cap * tanh(scores / cap)
+    final_logit_softcap: float | None = None  # Gemma 2: the same on the logits
+    num_experts: int = 0  # mixture of experts (Qwen3-MoE, Mixtral): experts per MoE layer
+    num_experts_per_tok: int = 0  # top-k
+    moe_intermediate_size: int = 0  # each expert's FFN width
+    norm_topk_prob: bool = True  # renormalise the top-k router probabilities
+    dense_layers: tuple[int, ...] = ()  # layers of an MoE model with a dense FFN
 
     def __post_init__(self):
         if self.architecture not in ARCHITECTURES:
             raise ValueError(f"architecture: unsupported {self.architecture!r}, expected one of {ARCHITECTURES}")
+        if self.layer_types is not None:
+            self.layer_types = tuple(self.layer_types)
+            if len(self.layer_types) != self.num_layers or not set(self.layer_types) <= set(LAYER_TYPES):
+                raise ValueError(f"layer_types: expected {self.num_layers} of {LAYER_TYPES}, "
+                                 f"got {self.layer_types!r}")
+            if "sliding" in self.layer_types and not self.sliding_window:
+                raise ValueError("layer_types: sliding layers need a sliding_window")
+        self.dense_layers = tuple(self.dense_layers)
+        if self.qk_norm not in (None, *QK_NORMS):
+            raise ValueError(f"qk_norm: unsupported {self.qk_norm!r}, expected None or one of {QK_NORMS}")
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ValueError(f"hidden_act: unsupported {self.hidden_act!r}, expected one of {HIDDEN_ACTS}")
+        rotary_dim = self.rotary_dim
+        if rotary_dim is not None and not (0 < rotary_dim <= self.head_dim and rotary_dim % 2 == 0):
+            raise ValueError(f"rotary_dim: must be even and in 1..{self.head_dim}, got {self.rotary_dim!r}")
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok: must be in 1..{self.num_experts}, "
+                             f"got {self.num_experts_per_tok}")
+        if self.num_experts and self.moe_intermediate_size <= 0:
+            raise ValueError(f"moe_intermediate_size: must be > 0, got {self.moe_intermediate_size}")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                      "num_kv_heads", "head_dim", "max_position_embeddings"):
             value = getattr(self, name)
@@ -54,9 +106,20 @@ class ModelConfig:
             raise ValueError(f"sliding_window: must be a positive int or None, got {self.sliding_window!r}")
         self.rope_scaling = _normalize_rope_scaling(self.rope_scaling)
 
+    def layer_window(self, i: int) -> int | None:
+        """The sliding window of layer i (None: full attention)."""
+        if self.layer_types is None or self.layer_types[i] == "sliding":
+            return self.sliding_window
+        return None
+
+    def is_moe_layer(self, i: int) -> bool:
+        return self.num_experts > 0 and i not in self.dense_layers
+
     @classmethod
     def from_hf_dict(cls, config_json: dict[str, Any]) -> ModelConfig:
         """From the dict of a Hugging Face ``config.json``."""
+        from engine.models.families import hf_extras
+
         architecture = _hf_architecture(config_json)
         get = config_json.get
         num_heads = get("num_attention_heads")
@@ -65,9 +128,10 @@ class ModelConfig:
         sliding_window = get("sliding_window")
         if architecture == "qwen2" and not get("use_sliding_window", False):
             sliding_window = None
-        if architecture == "llama":
+        no_window = ("llama", "qwen3", "granite", "olmo2", "qwen3moe")  # unless use_sliding_window says so
+        if architecture in no_window and not get("use_sliding_window"):
             sliding_window = None
-        return cls(
+        fields = dict(
             architecture=architecture,
             vocab_size=get("vocab_size"),
             hidden_size=hidden_size,
@@ -84,9 +148,14 @@ class ModelConfig:
             attention_bias=True if architecture == "qwen2" else bool(get("attention_bias", False)),
             sliding_window=sliding_window,
         )
+        fields.update(hf_extras(architecture, config_json, fields))
+        return cls(**fields)
 
     def to_hf_dict(self) -> dict[str, Any]:
-        """The ``config.json`` dict transformers would read back into the same model."""
+        """The ``config.json`` dict transformers would read back into the same model (the Llama-like
+        architectures; the other families' structure has no writer here)."""
+        if self.architecture not in ("llama", "qwen2", "mistral"):
+            raise ValueError(f"to_hf_dict: not written for architecture {self.architecture!r}")
         hf_arch = {v: k for k, v in _HF_ARCHITECTURES.items()}[self.architecture]
         out = {
             "architectures": [hf_arch],
@@ -120,9 +189,12 @@ class ModelConfig:
         Mistral GGUFs say "llama". Facts only the tensors know (vocab size when the
         metadata lacks it, q/k/v bias, a missing output.weight) come as arguments.
         """
+        from engine.models.families import GGUF_ARCHITECTURES, gguf_extras
+
         arch = metadata.get("general.architecture")
-        if arch not in ("llama", "qwen2"):
-            raise ValueError(f"general.architecture: unsupported GGUF architecture {arch!r}, expected 'llama' or 'qwen2'")
+        if arch not in GGUF_ARCHITECTURES:
+            raise ValueError(f"general.architecture: unsupported GGUF architecture {arch!r}, "
+                             f"expected one of {tuple(GGUF_ARCHITECTURES)}")
 
         def key(name, default=None, required=True):
             value = metadata.get(f"{arch}.{name}", default)
@@ -147,8 +219,8 @@ class ModelConfig:
         elif key("rope.scale_linear", required=False):
             rope_scaling = {"rope_type": "linear", "factor": float(key("rope.scale_linear"))}
         window = key("attention.sliding_window", required=False)
-        return cls(
-            architecture=arch,
+        fields = dict(
+            architecture=GGUF_ARCHITECTURES[arch],
             vocab_size=int(key("vocab_size", vocab_size)),
             hidden_size=hidden_size,
             intermediate_size=int(key("feed_forward_length")),
@@ -164,6 +236,8 @@ class ModelConfig:
             attention_bias=attention_bias,
             sliding_window=int(window) if window else None,
         )
+        fields.update(gguf_extras(arch, key, fields))
+        return cls(**fields)
 
 
 def _hf_architecture(config_json: dict[str, Any]) -> str:
@@ -171,6 +245,7 @@ def _hf_architecture(config_json: dict[str, Any]) -> str:
         if name in _HF_ARCHITECTURES:
             return _HF_ARCHITECTURES[name]
     model_type = config_json.get("model_type")
+    model_type = _HF_MODEL_TYPES.get(model_type, model_type)
     if model_type in ARCHITECTURES:
         return model_type
     names = config_json.get("architectures") or model_type
@@ -196,6 +271,11 @@ def _normalize_rope_scaling(rope_scaling: dict | None) -> dict | None:
     if rope_type not in ROPE_SCALING_TYPES:
         raise ValueError(f"rope_scaling: unsupported rope_type {rope_type!r}, expected one of {ROPE_SCALING_TYPES}")
     scaling["rope_type"] = rope_type
+    if rope_type == "longrope":  # (Phi-3) factor: max / original positions when absent
+        for name in ("short_factor", "long_factor", "original_max_position_embeddings"):
+            if name not in scaling:
+                raise ValueError(f"rope_scaling.{name}: required for rope_type 'longrope'")
+        return scaling
     factor = scaling.get("factor")
     if not isinstance(factor, (int, float)) or factor <= 0:
         raise ValueError(f"rope_scaling.factor: must be a positive number, got {factor!r}")

@@ -126,9 +126,9 @@ def rope_kv_write_reference(qkv, num_heads, num_kv_heads, head_dim, positions, c
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      context_lens: torch.Tensor, block_size: int, sliding_window: int | None = None,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
     """q [B, H, D] (rows may be strided, heads contiguous), caches [S, KH, D], block_tables
-    [>= B, max_blocks] int64, context_lens [>= B] int64 -> [B, H * D] (softmax scale 1/sqrt(D))."""
+    [>= B, max_blocks] int64, context_lens [>= B] int64 -> [B, H * D] (softmax scale: 1/sqrt(D) if None)."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     code = _code(q)
@@ -148,8 +148,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     ops.decode_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
                             k_cache.shape[0] // block_size, block_size, block_tables.data_ptr(),
                             block_tables.shape[1], context_lens.data_ptr(), num_seqs, num_heads, num_kv_heads,
-                            head_dim, sliding_window or 0, 1.0 / math.sqrt(head_dim), out.data_ptr(), code,
-                            cache_code)
+                            head_dim, sliding_window or 0, scale or 1.0 / math.sqrt(head_dim), out.data_ptr(),
+                            code, cache_code)
     return out
 
 
@@ -234,21 +234,30 @@ class FusedStep:
                            self.h.data_ptr(), self.num_rows, self.hidden, self.eps, self.code)
         return self.h
 
-    def rope_kv(self, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    def rope_kv(self, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                cos: torch.Tensor | None = None, sin: torch.Tensor | None = None) -> None:
+        """cos/sin: another table of the step's shape [P, D/2] (Gemma 3's sliding layers), else the step's."""
         self._check_rows(qkv, (self.num_heads + 2 * self.num_kv_heads) * self.head_dim, "qkv")
+        if cos is None:
+            cos, sin = self.cos, self.sin
+        elif not (cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous()
+                  and cos.shape == sin.shape and cos.shape[1] == self.head_dim // 2):
+            raise ValueError("cos/sin: contiguous float32 [P, D/2]")
         ops.rope_kv_write(qkv.data_ptr(), self.num_rows, qkv.shape[1], self.num_heads, self.num_kv_heads,
-                             self.head_dim, self.positions.data_ptr(), self.cos.data_ptr(), self.sin.data_ptr(),
-                             self.cos.shape[0], self.slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                             self.head_dim, self.positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                             cos.shape[0], self.slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                              k_cache.shape[0], self.code, _CACHE_CODES[k_cache.dtype])
 
-    def decode_attention(self, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        """The decode rows (the first B of qkv, already roped) -> [B, H D] in the step's buffer."""
-        plan = self.plan
+    def decode_attention(self, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         plan=None, scale: float | None = None) -> torch.Tensor:
+        """The decode rows (the first B of qkv, already roped) -> [B, H D] in the step's buffer.
+        plan: another plan of the same batch (a sliding-window layer's), else the step's."""
+        plan = plan or self.plan
         ops.decode_attention(qkv.data_ptr(), qkv.shape[1], k_cache.data_ptr(), v_cache.data_ptr(),
                                 k_cache.shape[0] // plan.block_size, plan.block_size, plan.block_tables.data_ptr(),
                                 plan.block_tables.shape[1], plan.context_lens.data_ptr(), plan.num_decode_seqs,
                                 self.num_heads, self.num_kv_heads, self.head_dim, plan.sliding_window or 0,
-                                1.0 / math.sqrt(self.head_dim), self.attn.data_ptr(), self.code,
+                                scale or 1.0 / math.sqrt(self.head_dim), self.attn.data_ptr(), self.code,
                                 _CACHE_CODES[k_cache.dtype])
         return self.attn
 

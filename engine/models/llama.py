@@ -14,15 +14,19 @@ Weights come in as a state dict with Hugging Face names (``model.layers.0.self_a
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine.batch import ForwardBatch
 from engine.models import fused
-from engine.models.config import ModelConfig
 from engine.models.attention import AttentionPlan, PagedKVCache, paged_attention, plan_attention
+from engine.models.config import ModelConfig
+from engine.models.families import hf_layer_name
 from engine.models.linear import Linear
+from engine.models.moe import MixtureOfExperts
 from engine.models.quant import Int8Weight, Weight, cat_rows
 from engine.models.rope import RotaryTable, apply_rope
 
@@ -50,8 +54,14 @@ def _resolve_kv_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, weights: dict[str, Weight | None], pack_weights: bool = True,
-                 exact_products: bool = False, dense_above_rows: int | None = None):
+    """One block of every family: [pre-norm] attention [post-norm] + residual, then [pre-norm]
+    FFN (dense SwiGLU/GeGLU, or mixture of experts) [post-norm] + residual. Which norms exist,
+    the q/k norms, the activation, attention scale, soft-cap, window and RoPE table come from
+    the config (engine.models.families); weights a family lacks are None."""
+
+    def __init__(self, config: ModelConfig, weights: dict[str, Weight | None], layer_index: int,
+                 pack_weights: bool = True, exact_products: bool = False,
+                 dense_above_rows: int | None = None):
         super().__init__()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
@@ -59,20 +69,76 @@ class DecoderLayer(nn.Module):
         self.eps = config.rms_norm_eps
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
-        self.attn_norm = nn.Parameter(weights["attn_norm"], requires_grad=False)  # [E]
+        self.window = config.layer_window(layer_index)
+        self.rope_index = 1 if config.rope_local_theta is not None and self.window is not None else 0
+        self.scale = config.attention_scale or config.head_dim ** -0.5
+        self.softcap = config.attn_logit_softcap
+        self.qk_norm = config.qk_norm
+        self.residual_scale = config.residual_scale
+        self.hidden_act = config.hidden_act
+        def norm(name: str) -> nn.Parameter | None:
+            return None if weights[name] is None else nn.Parameter(weights[name], requires_grad=False)
+
+        self.attn_norm, self.ffn_norm = norm("attn_norm"), norm("ffn_norm")  # [E] (None: no pre-norm)
+        self.post_attn_norm, self.post_ffn_norm = norm("post_attn_norm"), norm("post_ffn_norm")  # [E]
+        self.q_norm, self.k_norm = norm("q_norm"), norm("k_norm")  # [D] ("head") or [H D] / [KH D] ("all")
         linear = dict(pack=pack_weights, exact=exact_products, dense_above_rows=dense_above_rows)
         self.qkv_proj = Linear(weights["wqkv"], weights["bqkv"], **linear)  # [(H + 2 KH) D, E]
         self.o_proj = Linear(weights["wo"], weights["bo"], **linear)  # [E, H D]
-        self.ffn_norm = nn.Parameter(weights["ffn_norm"], requires_grad=False)  # [E]
-        self.gate_up_proj = Linear(weights["w_gate_up"], None, **linear)  # [2 I, E]
-        self.down_proj = Linear(weights["w_down"], None, **linear)  # [E, I]
+        if weights.get("experts") is not None:
+            self.moe = MixtureOfExperts(weights["router"], weights["experts"], config.num_experts_per_tok,
+                                        config.norm_topk_prob, self._act_mul, linear)
+            self.gate_up_proj = self.down_proj = None
+        else:
+            self.moe = None
+            self.gate_up_proj = Linear(weights["w_gate_up"], None, **linear)  # [2 I, E]
+            self.down_proj = Linear(weights["w_down"], None, **linear)  # [E, I]
         self.norm_shape = (config.hidden_size,)
         self.intermediate_size = config.intermediate_size
 
-    def forward(self, x, cos, sin, k_cache, v_cache, plan):
+    def _act_mul(self, gate_up: torch.Tensor, step: fused.FusedStep | None = None) -> torch.Tensor:
+        """gate_up [T, 2 I] -> act(gate) * up [T, I]."""
+        if self.hidden_act == "silu" and step is not None:
+            return step.silu_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        if self.hidden_act == "silu":
+            return F.silu(gate) * up
+        return F.gelu(gate, approximate="tanh") * up
+
+    def _ffn(self, h: torch.Tensor, step: fused.FusedStep | None = None) -> torch.Tensor:
+        if self.moe is not None:
+            return self.moe(h)
+        return self.down_proj(self._act_mul(self.gate_up_proj(h), step))  # [T, E]
+
+    def _norm_qk(self, qkv: torch.Tensor) -> None:
+        """q and k RMSNorm in place in qkv [T, (H + 2 KH) D] (before RoPE)."""
+        num_rows, D = qkv.shape[0], self.head_dim
+        q, k = qkv[:, : self.q_size], qkv[:, self.q_size: self.q_size + self.kv_size]
+        if self.qk_norm == "head":
+            q.copy_(F.rms_norm(q.view(num_rows, -1, D), (D,), self.q_norm, self.eps).view(num_rows, -1))
+            k.copy_(F.rms_norm(k.view(num_rows, -1, D), (D,), self.k_norm, self.eps).view(num_rows, -1))
+        else:
+            q.copy_(F.rms_norm(q, (self.q_size,), self.q_norm, self.eps))
+            k.copy_(F.rms_norm(k, (self.kv_size,), self.k_norm, self.eps))
+
+    def _out(self, y: torch.Tensor, post_norm: torch.Tensor | None) -> torch.Tensor:
+        """A block's output before the residual add, with the family's post-norm and residual scale."""
+        if post_norm is not None:
+            y = F.rms_norm(y.float(), self.norm_shape, post_norm.float(), self.eps).to(y.dtype)
+        if self.residual_scale != 1.0:
+            y = y * self.residual_scale
+        return y
+
+    def _pre(self, x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+        return x if weight is None else F.rms_norm(x, self.norm_shape, weight, self.eps)
+
+    def forward(self, x, ropes, k_cache, v_cache, plans):
         num_rows = x.shape[0]  # x [T, E]
-        h = F.rms_norm(x, self.norm_shape, self.attn_norm, self.eps)  # [T, E]
-        qkv = self.qkv_proj(h)  # [T, (H + 2 KH) D]
+        cos, sin = ropes[self.rope_index]
+        plan = plans[self.window is not None]
+        qkv = self.qkv_proj(self._pre(x, self.attn_norm))  # [T, (H + 2 KH) D]
+        if self.qk_norm is not None:
+            self._norm_qk(qkv)
         qk = qkv[:, : self.q_size + self.kv_size].view(num_rows, self.num_heads + self.num_kv_heads, self.head_dim)
         qk = apply_rope(qk, cos, sin)  # [T, H + KH, D]
         q = qk[:, : self.num_heads]  # [T, H, D]
@@ -80,31 +146,40 @@ class DecoderLayer(nn.Module):
         v = qkv[:, self.q_size + self.kv_size:].view(num_rows, self.num_kv_heads, self.head_dim)  # [T, KH, D]
         k_cache.index_copy_(0, plan.slot_mapping, k.to(k_cache.dtype))
         v_cache.index_copy_(0, plan.slot_mapping, v.to(v_cache.dtype))
-        attn = paged_attention(q, k, v, k_cache, v_cache, plan)  # [T, H D]
-        x = x + self.o_proj(attn)  # [T, E]
-        h = F.rms_norm(x, self.norm_shape, self.ffn_norm, self.eps)
-        gate_up = self.gate_up_proj(h)  # [T, 2 I]
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)  # [T, I] each
-        return x + self.down_proj(F.silu(gate) * up)  # [T, E]
+        attn = paged_attention(q, k, v, k_cache, v_cache, plan, self.scale, self.softcap)  # [T, H D]
+        x = x + self._out(self.o_proj(attn), self.post_attn_norm)  # [T, E]
+        return x + self._out(self._ffn(self._pre(x, self.ffn_norm)), self.post_ffn_norm)  # [T, E]
 
     def forward_fused(self, resid: torch.Tensor, delta: torch.Tensor | None, step: fused.FusedStep,
-                      k_cache: torch.Tensor, v_cache: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
+                      k_cache: torch.Tensor, v_cache: torch.Tensor, ropes, plans) -> torch.Tensor:
         """resid [T, E] float32 += delta (the previous layer's output, None for the first layer),
         in place -> this layer's output [T, E] in the compute dtype (added by the next call)."""
         num_rows = resid.shape[0]
-        h = step.norm(resid, delta, self.attn_norm)  # [T, E]
+        plan = plans[self.window is not None]
+        h = self._fused_pre(step, resid, delta, self.attn_norm)  # [T, E]
         qkv = self.qkv_proj(h)  # [T, (H + 2 KH) D]
-        step.rope_kv(qkv, k_cache, v_cache)  # q, k rotated in place; k, v written to the cache
-        if plan.prefills:
+        if self.qk_norm is not None:
+            self._norm_qk(qkv)
+        step.rope_kv(qkv, k_cache, v_cache, *ropes[self.rope_index])  # q, k rotated; k, v cached
+        if plan.prefills or not plan.is_fused:
             H, KH, D = self.num_heads, self.num_kv_heads, self.head_dim
             q = qkv[:, : self.q_size].view(num_rows, H, D)  # [T, H, D]
             k = qkv[:, self.q_size: self.q_size + self.kv_size].view(num_rows, KH, D)  # [T, KH, D]
             v = qkv[:, self.q_size + self.kv_size:].view(num_rows, KH, D)  # [T, KH, D]
-            attn = paged_attention(q, k, v, k_cache, v_cache, plan)  # [T, H D]
+            attn = paged_attention(q, k, v, k_cache, v_cache, plan, self.scale, self.softcap)  # [T, H D]
         else:
-            attn = step.decode_attention(qkv, k_cache, v_cache)  # [T, H D]
-        h = step.norm(resid, self.o_proj(attn), self.ffn_norm)  # [T, E]
-        return self.down_proj(step.silu_mul(self.gate_up_proj(h)))  # [T, E]
+            attn = step.decode_attention(qkv, k_cache, v_cache, plan, self.scale)  # [T, H D]
+        h = self._fused_pre(step, resid, self._out(self.o_proj(attn), self.post_attn_norm), self.ffn_norm)
+        return self._out(self._ffn(h, step), self.post_ffn_norm)  # [T, E]
+
+    def _fused_pre(self, step: fused.FusedStep, resid: torch.Tensor, delta: torch.Tensor | None,
+                   weight: torch.Tensor | None) -> torch.Tensor:
+        """resid += delta; -> the pre-norm of resid (OLMo 2 has none: resid in the compute dtype)."""
+        if weight is not None:
+            return step.norm(resid, delta, weight)
+        if delta is not None:
+            resid += delta.float()
+        return resid.to(step.dtype, copy=True)
 
 
 class LlamaModel(nn.Module):
@@ -129,7 +204,8 @@ class LlamaModel(nn.Module):
         weights = _WeightReader(state_dict, self.dtype)
         E, V = config.hidden_size, config.vocab_size
         self.layers = nn.ModuleList(
-            DecoderLayer(config, _layer_weights(config, weights, i), pack_weights, exact_products, dense_above_rows)
+            DecoderLayer(config, _layer_weights(config, weights, i), i, pack_weights, exact_products,
+                         dense_above_rows)
             for i in range(config.num_layers))
         self.norm = nn.Parameter(weights.take("model.norm.weight", (E,)), requires_grad=False)  # [E]
         embed = weights.take("model.embed_tokens.weight", (V, E))
@@ -145,6 +221,16 @@ class LlamaModel(nn.Module):
         self.head_proj = Linear(self.head_int8 or self.lm_head, None, pack_weights, keep_dense=True,
                                 exact=exact_products)
         self.rope = RotaryTable(config, self.dtype, rope_freq_factors)
+        # Gemma 3's sliding layers rotate with a base of their own (and no scaling).
+        self.local_rope = None if config.rope_local_theta is None else RotaryTable(
+            replace(config, rope_theta=config.rope_local_theta, rope_scaling=None), self.dtype)
+        self.ropes = [self.rope] if self.local_rope is None else [self.rope, self.local_rope]
+        windows = {config.layer_window(i) for i in range(config.num_layers)} - {None}
+        if len(windows) > 1:
+            raise ValueError(f"sliding windows: one size for every sliding layer, got {sorted(windows)}")
+        self.window = windows.pop() if windows else None
+        # Soft-capped attention scores (Gemma 2) have no fused decode kernel: the torch path's.
+        self.fused_decode = config.attn_logit_softcap is None
         # The KV cache's dtype (None: the activations'). The loaders pick float16 beside float32
         # activations for quantized weights (as llama.cpp keeps K and V): a decode step reads
         # the whole context's K and V, so at long contexts their bytes rival the weights'.
@@ -154,8 +240,12 @@ class LlamaModel(nn.Module):
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [T] -> [T, E] in the model dtype."""
         if self.embed_rows is not None:
-            return self.embed_rows.rows(ids, self.dtype)
-        return F.embedding(ids, self.embed)
+            x = self.embed_rows.rows(ids, self.dtype)
+        else:
+            x = F.embedding(ids, self.embed)
+        if self.config.embedding_scale != 1.0:
+            x = x * torch.tensor(self.config.embedding_scale, dtype=x.dtype)
+        return x
 
     def head_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [...] -> the head's rows [..., E] in float32 (the weights the product used)."""
@@ -170,35 +260,55 @@ class LlamaModel(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_cache: PagedKVCache) -> torch.Tensor:
         """-> logits [len(batch.logit_rows), vocab_size] float32."""
-        self.rope.ensure(max(batch.context_lens_list))
+        for rope in self.ropes:
+            rope.ensure(max(batch.context_lens_list))
         if self.use_fused:
             return self._forward_fused(batch, kv_cache)
-        plan = plan_attention(batch, self.config.sliding_window, self.dtype)
-        cos, sin = self.rope.lookup(batch.positions)  # [T, 1, D]
+        plans = self._plans(batch, is_fused=False)
+        ropes = [rope.lookup(batch.positions) for rope in self.ropes]  # cos, sin [T, 1, D]
         x = self.embed_tokens(batch.input_ids)  # [T, E]
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, kv_cache.k[i], kv_cache.v[i], plan)
+            x = layer(x, ropes, kv_cache.k[i], kv_cache.v[i], plans)
         x = x.index_select(0, batch.logit_rows)  # [S, E]
         x = F.rms_norm(x, (self.config.hidden_size,), self.norm, self.config.rms_norm_eps)
-        return self.compute_logits(x)
+        return self.finish_logits(self.compute_logits(x))
+
+    def _plans(self, batch: ForwardBatch, is_fused: bool) -> tuple[AttentionPlan, AttentionPlan]:
+        """(full-attention plan, sliding-window plan): one plan when every layer is one kind."""
+        has_full = any(layer.window is None for layer in self.layers)
+        full = plan_attention(batch, None, self.dtype, is_fused) if has_full else None
+        if self.window is None:
+            return full, full
+        return full, plan_attention(batch, self.window, self.dtype, is_fused)
 
     def _forward_fused(self, batch: ForwardBatch, kv_cache: PagedKVCache) -> torch.Tensor:
-        plan = plan_attention(batch, self.config.sliding_window, self.dtype, is_fused=True)
+        plans = self._plans(batch, is_fused=self.fused_decode)
         positions = batch.positions  # [T]
         if positions.dtype != torch.int64 or not positions.is_contiguous():
             positions = positions.to(torch.int64).contiguous()
         c = self.config
+        plan = plans[0] or plans[1]
         step = fused.FusedStep(positions.shape[0], self.dtype, c.hidden_size, c.intermediate_size, c.rms_norm_eps,
                                c.num_heads, c.num_kv_heads, c.head_dim, positions, self.rope.cos_half,
                                self.rope.sin_half, plan)
+        ropes = [(rope.cos_half, rope.sin_half) for rope in self.ropes]  # [P, D/2] float32
         resid = self.embed_tokens(batch.input_ids).float()  # [T, E] float32 residual stream
         delta = None
         for i, layer in enumerate(self.layers):
-            delta = layer.forward_fused(resid, delta, step, kv_cache.k[i], kv_cache.v[i], plan)
+            delta = layer.forward_fused(resid, delta, step, kv_cache.k[i], kv_cache.v[i], ropes, plans)
         rows = batch.logit_rows
         x = fused.add_rmsnorm(resid.index_select(0, rows), delta.index_select(0, rows), self.norm,
                               self.config.rms_norm_eps)  # [S, E]
-        return self.compute_logits(x)
+        return self.finish_logits(self.compute_logits(x))
+
+    def finish_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The family's last step on the logits [S, V]: Granite's scale, Gemma 2's soft-cap."""
+        c = self.config
+        if c.logit_scale != 1.0:
+            logits.mul_(c.logit_scale)
+        if c.final_logit_softcap is not None:
+            logits.div_(c.final_logit_softcap).tanh_().mul_(c.final_logit_softcap)
+        return logits
 
     def compute_logits(self, x: torch.Tensor) -> torch.Tensor:
         """x [S, E] (final-normed) -> logits [S, V] float32.
@@ -244,14 +354,19 @@ class _WeightReader:
 
 
 def _layer_weights(config: ModelConfig, weights: _WeightReader, i: int) -> dict[str, Weight | None]:
-    E, I = config.hidden_size, config.intermediate_size
-    q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    p = f"model.layers.{i}."
-    take = weights.take
-    wq = take(p + "self_attn.q_proj.weight", (q_size, E))
-    wk = take(p + "self_attn.k_proj.weight", (kv_size, E))
-    wv = take(p + "self_attn.v_proj.weight", (kv_size, E))
-    biases = [take(p + f"self_attn.{n}_proj.bias", (size,), optional=not config.attention_bias)
+    """Layer i's weights by the family's names (engine.models.families), q/k/v and gate/up fused."""
+    E, I, D = config.hidden_size, config.intermediate_size, config.head_dim
+    q_size, kv_size = config.num_heads * D, config.num_kv_heads * D
+
+    def take(role: str, shape: tuple[int, ...], optional: bool = False, expert: int | None = None):
+        name = hf_layer_name(config.architecture, role, i, expert)
+        return None if name is None else weights.take(name, shape, optional)
+
+    if hf_layer_name(config.architecture, "qkv", i):
+        wqkv = take("qkv", (q_size + 2 * kv_size, E))  # Phi-3: fused in the file
+    else:
+        wqkv = cat_rows([take("q", (q_size, E)), take("k", (kv_size, E)), take("v", (kv_size, E))])
+    biases = [take(f"{n}_bias", (size,), optional=not config.attention_bias)
               for n, size in (("q", q_size), ("k", kv_size), ("v", kv_size))]
     if any(b is not None for b in biases):
         biases = [torch.zeros(size, dtype=weights.dtype) if b is None else b
@@ -259,13 +374,64 @@ def _layer_weights(config: ModelConfig, weights: _WeightReader, i: int) -> dict[
         bqkv = torch.cat(biases)  # [(H + 2 KH) D]
     else:
         bqkv = None
-    return {
-        "attn_norm": take(p + "input_layernorm.weight", (E,)),
-        "wqkv": cat_rows([wq, wk, wv]),  # [(H + 2 KH) D, E]
+    qk_shapes = ((D,), (D,)) if config.qk_norm == "head" else ((q_size,), (kv_size,))
+    out = {
+        "attn_norm": take("attn_norm", (E,)) if config.pre_norms else None,
+        "ffn_norm": take("ffn_norm", (E,)) if config.pre_norms else None,
+        "post_attn_norm": take("post_attn_norm", (E,)) if config.post_norms else None,
+        "post_ffn_norm": take("post_ffn_norm", (E,)) if config.post_norms else None,
+        "q_norm": take("q_norm", qk_shapes[0]) if config.qk_norm else None,
+        "k_norm": take("k_norm", qk_shapes[1]) if config.qk_norm else None,
+        "wqkv": wqkv,  # [(H + 2 KH) D, E]
         "bqkv": bqkv,
-        "wo": take(p + "self_attn.o_proj.weight", (E, q_size)),
-        "bo": take(p + "self_attn.o_proj.bias", (E,), optional=True),
-        "ffn_norm": take(p + "post_attention_layernorm.weight", (E,)),
-        "w_gate_up": cat_rows([take(p + "mlp.gate_proj.weight", (I, E)), take(p + "mlp.up_proj.weight", (I, E))]),
-        "w_down": take(p + "mlp.down_proj.weight", (E, I)),
+        "wo": take("o", (E, q_size)),
+        "bo": take("o_bias", (E,), optional=True),
     }
+    if config.is_moe_layer(i):
+        X, MI = config.num_experts, config.moe_intermediate_size
+        out["router"] = take("router", (X, E))  # [X, E]
+        out["experts"] = [(cat_rows([take("expert_gate", (MI, E), expert=j),
+                                     take("expert_up", (MI, E), expert=j)]),  # [2 MI, E]
+                           take("expert_down", (E, MI), expert=j)) for j in range(X)]  # [E, MI]
+    elif hf_layer_name(config.architecture, "gate_up", i):
+        out["w_gate_up"] = take("gate_up", (2 * I, E))  # Phi-3: fused in the file
+        out["w_down"] = take("down", (E, I))
+    else:
+        out["w_gate_up"] = cat_rows([take("gate", (I, E)), take("up", (I, E))])  # [2 I, E]
+        out["w_down"] = take("down", (E, I))
+    if config.rotary_dim is not None and config.rotary_dim < D:
+        _interleave_partial_rotary(out, config)
+    return out
+
+
+def partial_rotary_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
+    """A head's dims reordered so the "rotate half" of all D dims rotates just the first
+    rotary_dim ones (Phi's partial rotary): [r0, pass0, r1, pass1], where r0 and r1 are the two
+    halves of the rotated dims and pass0, pass1 the two halves of the rest; the RoPE table's
+    frequencies for the pass pairs are 0 (cos 1, sin 0). q and k reordered alike keep q . k."""
+    half, rest = rotary_dim // 2, (head_dim - rotary_dim) // 2
+    return torch.cat([torch.arange(0, half), torch.arange(rotary_dim, rotary_dim + rest),
+                      torch.arange(half, rotary_dim), torch.arange(rotary_dim + rest, head_dim)])
+
+
+def _interleave_partial_rotary(weights: dict, config: ModelConfig) -> None:
+    D = config.head_dim
+    order = partial_rotary_order(D, config.rotary_dim)
+    num_rot = config.num_heads + config.num_kv_heads
+    rows = torch.cat([h * D + order for h in range(num_rot)]
+                     + [torch.arange(num_rot * D, (num_rot + config.num_kv_heads) * D)])  # v rows stay
+    weights["wqkv"] = _map_rows(weights["wqkv"], rows)
+    if weights["bqkv"] is not None:
+        weights["bqkv"] = weights["bqkv"][rows]
+    if config.qk_norm == "head":
+        weights["q_norm"], weights["k_norm"] = weights["q_norm"][order], weights["k_norm"][order]
+    elif config.qk_norm == "all":  # over all heads: the same reorder per head
+        q_size = config.num_heads * D
+        weights["q_norm"] = weights["q_norm"][rows[:q_size]]
+        weights["k_norm"] = weights["k_norm"][rows[q_size: num_rot * D] - q_size]
+
+
+def _map_rows(weight: Weight, rows: torch.Tensor) -> Weight:
+    if isinstance(weight, torch.Tensor):
+        return weight[rows].contiguous()
+    return weight.map_rows(lambda t: t[rows].contiguous())

@@ -1,5 +1,9 @@
-"""Rotary position embeddings: inverse frequencies (with the scaling types Llama,
-Qwen2 and Mistral configs use) and a precomputed cos/sin table indexed by position."""
+"""Rotary position embeddings: inverse frequencies (with the scaling types Llama, Qwen2,
+Mistral and Phi-3 configs use) and a precomputed cos/sin table indexed by position.
+
+Partial rotary (``rotary_dim < head_dim``): the table has D/2 frequencies, the last
+(D - rotary_dim)/2 of them 0 (cos 1, sin 0), for heads whose q/k rows the model reordered
+(engine.models.llama.partial_rotary_order)."""
 from __future__ import annotations
 
 import math
@@ -10,26 +14,46 @@ from engine.models.config import ModelConfig
 
 
 def rope_inv_freq(config: ModelConfig, freq_factors: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
-    """-> (inv_freq [D/2] float64, attention_factor applied to cos and sin)."""
-    dim = config.head_dim
+    """-> (inv_freq [rotary_dim/2] float64, attention_factor applied to cos and sin)."""
+    dim = config.rotary_dim or config.head_dim
     base = config.rope_theta
     inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))  # [D/2]
     attention_factor = 1.0
     scaling = config.rope_scaling
     if scaling is not None:
         rope_type = scaling["rope_type"]
-        factor = float(scaling["factor"])
+        factor = float(scaling.get("factor") or 1.0)
         if rope_type == "linear":
             inv_freq = inv_freq / factor
         elif rope_type == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, scaling, factor)
         elif rope_type == "yarn":
             inv_freq, attention_factor = _yarn_inv_freq(config, scaling, factor)
+        elif rope_type == "longrope":
+            inv_freq, attention_factor = _longrope_inv_freq(config, scaling, inv_freq)
         else:  # ModelConfig validation keeps this unreachable
             raise ValueError(f"rope_scaling: unsupported rope_type {rope_type!r}")
     if freq_factors is not None:  # GGUF rope_freqs.weight (llama3 scaling baked into the file)
         inv_freq = inv_freq / freq_factors.to(torch.float64)
     return inv_freq, attention_factor
+
+
+def _longrope_inv_freq(config: ModelConfig, scaling: dict,
+                       inv_freq: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """Phi-3's LongRoPE: the frequencies divided by per-frequency factors, the long ones when the
+    model's context (max_position_embeddings) exceeds the original one, as llama.cpp chooses by
+    its context size (transformers chooses by the current sequence length, so the two agree on
+    contexts past the original length); cos and sin times sqrt(1 + ln(s) / ln(original))."""
+    original = int(scaling["original_max_position_embeddings"])
+    is_long = config.max_position_embeddings > original
+    factors = torch.tensor(scaling["long_factor" if is_long else "short_factor"], dtype=torch.float64)
+    if factors.shape != inv_freq.shape:
+        raise ValueError(f"rope_scaling: {len(factors)} LongRoPE factors for {len(inv_freq)} frequencies")
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        factor = scaling.get("factor") or config.max_position_embeddings / original
+        attention_factor = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
+    return inv_freq / factors, float(attention_factor)
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict, factor: float) -> torch.Tensor:
@@ -47,7 +71,7 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict, factor: float) -> to
 
 
 def _yarn_inv_freq(config: ModelConfig, scaling: dict, factor: float) -> tuple[torch.Tensor, float]:
-    dim = config.head_dim
+    dim = config.rotary_dim or config.head_dim
     base = config.rope_theta
     original_max = scaling.get("original_max_position_embeddings") or config.max_position_embeddings
 
@@ -89,7 +113,11 @@ class RotaryTable:
     """
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, freq_factors: torch.Tensor | None = None):
-        self.inv_freq, self.attention_factor = rope_inv_freq(config, freq_factors)  # [D/2]
+        inv_freq, attention_factor = rope_inv_freq(config, freq_factors)  # [rotary_dim/2]
+        num_pass = config.head_dim // 2 - inv_freq.shape[0]  # partial rotary: pairs left as they are
+        self.inv_freq = torch.cat([inv_freq, torch.zeros(num_pass, dtype=torch.float64)])  # [D/2]
+        self.attention_factor = torch.cat([torch.full_like(inv_freq, attention_factor),
+                                           torch.ones(num_pass, dtype=torch.float64)])  # [D/2]
         self.dtype = dtype
         self.num_positions = 0
         self.cos = self.sin = None
@@ -103,8 +131,9 @@ class RotaryTable:
         t = torch.arange(num_positions, dtype=torch.float64)
         freqs = torch.outer(t, self.inv_freq)  # [P, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
-        self.cos = (emb.cos() * self.attention_factor).to(self.dtype)
-        self.sin = (emb.sin() * self.attention_factor).to(self.dtype)
+        factor = torch.cat((self.attention_factor, self.attention_factor))  # [D]
+        self.cos = (emb.cos() * factor).to(self.dtype)
+        self.sin = (emb.sin() * factor).to(self.dtype)
         self.cos_half = (freqs.cos() * self.attention_factor).float()  # [P, D/2]
         self.sin_half = (freqs.sin() * self.attention_factor).float()  # [P, D/2]
         self.num_positions = num_positions

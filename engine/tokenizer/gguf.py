@@ -20,7 +20,8 @@ import os
 import re
 from dataclasses import dataclass
 
-from tokenizers import AddedToken, Tokenizer as HFTokenizer
+from tokenizers import AddedToken
+from tokenizers import Tokenizer as HFTokenizer
 
 from ..gguf_file import read_gguf_metadata
 from .gguf_special import TokenType, fim_token_ids, header_id, llamacpp_special_tokens
