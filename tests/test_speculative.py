@@ -74,7 +74,7 @@ def run_scheduler(num_blocks, k, prompts, max_tokens, draw_accept, draw_token) -
             break
         entries = {k: entry for entry, k, _first in out.spec_entries}
         token_ids, emitted = [], {}
-        for k, seq in enumerate(out.sample_seqs):
+        for k in range(len(out.sample_seqs)):
             entry = entries.get(k)
             if entry is None:
                 token_ids.append(draw_token())

@@ -2,10 +2,10 @@
 the output without it (the default SmolLM2-135M over many prompts; Qwen2.5-Coder-0.5B on code edits,
 where the output copies the prompt and most proposals are accepted)."""
 import pytest
+from model_fixtures import qwen_gguf  # noqa: F401 (fixture)
 
 import engine
 from engine.params import SamplingParams
-from model_fixtures import qwen_gguf  # noqa: F401 (fixture)
 
 CODE = '''def total_price(items, tax_rate):
     subtotal = 0

@@ -272,7 +272,7 @@ class EngineCore:
 
     def _rollback(self, runs: dict) -> None:
         sched = self.scheduler
-        for k, (entry, emitted) in runs.items():
+        for entry, emitted in runs.values():
             if self.spec.rollback(sched.state, sched.block_manager, entry, emitted):
                 self.num_generated_tokens += len(emitted) - 1
 
