@@ -31,6 +31,9 @@ QUANTIZATIONS = ("auto", "int4", "bfloat16", "float32")
 # With no max_model_len anywhere (a model that states none), cap the context here.
 FALLBACK_MAX_MODEL_LEN = 32768
 MIN_KV_CACHE_TOKENS = 16384
+# Speculative decoding (engine/core/speculative.py): the contract's methods; only "ngram" is built.
+SPECULATIVE = ("ngram", "draft", "auto")
+MAX_NUM_SPECULATIVE_TOKENS = 16
 
 
 def _option(default, help: str, *, load: bool = False, cli: bool = True):
@@ -58,6 +61,11 @@ class EngineConfig:
     target_tick_seconds: float | None = _option(
         DEFAULT_TARGET_TICK_SECONDS, "prefill paced so a tick takes about this long while streams decode "
         "(None: always fill max_num_batched_tokens)", cli=False)
+    # -- speculative decoding --
+    speculative: str | None = _option(None, "speculative decoding: ngram (prompt lookup; greedy requests); "
+                                      "default off")
+    num_speculative_tokens: int = _option(4, f"most ids proposed per step (1-{MAX_NUM_SPECULATIVE_TOKENS})")
+    draft_model: str | None = _option(None, "draft model path for speculative=draft (not supported yet)")
 
     def __post_init__(self) -> None:
         if self.dtype is not None and self.dtype not in DTYPES:
@@ -80,6 +88,21 @@ class EngineConfig:
         if not isinstance(self.enable_prefix_caching, bool):
             raise InvalidParameterError(
                 f"enable_prefix_caching must be a boolean, got {self.enable_prefix_caching!r}", "enable_prefix_caching")
+        if self.speculative is not None and self.speculative not in SPECULATIVE:
+            raise InvalidParameterError(
+                f"speculative must be None or one of {', '.join(SPECULATIVE)}, got {self.speculative!r}",
+                "speculative")
+        if self.speculative in ("draft", "auto"):
+            raise InvalidParameterError(
+                f"speculative={self.speculative!r} is not supported yet; use 'ngram'", "speculative")
+        if self.draft_model is not None:
+            raise InvalidParameterError("draft_model is not supported yet (speculative='draft' is not built)",
+                                        "draft_model")
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_NUM_SPECULATIVE_TOKENS:
+            raise InvalidParameterError(
+                f"num_speculative_tokens must be an integer in [1, {MAX_NUM_SPECULATIVE_TOKENS}], got {k!r}",
+                "num_speculative_tokens")
         tick = self.target_tick_seconds
         if tick is not None and (isinstance(tick, bool) or not isinstance(tick, (int, float)) or not tick > 0):
             raise InvalidParameterError(f"target_tick_seconds must be None or a number > 0, got {tick!r}",
@@ -144,8 +167,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         if f.type in (bool, "bool"):
             group.add_argument(flag, dest=f.name, action="store_true", default=None, help=f.metadata["help"])
             continue
-        kind = str if f.name in ("dtype", "quantization") else int
-        choices = {"dtype": DTYPES, "quantization": QUANTIZATIONS}.get(f.name)
+        kind = str if f.name in ("dtype", "quantization", "speculative", "draft_model") else int
+        choices = {"dtype": DTYPES, "quantization": QUANTIZATIONS, "speculative": SPECULATIVE}.get(f.name)
         group.add_argument(flag, dest=f.name, type=kind, choices=choices, default=None, help=f.metadata["help"])
 
 

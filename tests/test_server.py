@@ -46,7 +46,8 @@ def test_health_models_metrics(server):
                  "llm:time_to_first_token_seconds_bucket", "llm:inter_token_latency_seconds_bucket",
                  "llm:e2e_request_latency_seconds_bucket", "llm:request_queue_time_seconds_bucket",
                  "llm:num_requests_running", "llm:num_requests_waiting", "llm:kv_cache_usage_perc",
-                 "llm:prefix_cache_queries_total", "llm:prefix_cache_hits_total", "llm:num_preemptions_total"):
+                 "llm:prefix_cache_queries_total", "llm:prefix_cache_hits_total", "llm:num_preemptions_total",
+                 "llm:spec_decode_num_draft_tokens_total", "llm:spec_decode_num_accepted_tokens_total"):
         assert any(line.startswith(name + "{") and model in line for line in text.splitlines()), name
     assert 'llm:http_requests_total{endpoint="chat",model_name="default",status="ok"}' in text
     assert 'llm:request_success_total{finished_reason="length",model_name="default"}' in text

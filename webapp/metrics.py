@@ -172,6 +172,10 @@ class ServerMetrics:
             self._counter("prefix_cache_hits", "Prompt tokens found in the prefix cache",
                           stats.get("num_prefix_cache_hit_tokens", 0)),
             self._counter("num_preemptions", "Preempted requests", stats.get("num_preemptions", 0)),
+            self._counter("spec_decode_num_draft_tokens", "Speculative tokens proposed",
+                          stats.get("spec_decode_num_draft_tokens", 0)),
+            self._counter("spec_decode_num_accepted_tokens", "Speculative tokens accepted by the target",
+                          stats.get("spec_decode_num_accepted_tokens", 0)),
             self._gauge("engine_alive", "1 while the engine thread runs", 1.0 if self.engine.is_alive() else 0.0),
         ]
         return families

@@ -29,6 +29,7 @@ from ..structured import mask_rows
 from ..tokenizer.token_bytes import TokenPieces
 from .request import Request, RequestGroup
 from .scheduler import Scheduler, SchedulerConfig
+from .speculative import make_spec_decoder
 
 log = logging.getLogger("engine")
 
@@ -51,6 +52,8 @@ class EngineCore:
             enable_prefix_caching=config.enable_prefix_caching,
             target_tick_seconds=config.target_tick_seconds,
         ))
+        self.spec = make_spec_decoder(config.speculative, config.num_speculative_tokens)
+        self.scheduler.spec = self.spec
         self.kv_cache = model.make_kv_cache(config.num_blocks, config.block_size)
         self.pieces = TokenPieces(tokenizer)
         self.requests: dict[str, Request] = {}  # running or waiting choices, by their own id
@@ -86,6 +89,7 @@ class EngineCore:
 
     def stats(self) -> dict:
         sched = self.scheduler
+        spec = self.spec
         is_alive = self.is_alive()
         return {
             "num_running": sched.num_running if is_alive else 0,
@@ -96,6 +100,9 @@ class EngineCore:
             "num_preemptions": sched.num_preemptions,
             "num_prefix_cache_hit_tokens": sched.num_prefix_cache_hit_tokens,
             "num_prefix_cache_query_tokens": sched.num_prefix_cache_query_tokens,
+            "spec_decode_num_draft_tokens": spec.num_draft_tokens if spec is not None else 0,
+            "spec_decode_num_accepted_tokens": spec.num_accepted_tokens if spec is not None else 0,
+            "spec_decode_acceptance_rate": spec.acceptance_rate if spec is not None else 0.0,
         }
 
     def make_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
@@ -189,6 +196,8 @@ class EngineCore:
         except SchedulerRefused as exc:
             self._fail(req.request_id, exc, req)
             return
+        if self.spec is not None and self.spec.is_eligible(req.params, req):
+            req.seq.spec = self.spec.make_state()
         self.requests[req.request_id] = req
 
     def _tick(self) -> None:
@@ -225,19 +234,57 @@ class EngineCore:
             )
         else:
             token_ids, row_logprobs = [], []
+        runs = self._verify(out, logits, reqs, token_ids) if out.spec_entries else None
         self.scheduler.update(out, token_ids)
         if not token_ids:
             return
         self.num_generated_tokens += len(token_ids)
+        if runs:
+            self._rollback(runs)
         # Every sampled sequence's length, with its new token, in one read of the tick state.
         slots = out.slots if len(token_ids) == len(out.slots) else out.slots[out.sample_entries]
         lengths = self.scheduler.state.num_tokens[slots].tolist()
-        for req, token_id, lp, num_tokens in zip(reqs, token_ids, row_logprobs, lengths):
+        for k, (req, token_id, lp, num_tokens) in enumerate(zip(reqs, token_ids, row_logprobs, lengths)):
             try:
-                self._process_token(req, token_id, lp, num_tokens)
+                if runs and k in runs:
+                    self._process_run(req, *runs[k])
+                else:
+                    self._process_token(req, token_id, lp, num_tokens)
             except Exception as exc:
                 log.exception("output processing failed for %s", req.request_id)
                 self._fail(req.request_id, exc)
+
+    def _verify(self, out, logits: torch.Tensor, reqs: list[Request], token_ids: list[int]) -> dict:
+        """The target's greedy ids at the proposal rows (the same sampler call as a plain decode's)
+        -> {sample index: (SpecEntry, emitted ids)}."""
+        rows, params = [], []
+        for entry, k, first in out.spec_entries:
+            rows.extend(range(first + 1, first + 1 + len(entry.draft)))
+            params.extend([reqs[k].params] * len(entry.draft))
+        picked = logits.index_select(0, torch.tensor(rows, dtype=torch.int64))
+        ids, _ = sampler.sample(picked, params, [None] * len(params))
+        runs, j = {}, 0
+        for entry, k, _first in out.spec_entries:
+            n = len(entry.draft)
+            runs[k] = (entry, self.spec.accept(entry, [token_ids[k]] + ids[j : j + n]))
+            j += n
+        return runs
+
+    def _rollback(self, runs: dict) -> None:
+        sched = self.scheduler
+        for entry, emitted in runs.values():
+            if self.spec.rollback(sched.state, sched.block_manager, entry, emitted):
+                self.num_generated_tokens += len(emitted) - 1
+
+    def _process_run(self, req: Request, entry, emitted: list[int]) -> None:
+        """The ids a verified proposal emits, one event each, as if decoded one by one (the
+        sequence's length steps with them, so stops, max_tokens and EOS cut the run there)."""
+        num_tokens = self.scheduler.state.num_tokens
+        for j, token_id in enumerate(emitted):
+            num_tokens[entry.slot] = entry.num_tokens + j + 1  # what the sequence holds if it finishes here
+            self._process_token(req, token_id, None, entry.num_tokens + j + 1)
+            if req.is_finished:
+                return
 
     def _process_token(self, req: Request, token_id: int, lp, num_tokens: int) -> None:
         """``num_tokens``: the sequence's length with ``token_id``."""

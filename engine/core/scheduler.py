@@ -58,6 +58,8 @@ class SchedulerOutput:
     slots: np.ndarray = field(repr=False)  # [B] int32
     epochs: np.ndarray = field(repr=False)  # [B] int64
     sample_entries: np.ndarray = field(repr=False)  # [S] int32, index into seqs of each sample_seqs
+    # Speculative rows (engine.core.speculative): (SpecEntry, index into sample_seqs, first logit row).
+    spec_entries: list = field(default_factory=list, repr=False)
 
 
 class Scheduler:
@@ -77,6 +79,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_prefix_cache_hit_tokens = 0  # prompt tokens taken from the prefix cache at admission
         self.num_prefix_cache_query_tokens = 0  # tokens looked up in the prefix cache at admission
+        self.spec = None  # engine.core.speculative.SpecDecoder when speculative decoding is on
 
     # -- queries --
 
@@ -153,6 +156,12 @@ class Scheduler:
         cfg = self.config
         preempted: list[Sequence] = []
         prefill_budget = self.prefill_budget()
+        spec = self.spec
+        if spec is not None:
+            spec.entries = []
+            if not self.waiting:
+                spec.propose(state, self.running, bm, cfg.max_num_batched_tokens, prefill_budget,
+                             cfg.max_model_len)
         while True:
             max_chunk = prefill_budget
             if self.waiting and len(self.running) < cfg.max_num_seqs:
@@ -166,6 +175,9 @@ class Scheduler:
                 continue
             if plan.num_new_blocks <= bm.num_free_blocks:
                 break
+            if spec is not None and spec.entries:  # (proposals are cut to the free blocks: defensive)
+                spec.withdraw(state)
+                continue
             victim = self.running[-1]
             self._preempt(victim)
             preempted.append(victim)
@@ -288,6 +300,11 @@ class Scheduler:
                 state.span_positions[:num_spans].tolist(),
             ):
                 spans.append((seqs[i], first, count, pos))
+        logit_rows = layout.logit_rows
+        sample_logit_index = state.sample_logit_idx[:num_samples].tolist()
+        spec_entries = []
+        if self.spec is not None and self.spec.entries:
+            logit_rows, sample_logit_index, spec_entries = self.spec.logit_rows(layout, sample_entries, slots)
         batch = ForwardBatch(  # numpy views of the layout: tensors only for what the model reads
             input_ids=layout.input_ids,
             positions=layout.positions,
@@ -295,7 +312,7 @@ class Scheduler:
             query_starts=layout.query_starts,
             context_lens=layout.context_lens,
             block_tables=layout.block_tables,
-            logit_rows=layout.logit_rows,
+            logit_rows=logit_rows,
             prompt_lens=layout.prompt_lens,
             query_starts_list=layout.query_starts.tolist(),
             context_lens_list=layout.context_lens.tolist(),
@@ -306,13 +323,14 @@ class Scheduler:
             batch=batch,
             seqs=seqs,
             sample_seqs=sample_seqs,
-            sample_logit_index=state.sample_logit_idx[:num_samples].tolist(),
+            sample_logit_index=sample_logit_index,
             prompt_logprob_spans=spans,
             preempted=preempted,
             num_new_tokens=state.entry_num_new[:B].copy(),
             slots=slots,
             epochs=state.epochs[slots],
             sample_entries=sample_entries,
+            spec_entries=spec_entries,
         )
 
     def _publish_blocks(self) -> None:

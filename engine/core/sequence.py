@@ -33,6 +33,7 @@ class Sequence:
         "num_cached_tokens",
         "arrival_time",
         "first_scheduled_time",
+        "spec",
         "_buf",
         "_num_tokens",
         "_num_computed",
@@ -58,6 +59,7 @@ class Sequence:
         self.num_cached_tokens = 0  # tokens taken from the prefix cache at the last admission
         self.arrival_time = time.perf_counter()
         self.first_scheduled_time: float | None = None  # perf_counter at the first admission (queue time)
+        self.spec = None  # engine.core.speculative.SpecState when this request may speculate
         self._buf = np.empty(n + max_tokens, dtype=np.int32)  # [capacity]
         self._buf[:n] = prompt_token_ids
         self._num_tokens = n

@@ -1,0 +1,226 @@
+"""Speculative decoding (n-gram): the proposer against a brute-force scan, KV rollback against the
+block manager's invariants, and engine output with speculation equal to plain decoding
+(ScriptedModel scripts that copy the prompt, so proposals are accepted, cut and rejected)."""
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import engine
+from engine.config import EngineConfig, add_engine_arguments, engine_options_from_args
+from engine.core.scheduler import Scheduler, SchedulerConfig
+from engine.core.sequence import Sequence
+from engine.core.speculative import NgramProposer, SpecDecoder
+from engine.errors import InvalidParameterError
+from engine.loader import default_model_path
+from engine.params import SamplingParams
+from engine.testing import ScriptedModel
+
+
+def reference_proposal(ids: list[int], k: int, lo: int, hi: int) -> list[int]:
+    """Longest suffix (n = hi..lo) found ending earlier (latest occurrence): the ids after it."""
+    num = len(ids)
+    for n in range(min(hi, num - 1), lo - 1, -1):
+        suffix = ids[num - n :]
+        for end in range(num - 2, n - 2, -1):
+            if ids[end - n + 1 : end + 1] == suffix:
+                return ids[end + 1 : min(end + 1 + k, num)]
+    return []
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 3), min_size=1, max_size=60), st.integers(1, 5), st.integers(1, 3),
+       st.integers(0, 3))
+def test_ngram_proposer_matches_a_scan_incrementally(ids, k, lo, extra):
+    hi = lo + extra
+    proposer = NgramProposer(k, lo, hi)
+    for num in range(1, len(ids) + 1):
+        tokens = np.asarray(ids[:num], dtype=np.int32)
+        assert proposer.propose(tokens) == reference_proposal(ids[:num], k, lo, hi)
+
+
+def test_ngram_proposer_rebuilds_when_the_history_changes():
+    proposer = NgramProposer(3, 1, 2)
+    assert proposer.propose(np.array([1, 2, 3, 1], dtype=np.int32)) == [2, 3, 1]
+    assert proposer.propose(np.array([5, 6, 5], dtype=np.int32)) == [6, 5]
+    with pytest.raises(ValueError, match="ngram_min"):
+        NgramProposer(3, 3, 2)
+
+
+# -- KV rollback at the scheduler level --
+
+def blocks_for(n: int, bs: int) -> int:
+    return -(-n // bs)
+
+
+def run_scheduler(num_blocks, k, prompts, max_tokens, draw_accept, draw_token) -> Scheduler:
+    """Drive a Scheduler with speculation as EngineCore does (propose, verify, commit, roll back),
+    the target's ids coming from ``draw_token`` and accept lengths from ``draw_accept(k)``; checks
+    the block manager's invariants after every tick."""
+    bs = 4
+    cfg = SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=24, num_blocks=num_blocks, max_model_len=64,
+                          block_size=bs, target_tick_seconds=None)
+    sched = Scheduler(cfg)
+    spec = SpecDecoder("ngram", k)
+    sched.spec = spec
+    bm, state = sched.block_manager, sched.state
+    for i, (prompt, m) in enumerate(zip(prompts, max_tokens)):
+        seq = Sequence(f"r{i}", prompt, m)
+        seq.spec = spec.make_state()
+        sched.add(seq)
+    for _tick in range(300):
+        out = sched.schedule()
+        if out is None:
+            break
+        entries = {k: entry for entry, k, _first in out.spec_entries}
+        token_ids, emitted = [], {}
+        for k in range(len(out.sample_seqs)):
+            entry = entries.get(k)
+            if entry is None:
+                token_ids.append(draw_token())
+                continue
+            a = draw_accept(len(entry.draft))
+            target = entry.draft[:a] + [draw_token() for _ in range(1 + len(entry.draft) - a)]
+            emitted[k] = spec.accept(entry, target)
+            token_ids.append(target[0])
+            assert emitted[k] == target[: len(emitted[k])] and len(emitted[k]) >= a + 1
+        sched.update(out, token_ids)
+        for k, entry in entries.items():
+            assert spec.rollback(state, bm, entry, emitted[k])
+        sampled = {seq.request_id for seq in out.sample_seqs}
+        for seq in list(sched.running):
+            s = seq.slot
+            n = int(state.num_tokens[s])
+            if seq.request_id in sampled:  # everything but the newest id has verified KV
+                assert int(state.num_computed[s]) == n - 1
+                # Blocks past the length went back (the newest id's block may come with the next plan).
+                assert blocks_for(n - 1, bs) <= int(state.num_blocks[s]) <= blocks_for(n, bs)
+            if seq.num_generated >= seq.max_tokens:
+                sched.finish(seq)
+        refs: dict[int, int] = {}
+        for seq in sched.running:
+            for b in seq.block_ids:
+                refs[b] = refs.get(b, 0) + 1
+        bm.check_invariants(refs)
+        # Only prompt blocks are published: an unverified id never reaches the prefix cache.
+        assert bm.num_cached_blocks <= sum(len(p) // bs for p in prompts)
+    assert not sched.has_work()
+    bm.check_invariants({})
+    return sched
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_rollback_keeps_block_manager_invariants(data):
+    num_seqs = data.draw(st.integers(1, 3), label="num_seqs")
+    prompts = [data.draw(st.lists(st.integers(0, 2), min_size=2, max_size=12), label="prompt")
+               for _ in range(num_seqs)]
+    max_tokens = [data.draw(st.integers(1, 20), label="max_tokens") for _ in range(num_seqs)]
+    run_scheduler(data.draw(st.integers(8, 40), label="num_blocks"), data.draw(st.integers(1, 6), label="k"),
+                  prompts, max_tokens, lambda n: data.draw(st.integers(0, n), label="accepted"),
+                  lambda: data.draw(st.integers(0, 2), label="token"))
+
+
+def test_rollback_with_preemption_and_full_acceptance():
+    # Three sequences of 8 blocks each in 10 blocks: preemption while every proposal is accepted.
+    sched = run_scheduler(10, 4, [[0] * 12] * 3, [20] * 3, lambda n: n, lambda: 0)
+    assert sched.num_preemptions > 0
+    assert sched.spec.num_accepted_tokens == sched.spec.num_draft_tokens > 0
+
+
+# -- the engine, with and without speculation --
+
+@pytest.fixture(scope="module")
+def tok():
+    return engine.load_tokenizer(default_model_path())
+
+
+CODE = "def total(items, rate):\n    subtotal = 0\n    for item in items:\n        subtotal += item\n" \
+       "    return subtotal * rate\n"
+
+
+def make_engine(tok, script, **options):
+    options.setdefault("max_model_len", 2048)
+    options.setdefault("kv_cache_tokens", 8192)
+    return engine.Engine(ScriptedModel(script, tok.vocab_size), tok, **options)
+
+
+def run(eng, prompt, params):
+    events = list(eng.stream(prompt, params))
+    return [t for e in events for t in e.token_ids], "".join(e.text for e in events), events[-1].finish_reason
+
+
+def copying_script(tok):
+    """A script that copies the prompt with a few edits: proposals run, get cut and fail."""
+    body = tok.encode(CODE, add_special_tokens=False)
+    edited = tok.encode(CODE.replace("subtotal", "base"), add_special_tokens=False)
+    return body + edited + body[:7] + [tok.eos_token_ids[0]] + body
+
+
+PARAMS = [
+    SamplingParams(max_tokens=200, temperature=0),
+    SamplingParams(max_tokens=200, temperature=0, ignore_eos=True),
+    SamplingParams(max_tokens=37, temperature=0, ignore_eos=True),  # max_tokens inside an accepted run
+    SamplingParams(max_tokens=200, temperature=0, stop=["+= item"]),  # a stop string inside a run
+    SamplingParams(max_tokens=200, temperature=0, stop=["* rate\ndef"], include_stop_str_in_output=True),
+    SamplingParams(max_tokens=60, temperature=0, logprobs=True, top_logprobs=2),  # not speculated
+    SamplingParams(max_tokens=60, temperature=0.8, seed=3),  # not speculated
+    SamplingParams(max_tokens=60, temperature=0, repetition_penalty=1.3),  # not speculated
+]
+
+
+@pytest.mark.parametrize("k", [1, 4, 7])
+def test_engine_output_equals_plain_decoding(tok, k):
+    script = copying_script(tok)
+    prompt = "Rename subtotal to base:\n" + CODE
+    with make_engine(tok, script) as plain, make_engine(tok, script, speculative="ngram",
+                                                        num_speculative_tokens=k) as fast:
+        for params in PARAMS:
+            assert run(fast, prompt, params) == run(plain, prompt, params), params
+        stats = fast.stats()
+        batch_plain = plain.generate([prompt, "x " + prompt, CODE], PARAMS[1])
+        batch_fast = fast.generate([prompt, "x " + prompt, CODE], PARAMS[1])
+    assert [c.token_ids for c in batch_fast] == [c.token_ids for c in batch_plain]
+    assert [c.text for c in batch_fast] == [c.text for c in batch_plain]
+    assert stats["spec_decode_num_accepted_tokens"] > 0
+    assert 0 < stats["spec_decode_acceptance_rate"] <= 1
+    assert stats["spec_decode_num_accepted_tokens"] <= stats["spec_decode_num_draft_tokens"]
+    assert plain.stats()["spec_decode_num_draft_tokens"] == 0
+
+
+def test_ineligible_requests_never_propose(tok):
+    script = copying_script(tok)
+    with make_engine(tok, script, speculative="ngram") as eng:
+        for params in PARAMS[5:]:
+            run(eng, "Rename subtotal to base:\n" + CODE, params)
+        assert eng.stats()["spec_decode_num_draft_tokens"] == 0
+
+
+def test_abort_mid_speculation_frees_blocks(tok):
+    script = copying_script(tok) * 4
+    with make_engine(tok, script, speculative="ngram") as eng:
+        stream = eng.stream(CODE, SamplingParams(max_tokens=400, temperature=0, ignore_eos=True))
+        seen = 0
+        for event in stream:
+            seen += len(event.token_ids)
+            if seen > 30:
+                eng.abort(event.request_id)
+        assert event.finish_reason == "abort"
+        assert run(eng, CODE, PARAMS[2])[2] == "length"  # the engine goes on
+        assert eng.stats()["kv_usage"] == 0.0
+
+
+def test_speculative_options_are_validated():
+    with pytest.raises(InvalidParameterError, match="speculative='draft' is not supported yet"):
+        EngineConfig(speculative="draft")
+    with pytest.raises(InvalidParameterError, match="speculative must be None or one of"):
+        EngineConfig(speculative="medusa")
+    with pytest.raises(InvalidParameterError, match="num_speculative_tokens"):
+        EngineConfig(speculative="ngram", num_speculative_tokens=0)
+    with pytest.raises(InvalidParameterError, match="draft_model"):
+        EngineConfig(draft_model="/tmp/x.gguf")
+    import argparse
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    args = parser.parse_args(["--speculative", "ngram", "--num-speculative-tokens", "6"])
+    assert engine_options_from_args(args) == {"speculative": "ngram", "num_speculative_tokens": 6}

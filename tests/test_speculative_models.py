@@ -1,0 +1,109 @@
+"""Speculative decoding on the real models: greedy output with speculation="ngram" is token-for-token
+the output without it (the default SmolLM2-135M over many prompts; Qwen2.5-Coder-0.5B on code edits,
+where the output copies the prompt and most proposals are accepted)."""
+import pytest
+from model_fixtures import qwen_gguf  # noqa: F401 (fixture)
+
+import engine
+from engine.params import SamplingParams
+
+CODE = '''def total_price(items, tax_rate):
+    subtotal = 0
+    for item in items:
+        subtotal += item.price * item.quantity
+    tax = subtotal * tax_rate
+    return subtotal + tax
+'''
+
+PROMPTS = [
+    "Repeat this sentence exactly: the quick brown fox jumps over the lazy dog, and the dog sleeps.",
+    "Copy the following list: apples, pears, plums, apples, pears, plums, apples.",
+    "Write a short poem about the sea.",
+    "What is the capital of France? Answer in one sentence.",
+    "Rename subtotal to base in this code:\n" + CODE,
+    "Add type hints to this function:\n" + CODE,
+    "Count from one to twenty in words.",
+    "List three colors, then list them again in the same order.",
+    "Explain what a hash table is.",
+    "Translate to French: The cat is on the table. The cat is on the table.",
+]
+
+
+def chats(prompts):
+    return [[{"role": "user", "content": p}] for p in prompts]
+
+
+@pytest.fixture(scope="module")
+def engines():
+    with engine.Engine.from_pretrained() as plain, engine.Engine.from_pretrained(speculative="ngram") as fast:
+        yield plain, fast
+
+
+def generate(eng, prompts, params):
+    ids = [eng.tokenizer.encode_chat(m) for m in chats(prompts)]
+    return eng.generate(ids, params)
+
+
+def test_default_model_many_prompts_batched_and_alone(engines):
+    plain, fast = engines
+    params = SamplingParams(max_tokens=64, temperature=0)
+    want = generate(plain, PROMPTS, params)
+    got = generate(fast, PROMPTS, params)  # one batch: speculation once the prefills are done
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
+    assert [c.text for c in got] == [c.text for c in want]
+    assert [c.finish_reason for c in got] == [c.finish_reason for c in want]
+    for prompt, expected in zip(PROMPTS[:4], want[:4]):  # one stream at a time
+        [alone] = generate(fast, [prompt], params)
+        assert alone.token_ids == expected.token_ids
+    assert fast.stats()["spec_decode_num_draft_tokens"] > 0
+
+
+def test_default_model_stops_and_max_tokens_mid_run(engines):
+    plain, fast = engines
+    base = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+    full = generate(plain, PROMPTS[:2], base)
+    for c, prompt in zip(full, PROMPTS[:2]):
+        cut = len(c.text) // 2
+        stop = c.text[cut : cut + 4]
+        for params in (SamplingParams(max_tokens=64, temperature=0, stop=[stop]),
+                       SamplingParams(max_tokens=64, temperature=0, stop=[stop],
+                                      include_stop_str_in_output=True),
+                       SamplingParams(max_tokens=23, temperature=0, ignore_eos=True)):
+            [want] = generate(plain, [prompt], params)
+            [got] = generate(fast, [prompt], params)
+            assert (got.token_ids, got.text, got.finish_reason) == \
+                (want.token_ids, want.text, want.finish_reason)
+
+
+def test_default_model_abort_then_equal(engines):
+    plain, fast = engines
+    params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+    prompt = fast.tokenizer.encode_chat(chats(PROMPTS[1:2])[0])
+    seen = 0
+    for event in fast.stream(prompt, params):
+        seen += len(event.token_ids)
+        if seen >= 10:
+            fast.abort(event.request_id)
+    assert event.finish_reason == "abort"
+    [want] = generate(plain, PROMPTS[1:2], SamplingParams(max_tokens=40, temperature=0))
+    [got] = generate(fast, PROMPTS[1:2], SamplingParams(max_tokens=40, temperature=0))
+    assert got.token_ids == want.token_ids
+    assert fast.stats()["kv_usage"] == 0.0
+
+
+EDITS = [
+    "Rename the variable subtotal to base_amount in this function. Answer with the code only.\n\n" + CODE,
+    "Add type hints to this function. Answer with the code only.\n\n" + CODE,
+]
+
+
+def test_qwen_coder_code_edits_equal_and_mostly_accepted(qwen_gguf):  # noqa: F811
+    params = SamplingParams(max_tokens=80, temperature=0)
+    with engine.Engine.from_pretrained(str(qwen_gguf)) as plain:
+        want = generate(plain, EDITS, params)
+    with engine.Engine.from_pretrained(str(qwen_gguf), speculative="ngram") as fast:
+        got = generate(fast, EDITS, params)
+        stats = fast.stats()
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
+    assert [c.text for c in got] == [c.text for c in want]
+    assert stats["spec_decode_acceptance_rate"] > 0.5  # the edits copy the prompt
