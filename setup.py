@@ -30,7 +30,8 @@ DIRECTIVES = {
 }
 
 
-C_SOURCES = {"fused": ["cext/csrc/fused_kernels.c", "cext/csrc/qgemm.c"], "sampler": ["cext/csrc/sampler_kernels.c"]}
+C_SOURCES = {"fused": ["cext/csrc/fused_kernels.c", "cext/csrc/qgemm.c", "cext/csrc/prefill_attention.c"],
+             "sampler": ["cext/csrc/sampler_kernels.c"]}
 C_FLAGS = {"fused": ["-fopenmp-simd", "-pthread", "-fno-math-errno"],
            "sampler": ["-fno-math-errno", "-fno-trapping-math", "-Wno-psabi"]}
 LINK_FLAGS = {"fused": ["-pthread", "-lm"]}

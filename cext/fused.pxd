@@ -52,3 +52,12 @@ cdef extern from "csrc/qgemm.h" nogil:
     void fk_qgemm_set_float_rows(int64_t rows)
     int64_t fk_qgemm_get_float_rows()
     int fk_q4_dequantize(const unsigned char* blocks, int half, int layout, int64_t num_out, int64_t num_cols, float* w)
+
+
+cdef extern from "csrc/prefill_attention.h" nogil:
+    int fk_prefill_attention(const void* q, int64_t q_row_stride, const void* k_cache, const void* v_cache,
+                             int64_t num_blocks, int block_size, const int64_t* block_tables,
+                             int64_t table_stride, const int64_t* query_starts, const int64_t* context_lens,
+                             const int64_t* positions, int num_seqs, int64_t num_rows, int num_heads,
+                             int num_kv_heads, int head_dim, int64_t sliding_window, float scale, void* out,
+                             int64_t out_row_stride, int dtype, int cache_dtype)
