@@ -25,9 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import engine  # noqa: E402
 from benchmarks.common import environment, fmt_stats, print_table, summarize, write_json  # noqa: E402
+from engine.core.runtime import FINISHED  # noqa: E402
 from engine.loader import default_model_path  # noqa: E402
 from engine.params import SamplingParams  # noqa: E402
-from engine.runtime import FINISHED  # noqa: E402
 from engine.testing import ScriptedModel  # noqa: E402
 
 NUM_CONCURRENT = 8

@@ -145,8 +145,12 @@ def routes() -> dict:
     """The kernels' instruction set and this tree's prefill attention path."""
     from engine.models import attention, fused
 
+    try:
+        from cext import cpu as isa_switch
+    except ImportError:  # a tree from before cext.cpu
+        from cext import fused as isa_switch
     is_fused = fused.default_enabled()
-    return {"isa": fused._fused.get_isa() if is_fused else None,
+    return {"isa": isa_switch.get_isa() if is_fused else None,
             "prefill_attention": "C kernel in place" if is_fused and hasattr(fused, "prefill_attention")
             and "num_prefill_seqs" in attention.AttentionPlan.__dataclass_fields__ else "SDPA per sequence"}
 

@@ -1,7 +1,7 @@
 """Host cost per token of the sampler: all options off, penalties + logit_bias + min_p on, and n=4.
 
 Three sections, each at batch 1 and 32 (requests), configurations interleaved in every repeat:
-  sampler    ``engine.sampling.sample`` (the cext.sampler kernel) alone on [rows, V] logits
+  sampler    ``engine.sampling.sampler.sample`` (the cext.sampler kernel) alone on [rows, V] logits
              (V = SmolLM2's 49152), plus the per-token ``LogitsAdjuster.add``; the logits copy is
              outside the timed region. The adjusters carry a 256-token prompt and 128 generated
              tokens of history.
@@ -34,10 +34,10 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks.common import environment, fmt_stats, print_table, summarize, write_json  # noqa: E402
-from engine import sampling_reference  # noqa: E402
-from engine.logits_process import LogitsAdjuster, adjust  # noqa: E402
 from engine.params import SamplingParams  # noqa: E402
-from engine.sampling import random_stream, sample  # noqa: E402
+from engine.sampling.logits_process import LogitsAdjuster, adjust  # noqa: E402
+from engine.sampling.sampler import random_stream, sample  # noqa: E402
+from tests import sampling_reference  # noqa: E402
 
 BATCH_SIZES = (1, 32)
 ALL_ON = dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1, min_p=0.05,

@@ -1,5 +1,5 @@
 """Stop-string matching: cost per token, construction time and memory, the automaton
-(engine.stops.StopMatcher) beside the quadratic matcher it replaced (tests/test_stops.py's
+(engine.text.stops.StopMatcher) beside the quadratic matcher it replaced (tests/test_stops.py's
 QuadraticStopMatcher, the reference model), side by side in one run.
 
 Text: 4,096 token-sized pieces, the default model's tokenizer decoding mixed real text one
@@ -38,7 +38,7 @@ from benchmarks.common import environment, fmt_stats, print_table, summarize, wr
 from engine.detokenizer import IncrementalDetokenizer  # noqa: E402
 from engine.loader import default_model_path  # noqa: E402
 from engine.params import SamplingParams  # noqa: E402
-from engine.stops import MAX_NUM_STOPS, MAX_STOP_LEN, MAX_TOTAL_STOP_LEN, StopMatcher  # noqa: E402
+from engine.text.stops import MAX_NUM_STOPS, MAX_STOP_LEN, MAX_TOTAL_STOP_LEN, StopMatcher  # noqa: E402
 from engine.tokenizer import load_tokenizer  # noqa: E402
 from tests.test_stops import QuadraticStopMatcher  # noqa: E402
 

@@ -5,7 +5,7 @@ import math
 from dataclasses import dataclass
 
 from .errors import InvalidParameterError
-from .stops import check_stop_caps
+from .text.stops import check_stop_caps
 
 MAX_TOP_LOGPROBS = 20
 MAX_N = 128  # choices per request

@@ -3,10 +3,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
-from engine.block_manager import BlockManager, hash_block, prefix_block_hashes
+from engine.core.block_manager import BlockManager, hash_block, prefix_block_hashes
 
 
 def test_allocate_and_free_round_trip():

@@ -1,16 +1,16 @@
 """Each sampling option against a plain NumPy reference of its definition (logits in, logits or
 distribution out), batched with rows that have no processing; the NumPy ``adjust`` and the
-sampler kernel's processing (``engine.sampling.process``) both; then the engine end to end."""
+sampler kernel's processing (``engine.sampling.sampler.process``) both; then the engine end to end."""
 import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
 from engine.errors import InvalidParameterError
-from engine.logits_process import LogitsAdjuster, adjust
 from engine.params import SamplingParams
-from engine.sampling import RandomStream, process, sample
-from engine.sampling_reference import mask_min_p
+from engine.sampling.logits_process import LogitsAdjuster, adjust
+from engine.sampling.sampler import RandomStream, process, sample
+from tests.sampling_reference import mask_min_p
 
 VOCAB = 40
 

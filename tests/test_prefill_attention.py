@@ -1,4 +1,4 @@
-"""The prefill attention kernel (cext.fused.prefill_attention through engine.models.fused)
+"""The prefill attention kernel (cext.ops.prefill_attention through engine.models.fused)
 against the exact float64 reference: random block tables with holes, several sequences per
 call, GQA groups, head_dim 64 / 128 (and odd sizes the kernel pads), float32 / bfloat16 /
 float16 caches, float32 and bfloat16 activations, sliding windows, strided query rows,
@@ -11,7 +11,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cext import fused as cfused
+from cext import cpu as cfused
 from engine.batch import ForwardBatch
 from engine.models import fused
 from engine.models.attention import paged_attention, plan_attention

@@ -1,5 +1,5 @@
 """The sampler kernel (cext.sampler through engine.sampling) against the plain NumPy definitions
-in engine.sampling_reference: the same uniform from the same stream must pick the same token,
+in tests/sampling_reference.py: the same uniform from the same stream must pick the same token,
 except where float32 rounding in the kernel can decide (a mask threshold or a CDF boundary
 within 1e-4 of the draw), which the property test recognises and leaves out."""
 import numpy as np
@@ -8,8 +8,8 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
 from engine.params import SamplingParams
-from engine.sampling import RandomStream, prompt_logprobs, sample
-from engine.sampling_reference import draw, logprob_row, weights
+from engine.sampling.sampler import RandomStream, prompt_logprobs, sample
+from tests.sampling_reference import draw, logprob_row, weights
 
 SLACK = 1e-4
 
@@ -134,7 +134,7 @@ def test_rank_counts_ties_and_prompt_logprobs_carry_ranks():
 
 
 def test_out_of_vocabulary_ids_raise_instead_of_writing_outside_the_row():
-    from engine.logits_process import LogitsAdjuster
+    from engine.sampling.logits_process import LogitsAdjuster
     params = SamplingParams(temperature=0, logit_bias={10: 1.0})
     adjuster = LogitsAdjuster.for_request(params, [1], (), 4)
     with pytest.raises(IndexError, match="outside the vocabulary"):
@@ -148,7 +148,7 @@ def test_out_of_vocabulary_ids_raise_instead_of_writing_outside_the_row():
 def test_processing_then_choice_matches_the_reference_over_many_blocks(data, num_rows):
     # vocab 300: several blocks of the kernel's block maxima, which the processing must keep exact
     # (a penalty or mask that lowers a block's max, a bias that raises one).
-    from engine.logits_process import LogitsAdjuster, adjust
+    from engine.sampling.logits_process import LogitsAdjuster, adjust
     vocab = 300
     ids = st.integers(0, vocab - 1)
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
@@ -185,14 +185,14 @@ def test_processing_then_choice_matches_the_reference_over_many_blocks(data, num
 
 @pytest.fixture(params=["avx2", "portable"])
 def sampler_path(request):
-    """Both implementations of the sampler's row passes on this machine (AVX2 when it has it)."""
-    from cext.sampler import use_avx2
-    before = use_avx2()
-    if request.param == "avx2" and not before:
-        pytest.skip("this CPU has no AVX2")  # the portable run below still covers the logic
-    use_avx2(request.param == "avx2")
+    """Both implementations of the sampler's row passes on this machine (AVX2 when it has it),
+    chosen through cext.cpu's one instruction-set switch."""
+    from cext import cpu
+    if request.param == "avx2" and "avx2" not in cpu.features():
+        pytest.skip("CPU lacks AVX2")  # the portable run below still covers the logic
+    cpu.set_isa("auto" if request.param == "avx2" else "baseline")
     yield request.param
-    use_avx2(before)
+    cpu.set_isa("auto")
 
 
 long_rows = st.tuples(st.integers(450, 2200), st.integers(0, 2**32 - 1), st.sampled_from([0.5, 3.0, 12.0])).map(

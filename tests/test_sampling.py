@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from engine.params import SamplingParams
-from engine.sampling import RandomStream, prompt_logprobs, sample
+from engine.sampling.sampler import RandomStream, prompt_logprobs, sample
 
 
 def _logits(rows=4, vocab=50, seed=0):

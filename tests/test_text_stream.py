@@ -2,7 +2,7 @@
 import pytest
 
 from engine.detokenizer import IncrementalDetokenizer
-from engine.text_stream import TextStream
+from engine.text.text_stream import TextStream
 from tests import vocabs
 
 

@@ -1,6 +1,6 @@
 /* Prefill attention over the paged KV cache (prefill_attention.h): argument checks, work
- * items and the per-ISA variants of prefill_attention_impl.h, chosen through the fused
- * kernels' ISA switch (fk_get_isa, so fk_set_isa forces a route in tests).
+ * items and the per-ISA variants of prefill_attention_impl.h, chosen per call from cpu.h's
+ * switch (cpu_isa; cext.cpu.set_isa forces a lower route in tests) and run on its pool.
  *
  * A prompt chunk of T rows attends its sequence's whole context in place: the work is cut
  * into items of (sequence, kv head, up to PA_TILE_ROWS rows), run in parallel on the fused
@@ -8,8 +8,9 @@
  * for all of its rows x G query heads together (float32 accumulation, online softmax), so a
  * chunk's attention costs what the same rows cost inside a whole-prompt forward. */
 #include "prefill_attention.h"
+#include "cpu.h"
+#include "dtype.h"
 #include "fused_kernels.h"
-#include "fk_pool.h"
 
 #include <stdint.h>
 #include <stdlib.h>
@@ -76,13 +77,13 @@ struct PaArgs {
 typedef void (*PaItemsFn)(const PaArgs *, int64_t, int64_t, float *);
 
 static PaItemsFn pa_kernel(int64_t *lanes_per_block) {
-    const int isa = fk_get_isa();
+    const int isa = cpu_isa();
 #ifdef PA_HAVE_X86
-    if (isa == FK_ISA_AVX512) {
+    if (isa == CPU_ISA_AVX512) {
         *lanes_per_block = 16 * 4;
         return prefill_items_avx512;
     }
-    if (isa == FK_ISA_AVX2) {
+    if (isa == CPU_ISA_AVX2) {
         *lanes_per_block = 8 * 2;
         return prefill_items_avx2;
     }
@@ -152,7 +153,7 @@ int fk_prefill_attention(const void *q, int64_t q_row_stride, const void *k_cach
                          num_heads, num_kv_heads, head_dim, sliding_window, scale, out, out_row_stride, dtype,
                          cache_dtype, mp, items, fn};
     const size_t floats = (size_t)(2 * dp * mp + 2 * PA_SPAN * dp + PA_SPAN * lanes + 4 * mp + dp);
-    const int rc = fk_parallel_for(pa_range, &args, num_items, work * num_heads * head_dim * 2, floats);
+    const int rc = cpu_parallel_for(pa_range, &args, num_items, work * num_heads * head_dim * 2, floats);
     free(items);
     return rc;
 }

@@ -66,18 +66,15 @@ static inline void PA_FN(load_row)(float *dst, const void *src, int n, int padde
         memcpy(dst, src, (size_t)n * sizeof(float));
         i = n;
     } else if (dtype == FK_FLOAT16) {
-        const _Float16 *h = (const _Float16 *)src;
+        const uint16_t *h = (const uint16_t *)src;
 #ifdef PA_F16C
         for (; i + 8 <= n; i += 8)
             _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
 #endif
-        for (; i < n; i++) dst[i] = (float)h[i];
+        for (; i < n; i++) dst[i] = dt_f16_to_f32(h[i]);
     } else {
         const uint16_t *s = (const uint16_t *)src;
-        for (; i < n; i++) {
-            const uint32_t u = (uint32_t)s[i] << 16;
-            memcpy(dst + i, &u, sizeof u);
-        }
+        for (; i < n; i++) dst[i] = dt_bf16_to_f32(s[i]);
     }
     for (; i < padded; i++) dst[i] = 0.0f;
 }
@@ -89,12 +86,7 @@ static inline void PA_FN(store_row)(void *dst, const float *src, int n, int dtyp
         return;
     }
     uint16_t *d = (uint16_t *)dst;
-    for (int i = 0; i < n; i++) {
-        uint32_t u;
-        memcpy(&u, &src[i], sizeof u);
-        const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-        d[i] = (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? ((u >> 16) | 0x40u) : rounded);
-    }
+    for (int i = 0; i < n; i++) d[i] = dt_f32_to_bf16(src[i]);
 }
 
 /* St[j][lane] = sum_d Kf[j][d] * Qt[d][lane] for j < n4 (a multiple of 4), MBLK lanes from qt. */

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .params import SamplingParams
+from engine.params import SamplingParams
 
 
 def mask_min_p(probs: np.ndarray, min_p: float) -> None:

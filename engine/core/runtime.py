@@ -20,15 +20,15 @@ import traceback
 import numpy as np
 import torch
 
-from . import sampling
-from .config import EngineConfig
-from .detokenizer import TokenPieces
-from .errors import EngineDead, EngineError, EngineOverloaded, InvalidParameterError
-from .outputs import StreamEvent, TokenLogprob
-from .params import SamplingParams
+from ..config import EngineConfig
+from ..errors import EngineDead, EngineError, EngineOverloaded, InvalidParameterError, SchedulerRefused
+from ..outputs import StreamEvent, TokenLogprob
+from ..params import SamplingParams
+from ..sampling import sampler
+from ..structured import mask_rows
+from ..tokenizer.token_bytes import TokenPieces
 from .request import Request, RequestGroup
 from .scheduler import Scheduler, SchedulerConfig
-from .structured import mask_rows
 
 log = logging.getLogger("engine")
 
@@ -109,8 +109,13 @@ class EngineCore:
             request_id = f"req-{self._id_prefix}-{next(self._ids)}"
         elif not isinstance(request_id, str) or not request_id:
             raise InvalidParameterError(f"request_id must be a non-empty string, got {request_id!r}", "request_id")
+        if params is None:
+            params = SamplingParams()
+        elif not isinstance(params, SamplingParams):
+            raise InvalidParameterError(f"params must be a SamplingParams, got {type(params).__name__}",
+                                        "params")
         return Request.create(
-            request_id, prompt_ids, SamplingParams() if params is None else params, tokenizer=self.tokenizer,
+            request_id, prompt_ids, params, tokenizer=self.tokenizer,
             vocab_size=self.model.vocab_size, max_model_len=self.max_model_len, prompt_param=prompt_param,
             group=group)
 
@@ -181,7 +186,7 @@ class EngineCore:
     def _add(self, req: Request) -> None:
         try:
             self.scheduler.add(req.seq)
-        except ValueError as exc:
+        except SchedulerRefused as exc:
             self._fail(req.request_id, exc, req)
             return
         self.requests[req.request_id] = req
@@ -213,7 +218,7 @@ class EngineCore:
             if any(g is not None for g in grammars):  # structured output: before sampling and logprobs (vLLM)
                 rows = mask_rows(rows, grammars)
             adjusters = [r.adjuster for r in reqs]
-            token_ids, row_logprobs = sampling.sample(
+            token_ids, row_logprobs = sampler.sample(
                 rows, [r.params for r in reqs], [r.generator for r in reqs],
                 adjusters if any(a is not None for a in adjusters) else None,
             )
@@ -289,7 +294,7 @@ class EngineCore:
                 continue
             prompt = req.seq.token_ids
             targets = [int(prompt[first_pos + 1 + j]) for j in range(count)]
-            rows = sampling.prompt_logprobs(logits[first : first + count], targets, req.params.prompt_logprobs)
+            rows = sampler.prompt_logprobs(logits[first : first + count], targets, req.params.prompt_logprobs)
             for target, row in zip(targets, rows):
                 req.prompt_logprobs.append(self._token_logprob(target, row))
 

@@ -1,13 +1,13 @@
 """Sampling from a batch of logits rows: one call of the sampler kernel (cext.sampler).
 
 Per row, with the GIL released: the request's logits processing (its
-engine.logits_process.LogitsAdjuster: allowed ids, masks, logit_bias, penalties over the few
+engine.sampling.logits_process.LogitsAdjuster: allowed ids, masks, logit_bias, penalties over the few
 ids they touch), then the choice (greedy argmax, or softmax(logits / temperature) under the
 min-p, top-k and top-p masks by partial selection, drawn by inverting the CDF in id order at
 one uniform from the request's own ``RandomStream``, so a seeded request gives the same tokens
 whatever else is in the batch), then, if asked, the logprob, rank and top logprobs.
 Logprobs always describe the model's raw distribution (before processing, temperature, masks).
-engine.sampling_reference holds the same definitions in plain NumPy (the tests' reference).
+tests/sampling_reference.py holds the same definitions in plain NumPy (the tests' reference).
 """
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ import torch
 
 from cext.sampler import RandomStream, logprob_rows, sample_rows
 
+from ..params import SamplingParams
 from .logits_process import LogitsAdjuster
-from .params import SamplingParams
 
 
 @dataclass(slots=True)

@@ -15,13 +15,13 @@ whatever the number of stops and the length of the output. Limits, enforced by `
 in linear time: at most ``MAX_NUM_STOPS`` strings, each at most ``MAX_STOP_LEN``
 characters, ``MAX_TOTAL_STOP_LEN`` characters in all.
 
-The per-token step of a request (detokenizer + stops) is ``engine.text_stream.TextStream``.
+The per-token step of a request (detokenizer + stops) is ``engine.text.text_stream.TextStream``.
 """
 from __future__ import annotations
 
 from cext.stops import StopAutomaton
 
-from .errors import InvalidParameterError
+from ..errors import InvalidParameterError
 
 MAX_NUM_STOPS = 256  # stop strings per request (OpenAI allows 4)
 MAX_STOP_LEN = 131_072  # characters in one stop string
@@ -49,16 +49,12 @@ class StopMatcher(StopAutomaton):
     nothing. ``flush()`` returns the held-back tail at the end of a request that did not stop.
     ``completes_with(tentative)``: whether pushing ``tentative`` would complete a stop (no
     state change). ``stop_str`` is the stop string that ended the text, else None. The
-    automaton and its loops are cext.stops.StopAutomaton; this class validates the input.
+    automaton and its loops are cext.stops.StopAutomaton. ``stops`` is SamplingParams.stop,
+    validated there (non-empty strings within the caps), so it is trusted here.
     """
 
     __slots__ = ()
 
     def __init__(self, stops: tuple[str, ...], include_stop_str: bool = False):
-        if isinstance(stops, str) or not isinstance(stops, (tuple, list)) or not all(isinstance(s, str) for s in stops):
-            raise InvalidParameterError(f"stop must be a tuple of strings, got {type(stops).__name__}", "stop")
-        if any(s == "" for s in stops):
-            raise InvalidParameterError("stop must not contain an empty string", "stop")
-        check_stop_caps(stops)
         super().__init__(tuple(dict.fromkeys(stops)), include_stop_str)
 
