@@ -17,7 +17,7 @@ from .core.runtime import EngineCore
 from .errors import InvalidParameterError
 from .outputs import Completion
 from .params import SamplingParams
-from .request_stream import FinishQueue, RequestStream
+from .request_stream import RequestStream
 
 
 def _display_name(path: str) -> str:
@@ -162,6 +162,27 @@ class Engine:
         except InvalidParameterError as exc:
             raise chat.error(exc) from None
 
+    def prepare_infill(self, prefix, suffix, params: SamplingParams | None = None,
+                       extra_files: list[dict] | None = None) -> tuple[list[int], SamplingParams]:
+        """(prompt ids, params) of a fill-in-the-middle request (engine/infill.py): the model's FIM
+        tokens around ``prefix`` and ``suffix`` (text or token ids), with ``extra_files``
+        ([{filename, text}]) as llama.cpp's repo-level context. No FIM tokens: InvalidParameterError
+        naming ``suffix``."""
+        from .infill import prepare_infill
+
+        return prepare_infill(self.tokenizer, prefix, suffix, params, extra_files)
+
+    def stream_infill(self, prefix, suffix, params: SamplingParams | None = None,
+                      extra_files: list[dict] | None = None, request_id: str | None = None) -> RequestStream:
+        """Stream the middle between ``prefix`` and ``suffix``; generation ends at EOS or a FIM end token."""
+        prompt_ids, params = self.prepare_infill(prefix, suffix, params, extra_files)
+        return self.submit(prompt_ids, params, request_id)
+
+    def infill(self, prefix, suffix, params: SamplingParams | None = None,
+               extra_files: list[dict] | None = None) -> Completion:
+        """The Completion of the code between ``prefix`` and ``suffix`` (fill-in-the-middle)."""
+        return self.stream_infill(prefix, suffix, params, extra_files).collect()
+
     def submit(self, prompt_ids: list[int], params: SamplingParams | None = None, request_id: str | None = None,
                prompt_param: str = "prompt", outputs: queue.SimpleQueue | None = None,
                event_filter=None) -> RequestStream:
@@ -215,21 +236,29 @@ class Engine:
 
         ``progress=True``: a tqdm.auto bar that advances as requests finish (in any order)."""
         pairs = self._generate_pairs(prompts, params)
-        finished: queue.SimpleQueue = queue.SimpleQueue()
+        ended: queue.SimpleQueue = queue.SimpleQueue()  # each request's index as it ends
         streams: list[RequestStream] = []
         try:
             for index, (prompt, p) in enumerate(pairs):
-                outputs = FinishQueue(index, finished) if progress else None
-                streams.append(self.submit(self._prompt_ids(prompt), p, outputs=outputs))
+                prompt_ids = self._prompt_ids(prompt)
+                request = self._core.make_request(prompt_ids, p)
+                request.group.ended, request.group.end_key = ended, index
+                self._core.submit(request)
+                streams.append(RequestStream(self._core, request, prompt_ids, owner=self))
+            # Wait for the ends only (no wake-up per token), then fold what queued.
             if progress:
                 from tqdm.auto import tqdm
 
                 with tqdm(total=len(streams), desc="generate", unit="req") as bar:
                     for _ in streams:
-                        self._wait_finished(finished)
+                        if self._wait_finished(ended) < 0:
+                            break
                         bar.update(1)
-            # in prompt order (all finished already when progress)
-            return [c for stream in streams for c in stream.collect_choices()]
+            else:
+                for _ in streams:
+                    if self._wait_finished(ended) < 0:
+                        break
+            return [c for stream in streams for c in stream.collect_choices()]  # in prompt order
         finally:
             for stream in streams:
                 stream.close()
@@ -283,6 +312,16 @@ class Engine:
                      parallel_tool_calls: bool = True):
         return self._submit_chat(self._asubmit, messages, params, request_id, tools, tool_choice,
                                  parallel_tool_calls)
+
+    def astream_infill(self, prefix, suffix, params: SamplingParams | None = None,
+                       extra_files: list[dict] | None = None, request_id: str | None = None):
+        """The async twin of ``stream_infill``; call it inside a coroutine."""
+        prompt_ids, params = self.prepare_infill(prefix, suffix, params, extra_files)
+        return self._asubmit(prompt_ids, params, request_id)
+
+    async def ainfill(self, prefix, suffix, params: SamplingParams | None = None,
+                      extra_files: list[dict] | None = None) -> Completion:
+        return await self.astream_infill(prefix, suffix, params, extra_files).collect()
 
     def asubmit_batch(self, prompts: list[str | list[int]], params: SamplingParams | None = None,
                       request_id: str | None = None, prompt_param: str = "prompt",

@@ -13,7 +13,7 @@ the prefix cache instead of computing them again.
 """
 from __future__ import annotations
 
-import dataclasses
+import copy
 import queue
 from dataclasses import dataclass, field
 
@@ -30,13 +30,23 @@ from .sequence import Sequence
 class RequestGroup:
     """The choices of one submission: one output queue, one public id, finished when all are."""
 
-    __slots__ = ("request_id", "outputs", "requests", "num_unfinished")
+    __slots__ = ("request_id", "outputs", "requests", "num_unfinished", "ended", "end_key")
 
     def __init__(self, request_id: str):
         self.request_id = request_id
         self.outputs: queue.SimpleQueue = queue.SimpleQueue()
         self.requests: list[Request] = []  # every choice, in index order
         self.num_unfinished = 0
+        # Set by a caller that waits for the end only (Engine.generate): the engine thread puts
+        # end_key on it once the last item is on ``outputs``, so nobody wakes per token.
+        self.ended: queue.SimpleQueue | None = None
+        self.end_key: object = None
+
+    def end(self, item) -> None:
+        """The group's last item on its queue (FINISHED or an error), then the end notice."""
+        self.outputs.put(item)
+        if self.ended is not None:
+            self.ended.put(self.end_key)
 
     @property
     def is_finished(self) -> bool:
@@ -94,8 +104,9 @@ class Request:
                 f"This model's maximum context length (max_model_len) is {max_model_len} tokens; the {prompt_param} has "
                 f"{num_prompt} tokens, which leaves no room for a completion", prompt_param,
                 max_model_len=max_model_len)
-        if params.max_tokens is None:
-            params = dataclasses.replace(params, max_tokens=max_model_len - num_prompt)
+        if params.max_tokens is None:  # a copy: dataclasses.replace would validate params again
+            params = copy.copy(params)
+            params.max_tokens = max_model_len - num_prompt
         elif num_prompt + params.max_tokens > max_model_len:
             raise ContextLengthError(
                 f"This model's maximum context length is {max_model_len} tokens: the {prompt_param} "

@@ -5,7 +5,7 @@ torch's OpenMP team ends every parallel region in a barrier, so a spinning team 
 when another process takes one of its cores; a passive (sleeping) team does not. So: with
 ``OMP_WAIT_POLICY=PASSIVE`` in effect, one thread per available CPU (up to
 ``MAX_DEFAULT_THREADS``, beyond which nothing was measured); without it, one thread. The
-fused kernels' own pool polls briefly between jobs, then sleeps (cext/csrc/fused_kernels.c).
+kernels' own pool polls briefly between jobs, then sleeps (cext/csrc/cpu.c).
 The measurements behind this, and the commands that repeat them: docs/performance.md.
 
 libgomp reads OMP_WAIT_POLICY only when it loads (``import torch``), so the package sets it
