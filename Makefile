@@ -90,34 +90,65 @@ notebook: install
 bench: install
 	$(PY) benchmarks/decode.py
 
-# llama-cpp-python, the reference for parity data and benchmarks/vs_llamacpp.py. Not part of
-# `make test`: built from the pinned sdist (PyPI ships no wheel), ~10-20 min on two cores, then
-# cached as a wheel in $(LLAMACPP_CACHE) so a second run only reinstalls it.
-# GGML_NATIVE=ON (ggml's default) compiles with -march=native; we name the x86 features instead
-# (those this CPU reports; AVX512 only where present) so the build says what it assumes.
+# llama.cpp, the reference for parity data and benchmarks/vs_llamacpp.py. Not part of `make test`:
+# both built from the pinned llama-cpp-python sdist (PyPI ships no wheel), ~10-20 min each on two
+# cores, then cached in $(LLAMACPP_CACHE) so a second run only reinstalls them:
+#  - llama-cpp-python, cached as a wheel;
+#  - llama.cpp's own llama-server (the 16-stream anchor: --parallel 16, continuous batching) and
+#    llama-quantize (the Q4_0 copies), from the sdist's vendored llama.cpp with its CMake, linked
+#    statically, cached under $(LLAMACPP_SERVER_DIR) beside the CMake arguments they were built with.
+# GGML_NATIVE=ON (ggml's default) compiles with -march=native (with AMX it died of SIGILL on these
+# VMs); we name the x86 features instead, those this CPU's /proc/cpuinfo reports, so the build says
+# what it assumes. LLAMACPP_AMX=OFF leaves the AMX tiles out even where the CPU reports them.
 LLAMACPP_VERSION := 0.3.36
 LLAMACPP_CACHE := .cache/llamacpp
 LLAMACPP_SDIST := $(LLAMACPP_CACHE)/llama_cpp_python-$(LLAMACPP_VERSION).tar.gz
 LLAMACPP_STAMP := $(VENV)/.llamacpp-$(LLAMACPP_VERSION)
 CPU_FLAGS := $(shell grep -m1 '^flags' /proc/cpuinfo 2>/dev/null)
+LLAMACPP_AMX ?= ON
 has_flag = $(if $(filter $(1),$(CPU_FLAGS)),ON,OFF)
+has_amx = $(if $(filter ON,$(LLAMACPP_AMX)),$(call has_flag,$(1)),OFF)
 LLAMACPP_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=$(call has_flag,avx) \
 	-DGGML_AVX2=$(call has_flag,avx2) -DGGML_FMA=$(call has_flag,fma) \
 	-DGGML_F16C=$(call has_flag,f16c) -DGGML_BMI2=$(call has_flag,bmi2) \
-	-DGGML_AVX512=$(call has_flag,avx512f) -DLLAVA_BUILD=OFF -DCMAKE_BUILD_TYPE=Release
+	-DGGML_AVX512=$(call has_flag,avx512f) -DGGML_AVX512_VBMI=$(call has_flag,avx512vbmi) \
+	-DGGML_AVX512_VNNI=$(call has_flag,avx512_vnni) -DGGML_AVX512_BF16=$(call has_flag,avx512_bf16) \
+	-DGGML_AMX_TILE=$(call has_amx,amx_tile) -DGGML_AMX_INT8=$(call has_amx,amx_int8) \
+	-DGGML_AMX_BF16=$(call has_amx,amx_bf16) -DLLAVA_BUILD=OFF -DCMAKE_BUILD_TYPE=Release
 LLAMACPP_JOBS ?= 2
+LLAMACPP_SERVER_DIR := $(LLAMACPP_CACHE)/server-$(LLAMACPP_VERSION)
+LLAMA_SERVER := $(LLAMACPP_SERVER_DIR)/llama-server
+LLAMACPP_SERVER_ARGS := $(filter-out -DLLAVA_BUILD=OFF,$(LLAMACPP_CMAKE_ARGS)) -DLLAMA_CURL=OFF \
+	-DLLAMA_OPENSSL=OFF -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+	-DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON
 
-llamacpp: $(LLAMACPP_STAMP)
+llamacpp: $(LLAMA_SERVER) $(LLAMACPP_STAMP)
 
-$(LLAMACPP_STAMP): $(STAMP) requirements-bench.txt
+$(LLAMACPP_SDIST):
+	mkdir -p $(LLAMACPP_CACHE)
+	$(PIP) download -q --no-deps --no-binary :all: --dest $(LLAMACPP_CACHE) llama-cpp-python==$(LLAMACPP_VERSION)
+
+$(LLAMACPP_STAMP): $(STAMP) requirements-bench.txt $(LLAMACPP_SDIST)
 	$(PIP) install -q -r requirements-bench.txt
-	test -f $(LLAMACPP_SDIST) || $(PIP) download -q --no-deps --no-binary :all: \
-		--dest $(LLAMACPP_CACHE) llama-cpp-python==$(LLAMACPP_VERSION)
 	ls $(LLAMACPP_CACHE)/llama_cpp_python-$(LLAMACPP_VERSION)-*.whl >/dev/null 2>&1 || \
 		CMAKE_ARGS="$(LLAMACPP_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$(LLAMACPP_JOBS) \
 		nice -n 10 $(PIP) wheel -q --no-deps --wheel-dir $(LLAMACPP_CACHE) $(LLAMACPP_SDIST)
 	$(PIP) install -q --no-deps --force-reinstall $(LLAMACPP_CACHE)/llama_cpp_python-$(LLAMACPP_VERSION)-*.whl
 	touch $@
+
+# The source tree and the build tree are temporary (~1 GB); only the two binaries stay.
+$(LLAMA_SERVER): $(LLAMACPP_SDIST)
+	rm -rf $(LLAMACPP_SERVER_DIR).tmp && mkdir -p $(LLAMACPP_SERVER_DIR).tmp/src
+	tar xzf $(LLAMACPP_SDIST) -C $(LLAMACPP_SERVER_DIR).tmp/src --strip-components=1
+	cmake -S $(LLAMACPP_SERVER_DIR).tmp/src/vendor/llama.cpp -B $(LLAMACPP_SERVER_DIR).tmp/build \
+		$(LLAMACPP_SERVER_ARGS) > $(LLAMACPP_SERVER_DIR).tmp/cmake.log
+	nice -n 10 cmake --build $(LLAMACPP_SERVER_DIR).tmp/build -j $(LLAMACPP_JOBS) \
+		--target llama-server llama-quantize
+	mkdir -p $(LLAMACPP_SERVER_DIR)
+	cp $(LLAMACPP_SERVER_DIR).tmp/build/bin/llama-quantize $(LLAMACPP_SERVER_DIR)/
+	echo "$(LLAMACPP_SERVER_ARGS)" > $(LLAMACPP_SERVER_DIR)/cmake-args.txt
+	cp $(LLAMACPP_SERVER_DIR).tmp/build/bin/llama-server $(LLAMA_SERVER)
+	rm -rf $(LLAMACPP_SERVER_DIR).tmp
 
 clean:
 	rm -rf build cext/*.c cext/*.so

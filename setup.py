@@ -36,7 +36,8 @@ DIRECTIVES = {
 
 
 CPU_CLIENT = "cext/csrc/cpu_client.c"  # cpu.h's calls forwarded to cext.cpu (one probe, switch and pool)
-C_SOURCES = {"cpu": ["cext/csrc/cpu.c"], "ops": ["cext/csrc/fused_kernels.c", CPU_CLIENT],
+C_SOURCES = {"cpu": ["cext/csrc/cpu.c"],
+             "ops": ["cext/csrc/fused_kernels.c", "cext/csrc/prefill_attention.c", CPU_CLIENT],
              "qgemm": ["cext/csrc/qgemm.c", CPU_CLIENT], "sampler": ["cext/csrc/sampler_kernels.c", CPU_CLIENT]}
 C_FLAGS = {"cpu": ["-pthread"], "ops": ["-fopenmp-simd", "-fno-math-errno"],
            "qgemm": ["-fno-math-errno", "-ffp-contract=off"],

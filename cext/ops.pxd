@@ -26,3 +26,12 @@ cdef extern from "csrc/fused_kernels.h" nogil:
                             int head_dim, int64_t sliding_window, float scale, void* out, int dtype,
                             int cache_dtype)
     int fk_silu_mul(const void* gate_up, void* out, int64_t num_rows, int64_t inter, int dtype)
+
+
+cdef extern from "csrc/prefill_attention.h" nogil:
+    int fk_prefill_attention(const void* q, int64_t q_row_stride, const void* k_cache, const void* v_cache,
+                             int64_t num_blocks, int block_size, const int64_t* block_tables,
+                             int64_t table_stride, const int64_t* query_starts, const int64_t* context_lens,
+                             const int64_t* positions, int num_seqs, int64_t num_rows, int num_heads,
+                             int num_kv_heads, int head_dim, int64_t sliding_window, float scale, void* out,
+                             int64_t out_row_stride, int dtype, int cache_dtype)

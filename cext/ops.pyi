@@ -13,4 +13,9 @@ def decode_attention(q: int, q_row_stride: int, k_cache: int, v_cache: int, num_
                      block_tables: int, table_stride: int, context_lens: int, num_seqs: int, num_heads: int,
                      num_kv_heads: int, head_dim: int, sliding_window: int, scale: float, out: int,
                      dtype: int, cache_dtype: int) -> None: ...
+def prefill_attention(q: int, q_row_stride: int, k_cache: int, v_cache: int, num_blocks: int, block_size: int,
+                      block_tables: int, table_stride: int, query_starts: int, context_lens: int,
+                      positions: int, num_seqs: int, num_rows: int, num_heads: int, num_kv_heads: int,
+                      head_dim: int, sliding_window: int, scale: float, out: int, out_row_stride: int,
+                      dtype: int, cache_dtype: int) -> None: ...
 def silu_mul(gate_up: int, out: int, num_rows: int, inter: int, dtype: int) -> None: ...

@@ -28,7 +28,8 @@ FLOAT16 = FK_FLOAT16
 _ERRORS = {
     FK_BAD_BLOCK: "block table entry outside the cache (or -1) within a context",
     FK_BAD_SLOT: "slot outside the cache",
-    FK_BAD_POSITION: "position outside the rotary table",
+    FK_BAD_POSITION: "position outside the rotary table (prefill attention: outside its context, "
+                     "or rows out of order)",
     FK_BAD_LENGTH: "context length < 1 or longer than the block table",
 }
 
@@ -75,6 +76,24 @@ def decode_attention(intptr_t q, int64_t q_row_stride, intptr_t k_cache, intptr_
                                  num_blocks, block_size, <const int64_t*>block_tables, table_stride,
                                  <const int64_t*>context_lens, num_seqs, num_heads, num_kv_heads, head_dim,
                                  sliding_window, scale, <void*>out, dtype, cache_dtype)
+    _check(rc)
+
+
+def prefill_attention(intptr_t q, int64_t q_row_stride, intptr_t k_cache, intptr_t v_cache,
+                      int64_t num_blocks, int block_size, intptr_t block_tables, int64_t table_stride,
+                      intptr_t query_starts, intptr_t context_lens, intptr_t positions, int num_seqs,
+                      int64_t num_rows, int num_heads, int num_kv_heads, int head_dim, int64_t sliding_window,
+                      float scale, intptr_t out, int64_t out_row_stride, int dtype, int cache_dtype):
+    """Prompt rows (query_starts [B + 1] per sequence, positions [T]) over their paged contexts, in
+    place (csrc/prefill_attention.h) -> out rows [H * D] at out_row_stride."""
+    cdef int rc
+    with nogil:
+        rc = fk_prefill_attention(<const void*>q, q_row_stride, <const void*>k_cache, <const void*>v_cache,
+                                  num_blocks, block_size, <const int64_t*>block_tables, table_stride,
+                                  <const int64_t*>query_starts, <const int64_t*>context_lens,
+                                  <const int64_t*>positions, num_seqs, num_rows, num_heads, num_kv_heads,
+                                  head_dim, sliding_window, scale, <void*>out, out_row_stride, dtype,
+                                  cache_dtype)
     _check(rc)
 
 

@@ -6,7 +6,11 @@ The cache of one layer is K and V tensors ``[num_slots, num_kv_heads, head_dim]`
 Decode rows (the first ``num_decode_seqs`` sequences, one row each) take one of two paths:
 the fused C kernel (``engine.models.fused.decode_attention``) walks each block table in
 place; the torch reference gathers the keys into a padded ``[B, KH, L, D]`` with a length
-mask for one SDPA call. Prefill chunks run one SDPA call per sequence on either path.
+mask for one SDPA call. Prefill rows likewise: on the fused path one C call for all of them
+(``engine.models.fused.prefill_attention``: a blocked flash attention over the block tables,
+no gathered copy of the earlier context, no mask tensor), on the reference path one SDPA
+call per sequence (a ``[T, C]`` mask and the context gathered, or viewed when its blocks are
+consecutive, and widened to the compute dtype).
 """
 from __future__ import annotations
 
@@ -78,6 +82,17 @@ class AttentionPlan:
     context_lens: torch.Tensor | None = None  # [B] int64
     block_size: int = 0
     sliding_window: int | None = None
+    # The fused prefill kernel's inputs (prefills is then empty): the sequences after the
+    # decode rows, rows given by absolute query starts.
+    num_prefill_seqs: int = 0
+    prefill_query_starts: torch.Tensor | None = None  # [P + 1] int64
+    prefill_block_tables: torch.Tensor | None = None  # [P, max_blocks] int64, rows contiguous
+    prefill_context_lens: torch.Tensor | None = None  # [P] int64
+    positions: torch.Tensor | None = None  # [T] int64
+
+    @property
+    def has_prefill(self) -> bool:
+        return bool(self.prefills) or self.num_prefill_seqs > 0
 
 
 def _context_slots(block_table: torch.Tensor, num_tokens: int, block_size: int,
@@ -113,7 +128,13 @@ def plan_attention(batch: ForwardBatch, sliding_window: int | None = None,
             decode_mask &= key_pos >= lens - sliding_window
         decode_mask = _additive(decode_mask[:, None, None, :], dtype)  # [B, 1, 1, L]
     prefills = []
-    for b in range(num_decode, batch.num_seqs):
+    # The fused kernel takes the prefill rows as they are (below), unless every prompt in the
+    # batch is whole (no earlier context): torch's causal SDPA measured faster there (4k-token
+    # prompt, 2 threads: 28 s vs 43 s). The reference path gets each sequence's slots and mask.
+    is_whole = all(context_lens[b] == starts[b + 1] - starts[b]
+                   and (sliding_window is None or context_lens[b] <= sliding_window)
+                   for b in range(num_decode, batch.num_seqs))
+    for b in range(num_decode, num_decode if is_fused and not is_whole else batch.num_seqs):
         row_start, row_end = starts[b], starts[b + 1]
         num_rows, num_ctx = row_end - row_start, context_lens[b]
         if num_rows == 0:
@@ -144,6 +165,12 @@ def plan_attention(batch: ForwardBatch, sliding_window: int | None = None,
         plan.slot_mapping = _int64_rows(batch.slot_mapping)
         plan.block_size = bs
         plan.sliding_window = sliding_window
+        if batch.num_seqs > num_decode and batch.num_tokens > num_decode and not is_whole:
+            plan.num_prefill_seqs = batch.num_seqs - num_decode
+            plan.prefill_query_starts = _int64_rows(batch.query_starts[num_decode:])
+            plan.prefill_block_tables = _int64_rows(batch.block_tables[num_decode:])
+            plan.prefill_context_lens = _int64_rows(batch.context_lens[num_decode:])
+            plan.positions = _int64_rows(batch.positions)
     return plan
 
 
@@ -179,8 +206,16 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     num_rows, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     groups = num_heads // num_kv_heads
-    pieces = []
     nd = plan.num_decode_seqs
+    if plan.is_fused and plan.num_prefill_seqs:  # the fused plan exists only for models without a softcap
+        out = torch.empty((num_rows, num_heads * head_dim), dtype=q.dtype)  # [T, H * D]
+        if nd:
+            fused.decode_attention(q[:nd], k_cache, v_cache, plan.block_tables, plan.context_lens,
+                                   plan.block_size, plan.sliding_window, out=out[:nd], scale=scale)
+        return fused.prefill_attention(q, k_cache, v_cache, plan.prefill_block_tables,
+                                       plan.prefill_query_starts, plan.prefill_context_lens, plan.positions,
+                                       plan.block_size, plan.sliding_window, out=out, scale=scale)
+    pieces = []
     if nd and plan.is_fused:
         if softcap is not None:
             raise ValueError("softcap: the fused decode kernel has none (plan the torch path)")
@@ -198,8 +233,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         # the math path, which materialises [H, T, C] scores (minutes for an 8k-token prompt).
         qs = q[seq.row_start:seq.row_end].transpose(0, 1).unsqueeze(0)  # [1, H, T, D]
         if seq.kv_slots is None:
-            ks = k[seq.row_start:seq.row_end].transpose(0, 1).unsqueeze(0)  # [1, KH, T, D]
-            vs = v[seq.row_start:seq.row_end].transpose(0, 1).unsqueeze(0)  # [1, KH, T, D]
+            # The new rows' K and V as the cache holds them (a float16 cache rounds them once on
+            # write, as the fused kernel reads them and as a later chunk would).
+            ks = k[seq.row_start:seq.row_end].to(k_cache.dtype).to(q.dtype).transpose(0, 1).unsqueeze(0)
+            vs = v[seq.row_start:seq.row_end].to(v_cache.dtype).to(q.dtype).transpose(0, 1).unsqueeze(0)
             out = _attend(qs, ks, vs, None, True, scale, softcap)
         else:
             if seq.kv_first_slot is not None:

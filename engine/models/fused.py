@@ -171,6 +171,74 @@ def decode_attention_reference(q, k_cache, v_cache, block_tables, context_lens, 
     return torch.stack(outs).to(q.dtype)  # [B, H * D]
 
 
+# ---- paged prefill attention (prompt chunks, in place) ----
+
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      block_tables: torch.Tensor, query_starts: torch.Tensor, context_lens: torch.Tensor,
+                      positions: torch.Tensor,
+                      block_size: int, sliding_window: int | None = None,
+                      out: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
+    """q [T, H, D] (rows may be strided, heads contiguous); sequence b owns rows
+    query_starts[b]:query_starts[b + 1] ([B + 1] int64) and attends through block_tables[b]; row t
+    sees keys (positions[t] - sliding_window, positions[t]] of its sequence, positions[t] <
+    context_lens[b]. -> out [T, H * D] (rows outside every sequence are left as they were; softmax
+    scale: 1/sqrt(D) if None)."""
+    num_rows, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    num_seqs = query_starts.shape[0] - 1
+    code = _code(q)
+    _require(q.stride(2) == 1 and q.stride(1) == head_dim, "q: heads of a row must be contiguous")
+    cache_code = _cache_code(k_cache)
+    _require(v_cache.dtype == k_cache.dtype and k_cache.is_contiguous()
+             and v_cache.is_contiguous() and k_cache.shape == v_cache.shape and k_cache.shape[2] == head_dim,
+             "k_cache/v_cache: must be contiguous [S, KH, D] of one dtype")
+    _require(num_heads % num_kv_heads == 0, "num_kv_heads: must divide num_heads")
+    _require(k_cache.shape[0] % block_size == 0, "block_size: must divide the cache's slot count")
+    for name, t, size in (("block_tables", block_tables, num_seqs), ("context_lens", context_lens, num_seqs),
+                          ("positions", positions, num_rows)):
+        _require(t.dtype == torch.int64 and t.is_contiguous() and t.shape[0] >= size,
+                 f"{name}: contiguous int64 with >= {size} rows")
+    _require(query_starts.dtype == torch.int64 and query_starts.is_contiguous() and query_starts.dim() == 1,
+             "query_starts: contiguous int64 [B + 1]")
+    _require(block_tables.dim() == 2, "block_tables: [B, max_blocks]")
+    if out is None:
+        out = torch.empty((num_rows, num_heads * head_dim), dtype=q.dtype)
+    _require(out.dtype == q.dtype and out.stride(1) == 1 and out.shape == (num_rows, num_heads * head_dim),
+             "out: [T, H * D] in q's dtype, rows contiguous")
+    ops.prefill_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                          k_cache.shape[0] // block_size, block_size, block_tables.data_ptr(),
+                          block_tables.shape[1], query_starts.data_ptr(), context_lens.data_ptr(),
+                          positions.data_ptr(), num_seqs, num_rows, num_heads, num_kv_heads, head_dim,
+                          sliding_window or 0, scale or 1.0 / math.sqrt(head_dim), out.data_ptr(), out.stride(0),
+                          code, cache_code)
+    return out
+
+
+def prefill_attention_reference(q, k_cache, v_cache, block_tables, query_starts, context_lens, positions,
+                                block_size, sliding_window=None, dtype=torch.float64) -> torch.Tensor:
+    """The same contract by gathering each sequence's keys and a masked softmax in `dtype`
+    (float64: the exact reference the kernel is tested against) -> [T, H * D] in `dtype`."""
+    num_rows, num_heads, head_dim = q.shape
+    groups = num_heads // k_cache.shape[1]
+    out = torch.zeros((num_rows, num_heads * head_dim), dtype=dtype)
+    for b in range(query_starts.shape[0] - 1):
+        start, stop, length = int(query_starts[b]), int(query_starts[b + 1]), int(context_lens[b])
+        if stop == start:
+            continue
+        pos = torch.arange(length)
+        slots = block_tables[b, pos // block_size] * block_size + pos % block_size  # [C]
+        k = k_cache[slots].to(dtype).repeat_interleave(groups, dim=1)  # [C, H, D]
+        v = v_cache[slots].to(dtype).repeat_interleave(groups, dim=1)  # [C, H, D]
+        rows = positions[start:stop, None]  # [R, 1]
+        allowed = pos[None, :] <= rows  # [R, C]
+        if sliding_window:
+            allowed &= pos[None, :] > rows - sliding_window
+        scores = torch.einsum("rhd,chd->hrc", q[start:stop].to(dtype), k) / math.sqrt(head_dim)  # [H, R, C]
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        out[start:stop] = torch.einsum("hrc,chd->rhd", scores.softmax(-1), v).reshape(stop - start, -1)
+    return out
+
+
 # ---- SiLU(gate) * up ----
 
 def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

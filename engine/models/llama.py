@@ -5,7 +5,8 @@ Two forward paths with the same contract: the fused one (``use_fused``, the defa
 cext.ops is built) keeps the residual stream in float32 and runs every op between the
 matmuls in C kernels (engine.models.fused), decode attention included; the torch
 reference path (``ENGINE_FUSED=0`` or ``model.use_fused = False``) is plain aten ops with
-the residual in the compute dtype. Prefill attention is torch's SDPA on both.
+the residual in the compute dtype. Prefill attention is a C kernel over the paged cache
+on the fused path (engine.models.attention) and torch's SDPA on the reference path.
 Implements the model interface of ``engine.batch``: ``forward(batch, kv_cache)`` writes
 each new row's K/V at ``batch.slot_mapping`` and attends through the paged cache.
 
@@ -170,7 +171,7 @@ class DecoderLayer(nn.Module):
         if self.qk_norm is not None:
             self._norm_qk(qkv)
         step.rope_kv(qkv, k_cache, v_cache, *ropes[self.rope_index])  # q, k rotated; k, v cached
-        if plan.prefills or not plan.is_fused:
+        if plan.has_prefill or not plan.is_fused:
             H, KH, D = self.num_heads, self.num_kv_heads, self.head_dim
             q = qkv[:, : self.q_size].view(num_rows, H, D)  # [T, H, D]
             k = qkv[:, self.q_size: self.q_size + self.kv_size].view(num_rows, KH, D)  # [T, KH, D]
