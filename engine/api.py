@@ -12,6 +12,7 @@ from collections.abc import Sequence as SequenceABC
 
 from .config import EngineConfig
 from .core.runtime import EngineCore
+from .embedding.api import EmbeddingMixin
 from .errors import InvalidParameterError
 from .outputs import Completion
 from .params import SamplingParams
@@ -27,8 +28,9 @@ def _display_name(path: str) -> str:
 _shared_models: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
-class Engine:
+class Engine(EmbeddingMixin):
     """An LLM engine with continuous batching. Use as a context manager or call close().
+    Embeddings and scores: ``embed``, ``aembed``, ``rerank``, ``score`` (engine/embedding/api.py).
 
     A thin facade over the engine thread (engine/runtime.py): templating and tokenization
     run here, on the caller's thread; the thread sees only token ids.

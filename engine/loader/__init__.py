@@ -97,6 +97,10 @@ def load_model(path: str | os.PathLike | None = None, dtype: str | None = None, 
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ValueError(f"{path}: not a Hugging Face model directory (no config.json)")
+        from engine.loader.encoder_loader import is_encoder_directory, load_encoder
+
+        if is_encoder_directory(path):  # BERT: float32 weights, whatever dtype / quantization say
+            return load_encoder(path)
         return load_hf(path, **options)
     if is_gguf_file(path):
         return load_gguf(path, **options)

@@ -169,6 +169,12 @@ class LlamaModel(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_cache: PagedKVCache) -> torch.Tensor:
         """-> logits [len(batch.logit_rows), vocab_size] float32."""
+        return self.compute_logits(self.forward_hidden(batch, kv_cache))
+
+    @torch.inference_mode()
+    def forward_hidden(self, batch: ForwardBatch, kv_cache: PagedKVCache) -> torch.Tensor:
+        """-> the final-normed hidden states of batch.logit_rows [S, E] (the head's input;
+        pooled embeddings read them, engine/embedding)."""
         self.rope.ensure(max(batch.context_lens_list))
         if self.use_fused:
             return self._forward_fused(batch, kv_cache)
@@ -178,8 +184,7 @@ class LlamaModel(nn.Module):
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, kv_cache.k[i], kv_cache.v[i], plan)
         x = x.index_select(0, batch.logit_rows)  # [S, E]
-        x = F.rms_norm(x, (self.config.hidden_size,), self.norm, self.config.rms_norm_eps)
-        return self.compute_logits(x)
+        return F.rms_norm(x, (self.config.hidden_size,), self.norm, self.config.rms_norm_eps)
 
     def _forward_fused(self, batch: ForwardBatch, kv_cache: PagedKVCache) -> torch.Tensor:
         plan = plan_attention(batch, self.config.sliding_window, self.dtype, is_fused=True)
@@ -195,9 +200,8 @@ class LlamaModel(nn.Module):
         for i, layer in enumerate(self.layers):
             delta = layer.forward_fused(resid, delta, step, kv_cache.k[i], kv_cache.v[i], plan)
         rows = batch.logit_rows
-        x = fused.add_rmsnorm(resid.index_select(0, rows), delta.index_select(0, rows), self.norm,
-                              self.config.rms_norm_eps)  # [S, E]
-        return self.compute_logits(x)
+        return fused.add_rmsnorm(resid.index_select(0, rows), delta.index_select(0, rows), self.norm,
+                                 self.config.rms_norm_eps)  # [S, E]
 
     def compute_logits(self, x: torch.Tensor) -> torch.Tensor:
         """x [S, E] (final-normed) -> logits [S, V] float32.

@@ -1,0 +1,158 @@
+"""Engine.embed / aembed / rerank / score: the facade's embedding half (a mixin of engine.api.Engine).
+
+Inputs are tokenized here, on the caller's thread; the forwards run on the engine thread between
+ticks (EngineCore.submit_job, engine/embedding/runner.py). An encoder (BERT) pools as its
+sentence-transformers directory says; a decoder pools with ``pooling`` (the engine option, else
+"last"), over the causal forward. ``rerank`` scores (query, document) pairs with a
+cross-encoder's classification head, or, for an embedding model, by the cosine of the two
+normalised embeddings.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import InvalidParameterError
+from .inputs import EncodedInputs, InputEncoder, split_inputs, truncate_limit
+from .pooling import check_dimensions, check_pooling, finish
+from .runner import DecoderRunner, EmbedJob, EncoderRunner
+
+
+@dataclass
+class EmbedCall:
+    """A submitted embed or score job: ``result()`` blocks, ``aresult()`` awaits."""
+    job: EmbedJob
+    num_prompt_tokens: int
+    normalize: bool = False
+    dimensions: int | None = None
+
+    def _finish(self, values: np.ndarray) -> np.ndarray:
+        if self.job.pooling is None:
+            return values
+        return finish(values, self.normalize, self.dimensions)
+
+    def result(self) -> np.ndarray:
+        return self._finish(self.job.future.result())
+
+    async def aresult(self) -> np.ndarray:
+        import asyncio
+
+        try:
+            values = await asyncio.wrap_future(self.job.future)
+        except asyncio.CancelledError:
+            self.job.cancel()
+            raise
+        return self._finish(values)
+
+
+class EmbeddingMixin:
+    _embedding = None  # (runner, InputEncoder), built on first use
+
+    def _embedding_parts(self):
+        if self._embedding is None:
+            model = self.model
+            if hasattr(model, "encode") and hasattr(model, "hidden_size"):
+                runner, is_encoder = EncoderRunner(model), True
+            elif hasattr(model, "forward_hidden"):
+                runner, is_encoder = DecoderRunner(model), False
+            else:
+                raise InvalidParameterError(f"{type(model).__name__} has no hidden states to embed", "model")
+            max_len = min(self.max_model_len, getattr(model, "max_model_len", None) or self.max_model_len)
+            self._embedding = runner, InputEncoder(self.tokenizer, model.vocab_size, max_len, is_encoder)
+        return self._embedding
+
+    @property
+    def embedding_size(self) -> int:
+        return self._embedding_parts()[0].size
+
+    @property
+    def pooling(self) -> str:
+        return self.config.pooling or getattr(self.model, "pooling", None) or "last"
+
+    @property
+    def is_cross_encoder(self) -> bool:
+        return getattr(self.model, "classifier", None) is not None
+
+    def submit_embed(self, inputs, normalize: bool = True, dimensions: int | None = None, truncate=False,
+                     param: str = "input", truncate_param: str = "truncate") -> EmbedCall:
+        """Validate and tokenize here, queue the forwards on the engine thread."""
+        runner, encoder = self._embedding_parts()
+        if not isinstance(normalize, bool):
+            raise InvalidParameterError(f"normalize must be a boolean, got {normalize!r}", "normalize")
+        dimensions = check_dimensions(dimensions, runner.size)
+        limit = truncate_limit(truncate, encoder.max_len, truncate_param)
+        encoded = encoder.encode(split_inputs(inputs, param), limit, param)
+        return self._submit_job(runner, encoded, check_pooling(self.pooling), normalize, dimensions)
+
+    def _submit_job(self, runner, encoded: EncodedInputs, pooling, normalize=False, dimensions=None) -> EmbedCall:
+        job = EmbedJob(runner, encoded, pooling, busy_tokens=self.config.max_num_batched_tokens)
+        self._core.submit_job(job)
+        return EmbedCall(job, encoded.num_tokens, normalize, dimensions)
+
+    def embed(self, inputs, normalize: bool = True, dimensions: int | None = None, truncate=False) -> np.ndarray:
+        """Embeddings [N, D] float32 of ``inputs`` (a string, a list of strings, a list of token ids
+        or a list of id lists). ``dimensions``: keep the first so many (Matryoshka), then normalise.
+        ``truncate``: False (an input over the model's limit raises ContextLengthError), True or -1
+        (cut to the limit), or a token count to cut to; the end of an input is what goes."""
+        return self.submit_embed(inputs, normalize, dimensions, truncate).result()
+
+    async def aembed(self, inputs, normalize: bool = True, dimensions: int | None = None,
+                     truncate=False) -> np.ndarray:
+        """Like embed; cancelling the awaiting task drops the job."""
+        return await self.submit_embed(inputs, normalize, dimensions, truncate).aresult()
+
+    def submit_score(self, query: str, documents: list[str], param: str = "documents") -> EmbedCall:
+        """Relevance of each document to the query, in document order (an EmbedCall of [N] scores)."""
+        runner, encoder = self._embedding_parts()
+        if self.is_cross_encoder:
+            num_labels = self.model.config.num_labels
+            if num_labels != 1:
+                raise InvalidParameterError(f"rerank needs a cross-encoder with one label, this one has {num_labels}",
+                                            "model")
+            return self._submit_job(runner, encoder.encode_pairs(query, documents, param), None)
+        if not isinstance(query, str):
+            raise InvalidParameterError("query must be a string", "query")
+        if not isinstance(documents, (list, tuple)) or not documents:
+            raise InvalidParameterError(f"{param} must be a non-empty list of strings", param)
+        texts = [query, *documents]
+        for i, doc in enumerate(documents):
+            if not isinstance(doc, str):
+                raise InvalidParameterError(f"{param}[{i}] must be a string", f"{param}[{i}]")
+        encoded = encoder.encode(texts, encoder.max_len, param)
+        return self._submit_job(runner, encoded, check_pooling(self.pooling), normalize=True)
+
+    def _scores(self, values: np.ndarray) -> np.ndarray:
+        if self.is_cross_encoder:
+            logits = values[:, 0].astype(np.float64)
+            if self.model.score_activation == "sigmoid":
+                return 1.0 / (1.0 + np.exp(-logits))
+            return logits
+        return values[1:] @ values[0]  # cosine of normalised vectors
+
+    def score(self, query: str, documents: list[str]) -> list[float]:
+        """Scores of (query, document) pairs in document order."""
+        return [float(s) for s in self._scores(self.submit_score(query, documents).result())]
+
+    async def ascore(self, query: str, documents: list[str]) -> list[float]:
+        return [float(s) for s in self._scores(await self.submit_score(query, documents).aresult())]
+
+    def rerank(self, query: str, documents: list[str], top_n: int | None = None) -> list[tuple[int, float]]:
+        """(document index, score) pairs, best first; ``top_n``: only the best so many."""
+        top_n = _check_top_n(top_n, documents)
+        return _ranked(self.score(query, documents), top_n)
+
+    async def arerank(self, query: str, documents: list[str], top_n: int | None = None) -> list[tuple[int, float]]:
+        top_n = _check_top_n(top_n, documents)
+        return _ranked(await self.ascore(query, documents), top_n)
+
+
+def _check_top_n(top_n, documents) -> int | None:
+    if top_n is not None and (not isinstance(top_n, int) or isinstance(top_n, bool) or top_n < 1):
+        raise InvalidParameterError(f"top_n must be a positive integer, got {top_n!r}", "top_n")
+    return top_n
+
+
+def _ranked(scores: list[float], top_n: int | None) -> list[tuple[int, float]]:
+    ranked = sorted(enumerate(scores), key=lambda pair: -pair[1])
+    return ranked if top_n is None else ranked[:top_n]
