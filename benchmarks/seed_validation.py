@@ -26,7 +26,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.common import environment, fmt_stats, print_table, summarize, write_json  # noqa: E402
+from benchmarks.common import environment, fmt_stats, on_own_thread, print_table, summarize, write_json  # noqa: E402
 from benchmarks.vs_llamacpp import QWEN_PATH, add_engine_arguments, engine_options  # noqa: E402
 
 PROMPT = "Write a long, detailed tutorial on implementing a hash map in C, with code."
@@ -57,20 +57,6 @@ def raw_stamps(model, prompt_ids: list[int], num_tokens: int) -> list[float]:
         next_ids = model.forward(batch, cache).argmax(dim=-1)  # [1]
         stamps.append(time.perf_counter())
     return stamps
-
-
-def on_own_thread(fn, *args):
-    """fn(*args) on a new Python thread, as the engine runs its forwards on the engine thread.
-
-    Measured on this 2-core host under load (~14): the same bf16 raw loop ran at 0.14 tok/s on the
-    main thread and 4.4 tok/s on a worker thread (torch's OpenMP team of the main thread collapses
-    when the cores are busy), so both sides of the comparison run their forwards off the main thread.
-    """
-    result = []
-    worker = threading.Thread(target=lambda: result.append(fn(*args)))
-    worker.start()
-    worker.join()
-    return result[0]
 
 
 def http_stamps(port: int, num_tokens: int) -> list[float]:

@@ -43,7 +43,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.common import environment, fmt_stats, print_table, summarize, write_json  # noqa: E402
+from benchmarks.common import environment, fmt_stats, on_own_thread, print_table, summarize, write_json  # noqa: E402
 
 LLAMACPP_VERSION = "0.3.36"
 QWEN_PATH = REPO / ".cache" / "testdata" / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
@@ -111,9 +111,8 @@ class OursWorker:
         return sum(len(c.token_ids) for c in completions)
 
     def raw(self, context: int, num_tokens: int, seed: int) -> float:
-        """The raw loop on its own thread, as the engine runs its forwards (see seed_validation.on_own_thread)."""
+        """The raw loop on its own thread, as the engine runs its forwards (see common.on_own_thread)."""
         from benchmarks.decode import raw_decode_tok_s
-        from benchmarks.seed_validation import on_own_thread
 
         return on_own_thread(raw_decode_tok_s, self.engine.model, 1, num_tokens, context, BLOCK_SIZE, seed)
 

@@ -32,8 +32,8 @@ _EXPORTS = {
     "TokenLogprob": "outputs",
     "Usage": "outputs",
     "SamplingParams": "params",
-    "ToolCall": "tools",
-    "ToolCallDelta": "tools",
+    "ToolCall": "outputs",
+    "ToolCallDelta": "outputs",
     "Tokenizer": "tokenizer",
     "load_tokenizer": "tokenizer",
 }

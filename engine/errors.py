@@ -4,6 +4,7 @@ which parameter): callers branch on types and read ``param``, never the message 
     ValueError
     └── InvalidParameterError        a request field is wrong; .param names it
         ├── ContextLengthError       prompt + max_tokens do not fit the context
+        ├── SchedulerRefused         the scheduler cannot hold a sequence (its rows, its KV cache, its ids)
         └── (ChatTemplateError)      messages the chat template cannot render (tokenizer)
     └── ModelFileError               a model path is missing, incomplete, truncated or corrupt; .path
     RuntimeError
@@ -34,6 +35,14 @@ class ContextLengthError(InvalidParameterError):
         self.max_model_len = max_model_len
 
 
+class SchedulerRefused(InvalidParameterError):
+    """The scheduler (engine/core/scheduler.py) cannot take a sequence: more tokens than its rows
+    hold, more KV blocks than its cache has, or an id already scheduled. The request layer has
+    checked the request against the model's limits before (ContextLengthError); this is the
+    scheduler's own guard of its buffers. ``param`` names what to change ("max_tokens",
+    "request_id"), or None."""
+
+
 class ModelFileError(ValueError):
     """A model path cannot be loaded: missing, not a model, an HF directory without its
     tokenizer or weights, a truncated or corrupt GGUF. ``path`` is the offending path; the
@@ -58,5 +67,5 @@ class EngineOverloaded(EngineError):
 
 __all__ = [
     "ContextLengthError", "EngineDead", "EngineError", "EngineOverloaded", "InvalidParameterError",
-    "ModelFileError",
+    "ModelFileError", "SchedulerRefused",
 ]

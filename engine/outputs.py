@@ -1,9 +1,65 @@
-"""What the engine gives back: StreamEvent per step, Completion per request."""
+"""What the engine gives back: StreamEvent per step, Completion per request, and the tool calls
+they carry (ToolCall whole, ToolCallDelta streamed).
+
+The engine's base types: they import nothing of the engine but engine/display.py (a leaf that
+renders them, imported lazily for a repr). A streamed call arrives as deltas of one ``index``: the first
+carries ``id`` and ``name`` (and ``arguments`` ""), later ones append to ``arguments``, the JSON
+text of the call's arguments. ``fold_tool_calls`` joins deltas back into calls, so a streamed
+request and its one-shot twin give equal calls.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .tools.calls import ToolCall, ToolCallDelta, fold_tool_calls
+
+@dataclass(slots=True)
+class ToolCall:
+    """One call of a function tool; ``arguments`` is JSON text (OpenAI's format)."""
+
+    id: str
+    name: str
+    arguments: str
+
+    def to_dict(self) -> dict:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+@dataclass(slots=True)
+class ToolCallDelta:
+    """A piece of the call number ``index`` of a reply: id and name in its first delta only."""
+
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+
+    def to_dict(self) -> dict:
+        """OpenAI's ``delta.tool_calls`` entry."""
+        out: dict = {"index": self.index}
+        function: dict = {}
+        if self.id is not None:
+            out["id"] = self.id
+            out["type"] = "function"
+        if self.name is not None:
+            function["name"] = self.name
+        function["arguments"] = self.arguments
+        out["function"] = function
+        return out
+
+
+def fold_tool_calls(deltas) -> list[ToolCall]:
+    """Join deltas (in stream order) into whole calls, ordered by index."""
+    calls: dict[int, ToolCall] = {}
+    pieces: dict[int, list[str]] = {}
+    for delta in deltas:
+        call = calls.get(delta.index)
+        if call is None:
+            call = calls[delta.index] = ToolCall(delta.id or "", delta.name or "", "")
+            pieces[delta.index] = []
+        pieces[delta.index].append(delta.arguments)
+    for index, call in calls.items():
+        call.arguments = "".join(pieces[index])
+    return [calls[i] for i in sorted(calls)]
 
 
 @dataclass(slots=True)

@@ -17,6 +17,8 @@ from hypothesis import strategies as st
 from engine.config import EngineConfig
 from engine.core.scheduler import Scheduler, SchedulerConfig
 from engine.core.sequence import Sequence, SequenceStatus
+from engine.errors import InvalidParameterError, SchedulerRefused
+from engine.params import SamplingParams
 from tests.sched_reference import RefSeq, ReferenceScheduler
 
 VOCAB = 50
@@ -111,7 +113,7 @@ def run_workload(reqs, max_num_seqs, budget, num_blocks, block_size, caching, eo
             rid = f"r{idx}"
             seq = Sequence(rid, prompt, max_tokens, num_prompt_logprobs=1 if plp else None)
             if -(-(n + max_tokens) // block_size) > num_blocks:
-                with pytest.raises(ValueError, match="KV blocks"):
+                with pytest.raises(SchedulerRefused, match="KV blocks"):
                     sched.add(seq)
                 continue
             sched.add(seq)
@@ -282,20 +284,22 @@ def test_validation_errors_name_the_field():
         EngineConfig(max_num_seqs=8, max_num_batched_tokens=4)
     with pytest.raises(ValueError, match="block_size"):
         EngineConfig(max_num_seqs=1, max_num_batched_tokens=8, block_size=0)
+    # A request's values are checked once, where they enter: max_tokens by SamplingParams, the
+    # prompt's ids and its context length by Request.create (tests/test_engine.py); Sequence trusts
+    # them. The scheduler refuses, with its own type, only what its buffers cannot hold.
+    with pytest.raises(InvalidParameterError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
     sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=8, num_blocks=4, max_model_len=16, block_size=4))
-    with pytest.raises(ValueError, match="max_model_len"):
+    with pytest.raises(SchedulerRefused, match="max_model_len"):
         sched.add(Sequence("x", [1] * 10, 7))
-    with pytest.raises(ValueError, match="kv_cache_tokens"):
+    with pytest.raises(SchedulerRefused, match="kv_cache_tokens"):
         Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=8, num_blocks=2, max_model_len=16, block_size=4)).add(
             Sequence("y", [1] * 8, 2)
         )
-    with pytest.raises(ValueError, match="prompt_token_ids"):
-        Sequence("z", [], 3)
-    with pytest.raises(ValueError, match="max_tokens"):
-        Sequence("z", [1], 0)
     sched.add(Sequence("x", [1] * 4, 2))
-    with pytest.raises(ValueError, match="already"):
+    with pytest.raises(SchedulerRefused, match="already") as info:
         sched.add(Sequence("x", [1] * 4, 2))
+    assert info.value.param == "request_id"
 
 
 def test_abort_everywhere_and_interface():

@@ -153,10 +153,11 @@ def test_no_stops_passes_text_through():
 
 
 def test_invalid_stops_raise_value_error():
+    # Stops are validated once, by SamplingParams; StopMatcher takes its checked tuple.
     with pytest.raises(ValueError, match="stop"):
-        StopMatcher(("ok", ""), False)
+        SamplingParams(stop=("ok", ""))
     with pytest.raises(ValueError, match="stop"):
-        StopMatcher("abc", False)
+        SamplingParams(stop=("abc", 3))
 
 
 def stream(tok, ids, stops, include):
@@ -288,9 +289,9 @@ def _distinct(num_strings, length):
 ])
 def test_caps_raise_value_error_naming_stop(stops, message):
     with pytest.raises(ValueError, match=f"^stop.*{message}"):
-        StopMatcher(tuple(stops), False)
-    with pytest.raises(ValueError, match=f"^stop.*{message}"):
         SamplingParams(stop=stops)
+    with pytest.raises(ValueError, match=f"^stop.*{message}"):
+        SamplingParams(stop=tuple(stops))
     with pytest.raises(APIError) as info:
         protocol.parse_completion({"model": "m", "prompt": "hi", "stop": stops})
     assert info.value.status == 400 and info.value.param == "stop"

@@ -49,8 +49,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m webapp") -> None:
     from engine.loader import default_model_path
     from engine.startup import PortInUseError, bind_listen_socket, check_model_path
 
-    from . import RESERVED_THREADS
     from .cors import parse_origins
+    from .shared import RESERVED_THREADS
 
     options = engine_options_from_args(args)
     try:
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m webapp") -> None:
 
     import engine
 
-    from . import serve
+    from . import serve  # the package's public name (loads webapp.wsgi)
 
     try:
         eng = engine.Engine.from_pretrained(args.model, progress=True, **options)

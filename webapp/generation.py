@@ -1,7 +1,7 @@
 """One generation request, with no web framework: the pieces both front-ends call.
 
-The single-process server (webapp/__init__.py: Flask on waitress) and the Ray Serve ingress
-(webapp/ray_serve.py: Starlette behind Ray's proxy) differ only in how bytes reach the
+The single-process server (webapp/app.py: Flask on waitress, webapp/wsgi.py) and the Ray Serve
+ingress (webapp/ray_ingress.py: Starlette behind Ray's proxy) differ only in how bytes reach the
 socket. Authentication, admission (429), submission, response ids, echo and the
 non-streamed bodies are these functions; the request parsing is webapp.protocol, the
 streamed chunks webapp.sse, the errors webapp.errors, the metrics webapp.metrics.

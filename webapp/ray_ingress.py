@@ -1,7 +1,7 @@
 """The Ray Serve ingress: the single-process server's protocol as a Starlette (ASGI) app.
 
-Every answer is built by the same functions as webapp/__init__.py (protocol, generation, sse,
-errors, metrics); only the transport differs: the engine is reached through a
+Every answer is built by the same functions as the Flask app, webapp.app (protocol, generation,
+sse, errors, metrics, shared); only the transport differs: the engine is reached through a
 DeploymentHandle to the EngineReplica deployment (webapp.ray_serve), whose replicas stream a
 StreamHead and then batches of StreamEvents. A streamed request's path:
 
@@ -34,14 +34,14 @@ from starlette.routing import Route
 from cext.chunk import ChunkWriter
 from engine.errors import EngineDead
 
-from . import DEFAULT_MAX_BODY_BYTES, STATIC_DIR, _version, errors, generation, protocol, request_fields, sse
+from . import errors, generation, protocol, request_fields, sse
 from .errors import APIError
 from .metrics import RequestRecord, ServerMetrics
-from .ray_serve import StreamEnd
+from .ray_messages import StreamEnd
+from .shared import DEFAULT_MAX_BODY_BYTES, GENERATION_ENDPOINTS, STATIC_DIR, version
 
 log = logging.getLogger("webapp")
 
-GENERATION_ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 HEALTH_TIMEOUT_S = 5.0
 
 
@@ -253,8 +253,8 @@ def build_app(engine_handle, model_name: str = "default", api_key: str | None = 
     async def metrics_endpoint(request: Request) -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    async def version(request: Request) -> Response:
-        return _json({"version": _version()})
+    async def version_endpoint(request: Request) -> Response:
+        return _json({"version": version()})
 
     async def schema(request: Request) -> Response:
         return _json({name: request_fields.json_schema(name)
@@ -278,7 +278,7 @@ def build_app(engine_handle, model_name: str = "default", api_key: str | None = 
         ("/metrics", "GET", metrics_endpoint),
         ("/tokenize", "POST", tokenize),
         ("/detokenize", "POST", detokenize),
-        ("/version", "GET", version),
+        ("/version", "GET", version_endpoint),
         ("/v1/schema", "GET", schema),
         ("/", "GET", index),
         ("/static/{name:path}", "GET", static_file),

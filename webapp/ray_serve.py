@@ -31,6 +31,8 @@ from ray.serve.config import BackpressureConfig, RequestRouterConfig
 
 from . import errors, generation
 from .errors import APIError
+from .ray_ingress import build_app
+from .ray_messages import StreamEnd, StreamHead
 
 log = logging.getLogger("webapp")
 
@@ -67,27 +69,10 @@ def pretrained_engine(model: str | None = None, **options):
     return engine.Engine.from_pretrained(model, **options)
 
 
-@dataclass(frozen=True)
-class StreamHead:
-    """A replica's first answer to a generation request (or an APIError instead of it)."""
-
-    request_id: str
-    num_prompt_tokens: int
-    echo_texts: list[str] | None
-    replica_id: str
-
-
-@dataclass(frozen=True)
-class StreamEnd:
-    """A replica's last item for a request that ran to its end."""
-
-    queue_s: float | None  # submission -> first scheduled (the request_queue_time metric)
-
-
 class EngineReplica:
-    """One Engine. ``generate`` streams: a StreamHead (or an APIError), then lists of StreamEvents
-    that arrived together (streamed requests) or one list of Completions (the engine's fold),
-    then a StreamEnd; an APIError instead when the engine fails mid-way."""
+    """One Engine. ``generate`` streams webapp.ray_messages: a StreamHead (or an APIError), then
+    lists of StreamEvents that arrived together (streamed requests) or one list of Completions (the
+    engine's fold), then a StreamEnd; an APIError instead when the engine fails mid-way."""
 
     def __init__(self, spec: EngineSpec, stream_interval_s: float = 0.0):
         self.engine = spec.build()
@@ -166,8 +151,6 @@ class Ingress:
         self.options = options
 
     def __serve_build_asgi_app__(self):
-        from .ray_ingress import build_app
-
         return build_app(self.engine_handle, **self.options)
 
 

@@ -77,8 +77,6 @@ class Request:
         next indices; returns the leader (index order: leader, then its followers). Raises
         InvalidParameterError / ContextLengthError naming the field (``prompt_param``: what the
         caller calls the prompt, "prompt" or "messages")."""
-        if not isinstance(params, SamplingParams):
-            raise InvalidParameterError(f"params must be a SamplingParams, got {type(params).__name__}", "params")
         if not prompt_ids:
             raise InvalidParameterError(f"{prompt_param} is empty: it must hold at least one token", prompt_param)
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab_size:

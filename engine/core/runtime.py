@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from ..config import EngineConfig
-from ..errors import EngineDead, EngineError, EngineOverloaded, InvalidParameterError
+from ..errors import EngineDead, EngineError, EngineOverloaded, InvalidParameterError, SchedulerRefused
 from ..outputs import StreamEvent, TokenLogprob
 from ..params import SamplingParams
 from ..sampling import sampler
@@ -114,8 +114,12 @@ class EngineCore:
             request_id = f"req-{self._id_prefix}-{next(self._ids)}"
         elif not isinstance(request_id, str) or not request_id:
             raise InvalidParameterError(f"request_id must be a non-empty string, got {request_id!r}", "request_id")
+        if params is None:
+            params = SamplingParams()
+        elif not isinstance(params, SamplingParams):
+            raise InvalidParameterError(f"params must be a SamplingParams, got {type(params).__name__}", "params")
         return Request.create(
-            request_id, prompt_ids, SamplingParams() if params is None else params, tokenizer=self.tokenizer,
+            request_id, prompt_ids, params, tokenizer=self.tokenizer,
             vocab_size=self.model.vocab_size, max_model_len=self.max_model_len, prompt_param=prompt_param,
             group=group)
 
@@ -210,7 +214,7 @@ class EngineCore:
     def _add(self, req: Request) -> None:
         try:
             self.scheduler.add(req.seq)
-        except ValueError as exc:
+        except SchedulerRefused as exc:
             self._fail(req.request_id, exc, req)
             return
         self.requests[req.request_id] = req

@@ -25,6 +25,7 @@ import torch
 
 from cext.tick import TickState
 from engine.batch import ForwardBatch
+from engine.errors import SchedulerRefused
 from engine.core.block_manager import BlockManager, prefix_block_hashes
 from engine.core.sequence import Sequence, SequenceStatus
 from engine.core.tick_cost import DEFAULT_TARGET_TICK_SECONDS, TickCostModel
@@ -100,23 +101,22 @@ class Scheduler:
     # -- requests --
 
     def add(self, seq: Sequence) -> None:
+        """Queue a waiting sequence. Its ids and its length against the model's context were checked
+        where the request entered (engine/core/request.py); the scheduler refuses (SchedulerRefused)
+        only what its own buffers cannot hold: a sequence longer than a TickState row or than the
+        KV cache, or an id it already schedules."""
         cfg = self.config
         total = seq.num_prompt_tokens + seq.max_tokens
-        if total > cfg.max_model_len:
-            raise ValueError(
-                f"prompt ({seq.num_prompt_tokens} tokens) + max_tokens ({seq.max_tokens}) = {total} "
-                f"exceeds max_model_len={cfg.max_model_len}"
-            )
         num_blocks = -(-total // self.block_size)
-        if num_blocks > cfg.num_blocks:
-            raise ValueError(
-                f"prompt ({seq.num_prompt_tokens} tokens) + max_tokens ({seq.max_tokens}) needs {num_blocks} "
-                f"KV blocks but the cache holds {cfg.num_blocks} (kv_cache_tokens={cfg.num_blocks * self.block_size})"
-            )
+        if total > cfg.max_model_len or num_blocks > cfg.num_blocks:
+            raise SchedulerRefused(
+                f"prompt ({seq.num_prompt_tokens} tokens) + max_tokens ({seq.max_tokens}) = {total} tokens in "
+                f"{num_blocks} KV blocks: more than the scheduler holds (max_model_len={cfg.max_model_len} tokens, "
+                f"{cfg.num_blocks} KV blocks: kv_cache_tokens={cfg.num_blocks * self.block_size})", "max_tokens")
         if seq.request_id in self._seqs:
-            raise ValueError(f"request_id {seq.request_id!r} is already scheduled")
+            raise SchedulerRefused(f"request_id {seq.request_id!r} is already scheduled", "request_id")
         if seq.status is not SequenceStatus.WAITING:
-            raise ValueError(f"sequence {seq.request_id!r} is {seq.status.name}, not WAITING")
+            raise SchedulerRefused(f"sequence {seq.request_id!r} is {seq.status.name}, not WAITING")
         self._seqs[seq.request_id] = seq
         self.waiting.append(seq)
 

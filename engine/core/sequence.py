@@ -43,14 +43,9 @@ class Sequence:
     def __init__(
         self, request_id: str, prompt_token_ids, max_tokens: int, num_prompt_logprobs: int | None = None
     ) -> None:
-        prompt = np.asarray(prompt_token_ids, dtype=np.int64)
-        if prompt.ndim != 1 or prompt.size == 0:
-            raise ValueError("prompt_token_ids must be a non-empty list of token ids")
-        if prompt.min() < 0 or prompt.max() > np.iinfo(np.int32).max:
-            raise ValueError("prompt_token_ids must hold non-negative 32-bit token ids")
-        if not isinstance(max_tokens, int) or max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
-        n = int(prompt.size)
+        # Typed values, checked where they entered: a non-empty list of ids in [0, vocab_size)
+        # (Request.create) and max_tokens >= 1 (SamplingParams).
+        n = len(prompt_token_ids)
         self.request_id = request_id
         self.num_prompt_tokens = n
         self.max_tokens = max_tokens
@@ -64,7 +59,7 @@ class Sequence:
         self.arrival_time = time.perf_counter()
         self.first_scheduled_time: float | None = None  # perf_counter at the first admission (queue time)
         self._buf = np.empty(n + max_tokens, dtype=np.int32)  # [capacity]
-        self._buf[:n] = prompt
+        self._buf[:n] = prompt_token_ids
         self._num_tokens = n
         self._num_computed = 0
         self._state = None  # cext.tick.TickState while running

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from .calls import ToolCall, ToolCallDelta, fold_tool_calls
 from .parsers import (HermesParser, Llama3JsonParser, MistralParser, NamedParser, RequiredParser,
-                      ToolParser)
+                      ToolParser, parser_class_for)
 from .spec import ToolPlan, plan_tools, validate_tool_choice, validate_tools
 
 __all__ = [
@@ -28,17 +28,3 @@ __all__ = [
     "validate_tool_choice", "validate_tools",
 ]
 
-
-def parser_class_for(chat_template: str | None) -> type[ToolParser]:
-    """The tool-call format of a model family, read off its chat template: ``<tool_call>`` (Qwen2.5,
-    Hermes), ``[TOOL_CALLS]`` (Mistral), ``<|python_tag|>`` / ``<|start_header_id|>`` (Llama 3.x).
-    Anything else (SmolLM2's template has no tool support) gets the Hermes format, the most
-    common one among small open models."""
-    template = chat_template or ""
-    if "[TOOL_CALLS]" in template:
-        return MistralParser
-    if "<tool_call>" in template:
-        return HermesParser
-    if "<|python_tag|>" in template or "<|start_header_id|>" in template:
-        return Llama3JsonParser
-    return HermesParser

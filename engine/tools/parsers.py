@@ -4,7 +4,7 @@
     content, deltas = parser.add(text)      # for each piece of generated text
     content, deltas = parser.finish()       # when the choice ends
 
-The formats (chosen per model family by ``engine.tools.parser_class_for``):
+The formats (chosen per model family by ``parser_class_for`` below):
 
     HermesParser     Qwen2.5, Hermes: ``<tool_call>{"name": .., "arguments": {..}}</tool_call>``, any
                      number, text around them is content
@@ -30,7 +30,10 @@ from .call_list import CallList, partial_suffix
 from .calls import ToolCallDelta, new_call_id, new_mistral_call_id
 from .json_call import CallScanner
 
-__all__ = ["HermesParser", "Llama3JsonParser", "MistralParser", "NamedParser", "RequiredParser", "ToolParser"]
+__all__ = [
+    "HermesParser", "Llama3JsonParser", "MistralParser", "NamedParser", "RequiredParser", "ToolParser",
+    "parser_class_for",
+]
 
 Output = tuple[str, list[ToolCallDelta]]
 
@@ -297,3 +300,18 @@ class NamedParser(ToolParser):
         if self.num_calls == 0:
             self._deltas.append(ToolCallDelta(self.next_index(), self.make_id(), self.name, "{}"))
         return self._take()
+
+
+def parser_class_for(chat_template: str | None) -> type[ToolParser]:
+    """The tool-call format of a model family, read off its chat template: ``<tool_call>`` (Qwen2.5,
+    Hermes), ``[TOOL_CALLS]`` (Mistral), ``<|python_tag|>`` / ``<|start_header_id|>`` (Llama 3.x).
+    Anything else (SmolLM2's template has no tool support) gets the Hermes format, the most
+    common one among small open models."""
+    template = chat_template or ""
+    if "[TOOL_CALLS]" in template:
+        return MistralParser
+    if "<tool_call>" in template:
+        return HermesParser
+    if "<|python_tag|>" in template or "<|start_header_id|>" in template:
+        return Llama3JsonParser
+    return HermesParser

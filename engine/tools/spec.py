@@ -21,7 +21,7 @@ import re
 from dataclasses import dataclass
 
 from ..errors import InvalidParameterError
-from .parsers import NamedParser, RequiredParser, ToolParser
+from .parsers import NamedParser, RequiredParser, ToolParser, parser_class_for
 
 __all__ = ["MAX_TOOLS", "ToolPlan", "plan_tools", "validate_tool_choice", "validate_tools"]
 
@@ -182,8 +182,6 @@ class ToolPlan:
 
 def plan_tools(chat_template: str | None, tools, tool_choice=None, parallel_tool_calls: bool = True) -> ToolPlan | None:
     """The plan of a request, or None when it has no tools (and tool_choice allows that)."""
-    from . import parser_class_for
-
     checked = validate_tools(tools)
     choice = validate_tool_choice(tool_choice, checked)
     if checked is None:
