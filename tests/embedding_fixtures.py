@@ -44,3 +44,24 @@ def corpus(num_texts: int = 200, seed: int = 0) -> list[str]:
             text = f"ID-{rng.randint(0, 10**6)}: {rng.choice(WORDS).upper()}!? ({rng.random():.3f}) " * rng.randint(1, 4)
         texts.append(text)
     return texts
+
+
+def make_cross_encoder(directory: Path, num_labels: int = 1, seed: int = 0) -> Path:
+    """A random-weights BertForSequenceClassification saved by transformers, with MiniLM's WordPiece
+    tokenizer: the layout sentence-transformers' CrossEncoder loads."""
+    import shutil
+
+    import torch
+    import transformers
+
+    config = transformers.BertConfig(vocab_size=30522, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=128, max_position_embeddings=512, num_labels=num_labels,
+                                     initializer_range=0.3)
+    torch.manual_seed(seed)
+    model = transformers.BertForSequenceClassification(config).eval()
+    with torch.no_grad():  # random weights large enough that scores spread over (0, 1)
+        model.classifier.weight.mul_(3.0)
+    model.save_pretrained(directory)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(minilm_path() / name, directory / name)
+    return directory

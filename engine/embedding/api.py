@@ -9,6 +9,7 @@ normalised embeddings.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,16 +22,11 @@ from .runner import DecoderRunner, EmbedJob, EncoderRunner
 
 @dataclass
 class EmbedCall:
-    """A submitted embed or score job: ``result()`` blocks, ``aresult()`` awaits."""
+    """A submitted embed or score job: ``result()`` blocks, ``aresult()`` awaits; both return the
+    embeddings [N, D] float32 or the scores [N] float64."""
     job: EmbedJob
     num_prompt_tokens: int
-    normalize: bool = False
-    dimensions: int | None = None
-
-    def _finish(self, values: np.ndarray) -> np.ndarray:
-        if self.job.pooling is None:
-            return values
-        return finish(values, self.normalize, self.dimensions)
+    _finish: Callable[[np.ndarray], np.ndarray]
 
     def result(self) -> np.ndarray:
         return self._finish(self.job.future.result())
@@ -83,12 +79,13 @@ class EmbeddingMixin:
         dimensions = check_dimensions(dimensions, runner.size)
         limit = truncate_limit(truncate, encoder.max_len, truncate_param)
         encoded = encoder.encode(split_inputs(inputs, param), limit, param)
-        return self._submit_job(runner, encoded, check_pooling(self.pooling), normalize, dimensions)
+        return self._submit_job(runner, encoded, check_pooling(self.pooling),
+                                lambda values: finish(values, normalize, dimensions))
 
-    def _submit_job(self, runner, encoded: EncodedInputs, pooling, normalize=False, dimensions=None) -> EmbedCall:
+    def _submit_job(self, runner, encoded: EncodedInputs, pooling, finish_values) -> EmbedCall:
         job = EmbedJob(runner, encoded, pooling, busy_tokens=self.config.max_num_batched_tokens)
         self._core.submit_job(job)
-        return EmbedCall(job, encoded.num_tokens, normalize, dimensions)
+        return EmbedCall(job, encoded.num_tokens, finish_values)
 
     def embed(self, inputs, normalize: bool = True, dimensions: int | None = None, truncate=False) -> np.ndarray:
         """Embeddings [N, D] float32 of ``inputs`` (a string, a list of strings, a list of token ids
@@ -103,14 +100,17 @@ class EmbeddingMixin:
         return await self.submit_embed(inputs, normalize, dimensions, truncate).aresult()
 
     def submit_score(self, query: str, documents: list[str], param: str = "documents") -> EmbedCall:
-        """Relevance of each document to the query, in document order (an EmbedCall of [N] scores)."""
+        """Relevance of each document to the query, in document order (an EmbedCall of [N] scores):
+        a cross-encoder's head (its activation applied), else the cosine of the embeddings."""
         runner, encoder = self._embedding_parts()
         if self.is_cross_encoder:
             num_labels = self.model.config.num_labels
             if num_labels != 1:
                 raise InvalidParameterError(f"rerank needs a cross-encoder with one label, this one has {num_labels}",
                                             "model")
-            return self._submit_job(runner, encoder.encode_pairs(query, documents, param), None)
+            activation = self.model.score_activation
+            return self._submit_job(runner, encoder.encode_pairs(query, documents, param), None,
+                                    lambda values: _activated(values[:, 0], activation))
         if not isinstance(query, str):
             raise InvalidParameterError("query must be a string", "query")
         if not isinstance(documents, (list, tuple)) or not documents:
@@ -120,22 +120,14 @@ class EmbeddingMixin:
             if not isinstance(doc, str):
                 raise InvalidParameterError(f"{param}[{i}] must be a string", f"{param}[{i}]")
         encoded = encoder.encode(texts, encoder.max_len, param)
-        return self._submit_job(runner, encoded, check_pooling(self.pooling), normalize=True)
-
-    def _scores(self, values: np.ndarray) -> np.ndarray:
-        if self.is_cross_encoder:
-            logits = values[:, 0].astype(np.float64)
-            if self.model.score_activation == "sigmoid":
-                return 1.0 / (1.0 + np.exp(-logits))
-            return logits
-        return values[1:] @ values[0]  # cosine of normalised vectors
+        return self._submit_job(runner, encoded, check_pooling(self.pooling), _cosines_to_first)
 
     def score(self, query: str, documents: list[str]) -> list[float]:
         """Scores of (query, document) pairs in document order."""
-        return [float(s) for s in self._scores(self.submit_score(query, documents).result())]
+        return self.submit_score(query, documents).result().tolist()
 
     async def ascore(self, query: str, documents: list[str]) -> list[float]:
-        return [float(s) for s in self._scores(await self.submit_score(query, documents).aresult())]
+        return (await self.submit_score(query, documents).aresult()).tolist()
 
     def rerank(self, query: str, documents: list[str], top_n: int | None = None) -> list[tuple[int, float]]:
         """(document index, score) pairs, best first; ``top_n``: only the best so many."""
@@ -145,6 +137,17 @@ class EmbeddingMixin:
     async def arerank(self, query: str, documents: list[str], top_n: int | None = None) -> list[tuple[int, float]]:
         top_n = _check_top_n(top_n, documents)
         return _ranked(await self.ascore(query, documents), top_n)
+
+
+def _activated(logits: np.ndarray, activation: str) -> np.ndarray:
+    logits = logits.astype(np.float64)
+    return 1.0 / (1.0 + np.exp(-logits)) if activation == "sigmoid" else logits
+
+
+def _cosines_to_first(values: np.ndarray) -> np.ndarray:
+    """[1 + N, D] embeddings of the query and the documents -> [N] cosines."""
+    vectors = finish(values, normalize=True, dimensions=None)
+    return (vectors[1:] @ vectors[0]).astype(np.float64)
 
 
 def _check_top_n(top_n, documents) -> int | None:
