@@ -1,7 +1,7 @@
 """Host cost per token of the sampler: all options off, penalties + logit_bias + min_p on, and n=4.
 
 Three sections, each at batch 1 and 32 (requests), configurations interleaved in every repeat:
-  sampler    ``engine.sampling.sample`` (the cext.sampler kernel) alone on [rows, V] logits
+  sampler    ``engine.sampling.sampler.sample`` (the cext.sampler kernel) alone on [rows, V] logits
              (V = SmolLM2's 49152), plus the per-token ``LogitsAdjuster.add``; the logits copy is
              outside the timed region. The adjusters carry a 256-token prompt and 128 generated
              tokens of history.

@@ -1,6 +1,9 @@
 """An embeddable LLM inference engine: continuous batching, paged KV, O(1) per-token host path.
 
-Public names load lazily, so `import engine.params` stays light.
+The public surface is at this level (api, chat, request_stream, async_stream, outputs, params,
+errors, config); the engine thread in core/, ids -> text in text/, token choice in sampling/,
+the decoder in models/ (the layers and a request's path: docs/architecture.md). Public names
+load lazily, so `import engine.params` stays light.
 """
 from __future__ import annotations
 
@@ -9,7 +12,7 @@ import os
 import sys
 
 # torch's OpenMP team waits passively (sleeps) instead of spinning: a spinning team collapses
-# when another process shares the cores (engine/models/threads.py has the measurements).
+# when another process shares the cores (docs/performance.md has the measurements).
 # libgomp reads this once, when torch is first imported, so it is set before anything loads torch.
 if "torch" not in sys.modules:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")

@@ -1,7 +1,8 @@
 """The public Engine: submit prompts from any thread, stream events back.
 
-Templating and tokenization run on the caller's thread (the tokenizer releases the GIL);
-the engine thread (engine/runtime.py) sees only token ids.
+Templating and tokenization run on the caller's thread (the tokenizer releases the GIL; chat
+requests take engine/chat.py's one path); the engine thread (engine/core/runtime.py) sees only
+token ids. Each async method is its sync twin's core with the async stream (engine/async_stream.py).
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import queue
 import weakref
 from collections.abc import Sequence as SequenceABC
 
+from .chat import prepare_chat
 from .config import EngineConfig
 from .core.runtime import EngineCore
 from .embedding.api import EmbeddingMixin
@@ -32,7 +34,7 @@ class Engine(EmbeddingMixin):
     """An LLM engine with continuous batching. Use as a context manager or call close().
     Embeddings and scores: ``embed``, ``aembed``, ``rerank``, ``score`` (engine/embedding/api.py).
 
-    A thin facade over the engine thread (engine/runtime.py): templating and tokenization
+    A thin facade over the engine thread (engine/core/runtime.py): templating and tokenization
     run here, on the caller's thread; the thread sees only token ids.
     """
 
@@ -150,14 +152,17 @@ class Engine(EmbeddingMixin):
 
         ``tools`` / ``tool_choice``: OpenAI's (engine/tools): events then carry content as ``text``
         and call pieces as ``tool_calls``."""
-        from .tools.stream import prepare_chat, tools_error
+        return self._submit_chat(self.submit, messages, params, request_id, tools, tool_choice,
+                                 parallel_tool_calls)
 
-        prompt_ids, params, event_filter = prepare_chat(self.tokenizer, messages, params, tools, tool_choice,
-                                                        parallel_tool_calls)
+    def _submit_chat(self, submit, messages, params, request_id, tools, tool_choice, parallel_tool_calls):
+        """The chat path of both twins (``submit``: self.submit or self._asubmit)."""
+        chat = prepare_chat(self.tokenizer, messages, params, tools, tool_choice, parallel_tool_calls)
         try:
-            return self.submit(prompt_ids, params, request_id, prompt_param="messages", event_filter=event_filter)
+            return submit(chat.prompt_ids, chat.params, request_id, prompt_param="messages",
+                          event_filter=chat.event_filter)
         except InvalidParameterError as exc:
-            raise tools_error(exc, event_filter) from None
+            raise chat.error(exc) from None
 
     def submit(self, prompt_ids: list[int], params: SamplingParams | None = None, request_id: str | None = None,
                prompt_param: str = "prompt", outputs: queue.SimpleQueue | None = None,
@@ -188,7 +193,7 @@ class Engine(EmbeddingMixin):
         """Submit several prompts (text, encoded here, or token ids) as one request: one stream whose
         events carry ``index`` = prompt number * n + choice (the OpenAI order of a batched completion)."""
         first, prompts = self._submit_group(prompts, params, request_id, prompt_param, add_special_tokens, None)
-        return RequestStream(self._core, first, prompts[0])
+        return RequestStream(self._core, first, prompts[0], owner=self)
 
     def _submit_group(self, prompts, params, request_id, prompt_param, add_special_tokens, outputs):
         if not prompts:
@@ -258,7 +263,7 @@ class Engine(EmbeddingMixin):
         With tools, ``Completion.tool_calls`` holds the calls and ``text`` the content around them."""
         stream = self.stream_chat(messages, params, tools=tools, tool_choice=tool_choice,
                                   parallel_tool_calls=parallel_tool_calls)
-        return stream.collect() if stream.num_choices == 1 else stream.collect_choices()
+        return stream.collect_reply()
 
     # ----- async twins (engine/async_stream.py): same arguments, never block the event loop -----
     def _asubmit(self, prompt_ids: list[int], params, request_id, prompt_param: str = "prompt", event_filter=None):
@@ -278,14 +283,8 @@ class Engine(EmbeddingMixin):
     def astream_chat(self, messages: list[dict], params: SamplingParams | None = None,
                      request_id: str | None = None, tools: list[dict] | None = None, tool_choice=None,
                      parallel_tool_calls: bool = True):
-        from .tools.stream import prepare_chat, tools_error
-
-        prompt_ids, params, event_filter = prepare_chat(self.tokenizer, messages, params, tools, tool_choice,
-                                                        parallel_tool_calls)
-        try:
-            return self._asubmit(prompt_ids, params, request_id, prompt_param="messages", event_filter=event_filter)
-        except InvalidParameterError as exc:
-            raise tools_error(exc, event_filter) from None
+        return self._submit_chat(self._asubmit, messages, params, request_id, tools, tool_choice,
+                                 parallel_tool_calls)
 
     def asubmit_batch(self, prompts: list[str | list[int]], params: SamplingParams | None = None,
                       request_id: str | None = None, prompt_param: str = "prompt",
@@ -333,4 +332,4 @@ class Engine(EmbeddingMixin):
                     parallel_tool_calls: bool = True) -> Completion | list[Completion]:
         stream = self.astream_chat(messages, params, tools=tools, tool_choice=tool_choice,
                                    parallel_tool_calls=parallel_tool_calls)
-        return await (stream.collect() if stream.num_choices == 1 else stream.collect_choices())
+        return await stream.collect_reply()

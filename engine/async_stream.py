@@ -4,8 +4,8 @@ The engine thread still does one ``put`` per event on the request's own queue. T
 here is a SimpleQueue that, after the put, wakes the event loop only when the consumer is
 parked (``loop.call_soon_threadsafe`` on a future): a consumer that keeps up costs one wake
 per event, one that fell behind drains what queued up without waking (yielding to the loop
-every READY_BURST events). No thread of
-an executor is held per stream, so thousands of streams can wait on one loop.
+every READY_BURST events). No thread of an executor is held per stream, so thousands of streams
+can wait on one loop.
 
 Cancelling the task that awaits (``task.cancel()``, a client that went away in an ASGI app,
 ``asyncio.timeout``) closes the stream, which aborts the request and frees its KV blocks.
@@ -15,9 +15,9 @@ from __future__ import annotations
 import asyncio
 import queue
 
-from .core.runtime import FINISHED
-from .errors import EngineDead, InvalidParameterError
-from .outputs import Completion, CompletionFold, StreamEvent
+from .errors import EngineDead
+from .outputs import Completion, StreamEvent
+from .request_stream import BaseRequestStream
 
 # Without a wake-up for this long, check that the engine thread is still alive.
 ALIVE_CHECK_SECONDS = 1.0
@@ -77,104 +77,48 @@ class LoopQueue(queue.SimpleQueue):
                 raise EngineDead("engine thread is not running")
 
 
-class AsyncRequestStream:
-    """Async iterator over one request's StreamEvents; ``aclose()`` or cancelling aborts the request."""
+class AsyncRequestStream(BaseRequestStream):
+    """Async iterator over one request's StreamEvents; ``aclose()`` or cancelling aborts the request.
+    All but the waiting is BaseRequestStream's (engine/request_stream.py), shared with the sync stream."""
 
     def __init__(self, core, request, prompt_token_ids: list[int], outputs: LoopQueue, owner: object = None,
                  event_filter=None):
-        self._core = core
-        self._filter = event_filter  # applied to every event handed out (tool-call parsing)
-        self._owner = owner  # the Engine: kept alive while a stream is held
-        self._request = request
-        self._group = request.group
-        self._outputs = outputs
-        self.request_id = self._group.request_id
-        self.prompt_token_ids = prompt_token_ids
-        self._done = False
-        self._pending: object = None  # the end or an error met by ready_events(), for __anext__
-
-    @property
-    def prompt_logprobs(self):
-        return self._request.prompt_logprobs
-
-    @property
-    def num_choices(self) -> int:
-        return len(self._group.requests)
-
-    def choice_prompt_token_ids(self, index: int) -> list[int]:
-        return self._group.requests[index].seq.prompt_token_ids
-
-    @property
-    def queue_time(self) -> float | None:
-        """Seconds from submission until the engine first scheduled the request (None: not yet)."""
-        seq = self._request.seq
-        return None if seq.first_scheduled_time is None else seq.first_scheduled_time - seq.arrival_time
-
-    def ready_events(self) -> list[StreamEvent]:
-        """The events already queued, taken without waiting (as ``RequestStream.ready_events``); an
-        error or the end met here is left for the next ``__anext__``."""
-        events: list[StreamEvent] = []
-        outputs = self._outputs
-        while not self._done and not outputs.empty():
-            item = outputs.get_nowait()
-            if item is FINISHED or isinstance(item, BaseException):
-                self._pending = item
-                break
-            events.append(item)
-        return events
+        super().__init__(core, request, prompt_token_ids, owner, event_filter)
+        self._outputs = outputs  # the request's queue (group.outputs), which wakes this loop
 
     def __aiter__(self) -> AsyncRequestStream:
         return self
 
     async def __anext__(self) -> StreamEvent:
+        self._take_pending()
         if self._done:
             raise StopAsyncIteration
-        item, self._pending = self._pending, None
         try:
-            if item is None:
-                item = await self._outputs.next_item(self._core.is_alive)
+            item = await self._outputs.next_item(self._core.is_alive)
         except BaseException as exc:  # cancelled (or the engine died): the request goes too
             self.close()
             if isinstance(exc, EngineDead):
                 raise EngineDead(self._core.dead_message) from None
             raise
-        if item is FINISHED:
-            self._done = True
+        event = self._event(item)
+        if event is None:
             raise StopAsyncIteration
-        if isinstance(item, BaseException):
-            self._done = True
-            raise item
-        return item if self._filter is None else self._filter(item)
-
-    def close(self) -> None:
-        if not self._done:
-            self._done = True
-            if not self._group.is_finished:
-                self._core.abort(self.request_id)
+        return event
 
     async def aclose(self) -> None:
         self.close()
 
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
-
     async def collect(self) -> Completion:
         """Run the request to its end and fold its events into one Completion (then close)."""
-        if self.num_choices != 1:
-            raise InvalidParameterError(f"this request has {self.num_choices} choices: use collect_choices()", "n")
+        self._check_one_choice()
         return (await self.collect_choices())[0]
 
     async def collect_choices(self) -> list[Completion]:
         """One Completion per choice, in index order (one CompletionFold each, as the sync stream)."""
-        folds = [CompletionFold(self.request_id) for _ in range(self.num_choices)]
+        folds = self._new_folds()
         try:
             async for event in self:
                 folds[event.index].add(event)
         finally:
             self.close()
-        requests = self._group.requests
-        return [fold.result(self.prompt_token_ids if len(folds) == 1 else requests[i].seq.prompt_token_ids,
-                            requests[i].prompt_logprobs, index=i) for i, fold in enumerate(folds)]
+        return self._completions(folds)

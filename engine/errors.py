@@ -4,7 +4,7 @@ which parameter): callers branch on types and read ``param``, never the message 
     ValueError
     └── InvalidParameterError        a request field is wrong; .param names it
         ├── ContextLengthError       prompt + max_tokens do not fit the context
-        ├── SchedulerRefused         the scheduler cannot hold a sequence (its rows, its KV cache, its ids)
+        ├── SchedulerRefused         the scheduler cannot hold a sequence (rows, KV cache, ids)
         └── (ChatTemplateError)      messages the chat template cannot render (tokenizer)
     └── ModelFileError               a model path is missing, incomplete, truncated or corrupt; .path
     RuntimeError

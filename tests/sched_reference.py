@@ -1,6 +1,6 @@
 """A plain-Python model of the scheduling policy, for tests to compare the Cython tick against.
 
-It shares no code with engine/scheduler.py or cext/tick.pyx: lists and dicts only, one
+It shares no code with engine/core/scheduler.py or cext/tick.pyx: lists and dicts only, one
 obvious loop per rule. ``schedule`` returns the tick as plain lists (the same numbers the
 real scheduler puts in its ForwardBatch), so a test can drive both with the same ops and
 compare tick by tick, block ids included.

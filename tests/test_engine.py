@@ -1,6 +1,6 @@
 """The public Engine end to end with ScriptedModel and the default model's real tokenizer.
 
-Invariants 2-4 of CONTRACT.md (streaming equals one-shot, stop strings, logprobs), abort,
+Invariants 2-4 of docs/architecture.md (streaming equals one-shot, stop strings, logprobs), abort,
 concurrency, and failure isolation. No model compute: ScriptedModel emits a script.
 """
 import threading

@@ -1,4 +1,4 @@
-"""Invariants 2-4 of CONTRACT.md as properties, through the public Engine and real vocabularies.
+"""Invariants 2-4 (docs/architecture.md) as properties, through the public Engine and real vocabularies.
 
 ScriptedModel makes greedy decoding emit a drawn script of token ids; the tokenizers are
 real: SmolLM2's GGUF vocabulary (byte-level BPE), Qwen's (qwen.tiktoken, byte-level BPE)

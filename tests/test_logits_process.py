@@ -1,6 +1,6 @@
 """Each sampling option against a plain NumPy reference of its definition (logits in, logits or
 distribution out), batched with rows that have no processing; the NumPy ``adjust`` and the
-sampler kernel's processing (``engine.sampling.process``) both; then the engine end to end."""
+sampler kernel's processing (``engine.sampling.sampler.process``) both; then the engine end to end."""
 import numpy as np
 import pytest
 import torch

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
@@ -156,6 +157,31 @@ def test_async_chat_with_tools_folds_like_the_stream():
     assert fold_tool_calls([d for e in events for d in e.tool_calls or ()])[0].arguments == \
         done.tool_calls[0].arguments
 
+
+
+def test_async_ready_events_are_filtered_like_the_iterated_ones():
+    # AsyncRequestStream shares RequestStream's drain: events taken by ready_events() pass the
+    # tool filter too (content + call deltas), as the iterated ones do.
+    async def run():
+        with scripted_engine(REPLY, peak=SURE_PEAK) as eng:
+            done = await eng.achat(ASK, SamplingParams(max_tokens=200), tools=TOOLS)
+            stream = eng.astream_chat(ASK, SamplingParams(max_tokens=200), tools=TOOLS)
+            events = [await stream.__anext__()]
+            drained = []
+            deadline = time.monotonic() + 60  # a bound for a busy machine, not a timing assertion
+            while events[-1].finish_reason is None and time.monotonic() < deadline:
+                more = stream.ready_events()
+                drained += more
+                events += more
+                await asyncio.sleep(0.01)
+            events += [e async for e in stream]
+            return done, events, drained
+
+    done, events, drained = asyncio.run(run())
+    assert drained
+    assert "".join(e.text for e in events) == done.text and events[-1].finish_reason == "tool_calls"
+    assert fold_tool_calls([d for e in events for d in e.tool_calls or ()])[0].arguments == \
+        done.tool_calls[0].arguments
 
 # ---- the real instruct model: enforced calls ----
 

@@ -65,22 +65,21 @@ def _api_error(req: protocol.ParsedRequest, exc: Exception) -> errors.APIError:
 def submit(engine, req: protocol.ParsedRequest):
     """Template and tokenize on the calling thread (the engine's own prompt path), then submit.
     Engine errors (context length, a bad parameter, overload) come out as APIErrors."""
-    try:
-        if req.is_chat:
-            return engine.stream_chat(req.messages, req.params, tools=req.tools, tool_choice=req.tool_choice,
-                                      parallel_tool_calls=req.parallel_tool_calls)
-        return engine.submit_batch(req.prompts, req.params, add_special_tokens=req.add_special_tokens)
-    except Exception as exc:
-        raise _api_error(req, exc) from None
+    return _submit(req, engine.stream_chat, engine.submit_batch)
 
 
 def asubmit(engine, req: protocol.ParsedRequest):
     """``submit`` for an event loop: an AsyncRequestStream (the events wake the loop, no thread held)."""
+    return _submit(req, engine.astream_chat, engine.asubmit_batch)
+
+
+def _submit(req: protocol.ParsedRequest, stream_chat, submit_batch):
+    """The core of both twins: ``stream_chat`` / ``submit_batch`` are the engine's sync or async ones."""
     try:
         if req.is_chat:
-            return engine.astream_chat(req.messages, req.params, tools=req.tools, tool_choice=req.tool_choice,
-                                       parallel_tool_calls=req.parallel_tool_calls)
-        return engine.asubmit_batch(req.prompts, req.params, add_special_tokens=req.add_special_tokens)
+            return stream_chat(req.messages, req.params, tools=req.tools, tool_choice=req.tool_choice,
+                               parallel_tool_calls=req.parallel_tool_calls)
+        return submit_batch(req.prompts, req.params, add_special_tokens=req.add_special_tokens)
     except Exception as exc:
         raise _api_error(req, exc) from None
 

@@ -117,7 +117,8 @@ class EngineCore:
         if params is None:
             params = SamplingParams()
         elif not isinstance(params, SamplingParams):
-            raise InvalidParameterError(f"params must be a SamplingParams, got {type(params).__name__}", "params")
+            raise InvalidParameterError(f"params must be a SamplingParams, got {type(params).__name__}",
+                                        "params")
         return Request.create(
             request_id, prompt_ids, params, tokenizer=self.tokenizer,
             vocab_size=self.model.vocab_size, max_model_len=self.max_model_len, prompt_param=prompt_param,

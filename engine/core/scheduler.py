@@ -25,10 +25,10 @@ import torch
 
 from cext.tick import TickState
 from engine.batch import ForwardBatch
-from engine.errors import SchedulerRefused
 from engine.core.block_manager import BlockManager, prefix_block_hashes
 from engine.core.sequence import Sequence, SequenceStatus
 from engine.core.tick_cost import DEFAULT_TARGET_TICK_SECONDS, TickCostModel
+from engine.errors import SchedulerRefused
 
 
 @dataclass(kw_only=True)
@@ -110,9 +110,10 @@ class Scheduler:
         num_blocks = -(-total // self.block_size)
         if total > cfg.max_model_len or num_blocks > cfg.num_blocks:
             raise SchedulerRefused(
-                f"prompt ({seq.num_prompt_tokens} tokens) + max_tokens ({seq.max_tokens}) = {total} tokens in "
-                f"{num_blocks} KV blocks: more than the scheduler holds (max_model_len={cfg.max_model_len} tokens, "
-                f"{cfg.num_blocks} KV blocks: kv_cache_tokens={cfg.num_blocks * self.block_size})", "max_tokens")
+                f"prompt ({seq.num_prompt_tokens} tokens) + max_tokens ({seq.max_tokens}) = {total} tokens "
+                f"in {num_blocks} KV blocks: more than the scheduler holds (max_model_len="
+                f"{cfg.max_model_len} tokens, {cfg.num_blocks} KV blocks: kv_cache_tokens="
+                f"{cfg.num_blocks * self.block_size})", "max_tokens")
         if seq.request_id in self._seqs:
             raise SchedulerRefused(f"request_id {seq.request_id!r} is already scheduled", "request_id")
         if seq.status is not SequenceStatus.WAITING:

@@ -129,7 +129,7 @@ def adjust(logits: np.ndarray, adjusters: list[LogitsAdjuster | None]) -> None:
     are untouched. Per row only slices are collected; the arithmetic is one pass for the batch.
 
     The NumPy reference of the processing: the engine's sampler does the same per row in the
-    kernel (cext.sampler, through engine.sampling.process); tests compare the two."""
+    kernel (cext.sampler, through engine.sampling.sampler.process); tests compare the two."""
     if not logits.flags.c_contiguous:
         raise ValueError("adjust needs C-contiguous logits (it scatters through a flat view)")
     vocab_size = logits.shape[1]

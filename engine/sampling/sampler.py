@@ -7,7 +7,7 @@ min-p, top-k and top-p masks by partial selection, drawn by inverting the CDF in
 one uniform from the request's own ``RandomStream``, so a seeded request gives the same tokens
 whatever else is in the batch), then, if asked, the logprob, rank and top logprobs.
 Logprobs always describe the model's raw distribution (before processing, temperature, masks).
-engine.sampling_reference holds the same definitions in plain NumPy (the tests' reference).
+tests/sampling_reference.py holds the same definitions in plain NumPy (the tests' reference).
 """
 from __future__ import annotations
 

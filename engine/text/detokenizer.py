@@ -1,6 +1,6 @@
 """Incremental detokenization: token ids in, final text out, byte-exact with ``decode``.
 
-Invariant (CONTRACT.md, 1): for every id sequence ``ids``
+Invariant 1 (docs/architecture.md, "Invariants"): for every id sequence ``ids``
 
     "".join(d.add(i) for i in ids) + d.finish() == tok.decode(ids, skip_special_tokens=s)
 

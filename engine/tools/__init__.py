@@ -7,12 +7,12 @@
 The package, one module per concern:
 
     spec.py       validation of tools and tool_choice; the JSON Schemas that enforce a call
-    calls.py      ToolCall, ToolCallDelta, fold_tool_calls, call ids
+    calls.py      call ids (ToolCall, ToolCallDelta, fold_tool_calls: engine/outputs.py)
     json_call.py  one JSON call object read piece by piece (arguments streamed as they come)
     call_list.py  calls in a row (arrays, ";"-separated) and Mistral's name[ARGS]{...} calls
     parsers.py    the per-format streaming parsers (Hermes/Qwen2.5, Llama 3.x JSON, Mistral,
                   and the constrained "required" / named replies)
-    stream.py     prepare_chat (prompt, params, event filter of a chat request) and
+    stream.py     ToolHook, the tools' hook into the chat path (engine/chat.py), and
                   ToolEventFilter: a request's StreamEvents -> content + tool_calls
 """
 from __future__ import annotations

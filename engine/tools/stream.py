@@ -1,10 +1,11 @@
-"""A chat request with tools: its prompt, its sampling params, and the filter of its events.
+"""Tools as a hook into the chat path (engine/chat.py): what a chat request with tools changes.
 
-    prompt_ids, params, event_filter = prepare_chat(tokenizer, messages, params, tools, tool_choice)
+    hook = tool_hook(tokenizer, tools, tool_choice)   # None without tools
+    hook.tools, hook.sampling_params(params), hook.event_filter(), hook.error(exc)
 
-``event_filter`` (None without tools, or with tool_choice "none") turns each StreamEvent of
-the request into one whose ``text`` is content and whose ``tool_calls`` holds the call
-deltas parsed from the generated text (one parser per choice). The request's streams apply
+The event filter (None with tool_choice "none") turns each StreamEvent of the request into
+one whose ``text`` is content and whose ``tool_calls`` holds the call deltas parsed from the
+generated text (one parser per choice). The request's streams apply
 it to every event they hand out, so iterating, ``ready_events`` and the Completion fold all
 see the same events: a streamed reply and its one-shot twin are equal. The last event of a
 choice that called tools and stopped says finish_reason "tool_calls".
@@ -17,7 +18,7 @@ from ..params import SamplingParams
 from .parsers import ToolParser
 from .spec import ToolPlan, plan_tools
 
-__all__ = ["ToolEventFilter", "prepare_chat", "tools_error"]
+__all__ = ["ToolEventFilter", "ToolHook", "tool_hook"]
 
 
 class ToolEventFilter:
@@ -51,22 +52,41 @@ def _markers_are_special(tokenizer, parser_class: type[ToolParser]) -> bool:
     return any(tokenizer.token_to_id(marker) in special for marker in parser_class.markers)
 
 
-def prepare_chat(tokenizer, messages, params: SamplingParams | None, tools=None, tool_choice=None,
-                 parallel_tool_calls: bool = True):
-    """(prompt ids, params, event filter or None) of a chat request. Validates tools and
-    tool_choice (InvalidParameterError naming the field) before templating."""
+class ToolHook:
+    """The tools of one chat request, as engine/chat.py's path uses them."""
+
+    __slots__ = ("plan", "keep_markers")
+
+    def __init__(self, plan: ToolPlan, keep_markers: bool):
+        self.plan = plan
+        self.keep_markers = keep_markers
+
+    @property
+    def tools(self) -> list[dict]:
+        """The checked tools, for the chat template to render."""
+        return self.plan.tools
+
+    def sampling_params(self, params: SamplingParams | None) -> SamplingParams:
+        """``params`` with what tool_choice asks (a json_schema for "required" or a named tool)."""
+        return self.plan.sampling_params(params if params is not None else SamplingParams(),
+                                         keep_markers=self.keep_markers)
+
+    def event_filter(self) -> ToolEventFilter | None:
+        """The request's event filter; None when calls are not parsed (tool_choice "none")."""
+        return ToolEventFilter(self.plan) if self.plan.is_parsing else None
+
+    def error(self, exc: InvalidParameterError) -> InvalidParameterError:
+        """A json_schema error of a request whose schema was built from its tools (tool_choice
+        "required" or named: the tool's parameters did not compile) names ``tools`` instead."""
+        if exc.param == "json_schema" and self.plan.is_parsing and self.plan.json_schema() is not None:
+            return InvalidParameterError(f"tools (as the schema that enforces tool_choice): {exc}", "tools")
+        return exc
+
+
+def tool_hook(tokenizer, tools, tool_choice=None, parallel_tool_calls: bool = True) -> ToolHook | None:
+    """The hook of a chat request's tools, or None when it has none (and tool_choice allows that).
+    Validates tools and tool_choice (InvalidParameterError naming the field)."""
     plan = plan_tools(tokenizer.chat_template, tools, tool_choice, parallel_tool_calls)
-    prompt_ids = tokenizer.encode_chat(messages, add_generation_prompt=True, tools=None if plan is None else plan.tools)
     if plan is None:
-        return prompt_ids, params, None
-    params = plan.sampling_params(params if params is not None else SamplingParams(),
-                                  keep_markers=_markers_are_special(tokenizer, plan.parser_class))
-    return prompt_ids, params, ToolEventFilter(plan) if plan.is_parsing else None
-
-
-def tools_error(exc: InvalidParameterError, event_filter: ToolEventFilter | None) -> InvalidParameterError:
-    """A json_schema error of a request whose schema was built from its tools (tool_choice
-    "required" or named: the tool's parameters did not compile) names ``tools`` instead."""
-    if event_filter is not None and exc.param == "json_schema" and event_filter.plan.json_schema() is not None:
-        return InvalidParameterError(f"tools (as the schema that enforces tool_choice): {exc}", "tools")
-    return exc
+        return None
+    return ToolHook(plan, _markers_are_special(tokenizer, plan.parser_class))
