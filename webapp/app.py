@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import logging
 import time
-import uuid
 
 from flask import Flask, Response, request, send_from_directory
 from werkzeug.exceptions import HTTPException
@@ -148,36 +147,14 @@ def create_app(engine, model_name: str | None = None, api_key: str | None = None
         return _limited(lambda: _generate(protocol.parse_completion(_read_body()), "completions"))
 
     # ----- embeddings and scores (webapp.embeddings; the forwards run between the engine's ticks) -----
-    @app.post("/v1/embeddings")
-    def embeddings_endpoint():
-        def handle():
-            req = embeddings.parse_embeddings(_read_body())
-            call = embeddings.submit_embeddings(engine, req)
-            body = embeddings.embeddings_body(req, embeddings.result(call), model_name, call.num_prompt_tokens)
-            return _json(body)
-        return _limited(handle)
+    def _scores_route(kind: str):
+        return lambda: _limited(lambda: _json(embeddings.respond(engine, _read_body(), kind, model_name)))
 
-    @app.post("/v1/rerank")
-    @app.post("/rerank")
-    @app.post("/v2/rerank")
-    def rerank():
-        def handle():
-            req = embeddings.parse_rerank(_read_body())
-            call = embeddings.submit_scores(engine, req, "documents")
-            body = embeddings.rerank_body(req, embeddings.result(call), model_name, call.num_prompt_tokens,
-                                          f"rerank-{uuid.uuid4().hex}")
-            return _json(body)
-        return _limited(handle)
-
-    @app.post("/score")
-    @app.post("/v1/score")
-    def score():
-        def handle():
-            req = embeddings.parse_score(_read_body())
-            call = embeddings.submit_scores(engine, req, "text_2")
-            return _json(embeddings.score_body(embeddings.result(call), model_name, call.num_prompt_tokens,
-                                               f"score-{uuid.uuid4().hex}", int(time.time())))
-        return _limited(handle)
+    app.add_url_rule("/v1/embeddings", "embeddings", _scores_route("embeddings"), methods=["POST"])
+    for path in embeddings.RERANK_PATHS:
+        app.add_url_rule(path, f"rerank:{path}", _scores_route("rerank"), methods=["POST"])
+    for path in embeddings.SCORE_PATHS:
+        app.add_url_rule(path, f"score:{path}", _scores_route("score"), methods=["POST"])
 
     def _limited(handle) -> Response:
         """Run a generation request in one of the bounded slots, held until its response closes."""

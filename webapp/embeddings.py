@@ -11,6 +11,8 @@ are cut to the model's length longest-first, as transformers' cross-encoders are
 from __future__ import annotations
 
 import base64
+import time
+import uuid
 from dataclasses import dataclass
 
 from .errors import APIError, bad_request, from_exception
@@ -20,6 +22,8 @@ EMBEDDING_FIELDS = {"input", "model", "encoding_format", "dimensions", "user", "
 RERANK_FIELDS = {"query", "documents", "top_n", "model", "return_documents", "truncate_prompt_tokens"}
 SCORE_FIELDS = {"text_1", "text_2", "model", "truncate_prompt_tokens"}
 ENCODING_FORMATS = ("float", "base64")
+RERANK_PATHS = ("/v1/rerank", "/rerank", "/v2/rerank")  # vLLM serves all three, llama.cpp the first two
+SCORE_PATHS = ("/score", "/v1/score")
 MAX_INPUTS = 2048  # OpenAI's limit on the inputs of one request
 
 
@@ -193,3 +197,43 @@ def result(call):
         return call.result()
     except Exception as exc:
         raise from_exception(exc) from None
+
+
+async def aresult(call):
+    try:
+        return await call.aresult()
+    except Exception as exc:
+        raise from_exception(exc) from None
+
+
+# ----- whole requests: body -> response dict (raise APIError); sync for Flask, async for Ray replicas
+
+def _new_id(kind: str) -> str:
+    return f"{kind}-{uuid.uuid4().hex}"
+
+
+def _start(engine, body: dict, kind: str):
+    if kind == "embeddings":
+        req = parse_embeddings(body)
+        return req, submit_embeddings(engine, req)
+    req = parse_rerank(body) if kind == "rerank" else parse_score(body)
+    return req, submit_scores(engine, req, "documents" if kind == "rerank" else "text_2")
+
+
+def _body(kind: str, req, values, model_name: str, num_tokens: int) -> dict:
+    if kind == "embeddings":
+        return embeddings_body(req, values, model_name, num_tokens)
+    if kind == "rerank":
+        return rerank_body(req, values, model_name, num_tokens, _new_id("rerank"))
+    return score_body(values, model_name, num_tokens, _new_id("score"), int(time.time()))
+
+
+def respond(engine, body: dict, kind: str, model_name: str) -> dict:
+    """``kind``: "embeddings" | "rerank" | "score"."""
+    req, call = _start(engine, body, kind)
+    return _body(kind, req, result(call), model_name, call.num_prompt_tokens)
+
+
+async def arespond(engine, body: dict, kind: str, model_name: str) -> dict:
+    req, call = _start(engine, body, kind)
+    return _body(kind, req, await aresult(call), model_name, call.num_prompt_tokens)
