@@ -1,5 +1,6 @@
 """Engine.embed on all-MiniLM-L6-v2 against sentence-transformers (the reference), and the
 embedding API's contract: shapes, truncation, dimensions, id inputs, errors, async."""
+
 from __future__ import annotations
 
 import asyncio
@@ -7,8 +8,8 @@ import asyncio
 import numpy as np
 import pytest
 import torch
-
 from embedding_fixtures import corpus, minilm_path
+
 from engine import ContextLengthError, Engine, InvalidParameterError
 
 
@@ -92,15 +93,26 @@ def test_dimensions_truncate_then_normalise(minilm, texts):
     expect = full[:, :64] / np.linalg.norm(full[:, :64], axis=1, keepdims=True)
     assert cut.shape == (10, 64)
     np.testing.assert_allclose(cut, expect, atol=1e-6)
-    np.testing.assert_allclose(minilm.embed(texts[:10], dimensions=64, normalize=False), full[:, :64], atol=1e-6)
+    np.testing.assert_allclose(
+        minilm.embed(texts[:10], dimensions=64, normalize=False), full[:, :64], atol=1e-6
+    )
     for bad in (0, 385, True, "64"):
         with pytest.raises(InvalidParameterError) as err:
             minilm.embed("x", dimensions=bad)
         assert err.value.param == "dimensions"
 
 
-@pytest.mark.parametrize("bad, param", [([], "input"), (None, "input"), ([["a"]], "input[0]"),
-                                        (["ok", 3.5], "input[1]"), ([[]], "input[0]"), (["ok", [1, "x"]], "input[1]")])
+@pytest.mark.parametrize(
+    "bad, param",
+    [
+        ([], "input"),
+        (None, "input"),
+        ([["a"]], "input[0]"),
+        (["ok", 3.5], "input[1]"),
+        ([[]], "input[0]"),
+        (["ok", [1, "x"]], "input[1]"),
+    ],
+)
 def test_bad_inputs_name_the_field(minilm, bad, param):
     with pytest.raises(InvalidParameterError) as err:
         minilm.embed(bad)
@@ -126,15 +138,22 @@ def test_aembed_equals_embed(minilm, texts):
 def test_many_inputs_over_several_chunks(minilm, texts):
     many = texts * 12  # 2,400 inputs, ~100k tokens: several engine-thread steps
     out = minilm.embed(many, truncate=True)
-    np.testing.assert_allclose(out[len(texts) * 11:], out[: len(texts)], atol=1e-5)
+    np.testing.assert_allclose(out[len(texts) * 11 :], out[: len(texts)], atol=1e-5)
 
 
 def test_bert_matches_transformers_on_random_weights(tmp_path):
     """A small random BertModel saved by transformers: our hidden states equal its own."""
     import transformers
 
-    config = transformers.BertConfig(vocab_size=97, hidden_size=48, num_hidden_layers=2, num_attention_heads=4,
-                                     intermediate_size=80, max_position_embeddings=64, type_vocab_size=2)
+    config = transformers.BertConfig(
+        vocab_size=97,
+        hidden_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=80,
+        max_position_embeddings=64,
+        type_vocab_size=2,
+    )
     torch.manual_seed(0)
     ref = transformers.BertModel(config, add_pooling_layer=False).eval()
     ref.save_pretrained(tmp_path)
@@ -150,4 +169,4 @@ def test_bert_matches_transformers_on_random_weights(tmp_path):
         with torch.no_grad():
             want = ref(input_ids=torch.tensor([ids]), token_type_ids=torch.tensor([tt])).last_hidden_state[0]
         start = sum(map(len, seqs[:b]))
-        torch.testing.assert_close(hidden[start:start + len(ids)], want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(hidden[start : start + len(ids)], want, atol=1e-5, rtol=1e-5)

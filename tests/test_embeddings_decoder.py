@@ -1,6 +1,7 @@
 """Pooled embeddings from a generation model (the default SmolLM2-135M-Instruct): the packed,
 chunked engine path against a plain torch reference of the pooling over one causal forward per
 text (the model's torch reference path, all hidden rows), for mean, last and cls pooling."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -11,8 +12,14 @@ from engine import Engine, InvalidParameterError
 from engine.batch import single_sequence_batch
 from engine.loader import default_model_path
 
-TEXTS = ["Hello", "The capital of France is Paris.", "東京は日本の首都です。 🙂", "one two three " * 40,
-         "Embeddings from a decoder use the causal mask.", "x"]
+TEXTS = [
+    "Hello",
+    "The capital of France is Paris.",
+    "東京は日本の首都です。 🙂",
+    "one two three " * 40,
+    "Embeddings from a decoder use the causal mask.",
+    "x",
+]
 
 
 def reference(model, ids: list[int], pooling: str) -> np.ndarray:
@@ -32,7 +39,9 @@ def reference(model, ids: list[int], pooling: str) -> np.ndarray:
 @pytest.fixture(scope="module")
 def engines():
     first = Engine.from_pretrained(default_model_path(), pooling="mean", max_num_batched_tokens=64)
-    others = {p: Engine(first.model, first.tokenizer, pooling=p, max_num_batched_tokens=64) for p in ("last", "cls")}
+    others = {
+        p: Engine(first.model, first.tokenizer, pooling=p, max_num_batched_tokens=64) for p in ("last", "cls")
+    }
     yield {"mean": first, **others}
     for eng in (first, *others.values()):
         eng.close()

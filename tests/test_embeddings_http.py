@@ -1,4 +1,5 @@
 """POST /v1/embeddings, /v1/rerank and /score through the real server, with the official openai client."""
+
 from __future__ import annotations
 
 import base64
@@ -6,8 +7,8 @@ import base64
 import numpy as np
 import openai
 import pytest
-
 from embedding_fixtures import make_cross_encoder, minilm_path
+
 from engine import Engine
 from tests.server_fixtures import LiveServer
 
@@ -45,13 +46,17 @@ def test_openai_client_embeddings(client, engine):
     one = client.embeddings.create(model="default", input="The quick brown fox.", encoding_format="float")
     np.testing.assert_allclose(one.data[0].embedding, got[0], atol=1e-6)
     cut = client.embeddings.create(model="default", input=TEXTS[:2], dimensions=32)
-    np.testing.assert_allclose([d.embedding for d in cut.data], engine.embed(TEXTS[:2], dimensions=32), atol=1e-6)
+    np.testing.assert_allclose(
+        [d.embedding for d in cut.data], engine.embed(TEXTS[:2], dimensions=32), atol=1e-6
+    )
 
 
 def test_token_inputs_and_base64(live, engine):
     ids = engine.tokenizer.backend.encode(TEXTS[0]).ids
     for body_input in (ids, [ids, ids]):
-        status, body = live.post_json("/v1/embeddings", {"input": body_input, "encoding_format": "base64"}, AUTH)
+        status, body = live.post_json(
+            "/v1/embeddings", {"input": body_input, "encoding_format": "base64"}, AUTH
+        )
         assert status == 200, body
         for item in body["data"]:
             vector = np.frombuffer(base64.b64decode(item["embedding"]), dtype="<f4")
@@ -66,19 +71,29 @@ def test_over_length_400_unless_truncated(live, engine):
     assert body["error"]["code"] == "context_length_exceeded"
     status, body = live.post_json("/v1/embeddings", {"input": long_text, "truncate_prompt_tokens": -1}, AUTH)
     assert status == 200 and body["usage"]["prompt_tokens"] == 256
-    np.testing.assert_allclose(body["data"][0]["embedding"], engine.embed(long_text, truncate=True)[0], atol=1e-6)
+    np.testing.assert_allclose(
+        body["data"][0]["embedding"], engine.embed(long_text, truncate=True)[0], atol=1e-6
+    )
     status, body = live.post_json("/v1/embeddings", {"input": long_text, "truncate_prompt_tokens": 10}, AUTH)
     assert status == 200 and body["usage"]["prompt_tokens"] == 10
 
 
-@pytest.mark.parametrize("body, param", [
-    ({}, "input"), ({"input": []}, "input"), ({"input": ""}, "input"), ({"input": [["a"]]}, "input[0]"),
-    ({"input": "x", "encoding_format": "binary"}, "encoding_format"), ({"input": "x", "dimensions": 0}, "dimensions"),
-    ({"input": "x", "dimensions": 999}, "dimensions"), ({"input": "x", "pooling": "mean"}, "pooling"),
-    ({"input": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
-    ({"input": "x", "truncate_prompt_tokens": 300}, "truncate_prompt_tokens"),
-    ({"input": [101, 99999, 102]}, "input"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({}, "input"),
+        ({"input": []}, "input"),
+        ({"input": ""}, "input"),
+        ({"input": [["a"]]}, "input[0]"),
+        ({"input": "x", "encoding_format": "binary"}, "encoding_format"),
+        ({"input": "x", "dimensions": 0}, "dimensions"),
+        ({"input": "x", "dimensions": 999}, "dimensions"),
+        ({"input": "x", "pooling": "mean"}, "pooling"),
+        ({"input": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+        ({"input": "x", "truncate_prompt_tokens": 300}, "truncate_prompt_tokens"),
+        ({"input": [101, 99999, 102]}, "input"),
+    ],
+)
 def test_bad_requests_name_the_field(live, body, param):
     status, answer = live.post_json("/v1/embeddings", body, AUTH)
     assert status == 400, answer
@@ -99,8 +114,9 @@ def test_bi_encoder_rerank_and_score(live, engine):
     status, body = live.post_json("/v1/rerank", {"query": "capital of Japan", "documents": docs}, AUTH)
     assert status == 200, body
     assert [r["index"] for r in body["results"]] == [0, 1]
-    np.testing.assert_allclose([r["relevance_score"] for r in body["results"]],
-                               engine.score("capital of Japan", docs), atol=1e-6)
+    np.testing.assert_allclose(
+        [r["relevance_score"] for r in body["results"]], engine.score("capital of Japan", docs), atol=1e-6
+    )
 
 
 @pytest.fixture(scope="module")
@@ -120,8 +136,9 @@ def test_cross_encoder_rerank_and_score(cross_live):
         order = sorted(range(3), key=lambda i: -want[i])[:2]
         assert [r["index"] for r in body["results"]] == order
         assert [r["document"]["text"] for r in body["results"]] == [docs[i] for i in order]
-        np.testing.assert_allclose([r["relevance_score"] for r in body["results"]], [want[i] for i in order],
-                                   atol=1e-6)
+        np.testing.assert_allclose(
+            [r["relevance_score"] for r in body["results"]], [want[i] for i in order], atol=1e-6
+        )
         assert body["usage"]["prompt_tokens"] > 0
     status, body = server.post_json("/score", {"text_1": query, "text_2": docs})
     assert status == 200, body
@@ -131,13 +148,18 @@ def test_cross_encoder_rerank_and_score(cross_live):
     assert status == 200 and len(body["data"]) == 1
 
 
-@pytest.mark.parametrize("path, body, param", [
-    ("/v1/rerank", {"documents": ["a"]}, "query"), ("/v1/rerank", {"query": "q", "documents": []}, "documents"),
-    ("/v1/rerank", {"query": "q", "documents": ["a", 1]}, "documents[1]"),
-    ("/v1/rerank", {"query": "q", "documents": ["a"], "top_n": 0}, "top_n"),
-    ("/v1/rerank", {"query": "q", "documents": ["a"], "rank_fields": ["x"]}, "rank_fields"),
-    ("/score", {"text_1": 3, "text_2": "a"}, "text_1"), ("/score", {"text_1": "q"}, "text_2"),
-])
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/v1/rerank", {"documents": ["a"]}, "query"),
+        ("/v1/rerank", {"query": "q", "documents": []}, "documents"),
+        ("/v1/rerank", {"query": "q", "documents": ["a", 1]}, "documents[1]"),
+        ("/v1/rerank", {"query": "q", "documents": ["a"], "top_n": 0}, "top_n"),
+        ("/v1/rerank", {"query": "q", "documents": ["a"], "rank_fields": ["x"]}, "rank_fields"),
+        ("/score", {"text_1": 3, "text_2": "a"}, "text_1"),
+        ("/score", {"text_1": "q"}, "text_2"),
+    ],
+)
 def test_rerank_bad_requests(cross_live, path, body, param):
     server, _ = cross_live
     status, answer = server.post_json(path, body)

@@ -1,11 +1,12 @@
 """Engine.rerank / score: a random-weights cross-encoder against sentence-transformers' CrossEncoder,
 and a bi-encoder's cosine scores against its own embeddings."""
+
 from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from embedding_fixtures import NON_LATIN, corpus, make_cross_encoder, minilm_path
+
 from engine import Engine, InvalidParameterError
 
 QUERY = "Which city is the capital of Japan?"
@@ -52,8 +53,12 @@ def test_long_pairs_are_cut_longest_first(cross, cross_dir):
 
 
 def test_rerank_errors_name_the_field(cross):
-    for kwargs, param in (({"documents": []}, "documents"), ({"documents": ["a", 3]}, "documents[1]"),
-                          ({"documents": ["a"], "top_n": 0}, "top_n"), ({"query": 5, "documents": ["a"]}, "query")):
+    for kwargs, param in (
+        ({"documents": []}, "documents"),
+        ({"documents": ["a", 3]}, "documents[1]"),
+        ({"documents": ["a"], "top_n": 0}, "top_n"),
+        ({"query": 5, "documents": ["a"]}, "query"),
+    ):
         kwargs.setdefault("query", QUERY)
         with pytest.raises(InvalidParameterError) as err:
             cross.rerank(**kwargs)

@@ -8,6 +8,7 @@ the server cannot honour. Inputs over the model's length are a 400 naming ``inpu
 cut them (-1: to the limit; k: to k tokens; the end of an input goes). Rerank and score pairs
 are cut to the model's length longest-first, as transformers' cross-encoders are.
 """
+
 from __future__ import annotations
 
 import base64
@@ -17,8 +18,15 @@ from dataclasses import dataclass
 
 from .errors import APIError, bad_request, from_exception
 
-EMBEDDING_FIELDS = {"input", "model", "encoding_format", "dimensions", "user", "truncate_prompt_tokens",
-                    "normalize"}
+EMBEDDING_FIELDS = {
+    "input",
+    "model",
+    "encoding_format",
+    "dimensions",
+    "user",
+    "truncate_prompt_tokens",
+    "normalize",
+}
 RERANK_FIELDS = {"query", "documents", "top_n", "model", "return_documents", "truncate_prompt_tokens"}
 SCORE_FIELDS = {"text_1", "text_2", "model", "truncate_prompt_tokens"}
 ENCODING_FORMATS = ("float", "base64")
@@ -39,8 +47,10 @@ class EmbeddingsRequest:
 def _check_fields(body: dict, known: set[str]) -> None:
     unknown = sorted(set(body) - known)
     if unknown:
-        raise bad_request(f"{unknown[0]} is not a field this endpoint supports (known: {', '.join(sorted(known))})",
-                          unknown[0])
+        raise bad_request(
+            f"{unknown[0]} is not a field this endpoint supports (known: {', '.join(sorted(known))})",
+            unknown[0],
+        )
 
 
 def _optional_int(body: dict, name: str, minimum: int) -> int | None:
@@ -57,8 +67,10 @@ def _truncate(body: dict) -> int | bool:
     if value is None:
         return False
     if not isinstance(value, int) or isinstance(value, bool) or not (value == -1 or value >= 1):
-        raise bad_request(f"truncate_prompt_tokens must be -1 (the model's limit) or a token count >= 1, "
-                          f"got {value!r}", "truncate_prompt_tokens")
+        raise bad_request(
+            f"truncate_prompt_tokens must be -1 (the model's limit) or a token count >= 1, got {value!r}",
+            "truncate_prompt_tokens",
+        )
     return value
 
 
@@ -68,13 +80,16 @@ def parse_embeddings(body: dict) -> EmbeddingsRequest:
         raise bad_request("input is required", "input")
     inputs = body["input"]
     if isinstance(inputs, list) and len(inputs) > MAX_INPUTS and not all(isinstance(t, int) for t in inputs):
-        raise bad_request(f"input holds {len(inputs)} inputs, more than the {MAX_INPUTS} of one request", "input")
+        raise bad_request(
+            f"input holds {len(inputs)} inputs, more than the {MAX_INPUTS} of one request", "input"
+        )
     if inputs == "" or (isinstance(inputs, list) and any(item == "" for item in inputs)):
         raise bad_request("input must not contain empty strings", "input")
     fmt = body.get("encoding_format") or "float"
     if fmt not in ENCODING_FORMATS:
-        raise bad_request(f"encoding_format must be one of {', '.join(ENCODING_FORMATS)}, got {fmt!r}",
-                          "encoding_format")
+        raise bad_request(
+            f"encoding_format must be one of {', '.join(ENCODING_FORMATS)}, got {fmt!r}", "encoding_format"
+        )
     if body.get("model") is not None and not isinstance(body["model"], str):
         raise bad_request("model must be a string", "model")
     if body.get("user") is not None and not isinstance(body["user"], str):
@@ -90,8 +105,9 @@ def parse_embeddings(body: dict) -> EmbeddingsRequest:
 def submit_embeddings(engine, req: EmbeddingsRequest):
     """Tokenize here and queue the job: an engine.embedding.api.EmbedCall (or an APIError)."""
     try:
-        return engine.submit_embed(req.inputs, req.normalize, req.dimensions, req.truncate,
-                                   truncate_param="truncate_prompt_tokens")
+        return engine.submit_embed(
+            req.inputs, req.normalize, req.dimensions, req.truncate, truncate_param="truncate_prompt_tokens"
+        )
     except APIError:
         raise
     except Exception as exc:
@@ -104,9 +120,12 @@ def embeddings_body(req: EmbeddingsRequest, vectors, model_name: str, num_prompt
         items = [base64.b64encode(row.astype("<f4").tobytes()).decode("ascii") for row in vectors]
     else:
         items = vectors.tolist()
-    return {"object": "list", "model": model_name,
-            "data": [{"object": "embedding", "index": i, "embedding": e} for i, e in enumerate(items)],
-            "usage": {"prompt_tokens": num_prompt_tokens, "total_tokens": num_prompt_tokens}}
+    return {
+        "object": "list",
+        "model": model_name,
+        "data": [{"object": "embedding", "index": i, "embedding": e} for i, e in enumerate(items)],
+        "usage": {"prompt_tokens": num_prompt_tokens, "total_tokens": num_prompt_tokens},
+    }
 
 
 @dataclass
@@ -131,8 +150,11 @@ def _strings(value, name: str) -> list[str]:
 def _no_truncation_field(body: dict) -> None:
     value = body.get("truncate_prompt_tokens")
     if value not in (None, -1):  # pairs are always cut to the model's length, longest-first
-        raise bad_request("truncate_prompt_tokens: pairs are cut to the model's length longest-first; only -1 "
-                          "(that limit) is supported here", "truncate_prompt_tokens")
+        raise bad_request(
+            "truncate_prompt_tokens: pairs are cut to the model's length longest-first; only -1 "
+            "(that limit) is supported here",
+            "truncate_prompt_tokens",
+        )
 
 
 def parse_rerank(body: dict) -> ScoreRequest:
@@ -181,14 +203,23 @@ def rerank_body(req: ScoreRequest, scores, model_name: str, num_prompt_tokens: i
         if req.return_documents:
             result["document"] = {"text": req.documents[index]}
         results.append(result)
-    return {"id": request_id, "model": model_name, "results": results,
-            "usage": {"prompt_tokens": num_prompt_tokens, "total_tokens": num_prompt_tokens}}
+    return {
+        "id": request_id,
+        "model": model_name,
+        "results": results,
+        "usage": {"prompt_tokens": num_prompt_tokens, "total_tokens": num_prompt_tokens},
+    }
 
 
 def score_body(scores, model_name: str, num_prompt_tokens: int, request_id: str, created: int) -> dict:
-    return {"id": request_id, "object": "list", "created": created, "model": model_name,
-            "data": [{"index": i, "object": "score", "score": float(s)} for i, s in enumerate(scores)],
-            "usage": {"prompt_tokens": num_prompt_tokens, "total_tokens": num_prompt_tokens}}
+    return {
+        "id": request_id,
+        "object": "list",
+        "created": created,
+        "model": model_name,
+        "data": [{"index": i, "object": "score", "score": float(s)} for i, s in enumerate(scores)],
+        "usage": {"prompt_tokens": num_prompt_tokens, "total_tokens": num_prompt_tokens},
+    }
 
 
 def result(call):
@@ -207,6 +238,7 @@ async def aresult(call):
 
 
 # ----- whole requests: body -> response dict (raise APIError); sync for Flask, async for Ray replicas
+
 
 def _new_id(kind: str) -> str:
     return f"{kind}-{uuid.uuid4().hex}"

@@ -7,6 +7,7 @@ sentence-transformers directory says; a decoder pools with ``pooling`` (the engi
 cross-encoder's classification head, or, for an embedding model, by the cosine of the two
 normalised embeddings.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -24,6 +25,7 @@ from .runner import DecoderRunner, EmbedJob, EncoderRunner
 class EmbedCall:
     """A submitted embed or score job: ``result()`` blocks, ``aresult()`` awaits; both return the
     embeddings [N, D] float32 or the scores [N] float64."""
+
     job: EmbedJob
     num_prompt_tokens: int
     _finish: Callable[[np.ndarray], np.ndarray]
@@ -70,8 +72,15 @@ class EmbeddingMixin:
     def is_cross_encoder(self) -> bool:
         return getattr(self.model, "classifier", None) is not None
 
-    def submit_embed(self, inputs, normalize: bool = True, dimensions: int | None = None, truncate=False,
-                     param: str = "input", truncate_param: str = "truncate") -> EmbedCall:
+    def submit_embed(
+        self,
+        inputs,
+        normalize: bool = True,
+        dimensions: int | None = None,
+        truncate=False,
+        param: str = "input",
+        truncate_param: str = "truncate",
+    ) -> EmbedCall:
         """Validate and tokenize here, queue the forwards on the engine thread."""
         runner, encoder = self._embedding_parts()
         if not isinstance(normalize, bool):
@@ -79,23 +88,27 @@ class EmbeddingMixin:
         dimensions = check_dimensions(dimensions, runner.size)
         limit = truncate_limit(truncate, encoder.max_len, truncate_param)
         encoded = encoder.encode(split_inputs(inputs, param), limit, param)
-        return self._submit_job(runner, encoded, check_pooling(self.pooling),
-                                lambda values: finish(values, normalize, dimensions))
+        return self._submit_job(
+            runner, encoded, check_pooling(self.pooling), lambda values: finish(values, normalize, dimensions)
+        )
 
     def _submit_job(self, runner, encoded: EncodedInputs, pooling, finish_values) -> EmbedCall:
         job = EmbedJob(runner, encoded, pooling, busy_tokens=self.config.max_num_batched_tokens)
         self._core.submit_job(job)
         return EmbedCall(job, encoded.num_tokens, finish_values)
 
-    def embed(self, inputs, normalize: bool = True, dimensions: int | None = None, truncate=False) -> np.ndarray:
+    def embed(
+        self, inputs, normalize: bool = True, dimensions: int | None = None, truncate=False
+    ) -> np.ndarray:
         """Embeddings [N, D] float32 of ``inputs`` (a string, a list of strings, a list of token ids
         or a list of id lists). ``dimensions``: keep the first so many (Matryoshka), then normalise.
         ``truncate``: False (an input over the model's limit raises ContextLengthError), True or -1
         (cut to the limit), or a token count to cut to; the end of an input is what goes."""
         return self.submit_embed(inputs, normalize, dimensions, truncate).result()
 
-    async def aembed(self, inputs, normalize: bool = True, dimensions: int | None = None,
-                     truncate=False) -> np.ndarray:
+    async def aembed(
+        self, inputs, normalize: bool = True, dimensions: int | None = None, truncate=False
+    ) -> np.ndarray:
         """Like embed; cancelling the awaiting task drops the job."""
         return await self.submit_embed(inputs, normalize, dimensions, truncate).aresult()
 
@@ -106,11 +119,16 @@ class EmbeddingMixin:
         if self.is_cross_encoder:
             num_labels = self.model.config.num_labels
             if num_labels != 1:
-                raise InvalidParameterError(f"rerank needs a cross-encoder with one label, this one has {num_labels}",
-                                            "model")
+                raise InvalidParameterError(
+                    f"rerank needs a cross-encoder with one label, this one has {num_labels}", "model"
+                )
             activation = self.model.score_activation
-            return self._submit_job(runner, encoder.encode_pairs(query, documents, param), None,
-                                    lambda values: _activated(values[:, 0], activation))
+            return self._submit_job(
+                runner,
+                encoder.encode_pairs(query, documents, param),
+                None,
+                lambda values: _activated(values[:, 0], activation),
+            )
         if not isinstance(query, str):
             raise InvalidParameterError("query must be a string", "query")
         if not isinstance(documents, (list, tuple)) or not documents:
@@ -134,7 +152,9 @@ class EmbeddingMixin:
         top_n = _check_top_n(top_n, documents)
         return _ranked(self.score(query, documents), top_n)
 
-    async def arerank(self, query: str, documents: list[str], top_n: int | None = None) -> list[tuple[int, float]]:
+    async def arerank(
+        self, query: str, documents: list[str], top_n: int | None = None
+    ) -> list[tuple[int, float]]:
         top_n = _check_top_n(top_n, documents)
         return _ranked(await self.ascore(query, documents), top_n)
 

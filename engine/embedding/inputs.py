@@ -6,6 +6,7 @@ token types), a decoder's BOS where its tokenizer adds one. Token-id lists are t
 goes, as sentence-transformers and transformers truncate); over the limit without it is a
 ContextLengthError naming the input.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -33,8 +34,10 @@ def truncate_limit(truncate, max_len: int, param: str = "truncate") -> int | Non
         return max_len
     if not isinstance(truncate, int) or isinstance(truncate, bool) or not 1 <= truncate <= max_len:
         raise InvalidParameterError(
-            f"{param} must be a boolean, -1 or a token count in 1..{max_len} (the model's limit), got {truncate!r}",
-            param)
+            f"{param} must be a boolean, -1 or a token count in 1..{max_len} (the model's limit), "
+            f"got {truncate!r}",
+            param,
+        )
     return truncate
 
 
@@ -43,8 +46,11 @@ def split_inputs(inputs, param: str = "input") -> list[str | list[int]]:
     if isinstance(inputs, str):
         return [inputs]
     if not isinstance(inputs, Sequence) or isinstance(inputs, (bytes, bytearray)) or not inputs:
-        raise InvalidParameterError(f"{param} must be a string, a non-empty list of strings, a list of token ids "
-                                    "or a list of token-id lists", param)
+        raise InvalidParameterError(
+            f"{param} must be a string, a non-empty list of strings, a list of token ids "
+            "or a list of token-id lists",
+            param,
+        )
     if all(_is_id(t) for t in inputs):
         return [list(inputs)]
     items = list(inputs)
@@ -54,7 +60,9 @@ def split_inputs(inputs, param: str = "input") -> list[str | list[int]]:
         if isinstance(item, Sequence) and item and all(_is_id(t) for t in item):
             items[i] = list(item)
             continue
-        raise InvalidParameterError(f"{param}[{i}] must be a string or a non-empty list of token ids", f"{param}[{i}]")
+        raise InvalidParameterError(
+            f"{param}[{i}] must be a string or a non-empty list of token ids", f"{param}[{i}]"
+        )
     return items
 
 
@@ -93,7 +101,9 @@ class InputEncoder:
                 ids[i] = seq
         for i, seq in enumerate(ids):
             if not seq:
-                raise InvalidParameterError(f"{param}[{i}] has no tokens", f"{param}[{i}]" if len(ids) > 1 else param)
+                raise InvalidParameterError(
+                    f"{param}[{i}] has no tokens", f"{param}[{i}]" if len(ids) > 1 else param
+                )
             if limit is not None and len(seq) > limit:
                 ids[i] = seq[:limit]
                 if type_ids is not None:
@@ -112,7 +122,9 @@ class InputEncoder:
             if not isinstance(doc, str):
                 raise InvalidParameterError(f"{param}[{i}] must be a string", f"{param}[{i}]")
         if not self.is_encoder:
-            raise InvalidParameterError("scoring pairs needs a cross-encoder (BertForSequenceClassification)", "model")
+            raise InvalidParameterError(
+                "scoring pairs needs a cross-encoder (BertForSequenceClassification)", "model"
+            )
         (q,) = self.backend.encode_batch_fast([query], add_special_tokens=False)
         encodings = self.backend.encode_batch_fast(list(documents), add_special_tokens=False)
         budget = self.max_len - self.num_special_pair
@@ -120,8 +132,11 @@ class InputEncoder:
         for i, d in enumerate(encodings):
             num_q, num_d = _longest_first(len(q.ids), len(d.ids), budget)
             if num_q < 1:
-                raise ContextLengthError(f"query has no room beside {param}[{i}] in the model's "
-                                         f"{self.max_len} tokens", "query", max_model_len=self.max_len)
+                raise ContextLengthError(
+                    f"query has no room beside {param}[{i}] in the model's {self.max_len} tokens",
+                    "query",
+                    max_model_len=self.max_len,
+                )
             qi = _copy_truncated(self.backend, query, q, num_q)
             if num_d < len(d.ids):
                 d.truncate(num_d)
@@ -135,11 +150,15 @@ class InputEncoder:
         if len(seq) > self.max_len:
             raise ContextLengthError(
                 f"{name} has {len(seq)} tokens, more than the model's limit of {self.max_len}; "
-                f"truncate it (truncate / truncate_prompt_tokens) or shorten it", param, max_model_len=self.max_len)
+                f"truncate it (truncate / truncate_prompt_tokens) or shorten it",
+                param,
+                max_model_len=self.max_len,
+            )
         for t in seq:
             if not 0 <= t < self.vocab_size:
-                raise InvalidParameterError(f"{name} holds token id {t}, outside the vocabulary (0..{self.vocab_size - 1})",
-                                            name)
+                raise InvalidParameterError(
+                    f"{name} holds token id {t}, outside the vocabulary (0..{self.vocab_size - 1})", name
+                )
 
 
 def _longest_first(num_a: int, num_b: int, budget: int) -> tuple[int, int]:

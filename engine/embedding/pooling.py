@@ -1,5 +1,6 @@
 """Pooling: a sequence's hidden rows -> one vector, as sentence-transformers' Pooling and
 llama.cpp's ``--pooling`` define them; then Matryoshka truncation and L2 normalisation."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -35,7 +36,9 @@ def pool(hidden: torch.Tensor, starts: list[int], pooling: str) -> torch.Tensor:
     lens = torch.tensor([b - a for a, b in zip(starts, starts[1:])], dtype=torch.int64)
     if pooling == "mean":
         seq_of_row = torch.repeat_interleave(torch.arange(len(lens)), lens)  # [T]
-        sums = torch.zeros((len(lens), hidden.shape[1]), dtype=torch.float32).index_add_(0, seq_of_row, hidden)
+        sums = torch.zeros((len(lens), hidden.shape[1]), dtype=torch.float32).index_add_(
+            0, seq_of_row, hidden
+        )
         return sums / lens[:, None].to(torch.float32)
     return torch.stack([hidden[a:b].amax(0) for a, b in zip(starts, starts[1:])])  # max
 
@@ -55,6 +58,7 @@ def check_dimensions(dimensions, size: int, param: str = "dimensions") -> int | 
     if dimensions is None:
         return None
     if not isinstance(dimensions, int) or isinstance(dimensions, bool) or not 1 <= dimensions <= size:
-        raise InvalidParameterError(f"{param} must be an integer in 1..{size} (the model's embedding size), "
-                                    f"got {dimensions!r}", param)
+        raise InvalidParameterError(
+            f"{param} must be an integer in 1..{size} (the model's embedding size), got {dimensions!r}", param
+        )
     return dimensions

@@ -7,6 +7,7 @@ Nothing is kept between chunks: an encoder has no KV cache, and a decoder's chun
 K/V into a scratch cache that the next chunk overwrites. Results go to a
 ``concurrent.futures.Future`` ([N, D] float32 in input order, or [N, num_labels] scores).
 """
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -70,16 +71,26 @@ class DecoderRunner:
         for b, (a, z) in enumerate(zip(block_starts, block_starts[1:])):
             tables[b, : z - a] = torch.arange(a, z)
         positions = torch.cat([torch.arange(n, dtype=torch.int64) for n in lens])  # [T]
-        seq_base = torch.repeat_interleave(torch.tensor(block_starts[:-1], dtype=torch.int64) * bs,
-                                           torch.tensor(lens))
+        seq_base = torch.repeat_interleave(
+            torch.tensor(block_starts[:-1], dtype=torch.int64) * bs, torch.tensor(lens)
+        )
         rows = pooled_rows(pooling, starts)
         logit_rows = torch.arange(starts[-1]) if rows is None else torch.tensor(rows, dtype=torch.int64)
         lens_t = torch.tensor(lens, dtype=torch.int64)
         batch = ForwardBatch(
-            input_ids=torch.tensor([t for seq in ids for t in seq], dtype=torch.int64), positions=positions,
-            slot_mapping=seq_base + positions, query_starts=torch.tensor(starts, dtype=torch.int64),
-            context_lens=lens_t, block_tables=tables, logit_rows=logit_rows, prompt_lens=lens_t,
-            query_starts_list=starts, context_lens_list=lens, num_decode_seqs=0, block_size=bs)
+            input_ids=torch.tensor([t for seq in ids for t in seq], dtype=torch.int64),
+            positions=positions,
+            slot_mapping=seq_base + positions,
+            query_starts=torch.tensor(starts, dtype=torch.int64),
+            context_lens=lens_t,
+            block_tables=tables,
+            logit_rows=logit_rows,
+            prompt_lens=lens_t,
+            query_starts_list=starts,
+            context_lens_list=lens,
+            num_decode_seqs=0,
+            block_size=bs,
+        )
         hidden = self.model.forward_hidden(batch, self._scratch(block_starts[-1]))  # [S, E]
         return pool(hidden, starts, pooling)
 
@@ -90,8 +101,14 @@ class DecoderRunner:
 class EmbedJob:
     """One embed or score call. ``step(is_busy)`` runs the next chunk and returns True when done."""
 
-    def __init__(self, runner, inputs: EncodedInputs, pooling: str | None, busy_tokens: int,
-                 idle_tokens: int = IDLE_TOKENS):
+    def __init__(
+        self,
+        runner,
+        inputs: EncodedInputs,
+        pooling: str | None,
+        busy_tokens: int,
+        idle_tokens: int = IDLE_TOKENS,
+    ):
         self.runner = runner
         self.inputs = inputs
         self.pooling = pooling  # None: score with the classification head

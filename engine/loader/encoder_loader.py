@@ -8,6 +8,7 @@ What sentence-transformers reads beside the weights becomes attributes of the mo
 ``normalize`` (a Normalize module in modules.json), ``score_activation`` ("sigmoid" | "identity",
 a cross-encoder's: sentence-transformers' default is a sigmoid over a single label).
 """
+
 from __future__ import annotations
 
 import json
@@ -17,9 +18,16 @@ from pathlib import Path
 from engine.loader.hf_loader import safetensors_files
 from engine.models.bert import ARCHITECTURES, BertConfig, BertModel
 
-POOLING_KEYS = {"pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls",
-                "pooling_mode_max_tokens": "max", "pooling_mode_lasttoken": "last"}
-ACTIVATIONS = {"torch.nn.modules.activation.Sigmoid": "sigmoid", "torch.nn.modules.linear.Identity": "identity"}
+POOLING_KEYS = {
+    "pooling_mode_mean_tokens": "mean",
+    "pooling_mode_cls_token": "cls",
+    "pooling_mode_max_tokens": "max",
+    "pooling_mode_lasttoken": "last",
+}
+ACTIVATIONS = {
+    "torch.nn.modules.activation.Sigmoid": "sigmoid",
+    "torch.nn.modules.linear.Identity": "identity",
+}
 
 
 def is_encoder_directory(path: str | os.PathLike) -> bool:
@@ -61,8 +69,10 @@ def _pooling(directory: Path, modules: list[dict]) -> str:
             config = _read_json(path) or {}
             modes = [mode for key, mode in POOLING_KEYS.items() if config.get(key)]
             if len(modes) != 1:
-                raise ValueError(f"{path}: expected exactly one pooling mode of {', '.join(POOLING_KEYS)}, "
-                                 f"got {modes or 'none'}")
+                raise ValueError(
+                    f"{path}: expected exactly one pooling mode of {', '.join(POOLING_KEYS)}, "
+                    f"got {modes or 'none'}"
+                )
             return modes[0]
     return "cls"  # no Pooling module: a bare BERT, pooled as its pooler reads it
 
@@ -86,13 +96,19 @@ def load_encoder(path: str | os.PathLike) -> BertModel:
             raise ValueError(f"{file}: cannot read safetensors: {exc}") from None
     st_config = _read_json(directory / "sentence_bert_config.json") or {}
     max_len = st_config.get("max_seq_length")
-    model = BertModel(config, state_dict, max_model_len=max_len if isinstance(max_len, int) and max_len > 0 else None)
+    model = BertModel(
+        config, state_dict, max_model_len=max_len if isinstance(max_len, int) and max_len > 0 else None
+    )
     modules = _modules(directory)
     model.pooling = "cls" if config.num_labels else _pooling(directory, modules)
     model.normalize = any(str(m.get("type", "")).endswith(".Normalize") for m in modules)
     activation = (config_json.get("sentence_transformers") or {}).get("activation_fn")
     if activation is not None and activation not in ACTIVATIONS:
-        raise ValueError(f"{directory / 'config.json'}: sentence_transformers.activation_fn {activation!r} is not "
-                         f"supported (expected one of {', '.join(ACTIVATIONS)})")
-    model.score_activation = ACTIVATIONS.get(activation) or ("sigmoid" if config.num_labels == 1 else "identity")
+        raise ValueError(
+            f"{directory / 'config.json'}: sentence_transformers.activation_fn {activation!r} is not "
+            f"supported (expected one of {', '.join(ACTIVATIONS)})"
+        )
+    model.score_activation = ACTIVATIONS.get(activation) or (
+        "sigmoid" if config.num_labels == 1 else "identity"
+    )
     return model

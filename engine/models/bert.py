@@ -7,6 +7,7 @@ length (engine/embedding/runner.py), with a key mask when their lengths differ.
 Weights: Hugging Face names (``embeddings.word_embeddings.weight``, ``encoder.layer.0...``; a
 ``bert.`` prefix, as BertForSequenceClassification saves them, is accepted).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -42,32 +43,47 @@ class BertConfig:
     def from_hf_dict(cls, d: dict) -> BertConfig:
         architecture = (d.get("architectures") or ["BertModel"])[0]
         if architecture not in ARCHITECTURES:
-            raise ValueError(f"architectures: {architecture!r} is not a BERT encoder ({', '.join(ARCHITECTURES)})")
+            raise ValueError(
+                f"architectures: {architecture!r} is not a BERT encoder ({', '.join(ARCHITECTURES)})"
+            )
         if d.get("position_embedding_type", "absolute") != "absolute":
-            raise ValueError(f"position_embedding_type: only 'absolute' is supported, got "
-                             f"{d['position_embedding_type']!r}")
+            raise ValueError(
+                f"position_embedding_type: only 'absolute' is supported, got {d['position_embedding_type']!r}"
+            )
         act = d.get("hidden_act", "gelu")
         if act not in GELU_APPROXIMATE:
-            raise ValueError(f"hidden_act: {act!r} is not supported (expected one of {', '.join(GELU_APPROXIMATE)})")
+            raise ValueError(
+                f"hidden_act: {act!r} is not supported (expected one of {', '.join(GELU_APPROXIMATE)})"
+            )
         num_labels = 0
         if architecture == "BertForSequenceClassification":
-            num_labels = len(d["id2label"]) if isinstance(d.get("id2label"), dict) else int(d.get("num_labels", 2))
+            num_labels = (
+                len(d["id2label"]) if isinstance(d.get("id2label"), dict) else int(d.get("num_labels", 2))
+            )
         config = cls(
-            vocab_size=int(d["vocab_size"]), hidden_size=int(d["hidden_size"]),
-            num_layers=int(d["num_hidden_layers"]), num_heads=int(d["num_attention_heads"]),
+            vocab_size=int(d["vocab_size"]),
+            hidden_size=int(d["hidden_size"]),
+            num_layers=int(d["num_hidden_layers"]),
+            num_heads=int(d["num_attention_heads"]),
             intermediate_size=int(d["intermediate_size"]),
             max_position_embeddings=int(d.get("max_position_embeddings", 512)),
-            type_vocab_size=int(d.get("type_vocab_size", 2)), layer_norm_eps=float(d.get("layer_norm_eps", 1e-12)),
-            hidden_act=act, num_labels=num_labels)
+            type_vocab_size=int(d.get("type_vocab_size", 2)),
+            layer_norm_eps=float(d.get("layer_norm_eps", 1e-12)),
+            hidden_act=act,
+            num_labels=num_labels,
+        )
         if config.hidden_size % config.num_heads:
-            raise ValueError(f"hidden_size {config.hidden_size} is not a multiple of "
-                             f"num_attention_heads {config.num_heads}")
+            raise ValueError(
+                f"hidden_size {config.hidden_size} is not a multiple of "
+                f"num_attention_heads {config.num_heads}"
+            )
         return config
 
 
 @dataclass(slots=True)
 class EncoderBatch:
     """B sequences packed into T rows; sequence b owns rows starts[b]:starts[b+1]."""
+
     input_ids: torch.Tensor  # [T] int64
     token_type_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64, 0.. within each sequence
@@ -82,8 +98,12 @@ def pack_rows(ids: list[list[int]], type_ids: list[list[int]] | None = None) -> 
     flat = [t for seq in ids for t in seq]
     types = [0] * len(flat) if type_ids is None else [t for seq in type_ids for t in seq]
     positions = [p for seq in ids for p in range(len(seq))]
-    return EncoderBatch(torch.tensor(flat, dtype=torch.int64), torch.tensor(types, dtype=torch.int64),
-                        torch.tensor(positions, dtype=torch.int64), starts)
+    return EncoderBatch(
+        torch.tensor(flat, dtype=torch.int64),
+        torch.tensor(types, dtype=torch.int64),
+        torch.tensor(positions, dtype=torch.int64),
+        starts,
+    )
 
 
 class _Padding:
@@ -124,8 +144,10 @@ class EncoderLayer(nn.Module):
         self.num_heads, self.head_dim = config.num_heads, config.head_dim
         self.eps = config.layer_norm_eps
         self.approximate = GELU_APPROXIMATE[config.hidden_act]
-        self.qkv = Linear(torch.cat([w["query.weight"], w["key.weight"], w["value.weight"]]),
-                          torch.cat([w["query.bias"], w["key.bias"], w["value.bias"]]))  # [3 E, E]
+        self.qkv = Linear(
+            torch.cat([w["query.weight"], w["key.weight"], w["value.weight"]]),
+            torch.cat([w["query.bias"], w["key.bias"], w["value.bias"]]),
+        )  # [3 E, E]
         self.attn_out = Linear(w["attn_out.weight"], w["attn_out.bias"])  # [E, E]
         self.attn_norm = (w["attn_norm.weight"], w["attn_norm.bias"])  # [E] each
         self.up = Linear(w["up.weight"], w["up.bias"])  # [I, E]
@@ -136,17 +158,23 @@ class EncoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, padding: _Padding) -> torch.Tensor:
         T = x.shape[0]  # x [T, E]
         q, k, v = self.qkv(x).view(T, 3, self.num_heads, self.head_dim).unbind(1)  # [T, H, D] each
-        out = F.scaled_dot_product_attention(padding.to_grid(q), padding.to_grid(k), padding.to_grid(v),
-                                             attn_mask=padding.key_mask)  # [B, H, L, D]
+        out = F.scaled_dot_product_attention(
+            padding.to_grid(q), padding.to_grid(k), padding.to_grid(v), attn_mask=padding.key_mask
+        )  # [B, H, L, D]
         x = F.layer_norm(x + self.attn_out(padding.from_grid(out)), self.shape, *self.attn_norm, self.eps)
         h = F.gelu(self.up(x), approximate=self.approximate)  # [T, I]
         return F.layer_norm(x + self.down(h), self.shape, *self.ffn_norm, self.eps)  # [T, E]
 
 
 LAYER_NAMES = {
-    "query": "attention.self.query", "key": "attention.self.key", "value": "attention.self.value",
-    "attn_out": "attention.output.dense", "attn_norm": "attention.output.LayerNorm",
-    "up": "intermediate.dense", "down": "output.dense", "ffn_norm": "output.LayerNorm",
+    "query": "attention.self.query",
+    "key": "attention.self.key",
+    "value": "attention.self.value",
+    "attn_out": "attention.output.dense",
+    "attn_norm": "attention.output.LayerNorm",
+    "up": "intermediate.dense",
+    "down": "output.dense",
+    "ffn_norm": "output.LayerNorm",
 }
 
 
@@ -157,22 +185,39 @@ class BertModel(nn.Module):
 
     can_generate = False
 
-    def __init__(self, config: BertConfig, state_dict: dict[str, torch.Tensor], max_model_len: int | None = None):
+    def __init__(
+        self, config: BertConfig, state_dict: dict[str, torch.Tensor], max_model_len: int | None = None
+    ):
         super().__init__()
         self.config = config
         self.vocab_size = config.vocab_size
         self.hidden_size = config.hidden_size
-        self.max_model_len = min(max_model_len or config.max_position_embeddings, config.max_position_embeddings)
+        self.max_model_len = min(
+            max_model_len or config.max_position_embeddings, config.max_position_embeddings
+        )
         weights = _Weights(state_dict)
         E = config.hidden_size
         self.word_embeddings = weights.take("embeddings.word_embeddings.weight", (config.vocab_size, E))
-        self.position_embeddings = weights.take("embeddings.position_embeddings.weight",
-                                                (config.max_position_embeddings, E))
-        self.token_type_embeddings = weights.take("embeddings.token_type_embeddings.weight",
-                                                  (config.type_vocab_size, E))
-        self.embed_norm = (weights.take("embeddings.LayerNorm.weight", (E,)), weights.take("embeddings.LayerNorm.bias", (E,)))
-        shapes = {"query": (E, E), "key": (E, E), "value": (E, E), "attn_out": (E, E), "attn_norm": (E,),
-                  "up": (config.intermediate_size, E), "down": (E, config.intermediate_size), "ffn_norm": (E,)}
+        self.position_embeddings = weights.take(
+            "embeddings.position_embeddings.weight", (config.max_position_embeddings, E)
+        )
+        self.token_type_embeddings = weights.take(
+            "embeddings.token_type_embeddings.weight", (config.type_vocab_size, E)
+        )
+        self.embed_norm = (
+            weights.take("embeddings.LayerNorm.weight", (E,)),
+            weights.take("embeddings.LayerNorm.bias", (E,)),
+        )
+        shapes = {
+            "query": (E, E),
+            "key": (E, E),
+            "value": (E, E),
+            "attn_out": (E, E),
+            "attn_norm": (E,),
+            "up": (config.intermediate_size, E),
+            "down": (E, config.intermediate_size),
+            "ffn_norm": (E,),
+        }
         self.layers = nn.ModuleList()
         for i in range(config.num_layers):
             w = {}
@@ -183,9 +228,13 @@ class BertModel(nn.Module):
             self.layers.append(EncoderLayer(config, w))
         self.pooler = self.classifier = None
         if config.num_labels:
-            self.pooler = Linear(weights.take("pooler.dense.weight", (E, E)), weights.take("pooler.dense.bias", (E,)))
-            self.classifier = Linear(weights.take("classifier.weight", (config.num_labels, E), prefixed=False),
-                                     weights.take("classifier.bias", (config.num_labels,), prefixed=False))
+            self.pooler = Linear(
+                weights.take("pooler.dense.weight", (E, E)), weights.take("pooler.dense.bias", (E,))
+            )
+            self.classifier = Linear(
+                weights.take("classifier.weight", (config.num_labels, E), prefixed=False),
+                weights.take("classifier.bias", (config.num_labels,), prefixed=False),
+            )
 
     def make_kv_cache(self, num_blocks: int, block_size: int) -> None:
         return None  # an encoder keeps no KV between calls
@@ -196,8 +245,11 @@ class BertModel(nn.Module):
     @torch.inference_mode()
     def encode(self, batch: EncoderBatch) -> torch.Tensor:
         """-> the last layer's hidden states [T, E] float32."""
-        x = (F.embedding(batch.input_ids, self.word_embeddings) + F.embedding(batch.positions, self.position_embeddings)
-             + F.embedding(batch.token_type_ids, self.token_type_embeddings))  # [T, E]
+        x = (
+            F.embedding(batch.input_ids, self.word_embeddings)
+            + F.embedding(batch.positions, self.position_embeddings)
+            + F.embedding(batch.token_type_ids, self.token_type_embeddings)
+        )  # [T, E]
         x = F.layer_norm(x, (self.hidden_size,), *self.embed_norm, self.config.layer_norm_eps)
         padding = _Padding(batch.starts)
         for layer in self.layers:
