@@ -170,3 +170,12 @@ def test_bert_matches_transformers_on_random_weights(tmp_path):
             want = ref(input_ids=torch.tensor([ids]), token_type_ids=torch.tensor([tt])).last_hidden_state[0]
         start = sum(map(len, seqs[:b]))
         torch.testing.assert_close(hidden[start : start + len(ids)], want, atol=1e-5, rtol=1e-5)
+
+
+def test_bfloat16_encoder_stays_close(st_model, texts):
+    """dtype="bfloat16": projections and attention in bfloat16 (residual and norms float32)."""
+    with Engine.from_pretrained(minilm_path(), dtype="bfloat16") as eng:
+        assert eng.model.dtype == torch.bfloat16
+        ours = eng.embed(texts[:60], truncate=True)
+    ref = st_model.encode(texts[:60], batch_size=32, convert_to_numpy=True)
+    assert _cosines(ours, ref).min() >= 0.9999

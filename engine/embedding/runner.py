@@ -107,13 +107,13 @@ class EmbedJob:
         inputs: EncodedInputs,
         pooling: str | None,
         busy_tokens: int,
-        idle_tokens: int = IDLE_TOKENS,
+        idle_tokens: int | None = None,
     ):
         self.runner = runner
         self.inputs = inputs
         self.pooling = pooling  # None: score with the classification head
         self.busy_tokens = busy_tokens
-        self.idle_tokens = max(idle_tokens, busy_tokens)
+        self.idle_tokens = max(IDLE_TOKENS if idle_tokens is None else idle_tokens, busy_tokens)
         self.order = sorted(range(len(inputs.ids)), key=lambda i: len(inputs.ids[i]))
         self.next = 0
         self.out: np.ndarray | None = None

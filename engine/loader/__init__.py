@@ -99,8 +99,8 @@ def load_model(path: str | os.PathLike | None = None, dtype: str | None = None, 
             raise ValueError(f"{path}: not a Hugging Face model directory (no config.json)")
         from engine.loader.encoder_loader import is_encoder_directory, load_encoder
 
-        if is_encoder_directory(path):  # BERT: float32 weights, whatever dtype / quantization say
-            return load_encoder(path)
+        if is_encoder_directory(path):  # BERT: dense weights; dtype (or quantization) bfloat16 runs in bfloat16
+            return load_encoder(path, "bfloat16" if "bfloat16" in (dtype, quantization) else "float32")
         return load_hf(path, **options)
     if is_gguf_file(path):
         return load_gguf(path, **options)

@@ -77,8 +77,13 @@ def _pooling(directory: Path, modules: list[dict]) -> str:
     return "cls"  # no Pooling module: a bare BERT, pooled as its pooler reads it
 
 
-def load_encoder(path: str | os.PathLike) -> BertModel:
+def load_encoder(path: str | os.PathLike, dtype: str = "float32") -> BertModel:
+    """dtype: "float32" (the reference's numbers) or "bfloat16" (projections and attention)."""
+    import torch
     from safetensors.torch import load_file
+
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"dtype: an encoder runs in float32 or bfloat16, got {dtype!r}")
 
     directory = Path(path)
     config_json = _read_json(directory / "config.json")
@@ -97,7 +102,8 @@ def load_encoder(path: str | os.PathLike) -> BertModel:
     st_config = _read_json(directory / "sentence_bert_config.json") or {}
     max_len = st_config.get("max_seq_length")
     model = BertModel(
-        config, state_dict, max_model_len=max_len if isinstance(max_len, int) and max_len > 0 else None
+        config, state_dict, max_model_len=max_len if isinstance(max_len, int) and max_len > 0 else None,
+        dtype=torch.bfloat16 if dtype == "bfloat16" else torch.float32,
     )
     modules = _modules(directory)
     model.pooling = "cls" if config.num_labels else _pooling(directory, modules)

@@ -139,8 +139,14 @@ class _Padding:
 
 
 class EncoderLayer(nn.Module):
-    def __init__(self, config: BertConfig, w: dict[str, torch.Tensor]):
+    """Post-LayerNorm block. The residual stream and the norms stay float32; the projections and
+    attention run in ``dtype`` (bfloat16: oneDNN's AMX/AVX-512 BF16 products)."""
+
+    def __init__(self, config: BertConfig, w: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32):
         super().__init__()
+        self.dtype = dtype
+        w = {name: t.to(dtype) if not name.endswith("norm.weight") and not name.endswith("norm.bias") else t
+             for name, t in w.items()}
         self.num_heads, self.head_dim = config.num_heads, config.head_dim
         self.eps = config.layer_norm_eps
         self.approximate = GELU_APPROXIMATE[config.hidden_act]
@@ -156,14 +162,16 @@ class EncoderLayer(nn.Module):
         self.shape = (config.hidden_size,)
 
     def forward(self, x: torch.Tensor, padding: _Padding) -> torch.Tensor:
-        T = x.shape[0]  # x [T, E]
-        q, k, v = self.qkv(x).view(T, 3, self.num_heads, self.head_dim).unbind(1)  # [T, H, D] each
+        T = x.shape[0]  # x [T, E] float32
+        dt = self.dtype
+        q, k, v = self.qkv(x.to(dt)).view(T, 3, self.num_heads, self.head_dim).unbind(1)  # [T, H, D] each
         out = F.scaled_dot_product_attention(
             padding.to_grid(q), padding.to_grid(k), padding.to_grid(v), attn_mask=padding.key_mask
         )  # [B, H, L, D]
-        x = F.layer_norm(x + self.attn_out(padding.from_grid(out)), self.shape, *self.attn_norm, self.eps)
-        h = F.gelu(self.up(x), approximate=self.approximate)  # [T, I]
-        return F.layer_norm(x + self.down(h), self.shape, *self.ffn_norm, self.eps)  # [T, E]
+        attn = self.attn_out(padding.from_grid(out)).float()  # [T, E]
+        x = F.layer_norm(x + attn, self.shape, *self.attn_norm, self.eps)
+        h = F.gelu(self.up(x.to(dt)), approximate=self.approximate)  # [T, I]
+        return F.layer_norm(x + self.down(h).float(), self.shape, *self.ffn_norm, self.eps)  # [T, E]
 
 
 LAYER_NAMES = {
@@ -186,10 +194,17 @@ class BertModel(nn.Module):
     can_generate = False
 
     def __init__(
-        self, config: BertConfig, state_dict: dict[str, torch.Tensor], max_model_len: int | None = None
+        self,
+        config: BertConfig,
+        state_dict: dict[str, torch.Tensor],
+        max_model_len: int | None = None,
+        dtype: torch.dtype = torch.float32,
     ):
+        """dtype: of the projections and attention (float32, or bfloat16); embeddings, norms, the
+        residual stream and the classification head stay float32."""
         super().__init__()
         self.config = config
+        self.dtype = dtype
         self.vocab_size = config.vocab_size
         self.hidden_size = config.hidden_size
         self.max_model_len = min(
@@ -225,7 +240,7 @@ class BertModel(nn.Module):
                 out_shape = shapes[short]
                 w[f"{short}.weight"] = weights.take(f"encoder.layer.{i}.{long}.weight", out_shape)
                 w[f"{short}.bias"] = weights.take(f"encoder.layer.{i}.{long}.bias", out_shape[:1])
-            self.layers.append(EncoderLayer(config, w))
+            self.layers.append(EncoderLayer(config, w, dtype))
         self.pooler = self.classifier = None
         if config.num_labels:
             self.pooler = Linear(
