@@ -179,3 +179,54 @@ def test_bfloat16_encoder_stays_close(st_model, texts):
         ours = eng.embed(texts[:60], truncate=True)
     ref = st_model.encode(texts[:60], batch_size=32, convert_to_numpy=True)
     assert _cosines(ours, ref).min() >= 0.9999
+
+
+class _RecordingRunner:
+    """Our batching logic only: a runner whose 'embedding' of a sequence is its length."""
+
+    size = 1
+
+    def __init__(self):
+        self.chunks = []
+
+    def embed(self, ids, type_ids, pooling):
+        self.chunks.append([len(seq) for seq in ids])
+        return torch.tensor([[float(len(seq))] for seq in ids])
+
+
+class _Core:
+    def __init__(self):
+        self.jobs = []
+
+    def submit_job(self, job):
+        self.jobs.append(job)
+
+
+def test_batcher_packs_several_calls_into_one_forward_under_the_budget():
+    from engine.embedding.inputs import EncodedInputs
+    from engine.embedding.runner import EmbedBatcher, EmbedJob
+
+    core, runner = _Core(), _RecordingRunner()
+    batcher = EmbedBatcher(core, runner, busy_tokens=10)
+    jobs = [EmbedJob(EncodedInputs([[1] * n for n in lens], None), "mean") for lens in ([3, 1], [2], [4, 4])]
+    for job in jobs:
+        batcher.submit(job)
+    assert core.jobs == [batcher]  # scheduled once, however many calls wait
+    assert batcher.step(is_busy=True) is False  # 10 tokens: job 0 (shortest first), job 1, one of job 2
+    assert runner.chunks == [[1, 3, 2, 4]]
+    assert jobs[0].future.result().ravel().tolist() == [3.0, 1.0] and jobs[1].future.done()
+    assert not jobs[2].future.done()
+    assert batcher.step(is_busy=True) is True  # the rest; nothing left: unscheduled
+    assert runner.chunks[1] == [4] and jobs[2].future.result().ravel().tolist() == [4.0, 4.0]
+    late = EmbedJob(EncodedInputs([[1] * 30], None), "mean")  # over the budget alone: runs by itself
+    batcher.submit(late)
+    assert core.jobs == [batcher, batcher] and batcher.step(is_busy=True) is True
+    assert late.future.result().ravel().tolist() == [30.0]
+
+
+def test_concurrent_calls_equal_one_batched_call(minilm, texts):
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(8) as pool:
+        singles = list(pool.map(lambda t: minilm.embed(t, truncate=True)[0], texts[:32]))
+    np.testing.assert_allclose(np.stack(singles), minilm.embed(texts[:32], truncate=True), atol=1e-5)

@@ -18,7 +18,7 @@ import numpy as np
 from ..errors import InvalidParameterError
 from .inputs import EncodedInputs, InputEncoder, split_inputs, truncate_limit
 from .pooling import check_dimensions, check_pooling, finish
-from .runner import DecoderRunner, EmbedJob, EncoderRunner
+from .runner import DecoderRunner, EmbedBatcher, EmbedJob, EncoderRunner
 
 
 @dataclass
@@ -45,7 +45,7 @@ class EmbedCall:
 
 
 class EmbeddingMixin:
-    _embedding = None  # (runner, InputEncoder), built on first use
+    _embedding = None  # (EmbedBatcher, InputEncoder), built on first use
 
     def _embedding_parts(self):
         if self._embedding is None:
@@ -57,12 +57,13 @@ class EmbeddingMixin:
             else:
                 raise InvalidParameterError(f"{type(model).__name__} has no hidden states to embed", "model")
             max_len = min(self.max_model_len, getattr(model, "max_model_len", None) or self.max_model_len)
-            self._embedding = runner, InputEncoder(self.tokenizer, model.vocab_size, max_len, is_encoder)
+            batcher = EmbedBatcher(self._core, runner, busy_tokens=self.config.max_num_batched_tokens)
+            self._embedding = batcher, InputEncoder(self.tokenizer, model.vocab_size, max_len, is_encoder)
         return self._embedding
 
     @property
     def embedding_size(self) -> int:
-        return self._embedding_parts()[0].size
+        return self._embedding_parts()[0].runner.size
 
     @property
     def pooling(self) -> str:
@@ -82,19 +83,18 @@ class EmbeddingMixin:
         truncate_param: str = "truncate",
     ) -> EmbedCall:
         """Validate and tokenize here, queue the forwards on the engine thread."""
-        runner, encoder = self._embedding_parts()
+        batcher, encoder = self._embedding_parts()
         if not isinstance(normalize, bool):
             raise InvalidParameterError(f"normalize must be a boolean, got {normalize!r}", "normalize")
-        dimensions = check_dimensions(dimensions, runner.size)
+        dimensions = check_dimensions(dimensions, batcher.runner.size)
         limit = truncate_limit(truncate, encoder.max_len, truncate_param)
         encoded = encoder.encode(split_inputs(inputs, param), limit, param)
-        return self._submit_job(
-            runner, encoded, check_pooling(self.pooling), lambda values: finish(values, normalize, dimensions)
-        )
+        pooling = check_pooling(self.pooling)
+        return self._submit_job(batcher, encoded, pooling, lambda v: finish(v, normalize, dimensions))
 
-    def _submit_job(self, runner, encoded: EncodedInputs, pooling, finish_values) -> EmbedCall:
-        job = EmbedJob(runner, encoded, pooling, busy_tokens=self.config.max_num_batched_tokens)
-        self._core.submit_job(job)
+    def _submit_job(self, batcher, encoded: EncodedInputs, pooling, finish_values) -> EmbedCall:
+        job = EmbedJob(encoded, pooling)
+        batcher.submit(job)
         return EmbedCall(job, encoded.num_tokens, finish_values)
 
     def embed(
@@ -115,7 +115,7 @@ class EmbeddingMixin:
     def submit_score(self, query: str, documents: list[str], param: str = "documents") -> EmbedCall:
         """Relevance of each document to the query, in document order (an EmbedCall of [N] scores):
         a cross-encoder's head (its activation applied), else the cosine of the embeddings."""
-        runner, encoder = self._embedding_parts()
+        batcher, encoder = self._embedding_parts()
         if self.is_cross_encoder:
             num_labels = self.model.config.num_labels
             if num_labels != 1:
@@ -124,7 +124,7 @@ class EmbeddingMixin:
                 )
             activation = self.model.score_activation
             return self._submit_job(
-                runner,
+                batcher,
                 encoder.encode_pairs(query, documents, param),
                 None,
                 lambda values: _activated(values[:, 0], activation),
@@ -138,7 +138,7 @@ class EmbeddingMixin:
             if not isinstance(doc, str):
                 raise InvalidParameterError(f"{param}[{i}] must be a string", f"{param}[{i}]")
         encoded = encoder.encode(texts, encoder.max_len, param)
-        return self._submit_job(runner, encoded, check_pooling(self.pooling), _cosines_to_first)
+        return self._submit_job(batcher, encoded, check_pooling(self.pooling), _cosines_to_first)
 
     def score(self, query: str, documents: list[str]) -> list[float]:
         """Scores of (query, document) pairs in document order."""
