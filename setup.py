@@ -6,9 +6,10 @@ Compiler directives live here and only here. Build in place with
 ``CEXT_DEBUG=1`` to turn bounds checks back on (the tests in CI run the fast build).
 
 Hand-written C lives in cext/csrc/ (``cext/*.c`` are Cython's generated files). C_SOURCES
-names the sources each module compiles with its ``.pyx``. Portable flags only: the fused
-kernels compile one variant per instruction set and pick one at run time, so no
-``-march=native``.
+names the sources each module compiles with its ``.pyx``: cext.cpu owns the CPU probe, the
+instruction-set switch and the thread pool (csrc/cpu.c), the other kernel modules reach them
+through csrc/cpu_client.c. Portable flags only: the kernels compile one variant per
+instruction set (target attributes) and pick one per call, so no ``-march=native``.
 """
 import os
 from pathlib import Path
@@ -30,11 +31,12 @@ DIRECTIVES = {
 }
 
 
-C_SOURCES = {"fused": ["cext/csrc/fused_kernels.c", "cext/csrc/qgemm.c"], "sampler": ["cext/csrc/sampler_kernels.c"]}
-C_FLAGS = {"fused": ["-fopenmp-simd", "-pthread", "-fno-math-errno"],
+CPU_CLIENT = "cext/csrc/cpu_client.c"  # cpu.h's calls forwarded to cext.cpu (one probe, switch and pool)
+C_SOURCES = {"cpu": ["cext/csrc/cpu.c"], "ops": ["cext/csrc/fused_kernels.c", CPU_CLIENT],
+             "qgemm": ["cext/csrc/qgemm.c", CPU_CLIENT], "sampler": ["cext/csrc/sampler_kernels.c", CPU_CLIENT]}
+C_FLAGS = {"cpu": ["-pthread"], "ops": ["-fopenmp-simd", "-fno-math-errno"], "qgemm": ["-fno-math-errno"],
            "sampler": ["-fno-math-errno", "-fno-trapping-math", "-Wno-psabi"]}
-LINK_FLAGS = {"fused": ["-pthread", "-lm"]}
-
+LINK_FLAGS = {"cpu": ["-pthread"], "ops": ["-lm"], "qgemm": ["-lm"]}
 
 def extensions():
     wanted = {m for m in os.environ.get("CEXT_MODULES", "").split(",") if m}

@@ -7,7 +7,7 @@ of GMAC/s (wall time).
     python benchmarks/qgemm_rows.py [--rows 1,2,3,4,6,8,16,64,128,256,512] [--threads 1]
         [--repeats 5] [--formats int4,int8]
 
-These figures set fused.set_float_rows' default (cext/csrc/qgemm.c) and KERNEL_MAX_ROWS
+These figures set qgemm.set_float_rows' default (cext/csrc/qgemm.c) and KERNEL_MAX_ROWS
 (engine/models/linear.py). Prints a table and writes benchmarks/results/qgemm_rows.json.
 """
 from __future__ import annotations
@@ -24,8 +24,9 @@ import torch  # noqa: E402
 
 import engine.models.linear as linear_module  # noqa: E402
 from benchmarks.common import environment, fmt_stats, print_table, summarize, write_json  # noqa: E402
-from cext import fused  # noqa: E402
-from engine.models.linear import Int4Weight, Int8Weight, Linear  # noqa: E402
+from cext import cpu, qgemm  # noqa: E402
+from engine.models.linear import Linear  # noqa: E402
+from engine.models.quant import Int4Weight, Int8Weight  # noqa: E402
 
 # (name, out features, in features): SmolLM2-135M's gate/up and down, Qwen2.5-0.5B's gate/up and down
 SHAPES = [("smollm2 gate_up", 3072, 576), ("smollm2 down", 576, 1536),
@@ -36,7 +37,7 @@ ROUTES = ("int16", "float", "blas")
 def run_route(layer: Linear, x: torch.Tensor, route: str, min_seconds: float = 0.05) -> float:
     """Seconds per product of layer(x) through one route (repeated for at least min_seconds)."""
     linear_module.KERNEL_MAX_ROWS = linear_module.INT_KERNEL_MAX_ROWS = 0 if route == "blas" else 1 << 30
-    fused.set_float_rows(1 if route == "float" else 1 << 30)
+    qgemm.set_float_rows(1 if route == "float" else 1 << 30)
     layer(x)
     calls, start = 0, time.perf_counter()
     while True:
@@ -56,9 +57,9 @@ def main() -> None:
     args = parser.parse_args()
     row_counts = [int(r) for r in args.rows.split(",")]
     formats = args.formats.split(",")
-    fused.set_num_threads(args.threads)
+    cpu.set_num_threads(args.threads)
     torch.set_num_threads(args.threads)
-    saved = (linear_module.KERNEL_MAX_ROWS, linear_module.INT_KERNEL_MAX_ROWS, fused.get_float_rows())
+    saved = (linear_module.KERNEL_MAX_ROWS, linear_module.INT_KERNEL_MAX_ROWS, qgemm.get_float_rows())
     gen = torch.Generator().manual_seed(0)
     cases = []
     for name, num_out, num_in in SHAPES:
@@ -76,7 +77,7 @@ def main() -> None:
                         times.setdefault((label, m, route), []).append(run_route(layer, inputs[label, m], route))
     finally:
         linear_module.KERNEL_MAX_ROWS, linear_module.INT_KERNEL_MAX_ROWS, float_rows = saved
-        fused.set_float_rows(float_rows)
+        qgemm.set_float_rows(float_rows)
     rows, results = [], []
     for label, _, num_in, num_out in cases:
         for m in row_counts:

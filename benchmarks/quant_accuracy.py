@@ -54,7 +54,7 @@ def build(path: str, variant: str):
                               rope_freq_factors=_freq_factors(f))
     if variant == "auto_f32":  # the same weights, exact float32 products
         from engine.loader.gguf_loader import load_gguf
-        return load_gguf(path, dtype="float32", quantization="auto", quantized_dtype="float32")
+        return load_gguf(path, dtype="float32", quantization="auto", exact_products=True)
     if variant.startswith("auto@"):  # activation dtype, e.g. auto@float32
         return load_model(path, quantization="auto", dtype=variant.split("@")[1])
     return load_model(path, quantization=variant)

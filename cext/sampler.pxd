@@ -44,7 +44,6 @@ cdef extern from "csrc/sampler_kernels.h" nogil:
                        int process_only)
     int sk_logprob_rows(const float* logits, int64_t num_rows, int64_t vocab, const int64_t* target_ids,
                         int32_t num_top, float* logprobs, int64_t* ranks, int64_t* top_ids, float* top_logprobs)
-    int sk_use_avx2(int enabled)
 
 
 # One request's random stream: torch.Generator's MT19937 and float64 uniforms, in C.

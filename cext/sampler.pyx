@@ -10,6 +10,7 @@ and hands the C kernel raw pointers to the adjusters' arrays (``TouchedIds``, ke
 that counting a generated id is a few C operations).
 """
 cimport cython
+from cpython.pycapsule cimport PyCapsule_GetPointer
 cimport numpy as cnp
 from libc.stdint cimport int32_t, int64_t, uint64_t
 from libc.stdlib cimport free, malloc
@@ -17,7 +18,17 @@ from libc.string cimport memset
 
 import numpy as np
 
+from cext import cpu as _cpu
+
 cnp.import_array()
+
+
+cdef extern from "csrc/cpu.h":
+    int cpu_client_bind(const void* api)
+
+
+if cpu_client_bind(PyCapsule_GetPointer(_cpu._api, b"cext.cpu._api")) != 0:
+    raise ImportError("cext.sampler: cext.cpu was built from another cpu.h")
 
 _ERRORS = {SK_BAD_ID: "a token id of logit_bias, allowed_token_ids or a mask is outside the vocabulary"}
 
@@ -28,13 +39,6 @@ cdef inline int _check(int rc) except -1:
     if rc == SK_NO_MEMORY:
         raise MemoryError("sampler scratch")
     raise IndexError(_ERRORS.get(rc, f"sampler kernel error {rc}"))
-
-
-def use_avx2(enabled=None) -> bool:
-    """Whether the sampler's hand-written AVX2 passes run (they do when the CPU has AVX2).
-    ``use_avx2(False)`` switches to the portable code, ``use_avx2(True)`` back (for tests of
-    both paths on one machine); returns the state now. Not thread-safe: tests only."""
-    return bool(sk_use_avx2(-1 if enabled is None else (1 if enabled else 0)))
 
 
 @cython.final

@@ -21,7 +21,12 @@ from .errors import InvalidParameterError
 
 log = logging.getLogger("engine")
 
+# The vocabularies of the load options, declared here once (the loaders and the command lines
+# read them from here). Activation dtypes:
 DTYPES = ("float32", "bfloat16")
+# Weight formats (engine.loader.resolve_options): "auto" keeps a GGUF file's quantized layers
+# quantized (Q4 -> int4, Q5 -> int5, others int8), "int4" makes every projection int4,
+# "bfloat16" / "float32" load everything dense in that dtype.
 QUANTIZATIONS = ("auto", "int4", "bfloat16", "float32")
 POOLINGS = ("mean", "cls", "last", "max")  # embeddings (engine/embedding/pooling.py)
 # With no max_model_len anywhere (a model that states none), cap the context here.
@@ -147,4 +152,4 @@ def engine_options_from_args(args: argparse.Namespace) -> dict:
             if f.metadata["cli"] and getattr(args, f.name, None) is not None}
 
 
-__all__ = ["EngineConfig", "add_engine_arguments", "engine_options_from_args"]
+__all__ = ["DTYPES", "QUANTIZATIONS", "EngineConfig", "add_engine_arguments", "engine_options_from_args"]

@@ -1,4 +1,4 @@
-"""Each fused C kernel (cext.fused through engine.models.fused) against its torch reference
+"""Each fused C kernel (cext.ops through engine.models.fused) against its torch reference
 over random shapes: float32 and bfloat16, every instruction-set variant this CPU runs,
 block tables with holes, contexts that are not multiples of the block size, GQA ratios,
 sliding windows, strided query rows, one thread and the pool."""
@@ -9,7 +9,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cext import fused as cfused
+from cext import cpu
 from engine.models import fused
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -20,11 +20,11 @@ def _runnable_isas() -> list[str]:
     isas = []
     for name in ("baseline", "avx2", "avx512"):
         try:
-            cfused.set_isa(name)
+            cpu.set_isa(name)
             isas.append(name)
         except ValueError:
             pass
-    cfused.set_isa("auto")
+    cpu.set_isa("auto")
     return isas
 
 
@@ -35,20 +35,20 @@ SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[Healt
 
 @pytest.fixture(params=ISAS)
 def isa(request):
-    cfused.set_isa(request.param)
+    cpu.set_isa(request.param)
     yield request.param
-    cfused.set_isa("auto")
+    cpu.set_isa("auto")
 
 
 @pytest.fixture
 def pooled():
     """Two pool threads and no size threshold: every call with > 1 item is split."""
-    old_threads, old_threshold = cfused.get_num_threads(), cfused.get_parallel_threshold()
-    cfused.set_num_threads(2)
-    cfused.set_parallel_threshold(0)
+    old_threads, old_threshold = cpu.get_num_threads(), cpu.get_parallel_threshold()
+    cpu.set_num_threads(2)
+    cpu.set_parallel_threshold(0)
     yield
-    cfused.set_num_threads(old_threads)
-    cfused.set_parallel_threshold(old_threshold)
+    cpu.set_num_threads(old_threads)
+    cpu.set_parallel_threshold(old_threshold)
 
 
 def _close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, atol: float = 1e-5) -> None:
@@ -220,10 +220,10 @@ def test_wrong_dtypes_and_layouts_are_value_errors():
 
 
 def test_isa_selection_names_what_runs():
-    assert cfused.get_isa() in ISAS
+    assert cpu.get_isa() in ISAS
     assert "baseline" in ISAS
     with pytest.raises(ValueError, match="isa"):
-        cfused.set_isa("sse9")
+        cpu.set_isa("sse9")
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -5,24 +5,24 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cext import fused as cfused
+from cext import cpu
 from engine.models import threads
 
 
 @pytest.fixture
 def restore_threads():
-    torch_threads, kernel_threads = torch.get_num_threads(), cfused.get_num_threads()
+    torch_threads, kernel_threads = torch.get_num_threads(), cpu.get_num_threads()
     yield
     torch.set_num_threads(torch_threads)
-    cfused.set_num_threads(kernel_threads)
+    cpu.set_num_threads(kernel_threads)
 
 
 def test_explicit_count_sets_both_pools(restore_threads):
     policy = threads.apply_thread_policy(1)
     assert policy.num_threads == 1 and policy.num_kernel_threads == 1
-    assert torch.get_num_threads() == 1 and cfused.get_num_threads() == 1
+    assert torch.get_num_threads() == 1 and cpu.get_num_threads() == 1
     policy = threads.apply_thread_policy(3)
-    assert torch.get_num_threads() == 3 and cfused.get_num_threads() == 3
+    assert torch.get_num_threads() == 3 and cpu.get_num_threads() == 3
 
 
 @pytest.mark.parametrize("bad", [0, -2, 1.5, "2", True])
@@ -49,27 +49,28 @@ def test_default_uses_the_available_cpus_when_waits_are_passive(monkeypatch, res
 def test_pool_results_do_not_depend_on_how_workers_wait(spin_us, restore_threads):
     """Workers that sleep at once (0) and workers that poll first split the same product
     the same way: the outputs match the single-thread call bit for bit."""
-    from engine.models.linear import Int4Weight, Linear
+    from engine.models.linear import Linear
+    from engine.models.quant import Int4Weight
 
-    old_spin, old_threshold = cfused.get_spin_us(), cfused.get_parallel_threshold()
+    old_spin, old_threshold = cpu.get_spin_us(), cpu.get_parallel_threshold()
     torch.manual_seed(0)
     layer = Linear(Int4Weight.from_dense(torch.randn(256, 128) * 0.05))
     xs = [torch.randn(m, 128) for m in (1, 3, 16)]
     try:
-        cfused.set_num_threads(1)
+        cpu.set_num_threads(1)
         expected = [layer(x) for x in xs]
-        cfused.set_num_threads(2)
-        cfused.set_parallel_threshold(0)
-        cfused.set_spin_us(spin_us)
+        cpu.set_num_threads(2)
+        cpu.set_parallel_threshold(0)
+        cpu.set_spin_us(spin_us)
         for _ in range(20):  # back-to-back jobs: a polling worker catches most of them
             for x, want in zip(xs, expected):
                 assert torch.equal(layer(x), want)
     finally:
-        cfused.set_spin_us(old_spin)
-        cfused.set_parallel_threshold(old_threshold)
+        cpu.set_spin_us(old_spin)
+        cpu.set_parallel_threshold(old_threshold)
 
 
 @pytest.mark.parametrize("bad", [-1.0, float("nan")])
 def test_bad_spin_is_a_value_error(bad):
     with pytest.raises(ValueError, match="spin_us"):
-        cfused.set_spin_us(bad)
+        cpu.set_spin_us(bad)

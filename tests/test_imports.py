@@ -10,6 +10,7 @@ docs/architecture.md.
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from pathlib import Path
 
@@ -79,8 +80,9 @@ def _resolve(target: str, modules) -> str | None:
     return target or None
 
 
+@functools.cache
 def import_graph() -> dict[str, dict[str, int]]:
-    """Module -> {imported repo module: line of the first such import}."""
+    """Module -> {imported repo module: line of the first such import} (read once per run)."""
     modules = repo_modules()
     graph: dict[str, dict[str, int]] = {}
     for name, (path, is_package) in modules.items():

@@ -1,5 +1,5 @@
 """The quantized products of cext/csrc/qgemm.c (through engine.models.linear.Linear) against
-their definitions. The integer path (fewer rows than fused.get_float_rows()): x quantized to
+their definitions. The integer path (fewer rows than qgemm.get_float_rows()): x quantized to
 int16 codes per block of 32 (scale max|x| / 32767, round half to even), integer dot products
 with the 4-, 5- or 8-bit codes (int8 with a scale per block of 32), the Q4 min term taken with
 the exact block sums of x, emulated in torch. The float path (AVX2, from get_float_rows() rows):
@@ -13,9 +13,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cext import fused as cfused
-from engine.models.linear import (GROUP_SIZE, INT_KERNEL_MAX_ROWS, KERNEL_MAX_ROWS, Int4Weight, Int5Weight, Int8Weight, Linear, blocks_to_int4,
-                                  cat_rows)
+from cext import cpu, qgemm
+from engine.models import linear as linear_module
+from engine.models.linear import INT_KERNEL_MAX_ROWS, KERNEL_MAX_ROWS, Linear
+from engine.models.quant import GROUP_SIZE, Int4Weight, Int5Weight, Int8Weight, blocks_to_int4, cat_rows
 from test_fused_kernels import ISAS
 
 MAX_TEST_ROWS = min(KERNEL_MAX_ROWS, 40)  # both paths' tiles and their ragged tails
@@ -25,14 +26,14 @@ SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[Healt
 @pytest.fixture(params=[(isa, threads) for isa in ISAS for threads in (1, 2)], ids=lambda p: f"{p[0]}-{p[1]}t")
 def variant(request):
     isa, threads = request.param
-    old_threads, old_threshold = cfused.get_num_threads(), cfused.get_parallel_threshold()
-    cfused.set_isa(isa)
-    cfused.set_num_threads(threads)
-    cfused.set_parallel_threshold(0)  # with 2 threads every call is split
+    old_threads, old_threshold = cpu.get_num_threads(), cpu.get_parallel_threshold()
+    cpu.set_isa(isa)
+    cpu.set_num_threads(threads)
+    cpu.set_parallel_threshold(0)  # with 2 threads every call is split
     yield request.param
-    cfused.set_isa("auto")
-    cfused.set_num_threads(old_threads)
-    cfused.set_parallel_threshold(old_threshold)
+    cpu.set_isa("auto")
+    cpu.set_num_threads(old_threads)
+    cpu.set_parallel_threshold(old_threshold)
 
 
 @pytest.fixture(params=["int16", "float"])
@@ -40,13 +41,13 @@ def path(request, variant):
     """Which product the C kernels run for every row count: the integer tiles or the float
     path. -> fn(num_rows): "int16" or "float" (the float32 product of the dequantized weights:
     the float path, or on the baseline ISA, which has none, products beyond INT_KERNEL_MAX_ROWS)."""
-    old = cfused.get_float_rows()
-    cfused.set_float_rows(1 if request.param == "float" else 2 ** 30)
+    old = qgemm.get_float_rows()
+    qgemm.set_float_rows(1 if request.param == "float" else 2 ** 30)
     if variant[0] == "baseline":
         yield lambda num_rows: "int16" if num_rows <= INT_KERNEL_MAX_ROWS else "float"
     else:
         yield lambda num_rows: request.param
-    cfused.set_float_rows(old)
+    qgemm.set_float_rows(old)
 
 
 def exact_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -106,7 +107,7 @@ def test_int4_product_matches_its_definition(path, num_rows, num_out, groups, ha
     if half:  # scales and mins that fp16 holds exactly, as Q4_0/Q4_1 files give
         weight = Int4Weight(weight.packed, weight.scales.half().float(), weight.mins.half().float())
     linear = Linear(weight, bias)
-    assert linear._half == half
+    assert linear.half == half
     y = linear(x)
     assert y.dtype == dtype and y.shape == (num_rows, num_out)
     expected = exact_product(x, weight.dequantize()) if path(num_rows) == "float" else emulate_int4(x, weight, half)
@@ -131,10 +132,10 @@ def test_int5_product_matches_its_definition(path, num_rows, num_out, groups, ha
     _, x, bias = _inputs(seed, num_rows, num_out, GROUP_SIZE * groups, dtype)
     weight = random_int5(torch.Generator().manual_seed(seed), num_out, GROUP_SIZE * groups, half, is_q5_0)
     linear = Linear(weight, bias)
-    assert linear.format == "int5" and (linear._half == half or not is_q5_0)  # Q5_1: m + 16 d may need float32
+    assert linear.format == "int5" and (linear.half == half or not is_q5_0)  # Q5_1: m + 16 d may need float32
     y = linear(x)
     assert y.dtype == dtype and y.shape == (num_rows, num_out)
-    expected = exact_product(x, weight.dequantize()) if path(num_rows) == "float" else emulate_int4(x, weight, linear._half)
+    expected = exact_product(x, weight.dequantize()) if path(num_rows) == "float" else emulate_int4(x, weight, linear.half)
     _check(y, expected + bias.double(), dtype)
 
 
@@ -143,7 +144,7 @@ def test_int5_codes_layout_and_dequantize_are_exact(half, monkeypatch):
     gen = torch.Generator().manual_seed(7)
     weight = random_int5(gen, 9, 256, half, is_q5_0=True)
     in_c = weight.blocks(half)  # cext's packing loop against the NumPy definition of the layout
-    monkeypatch.setattr("engine.models.linear._qgemm", None)
+    monkeypatch.setattr("engine.models.quant.qgemm", None)
     assert torch.equal(weight.blocks(half), in_c)
     monkeypatch.undo()
     assert torch.equal(Int5Weight.from_codes(weight.codes, weight.scales, weight.mins).high, weight.high)
@@ -153,10 +154,10 @@ def test_int5_codes_layout_and_dequantize_are_exact(half, monkeypatch):
                                rtol=0 if half else 1e-6)
     # Q5_0 rows in the kernels hold no mins: 22 bytes per block of 32 with fp16 scales, as the file
     linear = Linear(weight)
-    assert linear._no_mins and linear._blocks.shape == (9, 256 // GROUP_SIZE * (22 if half else 24))
+    assert linear.no_mins and linear._rows.shape == (9, 256 // GROUP_SIZE * (22 if half else 24))
     scale_bytes = 256 // GROUP_SIZE * (2 if half else 4)  # then in_c's mins, which linear's rows leave out
-    assert torch.equal(linear._blocks[:, :scale_bytes], in_c[:, :scale_bytes])
-    assert torch.equal(linear._blocks[:, scale_bytes:], in_c[:, 2 * scale_bytes:])
+    assert torch.equal(linear._rows[:, :scale_bytes], in_c[:, :scale_bytes])
+    assert torch.equal(linear._rows[:, scale_bytes:], in_c[:, 2 * scale_bytes:])
     with pytest.raises(ValueError, match="kernel min"):
         random_int5(gen, 2, 64, half, is_q5_0=False).blocks(half, with_mins=False)
     as_int8 = weight.to_int8()  # Q5_0: codes q - 16, scale d
@@ -189,7 +190,7 @@ def test_int8_product_matches_its_definition(path, num_rows, num_out, groups, ha
     if half:  # scales that fp16 holds exactly, as a Q8_0 file's d: the kernels read them as fp16
         weight = Int8Weight(weight.q, weight.scales.half().float())
     linear = Linear(weight, bias)
-    assert linear._half == half and linear._scales.dtype == (torch.float16 if half else torch.float32)
+    assert linear.half == half and linear._scales.dtype == (torch.float16 if half else torch.float32)
     y = linear(x)
     expected = exact_product(x, weight.dequantize()) if path(num_rows) == "float" else emulate_int8(x, weight)
     _check(y, expected + bias.double(), dtype)
@@ -218,12 +219,19 @@ def test_exact_mode_and_rows_beyond_the_kernels_use_the_dequantized_weight():
     for weight in (Int4Weight.from_dense(w), Int8Weight.from_dense(w)):
         exact = x.double() @ weight.dequantize().double().T + bias.double()
         torch.testing.assert_close(Linear(weight, bias)(x).double(), exact, atol=1e-4, rtol=1e-5)
-        torch.testing.assert_close(Linear(weight, bias, quantized_dtype=torch.float32)(x[:2]).double(), exact[:2],
+        torch.testing.assert_close(Linear(weight, bias, exact=True)(x[:2]).double(), exact[:2],
                                    atol=1e-4, rtol=1e-5)
 
 
+def test_layout_codes_agree_with_the_kernels():
+    names = ("Q4", "Q5", "Q8", "HALF", "NO_MINS")
+    assert [getattr(linear_module, n) for n in names] == [getattr(qgemm, n) for n in names]
+    with pytest.raises(ValueError, match="unknown layout"):
+        qgemm.matmul(3, 0, 0, 1, 64, 0, 0, 1, 0, 0, 1, qgemm.FLOAT32)
+
+
 def test_bad_width_is_an_error_not_a_read_past_the_row():
-    with pytest.raises(IndexError, match="multiple of 32"):
-        cfused.q8_matmul(0, 0, 1, 48, 0, 0, 1, 0, 0, 1, cfused.FLOAT32)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        qgemm.matmul(qgemm.Q8, 0, 0, 1, 48, 0, 0, 1, 0, 0, 1, qgemm.FLOAT32)
     with pytest.raises(ValueError, match="multiple of 64"):
         Int4Weight.from_dense(torch.randn(2, 96)).blocks()

@@ -13,7 +13,8 @@ from engine.gguf_file import GGUFFile
 from engine.loader import load_model, resolve_options
 from engine.loader.gguf_loader import GGUFStateDict, read_config
 from engine.loader.repack import Q4_0, Q4_1, Q4_K, MappedRows, dequantize, int4_from_q4, int5_from_q5
-from engine.models.linear import Int4Weight, Int5Weight, Int8Weight, Linear, cat_rows
+from engine.models.linear import Linear
+from engine.models.quant import Int4Weight, Int5Weight, Int8Weight, cat_rows
 from model_fixtures import qwen_gguf, smollm2_gguf  # noqa: F401 (fixtures)
 
 ATOL = 1e-4
@@ -40,7 +41,7 @@ def gguf_dequantize(raw: np.ndarray, ggml_type: int, num_cols: int) -> torch.Ten
 def assert_int4_product_exact(weight: Int4Weight, exact: torch.Tensor, seed: int = 0) -> None:
     """Linear with float32 activations equals x @ exact.T (the aten int4 op, not our dequantize)."""
     x = torch.randn(3, exact.shape[1], generator=torch.Generator().manual_seed(seed))  # [T, K]
-    y = Linear(weight, quantized_dtype=torch.float32)(x)  # [T, N]
+    y = Linear(weight, exact=True)(x)  # [T, N]
     torch.testing.assert_close(y, x @ exact.T, atol=ATOL, rtol=1e-5)
 
 
@@ -87,7 +88,7 @@ def test_int5_repack_of_gguf_quantized_weights(qtype):
     assert linear.format == "int5"
     torch.testing.assert_close(linear.dequantize(), exact, atol=1e-7, rtol=0)  # (m + 16 d) - 16 d: float32 rounding
     x = torch.randn(3, 256)
-    torch.testing.assert_close(Linear(int5, quantized_dtype=torch.float32)(x), x @ exact.T, atol=ATOL, rtol=1e-5)
+    torch.testing.assert_close(Linear(int5, exact=True)(x), x @ exact.T, atol=ATOL, rtol=1e-5)
     permuted = int5.map_rows(lambda t: t.flip(0))
     torch.testing.assert_close(permuted.dequantize(), exact.flip(0), atol=0, rtol=0)
 
@@ -116,7 +117,7 @@ def test_int8_block_bounds_and_product():
     assert int8.scales.shape == (40, 3) and not int8.is_exact
     assert ((int8.dequantize() - w).abs() <= block_step(w) / 2 + 1e-7).all()
     x = torch.randn(5, 96)
-    torch.testing.assert_close(Linear(int8, quantized_dtype=torch.float32)(x), x @ int8.dequantize().T, atol=ATOL, rtol=1e-5)
+    torch.testing.assert_close(Linear(int8, exact=True)(x), x @ int8.dequantize().T, atol=ATOL, rtol=1e-5)
     ids = torch.tensor([3, 0, 39])
     torch.testing.assert_close(int8.rows(ids, torch.float32), int8.dequantize()[ids])
 
@@ -175,7 +176,7 @@ def test_qwen_tensors_q4_k_and_q5_0_exact_and_others_int8(qwen_gguf):  # noqa: F
     assert isinstance(q, Int5Weight)
     torch.testing.assert_close(q.dequantize(), exact[names[1]], atol=0, rtol=0)
     linear = Linear(q)
-    assert (linear.format, linear._half) == ("int5", True)
+    assert (linear.format, linear.half) == ("int5", True)
     torch.testing.assert_close(linear.dequantize(), exact[names[1]], atol=0, rtol=0)  # the kernels' layout
     as_int8 = q.to_int8()  # what a fused layer beside a Q8_0 tensor gets: codes q - 16, scales d
     assert as_int8.is_exact and int(as_int8.codes.min()) >= -16 and int(as_int8.codes.max()) <= 15

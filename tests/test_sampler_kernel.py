@@ -185,14 +185,14 @@ def test_processing_then_choice_matches_the_reference_over_many_blocks(data, num
 
 @pytest.fixture(params=["avx2", "portable"])
 def sampler_path(request):
-    """Both implementations of the sampler's row passes on this machine (AVX2 when it has it)."""
-    from cext.sampler import use_avx2
-    before = use_avx2()
-    if request.param == "avx2" and not before:
-        pytest.skip("this CPU has no AVX2")  # the portable run below still covers the logic
-    use_avx2(request.param == "avx2")
+    """Both implementations of the sampler's row passes on this machine (AVX2 when it has it),
+    chosen through cext.cpu's one instruction-set switch."""
+    from cext import cpu
+    if request.param == "avx2" and "avx2" not in cpu.features():
+        pytest.skip("CPU lacks AVX2")  # the portable run below still covers the logic
+    cpu.set_isa("auto" if request.param == "avx2" else "baseline")
     yield request.param
-    use_avx2(before)
+    cpu.set_isa("auto")
 
 
 long_rows = st.tuples(st.integers(450, 2200), st.integers(0, 2**32 - 1), st.sampled_from([0.5, 3.0, 12.0])).map(

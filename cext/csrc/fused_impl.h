@@ -9,8 +9,8 @@
 #define FK_CAT(a, b) FK_CAT2(a, b)
 #define FK_FN(name) FK_CAT(name, FK_SUFFIX)
 
-/* bfloat16 -> float32: the 16 bits are the top half of the float; float16 (KV caches only)
- * through _Float16 (one vcvtph2ps per 8 values where the variant has F16C). */
+/* bfloat16 -> float32 (dtype.h); float16 (KV caches only) through _Float16 (one vcvtph2ps per
+ * 8 values where the variant has F16C). */
 static inline void FK_FN(load_row)(float *dst, const void *src, int64_t n, int dtype) {
     if (dtype == FK_FLOAT32) {
         memcpy(dst, src, (size_t)n * sizeof(float));
@@ -28,16 +28,11 @@ static inline void FK_FN(load_row)(float *dst, const void *src, int64_t n, int d
     }
     const uint16_t *s = (const uint16_t *)src;
 #pragma omp simd
-    for (int64_t i = 0; i < n; i++) {
-        uint32_t u = (uint32_t)s[i] << 16;
-        float f;
-        memcpy(&f, &u, sizeof f);
-        dst[i] = f;
-    }
+    for (int64_t i = 0; i < n; i++) dst[i] = dt_bf16_to_f32(s[i]);
 }
 
-/* float32 -> bfloat16, round to nearest even (NaN stays a quiet NaN), as torch rounds;
- * -> float16 round to nearest even (the hardware conversion, as torch's). */
+/* float32 -> bfloat16 (dtype.h: round to nearest even, as torch rounds); -> float16 round to
+ * nearest even (the hardware conversion, as torch's). */
 static inline void FK_FN(store_row)(void *dst, const float *src, int64_t n, int dtype) {
     if (dtype == FK_FLOAT32) {
         memcpy(dst, src, (size_t)n * sizeof(float));
@@ -55,13 +50,7 @@ static inline void FK_FN(store_row)(void *dst, const float *src, int64_t n, int 
     }
     uint16_t *d = (uint16_t *)dst;
 #pragma omp simd
-    for (int64_t i = 0; i < n; i++) {
-        uint32_t u;
-        memcpy(&u, &src[i], sizeof u);
-        uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-        uint32_t is_nan = (u & 0x7fffffffu) > 0x7f800000u;
-        d[i] = (uint16_t)(is_nan ? ((u >> 16) | 0x40u) : rounded);
-    }
+    for (int64_t i = 0; i < n; i++) d[i] = dt_f32_to_bf16(src[i]);
 }
 
 /* exp(x) for x in float32 range, ~1 ulp; 0 below -87.3 (no libm call, vectorisable). */

@@ -1,21 +1,22 @@
 /* Fused small ops of a decode step, for float32 or bfloat16 activations.
  *
- * Plain C on raw pointers (no torch headers): the Cython module cext/fused.pyx passes
+ * Plain C on raw pointers (no torch headers): the Cython module cext/ops.pyx passes
  * tensor.data_ptr() values. Every kernel accumulates in float32. Tensors are row-major and
  * contiguous unless a stride is given; strides count elements, not bytes.
  *
  * One source (fused_impl.h) is compiled once per instruction set (baseline x86-64 or any
- * other target, AVX2+FMA, AVX-512) and the best variant the CPU supports is chosen at the
- * first call (__builtin_cpu_supports); fk_set_isa() forces one for tests.
+ * other target, AVX2+FMA, AVX-512); each call runs the variant of cpu.h's switch
+ * (cext.cpu.set_isa forces a lower one for tests) on cpu.h's thread pool.
  */
 #ifndef FUSED_KERNELS_H
 #define FUSED_KERNELS_H
 
 #include <stdint.h>
 
+#include "dtype.h"
+
 /* Activations are float32 or bfloat16; KV caches also float16 (cache_dtype). */
-enum { FK_FLOAT32 = 0, FK_BFLOAT16 = 1, FK_FLOAT16 = 2 };
-enum { FK_ISA_AUTO = -1, FK_ISA_BASELINE = 0, FK_ISA_AVX2 = 1, FK_ISA_AVX512 = 2 };
+enum { FK_FLOAT32 = DT_FLOAT32, FK_BFLOAT16 = DT_BFLOAT16, FK_FLOAT16 = DT_FLOAT16 };
 
 /* Error codes (0 = success). */
 enum { FK_OK = 0, FK_BAD_BLOCK = 1, FK_BAD_SLOT = 2, FK_BAD_POSITION = 3, FK_BAD_LENGTH = 4, FK_NO_MEMORY = 5 };
@@ -46,18 +47,5 @@ int fk_decode_attention(const void *q, int64_t q_row_stride, const void *k_cache
 
 /* gate_up [T, 2 I] -> out [T, I] = silu(gate) * up. */
 int fk_silu_mul(const void *gate_up, void *out, int64_t num_rows, int64_t inter, int dtype);
-
-/* Threads of the kernels' own pool (1 = the calling thread only). */
-int fk_set_num_threads(int num_threads);
-int fk_get_num_threads(void);
-/* Work (roughly multiply-adds) a kernel call needs before it is split across threads. */
-void fk_set_parallel_threshold(int64_t work);
-int64_t fk_get_parallel_threshold(void);
-void fk_set_spin_ns(int64_t ns);
-int64_t fk_get_spin_ns(void);
-
-/* FK_ISA_*; returns the ISA now in use, or -1 if the CPU lacks the one asked for. */
-int fk_set_isa(int isa);
-int fk_get_isa(void);
 
 #endif

@@ -1,10 +1,11 @@
-/* Quantized weight products (see qgemm.h): activations quantized (or, on the float path,
- * reordered) once per call on the calling thread, then output features split across the
- * pool. Scalar kernels for any CPU, AVX2 kernels (madd_epi16 integer dot products, or float32
- * FMAs over weights decoded per pass) chosen at run time. */
+/* Quantized weight products (qgemm.h: the routes and the byte layouts): activations quantized
+ * (or, on the float route, reordered) once per call on the calling thread, then output
+ * features split across cpu.h's pool. Scalar kernels for any CPU, AVX2 kernels (madd_epi16
+ * integer dot products, or float32 FMAs over weights decoded per pass) chosen per call by
+ * cpu.h's switch. */
 #include "qgemm.h"
-#include "fk_pool.h"
-#include "fused_kernels.h"
+#include "cpu.h"
+#include "dtype.h"
 
 #include <math.h>
 #include <stdlib.h>
@@ -36,39 +37,12 @@ typedef struct {
     int64_t num_out;
 } QArgs;
 
-static inline float bf16_to_float(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
 static inline void store_out(const QArgs *a, int64_t row, int64_t col, float v) {
-    if (a->dtype == FK_FLOAT32) {
+    if (a->dtype == DT_FLOAT32) {
         ((float *)a->y)[row * a->y_stride + col] = v;
     } else {
-        uint32_t u;
-        memcpy(&u, &v, 4);
-        u += 0x7fffu + ((u >> 16) & 1u);  /* round to nearest even */
-        ((uint16_t *)a->y)[row * a->y_stride + col] = (uint16_t)(u >> 16);
+        ((uint16_t *)a->y)[row * a->y_stride + col] = dt_f32_to_bf16(v);
     }
-}
-
-static inline float half_to_float(uint16_t h) {
-    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu;
-    uint32_t u;
-    if (exp == 0) {  /* zero or subnormal: mant * 2^-24 */
-        float f = (float)mant * 5.9604644775390625e-8f;
-        memcpy(&u, &f, 4);
-        u |= sign;
-    } else if (exp == 31) {
-        u = sign | 0x7f800000u | (mant << 13);
-    } else {
-        u = sign | ((exp + 112) << 23) | (mant << 13);
-    }
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
 }
 
 /* A pair of blocks: 32 bytes of nibbles, and for Q5 rows 8 more of fifth bits. */
@@ -83,30 +57,25 @@ static inline int64_t q4_row_bytes(int64_t nb, int half, int high, int has_mins)
     return q4_codes_offset(nb, half, has_mins) + nb / 2 * q4_pair_bytes(high);
 }
 
-/* Block b's scale (which = 0) or min (which = 1) of a Q4 row. */
-static inline float q4_scale(const uint8_t *row, int64_t nb, int64_t b, int half, int which) {
+/* Block b's scale (which = 0) or min (which = 1) from a row's scales (fp16 when `half`). */
+static inline float block_scale(const uint8_t *row, int64_t nb, int64_t b, int half, int which) {
     if (half) {
         uint16_t h;
         memcpy(&h, row + (which * nb + b) * 2, 2);
-        return half_to_float(h);
+        return dt_f16_to_f32(h);
     }
     float f;
     memcpy(&f, row + (which * nb + b) * 4, 4);
     return f;
 }
 
-/* Element e (0..63) of a Q4 pair's 32 bytes: 16-bit word i = e % 16 holds elements i, 16 + i
- * (low byte's nibbles) and 32 + i, 48 + i (high byte's), so shifts and masks of the words
- * give four runs of 16 consecutive elements without any byte shuffle. */
+/* Element e (0..63) of a Q4 pair's 32 bytes (qgemm.h). */
 static inline int q4_code(const uint8_t *pair, int e) {
     const int quarter = e / 16, i = e % 16;
     return (pair[2 * i + quarter / 2] >> (4 * (quarter % 2))) & 0x0F;
 }
 
-/* Element e of a Q5 pair, as a signed code c in -16..15 (w = d * c + m): word i of the pair's
- * first 32 bytes holds the 5-bit two's complement fields of elements 48 + i (bits 11..15),
- * 32 + i (6..10), 16 + i (1..5) and the top bit of element i (bit 0), whose low 4 bits are
- * nibble i of the 8 bytes after (byte i / 2, low nibble first). */
+/* Element e (0..63) of a Q5 pair's 40 bytes as a signed code c in -16..15 (qgemm.h). */
 static inline int q5_code(const uint8_t *pair, int e) {
     const int quarter = e / 16, i = e % 16;
     const int word = pair[2 * i] | (pair[2 * i + 1] << 8);
@@ -120,8 +89,7 @@ static inline int q5_code(const uint8_t *pair, int e) {
 
 static inline int q45_code(const uint8_t *pair, int e, int high) { return high ? q5_code(pair, e) : q4_code(pair, e); }
 
-/* Element j (0..31) of a Q8 block: word i = j % 16 holds elements i (low byte) and 16 + i
- * (high byte), so sign-extending shifts of the words give two runs of 16 elements. */
+/* Element j (0..31) of a Q8 block (qgemm.h: byte 2i = element i, 2i + 1 = element 16 + i). */
 static inline int q8_code(const int8_t *block, int j) { return block[2 * (j % 16) + j / 16]; }
 
 /* x [M, K] -> qx, dx, sx (blocks of 32). */
@@ -132,11 +100,11 @@ static void quantize_rows(const void *x, int64_t x_stride, int64_t num_rows, int
     for (int64_t i = 0; i < num_rows; i++) {
         for (int64_t b = 0; b < nb; b++) {
             const int64_t at = i * x_stride + b * QK_BLOCK;
-            if (dtype == FK_FLOAT32) {
+            if (dtype == DT_FLOAT32) {
                 memcpy(v, (const float *)x + at, sizeof v);
             } else {
                 const uint16_t *h = (const uint16_t *)x + at;
-                for (int j = 0; j < QK_BLOCK; j++) v[j] = bf16_to_float(h[j]);
+                for (int j = 0; j < QK_BLOCK; j++) v[j] = dt_bf16_to_f32(h[j]);
             }
             float amax = 0.0f, sum = 0.0f;
             for (int j = 0; j < QK_BLOCK; j++) {
@@ -166,8 +134,8 @@ static void q4_range_scalar(const void *p, int64_t n0, int64_t n1, float *scratc
         for (int64_t i = 0; i < a->num_rows; i++) {
             float acc = 0.0f;
             for (int64_t b = 0; b < nb; b++) {
-                const float db = q4_scale(row, nb, b, a->half, 0);
-                const float mb = a->has_mins ? q4_scale(row, nb, b, a->half, 1) : 0.0f;
+                const float db = block_scale(row, nb, b, a->half, 0);
+                const float mb = a->has_mins ? block_scale(row, nb, b, a->half, 1) : 0.0f;
                 const uint8_t *pair = codes + (b / 2) * q4_pair_bytes(a->high);
                 const int first = (int)(b % 2) * QK_BLOCK;  /* block b: elements first .. first + 31 of its pair */
                 const int16_t *xq = a->qx + i * K + b * QK_BLOCK;
@@ -194,7 +162,7 @@ static void q8_range_scalar(const void *p, int64_t n0, int64_t n1, float *scratc
                 const int16_t *xq = a->qx + i * a->num_cols + b * QK_BLOCK;
                 int32_t dot = 0;
                 for (int j = 0; j < QK_BLOCK; j++) dot += q8_code(w, j) * xq[j];
-                acc += q4_scale(a->scales + n * nb * (a->half ? 2 : 4), nb, b, a->half, 0) * a->dx[i * nb + b] * (float)dot;
+                acc += block_scale(a->scales + n * nb * (a->half ? 2 : 4), nb, b, a->half, 0) * a->dx[i * nb + b] * (float)dot;
             }
             store_out(a, i, n, acc + bias);
         }
@@ -237,14 +205,14 @@ __attribute__((target("avx2,fma,f16c"))) static inline __m256 q4_load8(const uin
     return _mm256_loadu_ps((const float *)p + b);
 }
 
-__attribute__((target("avx2,fma,f16c"))) static inline float q4_scale_f16c(const uint8_t *row, int64_t nb, int64_t b,
+__attribute__((target("avx2,fma,f16c"))) static inline float block_scale_f16c(const uint8_t *row, int64_t nb, int64_t b,
                                                                           int half, int which) {
     if (half) {
         uint16_t h;
         memcpy(&h, row + (which * nb + b) * 2, 2);
         return _cvtsh_ss(h);
     }
-    return q4_scale(row, nb, b, half, which);
+    return block_scale(row, nb, b, half, which);
 }
 
 /* A Q4 (or Q5: HIGH) pair's 64 codes as four runs of 16 int16 (elements 0-15, 16-31, 32-47, 48-63). */
@@ -297,8 +265,8 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) static inline void q4_ti
             }
             float mm = hsum_avx2(mv);
             for (; b < nb; b++) { /* the tail (K = 896: 4 of 28 blocks) with F16C, not the portable conversion */
-                sc[b] = q4_scale_f16c(rows[k], nb, b, half, 0) * dx[b];
-                if (a->has_mins) mm += q4_scale_f16c(rows[k], nb, b, half, 1) * sx[b];
+                sc[b] = block_scale_f16c(rows[k], nb, b, half, 0) * dx[b];
+                if (a->has_mins) mm += block_scale_f16c(rows[k], nb, b, half, 1) * sx[b];
             }
             macc[k][r] = mm;
             acc[k][r] = _mm256_setzero_ps();
@@ -499,7 +467,7 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) static inline void q8_ti
             int64_t b = 0;
             for (; b + 8 <= nb; b += 8)
                 _mm256_storeu_ps(sc + b, _mm256_mul_ps(q4_load8(wscales[k], b, a->half), _mm256_loadu_ps(dx + b)));
-            for (; b < nb; b++) sc[b] = q4_scale_f16c(wscales[k], nb, b, a->half, 0) * dx[b];
+            for (; b < nb; b++) sc[b] = block_scale_f16c(wscales[k], nb, b, a->half, 0) * dx[b];
             acc[k][r] = _mm256_setzero_ps();
         }
     }
@@ -560,7 +528,7 @@ __attribute__((target("avx2,fma,f16c"))) static void float_rows_in_decoded_order
     for (int64_t i = 0; i < M; i++) {
         for (int64_t j = 0; j < K; j += 16) {
             __m256 lo, hi;  /* elements 0-7, 8-15 */
-            if (dtype == FK_FLOAT32) {
+            if (dtype == DT_FLOAT32) {
                 const float *src = (const float *)x + i * x_stride + j;
                 lo = _mm256_loadu_ps(src);
                 hi = _mm256_loadu_ps(src + 8);
@@ -580,18 +548,18 @@ __attribute__((target("avx2,fma,f16c"))) static void float_rows_in_decoded_order
 
 static int64_t qg_float_rows = 6;  /* measured: benchmarks/qgemm_rows.py */
 
-void fk_qgemm_set_float_rows(int64_t rows) { qg_float_rows = rows; }
+void qg_set_float_rows(int64_t rows) { qg_float_rows = rows; }
 
-int64_t fk_qgemm_get_float_rows(void) { return qg_float_rows; }
+int64_t qg_get_float_rows(void) { return qg_float_rows; }
 
 static int run(QArgs *a, const void *x, int64_t x_stride, int is_q4) {
     const int64_t M = a->num_rows, K = a->num_cols, nb = K / QK_BLOCK;
-    if (K <= 0 || K % (is_q4 ? 2 * QK_BLOCK : QK_BLOCK) != 0) return FK_BAD_LENGTH;
-    if (M <= 0 || a->num_out <= 0) return FK_OK;
-    FkRangeFn fn = is_q4 ? q4_range_scalar : q8_range_scalar;
+    if (K <= 0 || K % (is_q4 ? 2 * QK_BLOCK : QK_BLOCK) != 0) return QG_BAD_LENGTH;
+    if (M <= 0 || a->num_out <= 0) return QG_OK;
+    CpuRangeFn fn = is_q4 ? q4_range_scalar : q8_range_scalar;
     int use_float = 0;
 #ifdef QG_HAVE_X86
-    if (fk_use_avx2()) {
+    if (cpu_isa() >= CPU_ISA_AVX2) {
         fn = is_q4 ? q4_range_avx2 : q8_range_avx2;
         use_float = M >= qg_float_rows;
     }
@@ -599,63 +567,79 @@ static int run(QArgs *a, const void *x, int64_t x_stride, int is_q4) {
     char *buf;
     if (use_float) {
         buf = (char *)malloc(sizeof(float) * (size_t)(M * K));
-        if (buf == NULL) return FK_NO_MEMORY;
+        if (buf == NULL) return QG_NO_MEMORY;
 #ifdef QG_HAVE_X86
         float_rows_in_decoded_order(x, x_stride, M, K, a->dtype, (float *)buf);
 #endif
         a->xf = (const float *)buf;
     } else {
         buf = (char *)malloc(sizeof(int16_t) * (size_t)(M * K) + sizeof(float) * 2 * (size_t)(M * nb));
-        if (buf == NULL) return FK_NO_MEMORY;
+        if (buf == NULL) return QG_NO_MEMORY;
         float *dx = (float *)buf, *sx = dx + M * nb;
         int16_t *qx = (int16_t *)(sx + M * nb);
         quantize_rows(x, x_stride, M, K, a->dtype, qx, dx, sx);
         a->qx = qx; a->dx = dx; a->sx = sx;
     }
     /* scratch per worker: the pass's scales, then (Q4/Q5) its rows' decoded codes, QG_NR x K int16 */
-    int rc = fk_parallel_for(fn, a, a->num_out, M * a->num_out * K,
-                             (size_t)(use_float ? QG_NR * K + 2 * nb : QG_NR * QG_TR * nb + (is_q4 ? QG_NR * K / 2 : 0)));
+    const size_t floats = (size_t)(use_float ? QG_NR * K + 2 * nb
+                                             : QG_NR * QG_TR * nb + (is_q4 ? QG_NR * K / 2 : 0));
+    int rc = cpu_parallel_for(fn, a, a->num_out, M * a->num_out * K, floats);
     free(buf);
     return rc;
 }
 
-int fk_q4_matmul(const void *x, int64_t x_stride, int64_t num_rows, int64_t num_cols,
-                 const uint8_t *blocks, int half, int layout, int64_t num_out, const float *bias,
-                 void *y, int64_t y_stride, int dtype) {
-    QArgs a = {NULL, NULL, NULL, NULL, num_rows, num_cols, blocks, half, (layout & FK_Q5) != 0, !(layout & FK_NO_MINS), NULL,
-               NULL, bias, y, y_stride, dtype, num_out};
+int qg_matmul(int layout, const void *x, int64_t x_stride, int64_t num_rows, int64_t num_cols,
+              const void *w, const void *scales, int64_t num_out, const float *bias,
+              void *y, int64_t y_stride, int dtype) {
+    const int format = layout & QG_FORMAT_MASK, half = (layout & QG_HALF) != 0;
+    if (format == QG_Q8) {
+        QArgs a = {NULL, NULL, NULL, NULL, num_rows, num_cols, NULL, half, 0, 0, (const int8_t *)w,
+                   (const uint8_t *)scales, bias, y, y_stride, dtype, num_out};
+        return run(&a, x, x_stride, 0);
+    }
+    if (format != QG_Q4 && format != QG_Q5) return QG_BAD_LAYOUT;
+    QArgs a = {NULL, NULL, NULL, NULL, num_rows, num_cols, (const uint8_t *)w, half, format == QG_Q5,
+               !(layout & QG_NO_MINS), NULL, NULL, bias, y, y_stride, dtype, num_out};
     return run(&a, x, x_stride, 1);
 }
 
-int fk_q8_matmul(const void *x, int64_t x_stride, int64_t num_rows, int64_t num_cols,
-                 const int8_t *q, const void *scales, int half, int64_t num_out, const float *bias,
-                 void *y, int64_t y_stride, int dtype) {
-    QArgs a = {NULL, NULL, NULL, NULL, num_rows, num_cols, NULL, half, 0, 0, q, (const uint8_t *)scales, bias, y, y_stride,
-               dtype, num_out};
-    return run(&a, x, x_stride, 0);
-}
-
-int fk_q4_dequantize(const uint8_t *blocks, int half, int layout, int64_t num_out, int64_t num_cols, float *w) {
-    if (num_cols <= 0 || num_cols % (2 * QK_BLOCK) != 0) return FK_BAD_LENGTH;
+int qg_dequantize(int layout, const void *w, const void *scales, int64_t first, int64_t count,
+                  int64_t num_cols, void *out, int out_dtype) {
+    const int format = layout & QG_FORMAT_MASK, half = (layout & QG_HALF) != 0;
+    if (format != QG_Q4 && format != QG_Q5 && format != QG_Q8) return QG_BAD_LAYOUT;
+    if (num_cols <= 0 || num_cols % ((format == QG_Q8 ? 1 : 2) * QK_BLOCK) != 0) return QG_BAD_LENGTH;
     const int64_t nb = num_cols / QK_BLOCK;
-    const int high = (layout & FK_Q5) != 0, has_mins = !(layout & FK_NO_MINS);
-    for (int64_t n = 0; n < num_out; n++) {
-        const uint8_t *row = blocks + n * q4_row_bytes(nb, half, high, has_mins);
-        const uint8_t *codes = row + q4_codes_offset(nb, half, has_mins);
-        float *out = w + n * num_cols;
+    const int high = format == QG_Q5, has_mins = !(layout & QG_NO_MINS);
+    float v[QK_BLOCK];
+    for (int64_t n = first; n < first + count; n++) {
+        const int64_t at = (n - first) * num_cols;
         for (int64_t b = 0; b < nb; b++) {
-            const uint8_t *pair = codes + (b / 2) * q4_pair_bytes(high);
-            const int first = (int)(b % 2) * QK_BLOCK;
-            const float d = q4_scale(row, nb, b, half, 0), m = has_mins ? q4_scale(row, nb, b, half, 1) : 0.0f;
-            for (int j = 0; j < QK_BLOCK; j++) out[b * QK_BLOCK + j] = d * (float)q45_code(pair, first + j, high) + m;
+            if (format == QG_Q8) {
+                const int8_t *block = (const int8_t *)w + n * num_cols + b * QK_BLOCK;
+                const float d = block_scale((const uint8_t *)scales + n * nb * (half ? 2 : 4), nb, b, half, 0);
+                for (int j = 0; j < QK_BLOCK; j++) v[j] = d * (float)q8_code(block, j);
+            } else {
+                const uint8_t *row = (const uint8_t *)w + n * q4_row_bytes(nb, half, high, has_mins);
+                const uint8_t *pair = row + q4_codes_offset(nb, half, has_mins) + (b / 2) * q4_pair_bytes(high);
+                const int first_element = (int)(b % 2) * QK_BLOCK;
+                const float d = block_scale(row, nb, b, half, 0);
+                const float m = has_mins ? block_scale(row, nb, b, half, 1) : 0.0f;
+                for (int j = 0; j < QK_BLOCK; j++) v[j] = d * (float)q45_code(pair, first_element + j, high) + m;
+            }
+            if (out_dtype == DT_FLOAT32) {
+                memcpy((float *)out + at + b * QK_BLOCK, v, sizeof v);
+            } else {
+                uint16_t *dst = (uint16_t *)out + at + b * QK_BLOCK;
+                for (int j = 0; j < QK_BLOCK; j++) dst[j] = dt_f32_to_bf16(v[j]);
+            }
         }
     }
-    return FK_OK;
+    return QG_OK;
 }
 
-int fk_q5_pack(const uint8_t *packed, const uint8_t *high, int64_t num_rows, int64_t num_cols, uint8_t *out,
+int qg_q5_pack(const uint8_t *packed, const uint8_t *high, int64_t num_rows, int64_t num_cols, uint8_t *out,
                int64_t out_stride) {
-    if (num_cols <= 0 || num_cols % (2 * QK_BLOCK) != 0) return FK_BAD_LENGTH;
+    if (num_cols <= 0 || num_cols % (2 * QK_BLOCK) != 0) return QG_BAD_LENGTH;
     const int64_t num_pairs = num_cols / (2 * QK_BLOCK);
     for (int64_t n = 0; n < num_rows; n++) {
         const uint8_t *nib = packed + n * (num_cols / 2), *qh = high + n * (num_cols / 8);
@@ -680,5 +664,5 @@ int fk_q5_pack(const uint8_t *packed, const uint8_t *high, int64_t num_rows, int
             }
         }
     }
-    return FK_OK;
+    return QG_OK;
 }

@@ -1,37 +1,42 @@
 /* Quantized weight products for decode batches and prompt chunks: y [M, N] = x [M, K] @ W.T (+ bias).
+ * This header is the one description of the weights' byte layouts (engine/models/quant.py
+ * builds them, qgemm.c reads them).
  *
- * Fewer than fk_qgemm_get_float_rows() rows (a product bound by the bytes of weights it
+ * Routes. Fewer than qg_get_float_rows() rows (a product bound by the bytes of weights it
  * reads): the activations are quantized per row in blocks of 32 to int16 codes (dx = max|x| /
  * 32767, round half to even: a relative error below 2^-15 per element, where llama.cpp's int8
  * codes move logprobs by tenths); the weights stay in their 4-, 5- or 8-bit codes, widened to
  * int16 in registers, and the integer dot products run 16 multiply-adds per instruction
- * (AVX2 madd_epi16). From there (bound by arithmetic; AVX2 only): each pass of 4 weight rows is
- * decoded once to float32 and multiplied by the float32 activations with FMAs, the exact
- * float32 product of the dequantized weights. Weights:
+ * (AVX2 madd_epi16). From there (bound by arithmetic; AVX2 and up): each pass of 4 weight rows
+ * is decoded once to float32 and multiplied by the float32 activations with FMAs, the exact
+ * float32 product of the dequantized weights. The instruction set is cpu.h's switch; the work
+ * is split over output features on cpu.h's pool.
  *
- * - Q4 rows: for K / 32 blocks b of 32 inputs, w = d[b] * q + m[b] with q in 0..15 (Q4_0,
- *   Q4_1 and Q4_K sub-blocks map onto this exactly: engine/loader/repack.py). Row n is
- *   d [K / 32], m [K / 32] (float32, or fp16 when `half`: 24 or 20 bytes per block in all),
- *   then the codes in pairs of blocks, 32 bytes per pair: 16-bit word i of a pair holds
- *   elements i and 16 + i in its low byte's nibbles and 32 + i and 48 + i in its high byte's
- *   (the pair's 64 elements: block 2p then 2p + 1), so shifts and masks give four runs of 16
- *   consecutive codes with no byte shuffles. K must be a multiple of 64. The m term uses the
- *   exact block sum of x.
- * - Q5 rows (`high`): w = d[b] * c + m[b] with a signed code c in -16..15 (ggml's Q5_0
- *   d * (q - 16) is c = q - 16, m = 0; Q5_1 d * q + m is m + 16 d). Per pair of blocks 40
- *   bytes: 16-bit word i holds the 5-bit two's complement codes of elements 48 + i (bits
- *   11..15), 32 + i (6..10), 16 + i (1..5) and the top bit of element i (bit 0); the 8 bytes
- *   after hold element i's low 4 bits as nibble i (byte i / 2, low nibble first). Shifts
- *   left then arithmetic shifts right give each run of 16 codes, sign-extended. 24 (half)
- *   or 28 bytes per block of 32 in all, against int8's 36.
- * - Q8 rows: int8 q [N, K] and scales [N, K / 32] (fp16 when `half`: a Q8_0 file's own d, else
- *   float32): w = q * scale per block of 32
- *   (ggml's Q8_0), each block's bytes interleaved as word i = elements i and 16 + i (again
- *   two runs of 16 from shifts alone).
+ * Layouts (`layout` = QG_Q4, QG_Q5 or QG_Q8, plus QG_HALF and QG_NO_MINS). Blocks b of 32
+ * inputs along K; a row's scales d and mins m are float32, or fp16 with QG_HALF.
+ * - QG_Q4: w = d[b] * q + m[b], q in 0..15 (Q4_0, Q4_1 and Q4_K sub-blocks map onto this
+ *   exactly: engine/loader/repack.py). Row n: d [K / 32], m [K / 32], then the codes in pairs
+ *   of blocks (block 2p then 2p + 1: the pair's 64 elements), 32 bytes per pair: 16-bit word i
+ *   (little-endian) holds elements i and 16 + i in its low byte's nibbles (low nibble first)
+ *   and 32 + i and 48 + i in its high byte's, so shifts and masks give four runs of 16
+ *   consecutive codes with no byte shuffles. 24 bytes per block (20 with QG_HALF). K: a
+ *   multiple of 64. The m term uses the exact block sums of x.
+ * - QG_Q5: w = d[b] * c + m[b] with a signed code c in -16..15 (ggml's Q5_0 d * (q - 16) is
+ *   c = q - 16, m = 0; Q5_1 d * q + m is c = q - 16, m + 16 d). Row n: d, m as for Q4, then
+ *   per pair of blocks 40 bytes: 16-bit word i of the first 32 holds the 5-bit two's
+ *   complement codes of elements 48 + i (bits 11..15), 32 + i (bits 6..10), 16 + i (bits
+ *   1..5) and the top (sign) bit of element i's code (bit 0); the 8 bytes after hold element
+ *   i's low 4 bits as nibble i (byte i / 2, low nibble first). Shifts left then arithmetic
+ *   shifts right give each run of 16 codes sign-extended. 28 bytes per block (24 with
+ *   QG_HALF). With QG_NO_MINS (every m is 0: Q5_0) the rows hold no mins: 24 bytes per block
+ *   (22 with QG_HALF, as Q5_0 itself), and the m term is skipped. K: a multiple of 64.
+ * - QG_Q8: w = d[b] * q, int8 q [N, K] and the scales apart, d [N, K / 32] (ggml's Q8_0; fp16
+ *   with QG_HALF: a Q8_0 file's own d). Within each block byte 2i is element i and byte
+ *   2i + 1 element 16 + i, so 16-bit word i holds both (sign-extending shifts give two runs
+ *   of 16). K: a multiple of 32.
  *
- * For Q8, K must be a multiple of 32. x and y are float32 or bfloat16 (FK_FLOAT32 / FK_BFLOAT16),
- * row-major with row strides in elements; bias is float32 [N] or NULL. Work is split over
- * output features across the fused kernels' pool (fused_kernels.h).
+ * x and y are float32 or bfloat16 (DT_FLOAT32 / DT_BFLOAT16, dtype.h), row-major with row
+ * strides in elements; bias is float32 [N] or NULL.
  */
 #ifndef QGEMM_H
 #define QGEMM_H
@@ -40,32 +45,32 @@
 
 #define QK_BLOCK 32
 
-/* fk_q4_matmul's layout flags: Q5 rows (else Q4), and mins that are all 0 (Q5_0): the rows then
- * hold no mins (scales, then the codes: 22 bytes per block of 32 with fp16 scales, as Q5_0 itself)
- * and the m term is skipped. */
-#define FK_Q5 1
-#define FK_NO_MINS 2
+enum { QG_Q4 = 0, QG_Q5 = 1, QG_Q8 = 2 };
+#define QG_FORMAT_MASK 3
+#define QG_HALF 4     /* fp16 scales and mins */
+#define QG_NO_MINS 8  /* Q5 rows without mins */
 
-int fk_q4_matmul(const void *x, int64_t x_stride, int64_t num_rows, int64_t num_cols,
-                 const uint8_t *blocks, int half, int layout, int64_t num_out, const float *bias,
-                 void *y, int64_t y_stride, int dtype);
+/* Error codes (as cext.ops'): K not a multiple of the layout's block, a layout unknown, no memory. */
+enum { QG_OK = 0, QG_BAD_LENGTH = 4, QG_NO_MEMORY = 5, QG_BAD_LAYOUT = 6 };
 
-int fk_q8_matmul(const void *x, int64_t x_stride, int64_t num_rows, int64_t num_cols,
-                 const int8_t *q, const void *scales, int half, int64_t num_out, const float *bias,
-                 void *y, int64_t y_stride, int dtype);
+/* y [M, N] = x [M, K] @ W.T + bias. w: the rows (Q4/Q5: scales, mins and codes; Q8: the codes),
+ * scales: Q8's scales (NULL for Q4/Q5). */
+int qg_matmul(int layout, const void *x, int64_t x_stride, int64_t num_rows, int64_t num_cols,
+              const void *w, const void *scales, int64_t num_out, const float *bias,
+              void *y, int64_t y_stride, int dtype);
+
+/* Rows first .. first + count - 1 of W -> out [count, K] in out_dtype (float32 or bfloat16). */
+int qg_dequantize(int layout, const void *w, const void *scales, int64_t first, int64_t count,
+                  int64_t num_cols, void *out, int out_dtype);
 
 /* Q5 rows' codes from ggml's order: packed [N, K / 2] (per block of 32, byte j = element j's
  * low nibble, element 16 + j's high), high [N, K / 8] (per block a little-endian uint32, bit j
  * = element j's fifth bit) -> per row the 40-byte pair records at out + n * out_stride. */
-int fk_q5_pack(const uint8_t *packed, const uint8_t *high, int64_t num_rows, int64_t num_cols, uint8_t *out,
+int qg_q5_pack(const uint8_t *packed, const uint8_t *high, int64_t num_rows, int64_t num_cols, uint8_t *out,
                int64_t out_stride);
 
-/* From how many activation rows (M) the AVX2 products take the float path: each pass's
- * weight rows decoded to float32 once, float32 activations, FMAs (qgemm.c). */
-void fk_qgemm_set_float_rows(int64_t rows);
-int64_t fk_qgemm_get_float_rows(void);
-
-/* Q4 or Q5 rows (layout: as fk_q4_matmul's) -> float32 w [N, K]. */
-int fk_q4_dequantize(const uint8_t *blocks, int half, int layout, int64_t num_out, int64_t num_cols, float *w);
+/* From how many activation rows (M) the products take the float route (AVX2 and up). */
+void qg_set_float_rows(int64_t rows);
+int64_t qg_get_float_rows(void);
 
 #endif

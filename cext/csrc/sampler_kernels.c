@@ -448,15 +448,6 @@ int sk_sample_rows(float *logits, int64_t num_rows, int64_t vocab, const sk_row 
     return SK_OK;
 }
 
-int sk_use_avx2(int enabled) {
-#if SK_AVX2_PATH
-    if (enabled >= 0) sk_avx2_state = enabled && __builtin_cpu_supports("avx2");
-#else
-    (void)enabled;
-#endif
-    return sk_has_avx2();
-}
-
 int sk_logprob_rows(const float *logits, int64_t num_rows, int64_t vocab, const int64_t *target_ids,
                     int32_t num_top, float *logprobs, int64_t *ranks, int64_t *top_ids, float *top_logprobs) {
     Scratch *s = scratch_for(vocab);

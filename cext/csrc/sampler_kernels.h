@@ -60,8 +60,7 @@ int sk_sample_rows(float *logits, int64_t num_rows, int64_t vocab, const sk_row 
 int sk_logprob_rows(const float *logits, int64_t num_rows, int64_t vocab, const int64_t *target_ids,
                     int32_t num_top, float *logprobs, int64_t *ranks, int64_t *top_ids, float *top_logprobs);
 
-/* The hand-written AVX2 passes: enabled (1) when the CPU has AVX2, or the portable code (0) for
- * tests of both paths on one machine; enabled < 0 only asks. Returns whether AVX2 is used. */
-int sk_use_avx2(int enabled);
+/* The hand-written AVX2 passes run when cpu.h's switch is at CPU_ISA_AVX2 or above
+ * (cext.cpu.set_isa("baseline") runs the portable code, for tests of both paths). */
 
 #endif

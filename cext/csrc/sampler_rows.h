@@ -9,6 +9,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "cpu.h"
+
 #define SK_BLOCK_MAX 64 /* per block of the row its max: searches skip blocks that cannot matter */
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
@@ -18,17 +20,13 @@
 #endif
 
 /* The hottest passes also have hand-written AVX2 versions (intrinsics need a function-wide
- * target, so they are separate functions picked at run time by sk_has_avx2). Same operations
+ * target, so they are separate functions picked per call by sk_has_avx2: cpu.h's switch). Same operations
  * in the same order as the portable code (no FMA): every path gives the same bits. */
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 #define SK_AVX2_PATH 1
 #define SK_AVX2 __attribute__((target("avx2")))
-static int sk_avx2_state = -1;
-static inline int sk_has_avx2(void) {
-    if (sk_avx2_state < 0) sk_avx2_state = __builtin_cpu_supports("avx2") ? 1 : 0;
-    return sk_avx2_state;
-}
+static inline int sk_has_avx2(void) { return cpu_isa() >= CPU_ISA_AVX2; }  /* cpu.h's switch */
 #else
 #define SK_AVX2_PATH 0
 static inline int sk_has_avx2(void) { return 0; }

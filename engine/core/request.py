@@ -13,7 +13,7 @@ the prefix cache instead of computing them again.
 """
 from __future__ import annotations
 
-import dataclasses
+import copy
 import queue
 from dataclasses import dataclass, field
 
@@ -94,8 +94,9 @@ class Request:
                 f"This model's maximum context length (max_model_len) is {max_model_len} tokens; the {prompt_param} has "
                 f"{num_prompt} tokens, which leaves no room for a completion", prompt_param,
                 max_model_len=max_model_len)
-        if params.max_tokens is None:
-            params = dataclasses.replace(params, max_tokens=max_model_len - num_prompt)
+        if params.max_tokens is None:  # a copy: dataclasses.replace would validate params again
+            params = copy.copy(params)
+            params.max_tokens = max_model_len - num_prompt
         elif num_prompt + params.max_tokens > max_model_len:
             raise ContextLengthError(
                 f"This model's maximum context length is {max_model_len} tokens: the {prompt_param} "

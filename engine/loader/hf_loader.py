@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from engine.models.config import ModelConfig
-from engine.models.linear import Int4Weight, Int8Weight, Weight
+from engine.models.quant import Int4Weight, Int8Weight, Weight
 
 INDEX_FILE = "model.safetensors.index.json"
 

@@ -1,4 +1,4 @@
-"""ggml weight blocks -> the engine's weight formats (engine.models.linear), without a float32
+"""ggml weight blocks -> the engine's weight formats (engine.models.quant), without a float32
 copy of the model: one tensor at a time, read from the file's memory map.
 
 Int4 (engine.models.linear.Int4Weight): group g of a row is ``q * scale + min`` with groups of
@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from engine.models.linear import GROUP_SIZE, Int4Weight, Int5Weight, Int8Weight
+from engine.models.quant import GROUP_SIZE, Int4Weight, Int5Weight, Int8Weight
 
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K = 2, 3, 6, 7, 8, 12
 INT4_TYPES = (Q4_0, Q4_1, Q4_K)

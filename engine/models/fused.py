@@ -1,4 +1,4 @@
-"""The fused decode kernels (cext.fused) on torch tensors, and their torch references.
+"""The small ops between the products (cext.ops) on torch tensors, and their torch references.
 
 Each op has a kernel wrapper (checks dtypes, shapes and contiguity, then passes
 ``data_ptr()``s to C) and a ``*_reference`` twin in plain torch with the same contract,
@@ -19,16 +19,16 @@ import torch
 import torch.nn.functional as F
 
 try:
-    from cext import fused as _fused
+    from cext import ops
 except ImportError:  # not built: the model falls back to the reference path
-    _fused = None
+    ops = None
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 _CACHE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # KV caches may also be float16
 
 
 def is_available() -> bool:
-    return _fused is not None
+    return ops is not None
 
 
 def default_enabled() -> bool:
@@ -69,7 +69,7 @@ def add_rmsnorm(resid: torch.Tensor, delta: torch.Tensor | None, weight: torch.T
                  "delta: must be contiguous [T, E] in the compute dtype")
     if out is None:
         out = torch.empty((num_rows, dim), dtype=weight.dtype)
-    _fused.add_rmsnorm(resid.data_ptr(), 0 if delta is None else delta.data_ptr(), weight.data_ptr(),
+    ops.add_rmsnorm(resid.data_ptr(), 0 if delta is None else delta.data_ptr(), weight.data_ptr(),
                        out.data_ptr(), num_rows, dim, eps, code)
     return out
 
@@ -102,7 +102,7 @@ def rope_kv_write(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim
     _require(positions.dtype == torch.int64 and slots.dtype == torch.int64 and positions.is_contiguous()
              and slots.is_contiguous() and positions.shape == (num_rows,) and slots.shape == (num_rows,),
              "positions/slots: must be contiguous int64 [T]")
-    _fused.rope_kv_write(qkv.data_ptr(), num_rows, qkv.stride(0), num_heads, num_kv_heads, head_dim,
+    ops.rope_kv_write(qkv.data_ptr(), num_rows, qkv.stride(0), num_heads, num_kv_heads, head_dim,
                          positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), cos.shape[0], slots.data_ptr(),
                          k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[0], code, cache_code)
 
@@ -145,7 +145,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
              "context_lens: contiguous int64, one per sequence")
     if out is None:
         out = torch.empty((num_seqs, num_heads * head_dim), dtype=q.dtype)
-    _fused.decode_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+    ops.decode_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
                             k_cache.shape[0] // block_size, block_size, block_tables.data_ptr(),
                             block_tables.shape[1], context_lens.data_ptr(), num_seqs, num_heads, num_kv_heads,
                             head_dim, sliding_window or 0, 1.0 / math.sqrt(head_dim), out.data_ptr(), code,
@@ -180,7 +180,7 @@ def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Te
     _require(gate_up.is_contiguous() and width % 2 == 0, "gate_up: must be contiguous [T, 2 I]")
     if out is None:
         out = torch.empty((num_rows, width // 2), dtype=gate_up.dtype)
-    _fused.silu_mul(gate_up.data_ptr(), out.data_ptr(), num_rows, width // 2, code)
+    ops.silu_mul(gate_up.data_ptr(), out.data_ptr(), num_rows, width // 2, code)
     return out
 
 
@@ -230,13 +230,13 @@ class FusedStep:
             self._check_rows(delta, self.hidden, "delta")
         if weight.dtype != self.dtype or not weight.is_contiguous() or weight.shape[0] != self.hidden:
             raise ValueError(f"weight: expected contiguous [{self.hidden}] {self.dtype}, got {weight.dtype}")
-        _fused.add_rmsnorm(resid.data_ptr(), 0 if delta is None else delta.data_ptr(), weight.data_ptr(),
+        ops.add_rmsnorm(resid.data_ptr(), 0 if delta is None else delta.data_ptr(), weight.data_ptr(),
                            self.h.data_ptr(), self.num_rows, self.hidden, self.eps, self.code)
         return self.h
 
     def rope_kv(self, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         self._check_rows(qkv, (self.num_heads + 2 * self.num_kv_heads) * self.head_dim, "qkv")
-        _fused.rope_kv_write(qkv.data_ptr(), self.num_rows, qkv.shape[1], self.num_heads, self.num_kv_heads,
+        ops.rope_kv_write(qkv.data_ptr(), self.num_rows, qkv.shape[1], self.num_heads, self.num_kv_heads,
                              self.head_dim, self.positions.data_ptr(), self.cos.data_ptr(), self.sin.data_ptr(),
                              self.cos.shape[0], self.slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                              k_cache.shape[0], self.code, _CACHE_CODES[k_cache.dtype])
@@ -244,7 +244,7 @@ class FusedStep:
     def decode_attention(self, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         """The decode rows (the first B of qkv, already roped) -> [B, H D] in the step's buffer."""
         plan = self.plan
-        _fused.decode_attention(qkv.data_ptr(), qkv.shape[1], k_cache.data_ptr(), v_cache.data_ptr(),
+        ops.decode_attention(qkv.data_ptr(), qkv.shape[1], k_cache.data_ptr(), v_cache.data_ptr(),
                                 k_cache.shape[0] // plan.block_size, plan.block_size, plan.block_tables.data_ptr(),
                                 plan.block_tables.shape[1], plan.context_lens.data_ptr(), plan.num_decode_seqs,
                                 self.num_heads, self.num_kv_heads, self.head_dim, plan.sliding_window or 0,
@@ -255,5 +255,5 @@ class FusedStep:
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         inter = self.act.shape[1]
         self._check_rows(gate_up, 2 * inter, "gate_up")
-        _fused.silu_mul(gate_up.data_ptr(), self.act.data_ptr(), self.num_rows, inter, self.code)
+        ops.silu_mul(gate_up.data_ptr(), self.act.data_ptr(), self.num_rows, inter, self.code)
         return self.act

@@ -2,7 +2,7 @@
 
 RMSNorm, RoPE, SwiGLU; fused ``wqkv`` and ``w_gate_up`` projections; float32 or bfloat16.
 Two forward paths with the same contract: the fused one (``use_fused``, the default where
-cext.fused is built) keeps the residual stream in float32 and runs every op between the
+cext.ops is built) keeps the residual stream in float32 and runs every op between the
 matmuls in C kernels (engine.models.fused), decode attention included; the torch
 reference path (``ENGINE_FUSED=0`` or ``model.use_fused = False``) is plain aten ops with
 the residual in the compute dtype. Prefill attention is torch's SDPA on both.
@@ -22,7 +22,8 @@ from engine.batch import ForwardBatch
 from engine.models import fused
 from engine.models.config import ModelConfig
 from engine.models.attention import AttentionPlan, PagedKVCache, paged_attention, plan_attention
-from engine.models.linear import Int8Weight, Linear, Weight, cat_rows
+from engine.models.linear import Linear
+from engine.models.quant import Int8Weight, Weight, cat_rows
 from engine.models.rope import RotaryTable, apply_rope
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -50,7 +51,7 @@ def _resolve_kv_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, weights: dict[str, Weight | None], pack_weights: bool = True,
-                 quantized_dtype: torch.dtype | None = None, dense_above_rows: int | None = None):
+                 exact_products: bool = False, dense_above_rows: int | None = None):
         super().__init__()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
@@ -59,7 +60,7 @@ class DecoderLayer(nn.Module):
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
         self.attn_norm = nn.Parameter(weights["attn_norm"], requires_grad=False)  # [E]
-        linear = dict(pack=pack_weights, quantized_dtype=quantized_dtype, dense_above_rows=dense_above_rows)
+        linear = dict(pack=pack_weights, exact=exact_products, dense_above_rows=dense_above_rows)
         self.qkv_proj = Linear(weights["wqkv"], weights["bqkv"], **linear)  # [(H + 2 KH) D, E]
         self.o_proj = Linear(weights["wo"], weights["bo"], **linear)  # [E, H D]
         self.ffn_norm = nn.Parameter(weights["ffn_norm"], requires_grad=False)  # [E]
@@ -109,26 +110,26 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, state_dict: dict[str, Weight], dtype: str | torch.dtype = "float32",
                  rope_freq_factors: torch.Tensor | None = None, pack_weights: bool = True,
-                 dense_above_rows: int | None = None, quantized_dtype: str | torch.dtype | None = None,
+                 dense_above_rows: int | None = None, exact_products: bool = False,
                  kv_cache_dtype: str | torch.dtype | None = None):
-        """state_dict: Hugging Face names -> dense tensors, or Int4Weight / Int8Weight (projections;
-        Int8Weight also for the embedding and head), as the loader chose (engine.loader).
-        Each entry is read once, layer by layer, so a lazy mapping (the GGUF loader's) converts
-        one tensor at a time. pack_weights: lay dense projection weights out for oneDNN once.
+        """state_dict: Hugging Face names -> dense tensors, or the quantized formats of
+        engine.models.quant (Int4Weight / Int5Weight / Int8Weight for projections; Int8Weight
+        also for the embedding and head), as the loader chose (engine.loader). Each entry is
+        read once, layer by layer, so a lazy mapping (the GGUF loader's) converts one tensor at
+        a time. pack_weights: lay dense projection weights out for oneDNN once.
         dense_above_rows: quantized projections also keep a dense copy for larger products.
-        quantized_dtype: how int4/int8 products run (None: the C kernels with int8-quantized
-        activations for decode-sized batches, engine.models.linear; float32: the exact product
-        of the dequantized weights), whatever the activation dtype `dtype`."""
+        exact_products: quantized products are the float32 products of the dequantized weights
+        (else the C kernels of cext.qgemm, whose decode-sized batches quantize the activations
+        to int16 codes per block of 32: engine.models.linear), whatever the activation dtype."""
         super().__init__()
         self.config = config
         self.dtype = resolve_dtype(dtype)
-        quantized_dtype = None if quantized_dtype is None else resolve_dtype(quantized_dtype)
         self.vocab_size = config.vocab_size
         self.max_model_len = config.max_position_embeddings
         weights = _WeightReader(state_dict, self.dtype)
         E, V = config.hidden_size, config.vocab_size
         self.layers = nn.ModuleList(
-            DecoderLayer(config, _layer_weights(config, weights, i), pack_weights, quantized_dtype, dense_above_rows)
+            DecoderLayer(config, _layer_weights(config, weights, i), pack_weights, exact_products, dense_above_rows)
             for i in range(config.num_layers))
         self.norm = nn.Parameter(weights.take("model.norm.weight", (E,)), requires_grad=False)  # [E]
         embed = weights.take("model.embed_tokens.weight", (V, E))
@@ -142,7 +143,7 @@ class LlamaModel(nn.Module):
             self.embed if config.tie_word_embeddings else nn.Parameter(head, requires_grad=False))  # [V, E]
         self.head_int8 = head if isinstance(head, Int8Weight) else None
         self.head_proj = Linear(self.head_int8 or self.lm_head, None, pack_weights, keep_dense=True,
-                                quantized_dtype=quantized_dtype)
+                                exact=exact_products)
         self.rope = RotaryTable(config, self.dtype, rope_freq_factors)
         # The KV cache's dtype (None: the activations'). The loaders pick float16 beside float32
         # activations for quantized weights (as llama.cpp keeps K and V): a decode step reads
@@ -216,7 +217,7 @@ class LlamaModel(nn.Module):
         """
         logits = self.head_proj(x).float()  # [S, V]
         is_exact_int8 = (self.head_int8 is not None and self.head_int8.is_exact
-                         and self.head_proj.quantized_dtype is None)
+                         and not self.head_proj.exact)
         if self.head_proj.is_exact or is_exact_int8:
             return logits
         top_ids = logits.topk(min(REFINE_TOP_K, self.vocab_size), dim=-1).indices  # [S, k]

@@ -5,7 +5,7 @@ torch's OpenMP team ends every parallel region in a barrier, so a spinning team 
 when another process takes one of its cores; a passive (sleeping) team does not. So: with
 ``OMP_WAIT_POLICY=PASSIVE`` in effect, one thread per available CPU (up to
 ``MAX_DEFAULT_THREADS``, beyond which nothing was measured); without it, one thread. The
-fused kernels' own pool polls briefly between jobs, then sleeps (cext/csrc/fused_kernels.c).
+kernels' own pool polls briefly between jobs, then sleeps (cext/csrc/cpu.c).
 The measurements behind this, and the commands that repeat them: docs/performance.md.
 
 libgomp reads OMP_WAIT_POLICY only when it loads (``import torch``), so the package sets it
@@ -65,9 +65,9 @@ def apply_thread_policy(num_threads: int | None = None) -> ThreadPolicy:
         torch.set_num_threads(num_threads)
     kernel_threads = num_threads
     try:
-        from cext import fused
+        from cext import cpu
     except ImportError:
         kernel_threads = 0
     else:
-        fused.set_num_threads(num_threads)
+        cpu.set_num_threads(num_threads)
     return ThreadPolicy(num_threads, kernel_threads, os.environ.get("OMP_WAIT_POLICY"))

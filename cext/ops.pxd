@@ -1,4 +1,4 @@
-# Fused decode kernels (cext/csrc/fused_kernels.h): plain C over raw pointers.
+# The small ops of a forward step (cext/csrc/fused_kernels.h): plain C over raw pointers.
 from libc.stdint cimport int64_t
 
 
@@ -7,10 +7,6 @@ cdef extern from "csrc/fused_kernels.h" nogil:
         FK_FLOAT32
         FK_BFLOAT16
         FK_FLOAT16
-        FK_ISA_AUTO
-        FK_ISA_BASELINE
-        FK_ISA_AVX2
-        FK_ISA_AVX512
         FK_OK
         FK_BAD_BLOCK
         FK_BAD_SLOT
@@ -30,25 +26,3 @@ cdef extern from "csrc/fused_kernels.h" nogil:
                             int head_dim, int64_t sliding_window, float scale, void* out, int dtype,
                             int cache_dtype)
     int fk_silu_mul(const void* gate_up, void* out, int64_t num_rows, int64_t inter, int dtype)
-    int fk_set_num_threads(int num_threads)
-    int fk_get_num_threads()
-    void fk_set_parallel_threshold(int64_t work)
-    int64_t fk_get_parallel_threshold()
-    void fk_set_spin_ns(int64_t ns)
-    int64_t fk_get_spin_ns()
-    int fk_set_isa(int isa)
-    int fk_get_isa()
-
-
-cdef extern from "csrc/qgemm.h" nogil:
-    int fk_q4_matmul(const void* x, int64_t x_stride, int64_t num_rows, int64_t num_cols,
-                     const unsigned char* blocks, int half, int layout, int64_t num_out, const float* bias,
-                     void* y, int64_t y_stride, int dtype)
-    int fk_q8_matmul(const void* x, int64_t x_stride, int64_t num_rows, int64_t num_cols,
-                     const signed char* q, const void* scales, int half, int64_t num_out, const float* bias,
-                     void* y, int64_t y_stride, int dtype)
-    int fk_q5_pack(const unsigned char* packed, const unsigned char* high, int64_t num_rows, int64_t num_cols,
-                   unsigned char* out, int64_t out_stride)
-    void fk_qgemm_set_float_rows(int64_t rows)
-    int64_t fk_qgemm_get_float_rows()
-    int fk_q4_dequantize(const unsigned char* blocks, int half, int layout, int64_t num_out, int64_t num_cols, float* w)

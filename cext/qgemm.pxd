@@ -1,0 +1,31 @@
+# Quantized weight products (cext/csrc/qgemm.h: the routes and the byte layouts).
+from libc.stdint cimport int64_t, uint8_t
+
+
+cdef extern from "csrc/qgemm.h" nogil:
+    enum:
+        QG_Q4
+        QG_Q5
+        QG_Q8
+        QG_HALF
+        QG_NO_MINS
+        QG_OK
+        QG_BAD_LENGTH
+        QG_NO_MEMORY
+        QG_BAD_LAYOUT
+
+    int qg_matmul(int layout, const void* x, int64_t x_stride, int64_t num_rows, int64_t num_cols,
+                  const void* w, const void* scales, int64_t num_out, const float* bias,
+                  void* y, int64_t y_stride, int dtype)
+    int qg_dequantize(int layout, const void* w, const void* scales, int64_t first, int64_t count,
+                      int64_t num_cols, void* out, int out_dtype)
+    int qg_q5_pack(const uint8_t* packed, const uint8_t* high, int64_t num_rows, int64_t num_cols,
+                   uint8_t* out, int64_t out_stride)
+    void qg_set_float_rows(int64_t rows)
+    int64_t qg_get_float_rows()
+
+
+cdef extern from "csrc/dtype.h" nogil:
+    enum:
+        DT_FLOAT32
+        DT_BFLOAT16

@@ -1,0 +1,86 @@
+"""Quantized weight products y [M, N] = x [M, K] @ W.T (+ bias) in C, on cext.cpu's
+instruction set and thread pool; W in one of the layouts of cext/csrc/qgemm.h (built by
+engine.models.quant), named by ``layout`` = Q4, Q5 or Q8, plus HALF (fp16 scales) and NO_MINS
+(Q5 rows without mins).
+
+Arguments are raw addresses (``tensor.data_ptr()``) and sizes; the caller
+(``engine.models.linear``) checks dtypes and shapes. The GIL is released while a kernel runs.
+"""
+from cpython.pycapsule cimport PyCapsule_GetPointer
+from libc.stdint cimport int64_t, intptr_t, uint8_t
+
+from cext import cpu as _cpu
+
+
+cdef extern from "csrc/cpu.h":
+    int cpu_client_bind(const void* api)
+
+
+if cpu_client_bind(PyCapsule_GetPointer(_cpu._api, b"cext.cpu._api")) != 0:
+    raise ImportError("cext.qgemm: cext.cpu was built from another cpu.h")
+
+Q4 = QG_Q4
+Q5 = QG_Q5
+Q8 = QG_Q8
+HALF = QG_HALF
+NO_MINS = QG_NO_MINS
+FLOAT32 = DT_FLOAT32
+BFLOAT16 = DT_BFLOAT16
+
+_ERRORS = {
+    QG_BAD_LENGTH: "K (num_cols) must be a multiple of 32 (Q8) or of 64 (Q4, Q5)",
+    QG_BAD_LAYOUT: "unknown layout",
+}
+
+
+cdef inline int _check(int rc, int layout) except -1:
+    if rc == QG_OK:
+        return 0
+    if rc == QG_NO_MEMORY:
+        raise MemoryError("qgemm scratch")
+    raise ValueError(f"layout {layout}: {_ERRORS.get(rc, f'qgemm error {rc}')}")
+
+
+def matmul(int layout, intptr_t x, int64_t x_stride, int64_t num_rows, int64_t num_cols, intptr_t w,
+           intptr_t scales, int64_t num_out, intptr_t bias, intptr_t y, int64_t y_stride, int dtype):
+    """y [M, N] (row stride y_stride) = x [M, K] (row stride x_stride) @ W.T + bias (float32 [N],
+    0: none); x and y in dtype (FLOAT32 or BFLOAT16). w: the rows of W in ``layout``; scales:
+    Q8's scales [N, K / 32] (0 for Q4 and Q5, whose rows hold them)."""
+    cdef int rc
+    with nogil:
+        rc = qg_matmul(layout, <const void*>x, x_stride, num_rows, num_cols, <const void*>w,
+                       <const void*>scales, num_out, <const float*>bias, <void*>y, y_stride, dtype)
+    _check(rc, layout)
+
+
+def dequantize(int layout, intptr_t w, intptr_t scales, int64_t first, int64_t count, int64_t num_cols,
+               intptr_t out, int out_dtype=DT_FLOAT32):
+    """Rows first .. first + count - 1 of W (as matmul's w, scales) -> out [count, K] in
+    out_dtype (FLOAT32 or BFLOAT16)."""
+    cdef int rc
+    with nogil:
+        rc = qg_dequantize(layout, <const void*>w, <const void*>scales, first, count, num_cols, <void*>out,
+                           out_dtype)
+    _check(rc, layout)
+
+
+def q5_pack(intptr_t packed, intptr_t high, int64_t num_rows, int64_t num_cols, intptr_t out, int64_t out_stride):
+    """Q5 codes in ggml's order (nibbles [N, K / 2], fifth bits [N, K / 8]) -> the Q5 layout's
+    40-byte pair records, row n at out + n * out_stride."""
+    cdef int rc
+    with nogil:
+        rc = qg_q5_pack(<const uint8_t*>packed, <const uint8_t*>high, num_rows, num_cols, <uint8_t*>out,
+                        out_stride)
+    _check(rc, Q5)
+
+
+def set_float_rows(int64_t rows):
+    """From how many activation rows the products run in float32 (each pass's weight rows
+    decoded once, FMAs against the float32 activations) instead of int16 codes (AVX2 and up)."""
+    if rows < 1:
+        raise ValueError(f"float_rows: must be >= 1, got {rows!r}")
+    qg_set_float_rows(rows)
+
+
+def get_float_rows() -> int:
+    return qg_get_float_rows()

@@ -1,0 +1,318 @@
+"""The quantized weight formats, as loaded (engine/loader/repack.py maps ggml's blocks onto
+them exactly) and as the kernels read them (``blocks()``: the byte layouts of
+cext/csrc/qgemm.h, described there once).
+
+- ``Int4Weight``: w = q * scale + min per group of 32 inputs, q in 0..15 (Q4_0, Q4_1, Q4_K).
+- ``Int5Weight``: the same with q in 0..31 (Q5_0, Q5_1).
+- ``Int8Weight``: w = q * scale per block of 32 (Q8_0; Q5_0 as codes q - 16).
+``Weight`` is any of them or a dense tensor; ``cat_rows`` joins weights along the output rows
+(fused QKV, gate/up) in the narrowest format that holds them exactly.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+try:
+    from cext import qgemm
+except ImportError:  # not built: the NumPy packing below
+    qgemm = None
+
+GROUP_SIZE = 32
+
+
+def is_half_exact_tensor(t: torch.Tensor) -> bool:
+    """Whether every value of t is an fp16 value (float16 already, or float32 that converts back)."""
+    if t.dtype == torch.float16:
+        return True
+    values = t.float().numpy()
+    return bool((values.astype(np.float16).astype(np.float32) == values).all())
+
+
+@dataclass
+class Int4Weight:
+    """w = q * scale + min per group of 32 inputs, q in 0..15 (ggml's form: Q4_0, Q4_1 and Q4_K
+    sub-blocks map onto it exactly). packed uint8 [N, K / 2]: for group g of a row, bytes
+    16 g .. 16 g + 15 hold element j in the low nibble and element j + 16 in the high nibble
+    (ggml's order); scales, mins float32 [N, K / 32]."""
+    packed: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.packed.shape[0], self.packed.shape[1] * 2)
+
+    @property
+    def codes(self) -> torch.Tensor:
+        """-> uint8 [N, K] in 0..15, in element order."""
+        num_rows, num_cols = self.shape
+        groups = self.packed.reshape(num_rows, -1, GROUP_SIZE // 2)  # [N, K/32, 16]
+        return torch.cat((groups & 0x0F, groups >> 4), dim=-1).reshape(num_rows, num_cols)
+
+    @staticmethod
+    def from_codes(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> Int4Weight:
+        """codes uint8 [N, K] in 0..15 (element order) -> the packed form."""
+        num_rows, num_cols = codes.shape
+        groups = codes.reshape(num_rows, -1, GROUP_SIZE)  # [N, K/32, 32]
+        packed = groups[..., :GROUP_SIZE // 2] | (groups[..., GROUP_SIZE // 2:] << 4)  # [N, K/32, 16]
+        return Int4Weight(packed.reshape(num_rows, num_cols // 2).contiguous(), scales, mins)
+
+    def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Int4Weight:
+        """The same row operation (a permutation, a slice) on codes, scales and mins."""
+        return Int4Weight(fn(self.packed), fn(self.scales), fn(self.mins))
+
+    @staticmethod
+    def cat(parts: list[Int4Weight]) -> Int4Weight:
+        return Int4Weight(*(torch.cat([getattr(p, n) for p in parts]) for n in ("packed", "scales", "mins")))
+
+    @staticmethod
+    def from_dense(w: torch.Tensor) -> Int4Weight:
+        """w [N, K] float -> asymmetric int4 groups of 32 (min/max, round to nearest)."""
+        num_rows, num_cols = w.shape
+        groups = w.float().reshape(num_rows, num_cols // GROUP_SIZE, GROUP_SIZE)  # [N, K/32, 32]
+        low, high = groups.amin(-1), groups.amax(-1)  # [N, K/32]
+        scale = ((high - low) / 15).clamp_min(1e-12)
+        codes = ((groups - low[..., None]) / scale[..., None]).round_().clamp_(0, 15).to(torch.uint8)
+        return Int4Weight.from_codes(codes.reshape(num_rows, num_cols), scale, low)
+
+    def dequantize(self) -> torch.Tensor:
+        """-> float32 [N, K]."""
+        num_rows, num_cols = self.shape
+        groups = self.codes.reshape(num_rows, -1, GROUP_SIZE).float()  # [N, K/32, 32]
+        return (groups * self.scales[..., None] + self.mins[..., None]).reshape(num_rows, num_cols)
+
+    def is_half_exact(self) -> bool:
+        """Whether every scale and min is an fp16 value (Q4_0 and Q4_1 files: yes; Q4_K's
+        products of two scales: in general no)."""
+        return is_half_exact_tensor(self.scales) and is_half_exact_tensor(self.mins)
+
+    def blocks(self, half: bool = False) -> torch.Tensor:
+        """-> uint8 [N, K / 32 * (20 if half else 24)]: the kernels' Q4 rows (cext/csrc/qgemm.h's
+        QG_Q4, with QG_HALF when half: fp16 scales and mins). K: a multiple of 64. (NumPy: ~20x
+        faster than the same uint8 ops in torch here, which matters at load.)"""
+        num_rows, num_cols = self.shape
+        if num_cols % (2 * GROUP_SIZE):
+            raise ValueError(f"Q4 blocks need K a multiple of {2 * GROUP_SIZE}, got {num_cols}")
+        num_groups = num_cols // GROUP_SIZE
+        dtype, width = (np.float16, 2) if half else (np.float32, 4)
+        # ggml's byte i of a block holds its elements i (low nibble) and 16 + i (high), so word i
+        # of a pair is byte i of the first block beside byte i of the second: an interleave.
+        # [N, K/64, 2, 16]
+        packed = self.packed.numpy().reshape(num_rows, num_groups // 2, 2, GROUP_SIZE // 2)
+        out = np.empty((num_rows, num_groups * (16 + 2 * width)), dtype=np.uint8)
+        out[:, : num_groups * width] = self.scales.numpy().astype(dtype).view(np.uint8)
+        out[:, num_groups * width: num_groups * 2 * width] = self.mins.numpy().astype(dtype).view(np.uint8)
+        out[:, num_groups * 2 * width:].reshape(num_rows, num_groups // 2, GROUP_SIZE // 2, 2)[:] = \
+            packed.transpose(0, 1, 3, 2)  # word i: (first block's byte i, second's)
+        return torch.from_numpy(out)
+
+
+@dataclass
+class Int5Weight:
+    """w = q * scale + min per group of 32 inputs, q in 0..31 (ggml's Q5_0 is ``d * q - 16 d``,
+    Q5_1 ``d * q + m``: both load exactly). packed uint8 [N, K / 2]: the low nibbles in
+    Int4Weight's order; high uint8 [N, K / 8]: per group 4 bytes, bit j (little-endian) the
+    fifth bit of element j (ggml's qh); scales, mins float32 [N, K / 32]. The kernels read
+    0.75 bytes per weight (fp16 scales) against int8's 1.125."""
+    packed: torch.Tensor
+    high: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.packed.shape[0], self.packed.shape[1] * 2)
+
+    @property
+    def codes(self) -> torch.Tensor:
+        """-> uint8 [N, K] in 0..31, in element order."""
+        num_rows, num_cols = self.shape
+        low = Int4Weight(self.packed, self.scales, self.mins).codes
+        bits = np.unpackbits(self.high.numpy().reshape(num_rows, num_cols // 8), axis=-1, bitorder="little")
+        return low | (torch.from_numpy(bits) << 4)
+
+    @staticmethod
+    def from_codes(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> Int5Weight:
+        """codes uint8 [N, K] in 0..31 (element order) -> the packed form."""
+        num_rows, num_cols = codes.shape
+        low = Int4Weight.from_codes(codes & 0x0F, scales, mins).packed
+        high = np.packbits((codes >> 4).numpy().astype(np.uint8), axis=-1, bitorder="little")  # [N, K/8]
+        return Int5Weight(low, torch.from_numpy(high), scales, mins)
+
+    @staticmethod
+    def from_int4(weight: Int4Weight) -> Int5Weight:
+        """The same weight with every fifth bit 0 (to join Q5 rows in one fused layer)."""
+        num_rows, num_cols = weight.shape
+        no_high = torch.zeros(num_rows, num_cols // 8, dtype=torch.uint8)
+        return Int5Weight(weight.packed, no_high, weight.scales,
+                          weight.mins)
+
+    def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Int5Weight:
+        return Int5Weight(fn(self.packed), fn(self.high), fn(self.scales), fn(self.mins))
+
+    @staticmethod
+    def cat(parts: list[Int5Weight]) -> Int5Weight:
+        names = ("packed", "high", "scales", "mins")
+        return Int5Weight(*(torch.cat([getattr(p, n) for p in parts]) for n in names))
+
+    def dequantize(self) -> torch.Tensor:
+        num_rows, num_cols = self.shape
+        groups = self.codes.reshape(num_rows, -1, GROUP_SIZE).float()
+        return (groups * self.scales[..., None] + self.mins[..., None]).reshape(num_rows, num_cols)
+
+    @property
+    def kernel_mins(self) -> torch.Tensor:
+        """The kernels' min: they take signed codes q - 16, so w = scale * (q - 16) + (min + 16 scale)
+        (0 for Q5_0)."""
+        return self.mins + 16 * self.scales
+
+    def is_half_exact(self) -> bool:
+        """Whether the kernels' scales and mins are all fp16 values (Q5_0 files: yes)."""
+        return Int4Weight(self.packed, self.scales, self.kernel_mins).is_half_exact()
+
+    def to_int8(self) -> Int8Weight:
+        """-> Int8Weight: exact when every min is -16 scale (Q5_0: codes q - 16, scale d),
+        else a re-quantization."""
+        if bool((self.mins == -16 * self.scales).all()):
+            codes = (self.codes.to(torch.int16) - 16).to(torch.int8)
+            return Int8Weight.from_codes(codes, self.scales.float(), is_exact=True)
+        return Int8Weight.from_dense(self.dequantize())
+
+    def blocks(self, half: bool = False, with_mins: bool = True) -> torch.Tensor:
+        """-> uint8 [N, K / 32 * (24 if half else 28)]: the kernels' Q5 rows (cext/csrc/qgemm.h's
+        QG_Q5) of the signed codes q - 16 with kernel_mins. with_mins=False (every kernel min 0:
+        Q5_0): no mins, K / 32 * (22 if half else 24) bytes (QG_NO_MINS). K: a multiple of 64."""
+        num_rows, num_cols = self.shape
+        if num_cols % (2 * GROUP_SIZE):
+            raise ValueError(f"Q5 blocks need K a multiple of {2 * GROUP_SIZE}, got {num_cols}")
+        if not with_mins and bool((self.kernel_mins != 0).any()):
+            raise ValueError("Q5 blocks without mins need every kernel min to be 0 (Q5_0)")
+        num_groups, num_pairs = num_cols // GROUP_SIZE, num_cols // (2 * GROUP_SIZE)
+        dtype, width = (np.float16, 2) if half else (np.float32, 4)
+        head = num_groups * (2 if with_mins else 1) * width
+        out = np.empty((num_rows, head + num_pairs * 40), dtype=np.uint8)
+        out[:, : num_groups * width] = self.scales.numpy().astype(dtype).view(np.uint8)
+        if with_mins:
+            out[:, num_groups * width: head] = self.kernel_mins.numpy().astype(dtype).view(np.uint8)
+        if qgemm is not None:  # a C loop: the NumPy below costs ~1.5 s at Qwen2.5-0.5B's load
+            packed, high = self.packed.contiguous(), self.high.contiguous()
+            qgemm.q5_pack(packed.data_ptr(), high.data_ptr(), num_rows, num_cols, out[:, head:].ctypes.data,
+                           out.shape[1])
+            return torch.from_numpy(out)
+        # (q - 16) & 31
+        fields = (self.codes.numpy() ^ 16).reshape(num_rows, num_pairs, 4, 16).astype(np.uint16)
+        words = ((fields[:, :, 3] << 11) | (fields[:, :, 2] << 6) | (fields[:, :, 1] << 1)
+                 | (fields[:, :, 0] >> 4))
+        low = (fields[:, :, 0] & 0x0F).astype(np.uint8)  # [N, pairs, 16]
+        pairs = out[:, head:].reshape(num_rows, num_pairs, 40)
+        pairs[..., :32] = words.astype("<u2").view(np.uint8).reshape(num_rows, num_pairs, 32)
+        pairs[..., 32:] = low[..., 0::2] | (low[..., 1::2] << 4)
+        return torch.from_numpy(out)
+
+
+@dataclass
+class Int8Weight:
+    """q int8 [N, K], scales float32 [N, K / 32]: w = q * scale per block of 32 inputs (ggml's
+    Q8_0, so a Q8_0 tensor loads exactly). q is kept in the kernels' order (interleave_q8;
+    cext/csrc/qgemm.h's QG_Q8), so the product needs no second copy; row operations are
+    unaffected, element access goes through ``codes``. is_exact: q and scales are the source's
+    own values (a Q8_0 file), not a re-quantization. exact_rows: optionally where a re-quantized weight
+    came from (rows read exactly from a GGUF map, engine.loader.repack.MappedRows) for lookups:
+    the embedding and the head's refined logits."""
+    q: torch.Tensor
+    scales: torch.Tensor
+    exact_rows: object | None = None
+    is_exact: bool = False
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)
+
+    def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Int8Weight:
+        return Int8Weight(fn(self.q), fn(self.scales), is_exact=self.is_exact)
+
+    @staticmethod
+    def cat(parts: list[Int8Weight]) -> Int8Weight:
+        return Int8Weight(torch.cat([p.q for p in parts]), torch.cat([p.scales for p in parts]),
+                          is_exact=all(p.is_exact for p in parts))
+
+    @property
+    def codes(self) -> torch.Tensor:
+        """-> int8 [N, K] in element order."""
+        return deinterleave_q8(self.q)
+
+    @staticmethod
+    def from_codes(codes: torch.Tensor, scales: torch.Tensor, is_exact: bool = False) -> Int8Weight:
+        """codes int8 [N, K] in element order, scales [N, K / 32]."""
+        return Int8Weight(interleave_q8(codes), scales, is_exact=is_exact)
+
+    @staticmethod
+    def from_dense(w: torch.Tensor) -> Int8Weight:
+        """w [N, K] float -> symmetric int8 per block of 32 (scale = absmax / 127)."""
+        num_rows, num_cols = w.shape
+        blocks = w.float().reshape(num_rows, -1, GROUP_SIZE)  # [N, K/32, 32]
+        scales = (blocks.abs().amax(-1) / 127).clamp_min(1e-12)  # [N, K/32]
+        q = (blocks / scales[..., None]).round_().clamp_(-127, 127).to(torch.int8)
+        return Int8Weight.from_codes(q.reshape(num_rows, num_cols), scales)
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """ids [...] -> rows [..., K] in dtype (an embedding lookup): the exact source rows when
+        known, else the dequantized int8 rows."""
+        if self.exact_rows is not None and not self.is_exact:
+            return self.exact_rows.rows(ids, dtype)
+        flat = ids.reshape(-1)
+        q = deinterleave_q8(self.q[flat]).float().reshape(len(flat), -1, GROUP_SIZE)  # [n, K/32, 32]
+        w = (q * self.scales[flat][..., None]).reshape(*ids.shape, self.shape[1])
+        return w.to(dtype)
+
+    def dequantize(self) -> torch.Tensor:
+        num_rows, num_cols = self.shape
+        q = self.codes.float().reshape(num_rows, -1, GROUP_SIZE)
+        return (q * self.scales[..., None]).reshape(num_rows, num_cols)
+
+
+Weight = torch.Tensor | Int4Weight | Int5Weight | Int8Weight
+
+
+def cat_rows(parts: list[Weight]) -> Weight:
+    """Concatenate weights along the output rows (fused QKV, gate/up). Parts of one format stay
+    in it; int4 beside int5 becomes int5 (exact), int5 (Q5_0) beside int8 (a Q8_0 V beside Q5_0
+    Q/K) becomes int8 (exact), any other mix int8 re-quantized."""
+    kinds = {type(p) for p in parts}
+    if kinds == {Int4Weight, Int5Weight}:
+        parts = [Int5Weight.from_int4(p) if isinstance(p, Int4Weight) else p for p in parts]
+        kinds = {Int5Weight}
+    if kinds == {Int5Weight, Int8Weight}:
+        parts, kinds = [p.to_int8() if isinstance(p, Int5Weight) else p for p in parts], {Int8Weight}
+    if len(kinds) == 1:
+        kind = kinds.pop()
+        return torch.cat(parts) if kind is torch.Tensor else kind.cat(parts)
+    dense = [p if isinstance(p, torch.Tensor) else p.dequantize() for p in parts]
+    return Int8Weight.from_dense(torch.cat(dense))
+
+
+def blocks_to_int4(blocks: torch.Tensor, num_cols: int, half: bool = False) -> Int4Weight:
+    """The kernels' Q4 rows -> Int4Weight (the inverse of Int4Weight.blocks)."""
+    num_rows, num_groups = blocks.shape[0], num_cols // GROUP_SIZE
+    dtype, width = (torch.float16, 2) if half else (torch.float32, 4)
+    scales = blocks[:, : num_groups * width].contiguous().view(dtype).float()  # [N, K/32]
+    mins = blocks[:, num_groups * width: num_groups * 2 * width].contiguous().view(dtype).float()
+    words = blocks[:, num_groups * 2 * width:].reshape(num_rows, num_groups // 2, 16, 2)  # [N, K/64, word, b]
+    low, high = words[..., 0], words[..., 1]
+    runs = torch.stack((low & 0x0F, low >> 4, high & 0x0F, high >> 4), dim=2)
+    return Int4Weight.from_codes(runs.reshape(num_rows, num_cols), scales, mins)  # runs: [N, K/64, 4, 16]
+
+
+def interleave_q8(q: torch.Tensor) -> torch.Tensor:
+    """int8 [N, K] -> the kernels' order (QG_Q8): per block of 32, byte 2i = element i, 2i + 1 = 16 + i."""
+    num_rows, num_cols = q.shape
+    return q.reshape(num_rows, -1, 2, 16).transpose(2, 3).reshape(num_rows, num_cols).contiguous()
+
+
+def deinterleave_q8(q: torch.Tensor) -> torch.Tensor:
+    num_rows, num_cols = q.shape
+    return q.reshape(num_rows, -1, 16, 2).transpose(2, 3).reshape(num_rows, num_cols).contiguous()
