@@ -18,7 +18,7 @@ from .embedding.api import EmbeddingMixin
 from .errors import InvalidParameterError
 from .outputs import Completion
 from .params import SamplingParams
-from .request_stream import FinishQueue, RequestStream
+from .request_stream import RequestStream
 
 
 def _display_name(path: str) -> str:
@@ -217,21 +217,29 @@ class Engine(EmbeddingMixin):
 
         ``progress=True``: a tqdm.auto bar that advances as requests finish (in any order)."""
         pairs = self._generate_pairs(prompts, params)
-        finished: queue.SimpleQueue = queue.SimpleQueue()
+        ended: queue.SimpleQueue = queue.SimpleQueue()  # each request's index as it ends
         streams: list[RequestStream] = []
         try:
             for index, (prompt, p) in enumerate(pairs):
-                outputs = FinishQueue(index, finished) if progress else None
-                streams.append(self.submit(self._prompt_ids(prompt), p, outputs=outputs))
+                prompt_ids = self._prompt_ids(prompt)
+                request = self._core.make_request(prompt_ids, p)
+                request.group.ended, request.group.end_key = ended, index
+                self._core.submit(request)
+                streams.append(RequestStream(self._core, request, prompt_ids, owner=self))
+            # Wait for the ends only (no wake-up per token), then fold what queued.
             if progress:
                 from tqdm.auto import tqdm
 
                 with tqdm(total=len(streams), desc="generate", unit="req") as bar:
                     for _ in streams:
-                        self._wait_finished(finished)
+                        if self._wait_finished(ended) < 0:
+                            break
                         bar.update(1)
-            # in prompt order (all finished already when progress)
-            return [c for stream in streams for c in stream.collect_choices()]
+            else:
+                for _ in streams:
+                    if self._wait_finished(ended) < 0:
+                        break
+            return [c for stream in streams for c in stream.collect_choices()]  # in prompt order
         finally:
             for stream in streams:
                 stream.close()

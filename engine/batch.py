@@ -18,26 +18,66 @@ A model object implements:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+import numpy as np
 import torch
 
+_ARRAYS = ("input_ids", "positions", "slot_mapping", "query_starts", "context_lens", "block_tables",
+           "logit_rows", "prompt_lens")
 
-@dataclass(slots=True)
+
+def _tensor_field(name: str, doc: str) -> property:
+    key = "_" + name
+
+    def get(self) -> torch.Tensor:
+        value = getattr(self, key)
+        if isinstance(value, np.ndarray):  # the scheduler's arrays: a tensor only when a model reads it
+            value = torch.from_numpy(value)
+            setattr(self, key, value)
+        return value
+
+    def set(self, value) -> None:
+        setattr(self, key, value)
+
+    return property(get, set, doc=doc)
+
+
 class ForwardBatch:
-    input_ids: torch.Tensor  # [T] int64
-    positions: torch.Tensor  # [T] int64, position of each row within its sequence
-    slot_mapping: torch.Tensor  # [T] int64, flat KV slot each row writes
-    query_starts: torch.Tensor  # [B+1] int64, row offsets (cu_seqlens)
-    context_lens: torch.Tensor  # [B] int64, KV length of each sequence after this tick
-    block_tables: torch.Tensor  # [B, max_blocks] int64, block ids, -1 padded
-    logit_rows: torch.Tensor  # [S] int64, rows whose logits forward() returns
-    prompt_lens: torch.Tensor  # [B] int64, original prompt length of each sequence
-    # Host-side copies for Python loops (no tensor.item() on the hot path).
-    query_starts_list: list[int]
-    context_lens_list: list[int]
-    num_decode_seqs: int = 0  # sequences 0..num_decode_seqs-1 have exactly one row each
-    block_size: int = 16
+    """The int64 arrays are torch tensors, or numpy arrays made tensors (no copy) when first read,
+    so a tick pays only for the tensors its model uses; ``array(name)`` reads one as numpy."""
+
+    __slots__ = tuple("_" + name for name in _ARRAYS) + (
+        "query_starts_list", "context_lens_list", "num_decode_seqs", "block_size")
+
+    input_ids = _tensor_field("input_ids", "[T] int64")
+    positions = _tensor_field("positions", "[T] int64, position of each row within its sequence")
+    slot_mapping = _tensor_field("slot_mapping", "[T] int64, flat KV slot each row writes")
+    query_starts = _tensor_field("query_starts", "[B+1] int64, row offsets (cu_seqlens)")
+    context_lens = _tensor_field("context_lens", "[B] int64, KV length of each sequence after this tick")
+    block_tables = _tensor_field("block_tables", "[B, max_blocks] int64, block ids, -1 padded")
+    logit_rows = _tensor_field("logit_rows", "[S] int64, rows whose logits forward() returns")
+    prompt_lens = _tensor_field("prompt_lens", "[B] int64, original prompt length of each sequence")
+
+    def __init__(self, input_ids, positions, slot_mapping, query_starts, context_lens, block_tables,
+                 logit_rows, prompt_lens, query_starts_list: list[int], context_lens_list: list[int],
+                 num_decode_seqs: int = 0, block_size: int = 16):
+        self._input_ids = input_ids
+        self._positions = positions
+        self._slot_mapping = slot_mapping
+        self._query_starts = query_starts
+        self._context_lens = context_lens
+        self._block_tables = block_tables
+        self._logit_rows = logit_rows
+        self._prompt_lens = prompt_lens
+        # Host-side copies for Python loops (no tensor.item() on the hot path).
+        self.query_starts_list = query_starts_list
+        self.context_lens_list = context_lens_list
+        self.num_decode_seqs = num_decode_seqs  # sequences 0..num_decode_seqs-1 have exactly one row each
+        self.block_size = block_size
+
+    def array(self, name: str) -> np.ndarray:
+        """One of the int64 arrays as numpy (a view, no copy)."""
+        value = getattr(self, "_" + name)
+        return value if isinstance(value, np.ndarray) else value.numpy()
 
     @property
     def num_seqs(self) -> int:
@@ -46,6 +86,10 @@ class ForwardBatch:
     @property
     def num_tokens(self) -> int:
         return self.query_starts_list[-1]
+
+    def __repr__(self) -> str:
+        return (f"ForwardBatch(num_seqs={self.num_seqs}, num_tokens={self.num_tokens}, "
+                f"num_decode_seqs={self.num_decode_seqs}, block_size={self.block_size})")
 
 
 def single_sequence_batch(

@@ -173,16 +173,3 @@ class RequestStream(BaseRequestStream):
             self.close()
         return self._completions(folds)
 
-
-class FinishQueue(queue.SimpleQueue):
-    """A request's output queue that also reports the request's end (its index) on a shared queue:
-    generate(progress=True) counts requests as they finish, whatever their order."""
-
-    def __init__(self, index: int, finished: queue.SimpleQueue):
-        self.index = index
-        self.finished = finished
-
-    def put(self, item, block: bool = True, timeout: float | None = None) -> None:
-        super().put(item)
-        if item is FINISHED or isinstance(item, BaseException):
-            self.finished.put(self.index)

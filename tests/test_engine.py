@@ -269,3 +269,46 @@ def test_dead_engine_thread_fails_every_waiter(tok):
     with pytest.raises(EngineDead):
         eng.stream([1], SamplingParams(max_tokens=3))
     eng.close()
+
+
+def test_generate_waits_for_ends_and_sees_failures(tok):
+    """generate waits for each request's end notice, not its events: a failed request and a
+    dead engine thread must still end it (with the error), never hang it."""
+    script = tok.encode("fine output", add_special_tokens=False)
+    params = SamplingParams(max_tokens=len(script), temperature=0)
+    with engine.Engine(_PoisonModel(script, tok.vocab_size, poison=7), tok, max_model_len=512) as eng:
+        with pytest.raises(EngineError, match="simulated kernel failure"):
+            eng.generate([[1, 2, 3], [7, 7, 7]], params)
+        assert [c.token_ids for c in eng.generate([[1, 2, 3], [4, 5]], params)] == [script, script]
+    with engine.Engine(_PoisonModel([5], tok.vocab_size, poison=7, fatal=True), tok, max_model_len=512) as eng:
+        with pytest.raises(EngineDead):
+            eng.generate([[1, 2], [7]], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
+
+
+def test_scripted_model_step_seconds(tok):
+    """The paced double emits the same tokens (the pace is the only difference); bad paces are refused."""
+    script = tok.encode("a paced reply", add_special_tokens=False)
+    params = SamplingParams(max_tokens=len(script), temperature=0)
+    with engine.Engine(ScriptedModel(script, tok.vocab_size, step_seconds=0.002), tok, max_model_len=512) as eng:
+        [done] = eng.generate([[1, 2, 3]], params)
+    assert done.token_ids == script
+    for bad in (-0.001, float("nan")):
+        with pytest.raises(ValueError, match="step_seconds"):
+            ScriptedModel(script, tok.vocab_size, step_seconds=bad)
+
+
+def test_forward_batch_makes_tensors_of_numpy_arrays_without_copying():
+    import numpy as np
+
+    from engine.batch import ForwardBatch
+
+    arrays = {name: np.arange(4, dtype=np.int64) for name in (
+        "input_ids", "positions", "slot_mapping", "query_starts", "context_lens", "logit_rows", "prompt_lens")}
+    batch = ForwardBatch(**arrays, block_tables=np.zeros((3, 2), dtype=np.int64), query_starts_list=[0, 1, 2, 3],
+                         context_lens_list=[1, 1, 1], num_decode_seqs=3)
+    assert batch.array("positions") is arrays["positions"]
+    positions = batch.positions
+    assert positions is batch.positions and positions.tolist() == [0, 1, 2, 3]
+    arrays["positions"][0] = 9  # a view: the tensor sees the scheduler's array
+    assert positions[0].item() == 9 and batch.array("positions")[0] == 9
+    assert tuple(batch.block_tables.shape) == (3, 2) and batch.num_seqs == 3 and batch.num_tokens == 3

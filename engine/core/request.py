@@ -30,13 +30,23 @@ from .sequence import Sequence
 class RequestGroup:
     """The choices of one submission: one output queue, one public id, finished when all are."""
 
-    __slots__ = ("request_id", "outputs", "requests", "num_unfinished")
+    __slots__ = ("request_id", "outputs", "requests", "num_unfinished", "ended", "end_key")
 
     def __init__(self, request_id: str):
         self.request_id = request_id
         self.outputs: queue.SimpleQueue = queue.SimpleQueue()
         self.requests: list[Request] = []  # every choice, in index order
         self.num_unfinished = 0
+        # Set by a caller that waits for the end only (Engine.generate): the engine thread puts
+        # end_key on it once the last item is on ``outputs``, so nobody wakes per token.
+        self.ended: queue.SimpleQueue | None = None
+        self.end_key: object = None
+
+    def end(self, item) -> None:
+        """The group's last item on its queue (FINISHED or an error), then the end notice."""
+        self.outputs.put(item)
+        if self.ended is not None:
+            self.ended.put(self.end_key)
 
     @property
     def is_finished(self) -> bool:

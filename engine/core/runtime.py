@@ -243,26 +243,33 @@ class EngineCore:
                 rows = logits.index_select(0, torch.from_numpy(np.asarray(index, dtype=np.int64)))
             else:
                 rows = logits
+            num_rows = len(reqs)
             grammars = [r.grammar for r in reqs]
-            if any(g is not None for g in grammars):  # structured output: before sampling and logprobs (vLLM)
+            if grammars.count(None) != num_rows:  # structured output: before sampling and logprobs (vLLM)
                 rows = mask_rows(rows, grammars)
             adjusters = [r.adjuster for r in reqs]
             token_ids, row_logprobs = sampler.sample(
                 rows, [r.params for r in reqs], [r.generator for r in reqs],
-                adjusters if any(a is not None for a in adjusters) else None,
+                adjusters if adjusters.count(None) != num_rows else None,
             )
         else:
             token_ids, row_logprobs = [], []
         self.scheduler.update(out, token_ids)
+        if not token_ids:
+            return
         self.num_generated_tokens += len(token_ids)
-        for req, token_id, lp in zip(reqs, token_ids, row_logprobs):
+        # Every sampled sequence's length, with its new token, in one read of the tick state.
+        slots = out.slots if len(token_ids) == len(out.slots) else out.slots[out.sample_entries]
+        lengths = self.scheduler.state.num_tokens[slots].tolist()
+        for req, token_id, lp, num_tokens in zip(reqs, token_ids, row_logprobs, lengths):
             try:
-                self._process_token(req, token_id, lp)
+                self._process_token(req, token_id, lp, num_tokens)
             except Exception as exc:
                 log.exception("output processing failed for %s", req.request_id)
                 self._fail(req.request_id, exc)
 
-    def _process_token(self, req: Request, token_id: int, lp) -> None:
+    def _process_token(self, req: Request, token_id: int, lp, num_tokens: int) -> None:
+        """``num_tokens``: the sequence's length with ``token_id``."""
         params = req.params
         seq = req.seq
         if req.adjuster is not None:
@@ -283,7 +290,8 @@ class EngineCore:
                 return
         logprobs = [self._token_logprob(token_id, lp)] if lp is not None else None
         finish_reason = None
-        if token_id in req.stop_ids and seq.num_generated > params.min_tokens:
+        num_generated = num_tokens - seq.num_prompt_tokens
+        if token_id in req.stop_ids and num_generated > params.min_tokens:
             text, is_stopped = req.text.finish()  # the stop token's own text is not output
             finish_reason = "stop"
         else:
@@ -294,18 +302,19 @@ class EngineCore:
                 tail, _ = req.text.finish()
                 text += tail
                 finish_reason = "stop"
-            elif seq.num_generated >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            elif num_generated >= params.max_tokens or num_tokens >= self.max_model_len:
                 tail, is_stopped = req.text.finish()
                 text += tail
                 finish_reason = "stop" if is_stopped else "length"
-        event = StreamEvent(req.group.request_id, text, [token_id], logprobs, finish_reason, req.index)
+        group = req.group
+        event = StreamEvent(group.request_id, text, [token_id], logprobs, finish_reason, req.index)
         if finish_reason is not None:
             self.scheduler.finish(seq)
             self.requests.pop(req.request_id, None)
-            req.outputs.put(event)
+            group.outputs.put(event)
             self._mark_finished(req)
         else:
-            req.outputs.put(event)
+            group.outputs.put(event)
 
     def _token_logprob(self, token_id: int, lp) -> TokenLogprob:
         pieces = self.pieces
@@ -339,7 +348,7 @@ class EngineCore:
         if group.num_unfinished == 0:
             self.groups.pop(group.request_id, None)
             self._live_ids.discard(group.request_id)  # the id may be used again
-            group.outputs.put(FINISHED)
+            group.end(FINISHED)
 
     def _fail(self, request_id: str, exc: BaseException, req: Request | None = None) -> None:
         """A choice failed: its whole group fails (the caller's stream raises) and its other choices stop."""
@@ -355,9 +364,9 @@ class EngineCore:
         self.groups.pop(group.request_id, None)
         self._live_ids.discard(group.request_id)
         if isinstance(exc, ValueError):  # the scheduler refused the request (too long for the KV cache, ...)
-            group.outputs.put(exc)
+            group.end(exc)
         else:
-            group.outputs.put(EngineError(f"request {request_id} failed: {type(exc).__name__}: {exc}"))
+            group.end(EngineError(f"request {request_id} failed: {type(exc).__name__}: {exc}"))
 
     def _fail_all(self, exc: BaseException) -> None:
         while self._jobs:
@@ -371,5 +380,5 @@ class EngineCore:
                 req.is_finished = True
             group.num_unfinished = 0
             self._live_ids.discard(group.request_id)
-            group.outputs.put(exc)
+            group.end(exc)
 

@@ -269,11 +269,14 @@ class Scheduler:
         layout = state.build()
         B, num_samples, num_spans = layout.num_seqs, layout.num_samples, layout.num_spans
         slots = state.entry_slots[:B].copy()
-        slot_seqs = self._slot_seqs
-        seqs = [slot_seqs[s] for s in slots.tolist()]
+        if B == num_decodes == len(self.running):  # decode-only steady state: the running order
+            seqs = list(self.running)
+        else:
+            slot_seqs = self._slot_seqs
+            seqs = [slot_seqs[s] for s in slots.tolist()]
         sample_entries = state.sample_entries[:num_samples].copy()
         if num_samples == B:
-            sample_seqs = list(seqs)
+            sample_seqs = seqs
         else:
             sample_seqs = [seqs[i] for i in sample_entries.tolist()]
         spans = []
@@ -285,16 +288,15 @@ class Scheduler:
                 state.span_positions[:num_spans].tolist(),
             ):
                 spans.append((seqs[i], first, count, pos))
-        tensor = torch.from_numpy
-        batch = ForwardBatch(
-            input_ids=tensor(layout.input_ids),
-            positions=tensor(layout.positions),
-            slot_mapping=tensor(layout.slot_mapping),
-            query_starts=tensor(layout.query_starts),
-            context_lens=tensor(layout.context_lens),
-            block_tables=tensor(layout.block_tables),
-            logit_rows=tensor(layout.logit_rows),
-            prompt_lens=tensor(layout.prompt_lens),
+        batch = ForwardBatch(  # numpy views of the layout: tensors only for what the model reads
+            input_ids=layout.input_ids,
+            positions=layout.positions,
+            slot_mapping=layout.slot_mapping,
+            query_starts=layout.query_starts,
+            context_lens=layout.context_lens,
+            block_tables=layout.block_tables,
+            logit_rows=layout.logit_rows,
+            prompt_lens=layout.prompt_lens,
             query_starts_list=layout.query_starts.tolist(),
             context_lens_list=layout.context_lens.tolist(),
             num_decode_seqs=num_decodes,

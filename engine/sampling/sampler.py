@@ -61,6 +61,8 @@ def sample(
     if logits.shape[0] == 0:
         return [], []
     token_ids, rows = sample_rows(_as_array(logits), params, generators, adjusters)
+    if rows.count(None) == len(rows):  # no row asked for logprobs
+        return token_ids, rows
     row_logprobs = [None if r is None else RowLogprobs(r[0], r[2], r[3], r[1]) for r in rows]
     return token_ids, row_logprobs
 
