@@ -8,7 +8,7 @@ TESTDATA := .cache/testdata
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: install build serve test testdata browser notebook bench llamacpp clean
+.PHONY: install build serve test lint testdata browser notebook bench llamacpp clean
 
 install: $(STAMP) build
 
@@ -47,7 +47,12 @@ $(BROWSER) &:
 	@echo "==> installing Debian's chromium + chromium-driver for the browser test (once: 1-2 minutes)"
 	bash .ci/install-browser.sh
 
+# ruff (pinned in requirements-test.txt, configured in pyproject.toml) first: a finding fails the run in seconds.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
 test: install testdata $(BROWSER)
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q tests
 
 # Re-run examples/quickstart.ipynb headless and keep its outputs (commit the result).

@@ -11,8 +11,9 @@ import platform
 import statistics
 import threading
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 

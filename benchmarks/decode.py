@@ -186,7 +186,8 @@ def main(argv=None) -> dict:
                     if args.busy:
                         busy = summarize(samples["busy"])
                         ratio = summarize([b / q for b, q in zip(samples["busy"], samples["quiet"])])
-                        entry.update({"busy_tok_s": busy, "busy_over_quiet": ratio, "samples_busy_tok_s": samples["busy"]})
+                        entry.update({"busy_tok_s": busy, "busy_over_quiet": ratio,
+                                      "samples_busy_tok_s": samples["busy"]})
                         row += [fmt_stats(busy), fmt_stats(ratio, ".2f")]
                     results["decode"].append(entry)
                     rows.append(row)

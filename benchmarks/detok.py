@@ -9,8 +9,9 @@ a time by three methods side by side in one run:
 
 For each method the ns/token of tokens 0-512 ("early") and 7,680-8,192 ("late") is timed as
 a block per repetition, right after a warm-up pass over the first block with a throwaway
-instance (so "early" measures position in the stream, not a cold CPU); the table shows medians with min-max, late/early, and the speed-up
-of ``add`` over each baseline. Usage: ``python benchmarks/detok.py [--reps 15] [--vocab smollm2]``.
+instance (so "early" measures position in the stream, not a cold CPU); the table shows medians
+with min-max, late/early, and the speed-up of ``add`` over each baseline.
+Usage: ``python benchmarks/detok.py [--reps 15] [--vocab smollm2]``.
 Never asserts on time; writes JSON to benchmarks/results/detok.json and stdout.
 """
 from __future__ import annotations
@@ -143,7 +144,8 @@ def _summary(early, late):
 
 
 def print_table(report) -> None:
-    header = f"{'vocab':<10} {'method':<14} {'early ns/tok (min-max)':>28} {'late ns/tok (min-max)':>30} {'late/early':>10} {'add x faster (late)':>20}"
+    header = (f"{'vocab':<10} {'method':<14} {'early ns/tok (min-max)':>28} {'late ns/tok (min-max)':>30}"
+              f" {'late/early':>10} {'add x faster (late)':>20}")
     print(header)
     print("-" * len(header))
     for name, methods in report["vocabs"].items():
@@ -153,7 +155,8 @@ def print_table(report) -> None:
             speedup = "" if method == "add" else f"{l[0] / add_late:.1f}x"
             s["add_speedup_late"] = None if method == "add" else l[0] / add_late
             print(
-                f"{name:<10} {method:<14} {e[0]:>10.0f} ({e[1]:>7.0f}-{e[2]:>7.0f}) {l[0]:>12.0f} ({l[1]:>7.0f}-{l[2]:>7.0f})"
+                f"{name:<10} {method:<14} {e[0]:>10.0f} ({e[1]:>7.0f}-{e[2]:>7.0f})"
+                f" {l[0]:>12.0f} ({l[1]:>7.0f}-{l[2]:>7.0f})"
                 f" {s['late_over_early']:>10.3f} {speedup:>20}"
             )
 

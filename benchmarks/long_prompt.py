@@ -136,7 +136,9 @@ def main(argv=None) -> dict:
         for name, whole in (("default (chunked, time target)", False), ("whole prompt in one tick", True)):
             r = run_once(model, tok, whole, args.long_tokens, args.before_seconds, args.short_delay)
             runs[name].append(r)
-            print(name, {k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items() if k not in ("before", "during")},
+            print(name,
+                  {k: (round(v, 3) if isinstance(v, float) else v)
+                   for k, v in r.items() if k not in ("before", "during")},
                   "before", {k: round(v, 3) for k, v in r["before"].items()},
                   "during", {k: round(v, 3) for k, v in r["during"].items()}, flush=True)
     rows = []

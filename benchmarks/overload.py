@@ -248,7 +248,8 @@ def main(argv=None) -> None:
                          r["health_failures"], f"{r['ttft_p50_s']:.2f} / {r['ttft_p99_s']:.2f}", f"{r['wall_s']:.1f}"])
         print_table(["load (clients)", "completed", "429", "other", "truncated", "/health p50/p99/max ms",
                      "probe failures", "TTFT p50/p99 s", "wall s"], rows,
-                    title=f"Overload: bound {bound} streams of {args.max_tokens} tokens, load avg {os.getloadavg()[0]:.2f}")
+                    title=f"Overload: bound {bound} streams of {args.max_tokens} tokens,"
+                          f" load avg {os.getloadavg()[0]:.2f}")
         soak_result = None
         if args.soak:
             soak(server, min(200, args.soak), args.soak_concurrency, 16)  # warm-up

@@ -68,7 +68,8 @@ def main(argv=None) -> dict:
     results["second_ttft_speedup"] = speedup
     results["environment"] = environment()
     print_table(["prefix caching", "1st request TTFT s", "2nd request TTFT s", "2nd: cached tokens"], rows,
-                title=f"{args.system_tokens}-token shared system prompt, default model, medians of {args.repeats} (min-max)")
+                title=f"{args.system_tokens}-token shared system prompt, default model,"
+                      f" medians of {args.repeats} (min-max)")
     print(f"second-request TTFT, caching off / on: {speedup:.1f}x")
     print(f"JSON: {write_json('prefix_cache', results)}")
     return results

@@ -196,11 +196,13 @@ def main() -> None:
         keys = ("c1_ttft_ms", "c1_us_per_token", "c16_ttft_ms", "c16_us_per_token", "c16_tok_s")
         summary = {name: {k: summarize(v) for k, v in s.items()} for name, s in samples.items()}
         print_table(["server", *keys], [[name, *(fmt_stats(summary[name][k]) for k in keys)] for name in servers],
-                    title=f"Host cost, ScriptedModel, {args.max_tokens}-token streams ({rounds} rounds, median (min-max))")
+                    title=f"Host cost, ScriptedModel, {args.max_tokens}-token streams"
+                          f" ({rounds} rounds, median (min-max))")
         ratio = {k: summary["ray 1 replica"][k]["median"] / summary["single"][k]["median"] for k in keys}
         print("ray 1 replica / single:", {k: round(v, 2) for k, v in ratio.items()})
         print("tok/s, 2 replicas / 1 replica (c=16):",
-              round(summary["ray 2 replicas"]["c16_tok_s"]["median"] / summary["ray 1 replica"]["c16_tok_s"]["median"], 2))
+              round(summary["ray 2 replicas"]["c16_tok_s"]["median"]
+                    / summary["ray 1 replica"]["c16_tok_s"]["median"], 2))
         print()
 
         serve.delete("r1")

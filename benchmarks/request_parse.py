@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Literal, Optional, Union
+from typing import Literal
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -39,7 +39,7 @@ BODIES = {
 def pydantic_parser():
     from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
-    Number = Union[StrictInt, StrictFloat]
+    Number = StrictInt | StrictFloat
 
     class TextPart(BaseModel):
         type: Literal["text"]
@@ -47,35 +47,35 @@ def pydantic_parser():
 
     class Message(BaseModel):
         role: Literal["system", "developer", "user", "assistant", "tool"]
-        content: Optional[Union[StrictStr, list[TextPart]]] = None
+        content: StrictStr | list[TextPart] | None = None
 
     class StreamOptions(BaseModel):
-        include_usage: Optional[StrictBool] = None
+        include_usage: StrictBool | None = None
 
     class ChatRequest(BaseModel):
         model_config = ConfigDict(extra="ignore")
-        model: Optional[StrictStr] = None
+        model: StrictStr | None = None
         messages: list[Message] = Field(min_length=1)
-        max_tokens: Optional[StrictInt] = Field(None, ge=1, le=(1 << 31) - 1)
-        max_completion_tokens: Optional[StrictInt] = Field(None, ge=1, le=(1 << 31) - 1)
-        temperature: Optional[Number] = Field(None, ge=0)
-        top_p: Optional[Number] = Field(None, gt=0, le=1)
-        top_k: Optional[StrictInt] = Field(None, ge=-1)
-        min_p: Optional[Number] = Field(None, ge=0, le=1)
-        seed: Optional[StrictInt] = None
-        n: Optional[StrictInt] = Field(None, ge=1, le=128)
-        stop: Optional[Union[StrictStr, list[StrictStr]]] = None
-        stop_token_ids: Optional[list[StrictInt]] = None
-        presence_penalty: Optional[Number] = Field(None, ge=-2, le=2)
-        frequency_penalty: Optional[Number] = Field(None, ge=-2, le=2)
-        repetition_penalty: Optional[Number] = Field(None, gt=0, le=100)
-        logit_bias: Optional[dict[StrictStr, Number]] = None
-        logprobs: Optional[StrictBool] = None
-        top_logprobs: Optional[StrictInt] = Field(None, ge=0, le=20)
-        stream: Optional[StrictBool] = None
-        stream_options: Optional[StreamOptions] = None
-        response_format: Optional[dict] = None
-        tools: Optional[list[dict]] = None
+        max_tokens: StrictInt | None = Field(None, ge=1, le=(1 << 31) - 1)
+        max_completion_tokens: StrictInt | None = Field(None, ge=1, le=(1 << 31) - 1)
+        temperature: Number | None = Field(None, ge=0)
+        top_p: Number | None = Field(None, gt=0, le=1)
+        top_k: StrictInt | None = Field(None, ge=-1)
+        min_p: Number | None = Field(None, ge=0, le=1)
+        seed: StrictInt | None = None
+        n: StrictInt | None = Field(None, ge=1, le=128)
+        stop: StrictStr | list[StrictStr] | None = None
+        stop_token_ids: list[StrictInt] | None = None
+        presence_penalty: Number | None = Field(None, ge=-2, le=2)
+        frequency_penalty: Number | None = Field(None, ge=-2, le=2)
+        repetition_penalty: Number | None = Field(None, gt=0, le=100)
+        logit_bias: dict[StrictStr, Number] | None = None
+        logprobs: StrictBool | None = None
+        top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
+        stream: StrictBool | None = None
+        stream_options: StreamOptions | None = None
+        response_format: dict | None = None
+        tools: list[dict] | None = None
 
     sampling_fields = ("temperature", "top_p", "top_k", "min_p", "seed", "n", "presence_penalty",
                        "frequency_penalty", "repetition_penalty", "logit_bias", "top_logprobs")
@@ -102,7 +102,7 @@ def main(argv=None) -> None:
     for _ in range(args.repeats):
         for body_name, body in BODIES.items():
             for name, parse in parsers.items():  # interleaved
-                seconds = measure(lambda: [parse(body) for _ in range(args.calls)], repeats=1)[0]
+                seconds = measure(lambda parse=parse, body=body: [parse(body) for _ in range(args.calls)], repeats=1)[0]
                 results[body_name][name].append(seconds / args.calls * 1e6)
     rows, summary = [], {}
     for body_name in BODIES:

@@ -145,16 +145,20 @@ def main(argv=None) -> None:
                 stats = summarize(results[section][name][batch])
                 plain = summarize(results[section]["greedy plain" if name.startswith("greedy")
                                                    else "random plain"][batch])
-                summary.setdefault(section, {}).setdefault(name, {})[batch] = {**stats,
-                                                                              "ratio_to_plain": stats["median"] / plain["median"]}
+                summary.setdefault(section, {}).setdefault(name, {})[batch] = {
+                    **stats, "ratio_to_plain": stats["median"] / plain["median"]}
                 cells += [fmt_stats(stats, ".2f"), f"{stats['median'] / plain['median']:.2f}x"]
             rows.append(cells)
         headers = ["config"] + [h for b in BATCH_SIZES for h in (f"us/token b={b}", f"vs plain b={b}")]
         clock = "CPU (this thread)" if section.endswith("CPU") else "wall"
         print_table(headers, rows, title=f"{section}: host microseconds per token ({clock}), median (min-max) "
                                          f"over {args.repeats} repeats; ratio to the plain config of its kind")
-    ratios = [[name] + [f"{summarize(results[f'reference{c}'][name][b])['median'] / summarize(results[f'sampler{c}'][name][b])['median']:.1f}x"
-                        for c in ("", " CPU") for b in BATCH_SIZES] for name in CONFIGS]
+
+    def speedup(c: str, name: str, b: int) -> float:
+        reference, kernel = (summarize(results[f"{kind}{c}"][name][b])["median"] for kind in ("reference", "sampler"))
+        return reference / kernel
+
+    ratios = [[name] + [f"{speedup(c, name, b):.1f}x" for c in ("", " CPU") for b in BATCH_SIZES] for name in CONFIGS]
     print_table(["config"] + [f"reference / kernel b={b}{c}" for c in ("", " CPU") for b in BATCH_SIZES], ratios,
                 title="speed-up of the kernel over the NumPy path (medians)")
     env = environment()

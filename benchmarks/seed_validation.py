@@ -8,9 +8,10 @@ One stream at concurrency 1 generates --tokens tokens (greedy, EOS ignored) thro
 server (webapp.make_server in a subprocess, as benchmarks/serving.py starts it; raw SSE bytes,
 one chunk per token) and through the raw model loop (engine.model of an engine built with the
 same options in this process, run on its own thread as the engine runs its forwards: no
-scheduler, no detokenizer, a static block table; the same prompt ids, the same positions). Decode tok/s over tokens 0-512 and over the last 512 tokens
-(3,584-4,096): the time from a window's first token to its last. Target: HTTP within 10% of the
-raw loop in both windows. Runs alternate HTTP / raw (interleaved); medians with min-max.
+scheduler, no detokenizer, a static block table; the same prompt ids, the same positions).
+Decode tok/s over tokens 0-512 and over the last 512 tokens (3,584-4,096): the time from a
+window's first token to its last. Target: HTTP within 10% of the raw loop in both windows.
+Runs alternate HTTP / raw (interleaved); medians with min-max.
 Writes benchmarks/results/seed_validation.json. Never asserts on time.
 """
 from __future__ import annotations

@@ -16,7 +16,6 @@ Writes benchmarks/results/serving.json.
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import os
 import statistics
@@ -56,11 +55,11 @@ def bench_serializer(repeats: int) -> dict:
     for case, (text, logprobs) in cases.items():
         writer = ChunkWriter("chatcmpl-abc123", "SmolLM2-135M-Instruct", 1700000000, True)
 
-        def ours():
+        def ours(writer=writer, text=text, logprobs=logprobs):
             for _ in range(n):
                 writer.event(text, logprobs, None)
 
-        def plain(dumps):
+        def plain(dumps, text=text, logprobs=logprobs):
             def run():
                 for _ in range(n):
                     body = protocol.chat_chunk("chatcmpl-abc123", "SmolLM2-135M-Instruct", 1700000000, text,
@@ -142,7 +141,7 @@ def bench_wsgi(repeats: int, cheroot_path: str | None) -> dict:
         for conc in (1, 8):
             per_chunk = []
             for _ in range(repeats):
-                wall, _ = run_concurrent(lambda i: _fetch_raw(port, f"/s?n={n}"), conc)
+                wall, _ = run_concurrent(lambda i, port=port: _fetch_raw(port, f"/s?n={n}"), conc)
                 per_chunk.append(wall / (n * conc) * 1e6)
             results[f"{name} c={conc}"] = per_chunk
     return results
@@ -193,7 +192,8 @@ def run_once(fn, concurrency: int) -> dict:
     total = sum(r[0] for r in results)
     ttft = [arrivals[0] - t_send for _, t_send, arrivals in results]
     itl = [b - a for _, _, arrivals in results for a, b in zip(arrivals, arrivals[1:])]
-    return {"tok_s": total / wall, "us_per_token_per_stream": wall / total * 1e6 * concurrency, "ttft": ttft, "itl": itl}
+    return {"tok_s": total / wall, "us_per_token_per_stream": wall / total * 1e6 * concurrency,
+            "ttft": ttft, "itl": itl}
 
 
 def summarize(samples: list[dict]) -> dict:
@@ -201,7 +201,8 @@ def summarize(samples: list[dict]) -> dict:
     itl = [t for s in samples for t in s["itl"]]
     return {"tok_s": [s["tok_s"] for s in samples],
             "us_per_token_per_stream": [s["us_per_token_per_stream"] for s in samples],
-            "ttft_p50": pct(ttft, 0.5), "ttft_p99": pct(ttft, 0.99), "itl_p50": pct(itl, 0.5), "itl_p99": pct(itl, 0.99)}
+            "ttft_p50": pct(ttft, 0.5), "ttft_p99": pct(ttft, 0.99),
+            "itl_p50": pct(itl, 0.5), "itl_p99": pct(itl, 0.99)}
 
 
 def make_engine(kind: str, max_model_len: int):

@@ -145,7 +145,8 @@ def bench_configs(pieces, reps: int, old_limit_mib: float) -> list[dict]:
             row = {"num_stops": num_stops, "stop_len": stop_len, "quadratic_estimated_mib": old_mib}
             for name in names:
                 row[name] = {key: summarize(values) for key, values in samples[name].items()}
-                row[name]["peak_mib"] = peak_mib(lambda: push_pass(MATCHERS[name](stops, False), pieces))
+                row[name]["peak_mib"] = peak_mib(
+                    lambda name=name, stops=stops: push_pass(MATCHERS[name](stops, False), pieces))
             results.append(row)
     return results
 
@@ -202,7 +203,8 @@ def main() -> None:
             fmt_stats(new["build_ms"], ".2f"), fmt_stats(old["build_ms"], ".1f") if old else "",
             f"{new['peak_mib']:.2f}", f"{old['peak_mib']:.1f}" if old else "",
         ])
-    print_table(["stops", "len", "new ns/token", "old ns/token", "old/new", "new +completes_with", "old +completes_with",
+    print_table(["stops", "len", "new ns/token", "old ns/token", "old/new",
+                 "new +completes_with", "old +completes_with",
                  "new build ms", "old build ms",
                  "new peak MiB", "old peak MiB"], rows,
                 title=f"Stop matching, {NUM_PIECES} token pieces of real text, medians (min-max) of {args.reps} reps")

@@ -68,7 +68,8 @@ def model_part(args, results: dict) -> list[list]:
     params = SamplingParams(max_tokens=args.steps, temperature=0, ignore_eos=True)
     rows = []
     with Engine(model, tok, max_model_len=2048, max_num_seqs=max(args.sizes)) as eng:
-        eng.generate(random_prompts(model.vocab_size, 2, args.prompt_len, 99), SamplingParams(max_tokens=4, temperature=0))
+        eng.generate(random_prompts(model.vocab_size, 2, args.prompt_len, 99),
+                     SamplingParams(max_tokens=4, temperature=0))
         raw_decode_tok_s(model, 1, num_steps=4, prompt_len=args.prompt_len)  # warm-up
         for size in args.sizes:
             raw, dec, gen = [], [], []
@@ -78,7 +79,8 @@ def model_part(args, results: dict) -> list[list]:
                 dec.append(engine_decode_tok_s(eng, prompts, params))
                 gen.append(engine_generate_tok_s(eng, prompts, params))
             ratio = statistics.median(dec) / statistics.median(raw)
-            results["model"].append({"concurrency": size, "raw_tok_s": summarize(raw), "engine_decode_tok_s": summarize(dec),
+            results["model"].append({"concurrency": size, "raw_tok_s": summarize(raw),
+                                     "engine_decode_tok_s": summarize(dec),
                                      "engine_generate_tok_s": summarize(gen), "decode_ratio": ratio,
                                      "samples": {"raw": raw, "decode": dec, "generate": gen}})
             rows.append([size, fmt_stats(summarize(raw)), fmt_stats(summarize(dec)), f"{ratio:.2f}",
@@ -89,7 +91,8 @@ def model_part(args, results: dict) -> list[list]:
 
 def scripted_part(args, results: dict) -> list[list]:
     tok = load_tokenizer(default_model_path())
-    script = tok.encode("The quick brown fox jumps over the lazy dog. " * 40, add_special_tokens=False)[: args.scripted_tokens]
+    script = tok.encode("The quick brown fox jumps over the lazy dog. " * 40,
+                        add_special_tokens=False)[: args.scripted_tokens]
     model = ScriptedModel(script, tok.vocab_size)
     params = SamplingParams(max_tokens=args.scripted_tokens, temperature=0, ignore_eos=True)
     rows = []
@@ -106,7 +109,8 @@ def scripted_part(args, results: dict) -> list[list]:
             us_per_token = [1e6 / (r * size) for r in rates]
             results["scripted"].append({"concurrency": size, "tok_s_per_stream": summarize(rates),
                                         "us_per_token": summarize(us_per_token)})
-            rows.append([size, fmt_stats(summarize(rates), ".0f"), fmt_stats(summarize([r * size for r in rates]), ".0f"),
+            rows.append([size, fmt_stats(summarize(rates), ".0f"),
+                         fmt_stats(summarize([r * size for r in rates]), ".0f"),
                          fmt_stats(summarize(us_per_token), ".1f")])
     return rows
 
@@ -121,7 +125,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--skip-model", action="store_true")
     args = parser.parse_args(argv)
     args.sizes = [int(s) for s in args.sizes.split(",")]
-    results: dict = {"steps": args.steps, "prompt_len": args.prompt_len, "repeats": args.repeats, "model": [], "scripted": []}
+    results: dict = {"steps": args.steps, "prompt_len": args.prompt_len, "repeats": args.repeats,
+                     "model": [], "scripted": []}
     if not args.skip_model:
         rows = model_part(args, results)
         print_table(["concurrency", "raw tok/s", "engine decode tok/s", "engine/raw", "engine generate tok/s"], rows,

@@ -75,14 +75,18 @@ def main() -> None:
     # vs loading the equivalent tokenizer.json.
     import gguf
 
-    rows.append(("load", "GGUF header: engine reader [s]", summarize(timed(lambda: read_gguf_metadata(gguf_path), args.repeats))))
-    rows.append(("load", "GGUF header: gguf.GGUFReader [s]", summarize(timed(lambda: gguf.GGUFReader(str(gguf_path)), args.repeats))))
-    rows.append(("load", "load_tokenizer(.gguf) [s]", summarize(timed(lambda: load_tokenizer(gguf_path), args.repeats))))
+    rows.append(("load", "GGUF header: engine reader [s]",
+                 summarize(timed(lambda: read_gguf_metadata(gguf_path), args.repeats))))
+    rows.append(("load", "GGUF header: gguf.GGUFReader [s]",
+                 summarize(timed(lambda: gguf.GGUFReader(str(gguf_path)), args.repeats))))
+    rows.append(("load", "load_tokenizer(.gguf) [s]",
+                 summarize(timed(lambda: load_tokenizer(gguf_path), args.repeats))))
     tok = load_tokenizer(gguf_path)
     with tempfile.TemporaryDirectory() as tmp:
         json_path = Path(tmp) / "tokenizer.json"
         tok.backend.save(str(json_path))
-        rows.append(("load", "load_tokenizer(tokenizer.json) [s]", summarize(timed(lambda: load_tokenizer(json_path), args.repeats))))
+        rows.append(("load", "load_tokenizer(tokenizer.json) [s]",
+                     summarize(timed(lambda: load_tokenizer(json_path), args.repeats))))
 
     # Encode throughput on a 100k-character text.
     text = sample_text(100_000)

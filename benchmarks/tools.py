@@ -33,7 +33,8 @@ from webapp.sse import tool_chunk  # noqa: E402
 
 PROSE = ("The engine streams every token as soon as it is sampled, and the server writes it to the socket "
          "at once. Tool calls arrive as JSON inside tags; the parser holds back what may start a call. ")
-CALL = '<tool_call>\n{"name": "search", "arguments": {"query": "%s", "limit": 10, "filters": {"lang": "en"}}}\n</tool_call>\n'
+CALL = ('<tool_call>\n{"name": "search", "arguments": {"query": "%s", "limit": 10, "filters": {"lang": "en"}}}\n'
+        '</tool_call>\n')
 TOOLS = [{"type": "function", "function": {"name": "search", "parameters": {"type": "object", "properties": {
     "query": {"type": "string"}, "limit": {"type": "integer"}, "filters": {"type": "object"}}}}}]
 ASK = [{"role": "user", "content": "Look it up."}]
@@ -91,7 +92,8 @@ def main() -> None:
         us_per_token = summarize([s / lengths[reply] * 1e6 for s in seconds[reply, label]])
         rows.append([reply, label, lengths[reply], deltas[reply, label], fmt_stats(summarize(rates), ".0f"),
                      fmt_stats(us_per_token, ".1f"), fmt_stats(ratio, ".2f")])
-        results.append({"reply": reply, "config": label, "tokens": lengths[reply], "tool_call_deltas": deltas[reply, label],
+        results.append({"reply": reply, "config": label, "tokens": lengths[reply],
+                        "tool_call_deltas": deltas[reply, label],
                         "tok_per_s": summarize(rates), "us_per_token": us_per_token, "ratio_vs_no_tools": ratio})
     parser_rows, parser_results = [], []
     for reply, text in replies().items():  # the parser alone, fed the reply's token texts

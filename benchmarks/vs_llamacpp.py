@@ -268,7 +268,8 @@ def verdicts(name: str, result: dict) -> list[list[str]]:
                      f"{ratio:.2f}x", f">= {target}x", "met" if ratio >= target else "MISSED"])
     mem = result["memory"]["ours"]
     budget = RSS_FILE_FACTOR * result["file_bytes"] + mem["kv_cache_bytes"]
-    rows.append(["peak RSS MB", f"{mem['VmHWM'] / 1e6:.0f}", f"{max(result['memory'][b]['VmHWM'] for b in llama_labels) / 1e6:.0f}",
+    rows.append(["peak RSS MB", f"{mem['VmHWM'] / 1e6:.0f}",
+                 f"{max(result['memory'][b]['VmHWM'] for b in llama_labels) / 1e6:.0f}",
                  f"{mem['VmHWM'] / budget:.2f} of budget", f"<= {budget / 1e6:.0f} (1.5 file + KV)",
                  "met" if mem["VmHWM"] <= budget else "MISSED"])
     load = summarize(result["load_s"]["ours"])["median"]
@@ -348,7 +349,8 @@ def main(argv=None) -> dict | None:
         for label, values in result["load_s"].items():
             mem = result["memory"][label]
             rows.append(["load s / RSS MB", label, f"{fmt_stats(summarize(values), '.2f')} s, after load "
-                         f"{mem['rss_after_load'] / 1e6:.0f}, peak {mem['VmHWM'] / 1e6:.0f}, KV {mem['kv_cache_bytes'] / 1e6:.0f}"])
+                         f"{mem['rss_after_load'] / 1e6:.0f}, peak {mem['VmHWM'] / 1e6:.0f}, "
+                         f"KV {mem['kv_cache_bytes'] / 1e6:.0f}"])
         print_table(["workload", "side", "median (min-max)"], rows,
                     title=f"\n{name}: {Path(result['path']).name} ({result['file_bytes'] / 1e6:.0f} MB), "
                           f"{args.tokens} tokens per stream, {args.repeats} repeats, engine options {options}")

@@ -22,7 +22,8 @@ def build_parser(prog: str = "python -m engine", commands: tuple[str, ...] = ("c
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("command", choices=list(commands))
     parser.add_argument("text", nargs="?", help="message (chat) or prompt (complete); chat without it is interactive")
-    parser.add_argument("--model", default=None, help="a .gguf file or HF directory (default: embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--model", default=None,
+                        help="a .gguf file or HF directory (default: embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--system", default=None, help="system message for chat")
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=0.0)

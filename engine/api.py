@@ -164,6 +164,27 @@ class Engine(EmbeddingMixin):
         except InvalidParameterError as exc:
             raise chat.error(exc) from None
 
+    def prepare_infill(self, prefix, suffix, params: SamplingParams | None = None,
+                       extra_files: list[dict] | None = None) -> tuple[list[int], SamplingParams]:
+        """(prompt ids, params) of a fill-in-the-middle request (engine/infill.py): the model's FIM
+        tokens around ``prefix`` and ``suffix`` (text or token ids), with ``extra_files``
+        ([{filename, text}]) as llama.cpp's repo-level context. No FIM tokens: InvalidParameterError
+        naming ``suffix``."""
+        from .infill import prepare_infill
+
+        return prepare_infill(self.tokenizer, prefix, suffix, params, extra_files)
+
+    def stream_infill(self, prefix, suffix, params: SamplingParams | None = None,
+                      extra_files: list[dict] | None = None, request_id: str | None = None) -> RequestStream:
+        """Stream the middle between ``prefix`` and ``suffix``; generation ends at EOS or a FIM end token."""
+        prompt_ids, params = self.prepare_infill(prefix, suffix, params, extra_files)
+        return self.submit(prompt_ids, params, request_id)
+
+    def infill(self, prefix, suffix, params: SamplingParams | None = None,
+               extra_files: list[dict] | None = None) -> Completion:
+        """The Completion of the code between ``prefix`` and ``suffix`` (fill-in-the-middle)."""
+        return self.stream_infill(prefix, suffix, params, extra_files).collect()
+
     def submit(self, prompt_ids: list[int], params: SamplingParams | None = None, request_id: str | None = None,
                prompt_param: str = "prompt", outputs: queue.SimpleQueue | None = None,
                event_filter=None) -> RequestStream:
@@ -293,6 +314,16 @@ class Engine(EmbeddingMixin):
                      parallel_tool_calls: bool = True):
         return self._submit_chat(self._asubmit, messages, params, request_id, tools, tool_choice,
                                  parallel_tool_calls)
+
+    def astream_infill(self, prefix, suffix, params: SamplingParams | None = None,
+                       extra_files: list[dict] | None = None, request_id: str | None = None):
+        """The async twin of ``stream_infill``; call it inside a coroutine."""
+        prompt_ids, params = self.prepare_infill(prefix, suffix, params, extra_files)
+        return self._asubmit(prompt_ids, params, request_id)
+
+    async def ainfill(self, prefix, suffix, params: SamplingParams | None = None,
+                      extra_files: list[dict] | None = None) -> Completion:
+        return await self.astream_infill(prefix, suffix, params, extra_files).collect()
 
     def asubmit_batch(self, prompts: list[str | list[int]], params: SamplingParams | None = None,
                       request_id: str | None = None, prompt_param: str = "prompt",

@@ -59,9 +59,11 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
-            raise InvalidParameterError(f"max_tokens must be None or an integer >= 1, got {self.max_tokens!r}", "max_tokens")
+            raise InvalidParameterError(
+                f"max_tokens must be None or an integer >= 1, got {self.max_tokens!r}", "max_tokens")
         if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
-            raise InvalidParameterError(f"temperature must be a finite number >= 0, got {self.temperature!r}", "temperature")
+            raise InvalidParameterError(
+                f"temperature must be a finite number >= 0, got {self.temperature!r}", "temperature")
         if not _is_number(self.top_p) or not (0 < self.top_p <= 1):
             raise InvalidParameterError(f"top_p must be in (0, 1], got {self.top_p!r}", "top_p")
         if not _is_int(self.top_k) or self.top_k < 0:
@@ -79,13 +81,17 @@ class SamplingParams:
         if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
             _is_int(t) and t >= 0 for t in self.stop_token_ids
         ):
-            raise InvalidParameterError(f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}", "stop_token_ids")
+            raise InvalidParameterError(
+                f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}",
+                "stop_token_ids")
         self.stop_token_ids = tuple(self.stop_token_ids)
         for name in ("ignore_eos", "logprobs", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidParameterError(f"{name} must be a boolean, got {getattr(self, name)!r}", name)
         if not _is_int(self.top_logprobs) or not (0 <= self.top_logprobs <= MAX_TOP_LOGPROBS):
-            raise InvalidParameterError(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}", "top_logprobs")
+            raise InvalidParameterError(
+                f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}",
+                "top_logprobs")
         if self.top_logprobs and not self.logprobs:
             self.logprobs = True
         if self.prompt_logprobs is not None and (

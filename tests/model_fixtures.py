@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from tokenizer_fixtures import TESTDATA, default_model_path
 
 QWEN_FILE = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"

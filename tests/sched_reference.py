@@ -9,10 +9,10 @@ Policy: running decodes first (one token each), then prefill chunks of running s
 in admission order (each at most half the prefill budget while a request waits for a free
 slot), then waiting ones admitted FIFO while there is a slot, budget and the blocks for
 all their tokens (whole if they fit the hard budget, else a chunk of the prefill budget);
-prefill budget still left goes back to the chunks that were cut. A decode that needs a block when none is free preempts the
-newest running sequence (no admissions in that tick). Full prompt blocks are hashed by
-(parent hash, tokens); an admission reuses the longest cached prefix (never its last
-token; not when prompt logprobs are still owed). Unreferenced cached blocks are evicted
+prefill budget still left goes back to the chunks that were cut. A decode that needs a block
+when none is free preempts the newest running sequence (no admissions in that tick). Full
+prompt blocks are hashed by (parent hash, tokens); an admission reuses the longest cached
+prefix (never its last token; not when prompt logprobs are still owed). Unreferenced cached blocks are evicted
 least recently freed first; blocks are freed tail first.
 """
 from __future__ import annotations

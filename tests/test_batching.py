@@ -44,7 +44,8 @@ def make_engine(model_and_tokenizer, **options) -> Engine:
 
 
 def greedy(top_logprobs: int = 2) -> SamplingParams:
-    return SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, logprobs=True, top_logprobs=top_logprobs)
+    return SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, logprobs=True,
+                          top_logprobs=top_logprobs)
 
 
 @pytest.fixture(scope="module")

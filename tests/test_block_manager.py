@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engine.core.block_manager import BlockManager, hash_block, prefix_block_hashes
 
@@ -71,7 +72,8 @@ def test_register_first_writer_wins_and_caching_off():
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["alloc", "free", "share"]), st.integers(0, 5), st.integers(0, 3)), max_size=60))
+@given(st.lists(st.tuples(st.sampled_from(["alloc", "free", "share"]), st.integers(0, 5), st.integers(0, 3)),
+                max_size=60))
 def test_random_ops_keep_counts_consistent(ops):
     bm = BlockManager(8, 1)
     owners: list[list[int]] = []  # each owner holds one reference to each of its blocks

@@ -40,8 +40,8 @@ def eng(tok):
 
 def make_session(eng, **kwargs):
     shown: list[str] = []
-    params = SamplingParams(max_tokens=len(engine.load_tokenizer(default_model_path()).encode(REPLY, add_special_tokens=False)),
-                            temperature=0)
+    reply_ids = engine.load_tokenizer(default_model_path()).encode(REPLY, add_special_tokens=False)
+    params = SamplingParams(max_tokens=len(reply_ids), temperature=0)
     return ChatSession(eng, params, write=shown.append, **kwargs), shown
 
 

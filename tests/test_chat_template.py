@@ -52,7 +52,8 @@ def user(text):
     ([{"role": "user", "content": 5}], r"messages\[0\]\.content must be a string or a list of text parts"),
     ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
      r"messages\[0\]\.content\[0\]\.type must be 'text', got 'image_url'"),
-    ([{"role": "user", "content": [{"type": "text", "text": None}]}], r"messages\[0\]\.content\[0\]\.text must be a string"),
+    ([{"role": "user", "content": [{"type": "text", "text": None}]}],
+     r"messages\[0\]\.content\[0\]\.text must be a string"),
     ([{"role": "user", "content": ["x"]}], r"messages\[0\]\.content\[0\] must be an object"),
 ])
 def test_invalid_messages_name_the_field(messages, match):
@@ -92,7 +93,8 @@ def test_keys_set_to_none_are_dropped():
 @pytest.mark.parametrize("message, param", [
     ({"role": "assistant", "content": None, "tool_calls": {"id": "1"}}, "messages[0].tool_calls"),
     ({"role": "assistant", "content": None, "tool_calls": [3]}, "messages[0].tool_calls[0]"),
-    ({"role": "assistant", "content": None, "tool_calls": [{**CALL, "type": "code"}]}, "messages[0].tool_calls[0].type"),
+    ({"role": "assistant", "content": None, "tool_calls": [{**CALL, "type": "code"}]},
+     "messages[0].tool_calls[0].type"),
     ({"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}, "messages[0].tool_calls[0].function"),
     ({"role": "assistant", "content": None, "tool_calls": [{**CALL, "function": {"arguments": "{}"}}]},
      "messages[0].tool_calls[0].function.name"),

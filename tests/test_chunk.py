@@ -11,7 +11,8 @@ from webapp import protocol
 
 # Characters that stress the escaper: quotes, backslashes, every control character,
 # DEL, Latin-1, BMP, the U+2028/2029 separators, lone surrogates, emoji (4-byte UTF-8).
-TRICKY = '"\\/' + "".join(map(chr, range(0x20))) + "\x7f\x80\xa0é߿ࠀ\u2028\u2029\ufeff\uffff\ud800\udbff\udc00\udfff😀🤖\U0010ffff"
+TRICKY = ('"\\/' + "".join(map(chr, range(0x20)))
+          + "\x7f\x80\xa0é߿ࠀ\u2028\u2029\ufeff\uffff\ud800\udbff\udc00\udfff😀🤖\U0010ffff")
 texts = st.text(alphabet=st.one_of(st.sampled_from(TRICKY), st.characters(codec=None)), max_size=40)
 floats = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.floats(-50, 0))
 byte_lists = st.lists(st.integers(0, 255), max_size=6)

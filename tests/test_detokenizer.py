@@ -6,8 +6,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests import vocabs
 from engine.detokenizer import IncrementalDetokenizer, TokenPieces
+from tests import vocabs
 
 REAL_VOCABS = {"smollm2": vocabs.smollm2, "qwen": vocabs.qwen, "llama_spm": vocabs.llama_spm}
 MORE_VOCABS = {"qwen2_gguf": vocabs.qwen2_gguf}
@@ -184,7 +184,8 @@ def test_strip_only_at_start_of_whole_output():
     vocab = backend.get_vocab()
     ids = [vocab["<s>"], vocab["\u2581hello"], vocab["<x>"], vocab["\u2581world"]]
     assert "".join(detokenize(tok, ids, True)) == "hello<x> world" == backend.decode(ids)
-    assert "".join(detokenize(tok, ids, False)) == "<s> hello<x> world" == backend.decode(ids, skip_special_tokens=False)
+    assert ("".join(detokenize(tok, ids, False)) == "<s> hello<x> world"
+            == backend.decode(ids, skip_special_tokens=False))
 
 
 class WrappedTokenizer:
@@ -246,7 +247,8 @@ def test_long_random_streams_match_decode():
         backend = vocabs.backend_of(tok)
         num_ids, fragments, specials, text_ids, _ = id_pools(name)
         for _ in range(3):
-            ids = [rng.choice((rng.randrange(num_ids), rng.choice(fragments), rng.choice(specials), rng.choice(text_ids)))
+            ids = [rng.choice((rng.randrange(num_ids), rng.choice(fragments), rng.choice(specials),
+                               rng.choice(text_ids)))
                    for _ in range(400)]
             for skip in (True, False):
                 assert "".join(detokenize(tok, ids, skip)) == backend.decode(ids, skip_special_tokens=skip), name

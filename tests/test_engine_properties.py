@@ -470,5 +470,6 @@ def test_stop_cut_is_earliest_even_when_it_ends_in_held_text(name, include):
         for stops in (["a \ufffd"], ["a \ufffd", " "], [" ", "a \ufffd"]):
             params = SamplingParams(max_tokens=3, temperature=0, stop=stops, include_stop_str_in_output=include)
             events = list(eng.stream("q", params))
-            assert ("".join(e.text for e in events), [t for e in events for t in e.token_ids]) == (expected, script[:2]), stops
+            assert (("".join(e.text for e in events), [t for e in events for t in e.token_ids])
+                    == (expected, script[:2])), stops
             assert events[-1].finish_reason == "stop"

@@ -3,7 +3,11 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.errors import (
-    ContextLengthError, EngineDead, EngineError, EngineOverloaded, InvalidParameterError,
+    ContextLengthError,
+    EngineDead,
+    EngineError,
+    EngineOverloaded,
+    InvalidParameterError,
 )
 from engine.params import SamplingParams
 from webapp.errors import APIError, from_exception

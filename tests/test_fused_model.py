@@ -9,8 +9,7 @@ import torch
 
 from engine.batch import single_sequence_batch
 from engine.loader import load_model
-from engine.models import LlamaModel
-from engine.models import fused
+from engine.models import LlamaModel, fused
 from tests.test_model import BLOCK_SIZE, make_batch, random_state_dict, tiny_config
 
 CONFIGS = {

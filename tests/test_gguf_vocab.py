@@ -7,7 +7,8 @@ import os
 
 import gguf
 import pytest
-from hypothesis import HealthCheck, example, given, settings, strategies as st
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 
 from engine.gguf_file import read_gguf_metadata
 from engine.tokenizer import load_tokenizer
@@ -15,8 +16,13 @@ from engine.tokenizer.gguf import TokenType, load_gguf_vocab
 from engine.tokenizer.gguf_bpe import PRE_NAMES, split_merge
 from engine.tokenizer.gguf_spm import spm_merges
 from tests.tokenizer_fixtures import (
-    DATA, default_model_path, read_vocab_tests, vocab_data_file, tiny_bpe_gguf,
-    tiny_spm_gguf, write_gguf,
+    DATA,
+    default_model_path,
+    read_vocab_tests,
+    tiny_bpe_gguf,
+    tiny_spm_gguf,
+    vocab_data_file,
+    write_gguf,
 )
 
 # Every BPE/SPM vocabulary of llama.cpp's test data with .inp/.out vectors, and what we expect.
@@ -26,7 +32,7 @@ ALSO_PASSING = ["command-r", "deepseek-coder", "deepseek-llm", "falcon", "gemma-
 UNSUPPORTED = {"bert-bge": "tokenizer.ggml.model 'bert' is not supported"}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def vocab_tokenizer(name: str):
     return load_tokenizer(vocab_data_file(f"ggml-vocab-{name}.gguf"))
 

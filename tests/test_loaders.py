@@ -14,10 +14,10 @@ import torch
 from safetensors.torch import save_file
 
 from engine.batch import single_sequence_batch
-from engine.models.config import ModelConfig
 from engine.loader import default_model_path, load_model, release_free_heap
 from engine.loader.gguf_loader import load_gguf_state_dict
 from engine.models import LlamaModel
+from engine.models.config import ModelConfig
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, rope_theta=10000.0, rms_norm_eps=1e-6)

@@ -4,7 +4,8 @@ sampler kernel's processing (``engine.sampling.sampler.process``) both; then the
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engine.errors import InvalidParameterError
 from engine.params import SamplingParams

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from engine.batch import ForwardBatch, single_sequence_batch
-from engine.models.config import ModelConfig
 from engine.loader import load_model
 from engine.models import LlamaModel, PagedKVCache
+from engine.models.config import ModelConfig
 
 BLOCK_SIZE = 4
 

@@ -62,6 +62,28 @@ def test_completions(client):
     assert "".join(parts) == full.choices[0].text == SCRIPT_TEXT[: len(full.choices[0].text)]
 
 
+def test_completions_without_max_tokens_stop_at_16_tokens_chat_runs_on():
+    script = " ".join(f"w{i}" for i in range(40))  # ~80 tokens, no EOS: only a limit ends it
+    eng = scripted_engine(script, with_eos=False, max_model_len=256)
+    try:
+        with LiveServer(eng) as server, openai.OpenAI(base_url=server.base_url + "/v1", api_key="x",
+                                                      max_retries=0, timeout=60) as c:
+            done = c.completions.create(model="default", prompt="Once")
+            assert done.usage.completion_tokens == 16 and done.choices[0].finish_reason == "length"
+            chunks = list(c.completions.create(model="default", prompt="Once", stream=True))
+            assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == done.choices[0].text
+            batched = c.completions.create(model="default", prompt=["a", "b"])
+            assert [ch.finish_reason for ch in batched.choices] == ["length", "length"]
+            assert batched.usage.completion_tokens == 32
+            rest = c.completions.create(model="default", prompt="Once", max_tokens=None)  # null: the context
+            assert rest.usage.completion_tokens == 256 - rest.usage.prompt_tokens
+            reply = c.chat.completions.create(model="default", messages=MESSAGES)  # chat: the rest of it
+            assert reply.usage.completion_tokens == 256 - reply.usage.prompt_tokens
+            assert reply.choices[0].finish_reason == "length"
+    finally:
+        eng.close()
+
+
 def test_errors_become_client_exceptions(client, live):
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model="default", messages=[], max_tokens=1)

@@ -124,7 +124,8 @@ def test_teacher_forced_matches_llamacpp(model, index):
     name, model = model
     entry = REFERENCES[name][index]
     failures = _mismatches(entry, teacher_forced_logprobs(model, entry))
-    assert not failures, f"{name} {model.layers[0].qkv_proj.format} {model.dtype} prompt {entry['prompt']!r}:\n" + "\n".join(failures)
+    assert not failures, (f"{name} {model.layers[0].qkv_proj.format} {model.dtype} prompt {entry['prompt']!r}:\n"
+                          + "\n".join(failures))
 
 
 DECODE_STEPS = 16  # generated positions per prompt checked one decode step at a time

@@ -46,11 +46,20 @@ def test_chat_fields_map_to_sampling_params():
 
 def test_defaults_and_aliases():
     req = chat()
-    assert req.params.max_tokens is None and not req.is_stream and not req.include_usage  # None: the rest of the context
+    # max_tokens None: the rest of the context
+    assert req.params.max_tokens is None and not req.is_stream and not req.include_usage
     assert chat(max_completion_tokens=5, max_tokens=9).params.max_tokens == 5
     assert chat(top_k=-1).params.top_k == 0  # vLLM's "disabled"
     assert not chat(stream_options={"include_usage": True}).include_usage  # only with stream
     assert chat(n=1, stop=None, seed=None).params.stop == ()
+
+
+def test_completions_max_tokens_defaults_to_16_as_openai():
+    assert protocol.parse_completion({"prompt": "a"}).params.max_tokens == 16  # OpenAI's documented default
+    assert protocol.parse_completion({"prompt": ["a", "b"]}).params.max_tokens == 16
+    assert protocol.parse_completion({"prompt": "a", "max_tokens": None}).params.max_tokens is None  # vLLM
+    assert protocol.parse_completion({"prompt": "a", "max_tokens": 40}).params.max_tokens == 40
+    assert chat().params.max_tokens is None and chat(max_tokens=None).params.max_tokens is None
 
 
 def test_content_parts_are_joined_with_newlines():
@@ -191,7 +200,9 @@ def test_completion_prompt_forms():
     ({"echo": "yes"}, "echo"), ({"echo": 1, "logprobs": 1}, "echo"),
     ({"echo": True, "logprobs": 21}, "logprobs"), ({"echo": True, "logprobs": -1}, "logprobs"),
     ({"echo": True, "logprobs": 1, "prompt_logprobs": 21}, "prompt_logprobs"),
-    ({"echo": True, "logprobs": 2, "stream": True, "prompt_logprobs": "1"}, "prompt_logprobs"), ({"suffix": "x"}, "suffix"),
+    ({"echo": True, "logprobs": 2, "stream": True, "prompt_logprobs": "1"}, "prompt_logprobs"),
+    ({"suffix": 5}, "suffix"),
+    ({"suffix": "x", "echo": True}, "suffix"),  # a suffix itself is the model's to refuse (test_infill.py)
     ({"best_of": 3}, "best_of"), ({"logprobs": True}, "logprobs"), ({"logprobs": 21}, "logprobs"),
     ({"add_special_tokens": 1}, "add_special_tokens"), ({"guided_json": []}, "guided_json"),
     ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "structured_outputs.regex"),

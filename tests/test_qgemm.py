@@ -12,12 +12,12 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_fused_kernels import ISAS
 
 from cext import cpu, qgemm
 from engine.models import linear as linear_module
 from engine.models.linear import INT_KERNEL_MAX_ROWS, KERNEL_MAX_ROWS, Linear
 from engine.models.quant import GROUP_SIZE, Int4Weight, Int5Weight, Int8Weight, blocks_to_int4, cat_rows
-from test_fused_kernels import ISAS
 
 MAX_TEST_ROWS = min(KERNEL_MAX_ROWS, 40)  # both paths' tiles and their ragged tails
 SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -135,7 +135,10 @@ def test_int5_product_matches_its_definition(path, num_rows, num_out, groups, ha
     assert linear.format == "int5" and (linear.half == half or not is_q5_0)  # Q5_1: m + 16 d may need float32
     y = linear(x)
     assert y.dtype == dtype and y.shape == (num_rows, num_out)
-    expected = exact_product(x, weight.dequantize()) if path(num_rows) == "float" else emulate_int4(x, weight, linear.half)
+    if path(num_rows) == "float":
+        expected = exact_product(x, weight.dequantize())
+    else:
+        expected = emulate_int4(x, weight, linear.half)
     _check(y, expected + bias.double(), dtype)
 
 

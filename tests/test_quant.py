@@ -8,6 +8,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from model_fixtures import qwen_gguf, smollm2_gguf  # noqa: F401 (fixtures)
 
 from engine.gguf_file import GGUFFile
 from engine.loader import load_model, resolve_options
@@ -15,7 +16,6 @@ from engine.loader.gguf_loader import GGUFStateDict, read_config
 from engine.loader.repack import Q4_0, Q4_1, Q4_K, MappedRows, dequantize, int4_from_q4, int5_from_q5
 from engine.models.linear import Linear
 from engine.models.quant import Int4Weight, Int5Weight, Int8Weight, cat_rows
-from model_fixtures import qwen_gguf, smollm2_gguf  # noqa: F401 (fixtures)
 
 ATOL = 1e-4
 

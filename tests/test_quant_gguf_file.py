@@ -7,10 +7,10 @@ import struct
 import gguf
 import numpy as np
 import pytest
+from model_fixtures import qwen_gguf, smollm2_gguf  # noqa: F401 (fixtures)
 
 from engine.gguf_file import GGUFFile
 from engine.loader import load_model
-from model_fixtures import qwen_gguf, smollm2_gguf  # noqa: F401 (fixtures)
 
 
 @pytest.mark.parametrize("model", ["smollm2_gguf", "qwen_gguf"])

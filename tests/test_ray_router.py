@@ -25,7 +25,8 @@ def test_token_id_prompts_use_blocks_of_ids():
 def test_prompt_text_renders_roles_so_moving_text_between_messages_changes_the_prefix():
     params = SamplingParams()
     chat = ParsedRequest(True, params, messages=[{"role": "system", "content": "ab"}, {"role": "user", "content": "c"}])
-    moved = ParsedRequest(True, params, messages=[{"role": "system", "content": "a"}, {"role": "user", "content": "bc"}])
+    moved = ParsedRequest(True, params,
+                          messages=[{"role": "system", "content": "a"}, {"role": "user", "content": "bc"}])
     assert prompt_text(chat) != prompt_text(moved)
     batch = ParsedRequest(False, params, prompts=["first", "second"])
     assert prompt_text(batch) == "first"

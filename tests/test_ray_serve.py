@@ -16,7 +16,6 @@ import threading
 import httpx
 import openai
 import pytest
-
 import ray  # noqa: E402  (ray[serve]: requirements-ray.txt)
 from ray import serve  # noqa: E402
 
@@ -113,6 +112,65 @@ def test_errors_and_auth_are_the_single_servers(ray_url, single):
     assert httpx.get(ray_url + "/health", timeout=30).json() == {"status": "ok"}
     models = httpx.get(ray_url + "/v1/models", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30).json()
     assert models["data"][0]["id"] == "default" and models["data"][0]["max_model_len"] == MAX_MODEL_LEN
+
+
+_RUN_FIELDS = {"id", "item_id", "created_at", "completed_at", "previous_response_id"}
+
+
+def _without_ids(value):
+    """A Responses object or event as a dict, without what differs between any two runs (ids, times)."""
+    if hasattr(value, "model_dump"):
+        value = value.model_dump()
+    if isinstance(value, dict):
+        return {k: _without_ids(v) for k, v in value.items() if k not in _RUN_FIELDS}
+    if isinstance(value, list):
+        return [_without_ids(v) for v in value]
+    return value
+
+
+def test_responses_api_answers_as_the_single_server(ray_url, single):
+    ray_client, single_client = _client(ray_url), _client(single.base_url)
+    kwargs = dict(model="default", input="Say hello.", instructions="Be brief.", temperature=0,
+                  max_output_tokens=100)
+    expected = single_client.responses.create(**kwargs)
+    got = ray_client.responses.create(**kwargs)
+    assert got.id.startswith("resp_") and _without_ids(got) == _without_ids(expected)
+    with single_client.responses.stream(**kwargs) as stream:
+        expected_events = [_without_ids(e) for e in stream]
+    with ray_client.responses.stream(**kwargs) as stream:
+        events = [_without_ids(e) for e in stream]
+        final = stream.get_final_response()
+    assert len(events) > 10 and events == expected_events
+    follow = ray_client.responses.create(model="default", input="Again.", previous_response_id=final.id,
+                                         max_output_tokens=5)
+    assert follow.usage.input_tokens > got.usage.input_tokens  # the stored conversation came first
+    assert ray_client.responses.retrieve(follow.id).output_text == follow.output_text
+    ray_client.responses.delete(follow.id)
+    with pytest.raises(openai.NotFoundError):
+        ray_client.responses.retrieve(follow.id)
+    bad = {"input": [{"type": "function_call_output", "output": "1"}]}
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    answer = httpx.post(ray_url + "/v1/responses", json=bad, headers=headers, timeout=30)
+    status, _, raw = single.request("POST", "/v1/responses", json.dumps(bad).encode(), headers)
+    assert (answer.status_code, answer.json()) == (status, json.loads(raw)) and status == 400
+
+
+def test_fill_in_the_middle_routes_answer_as_the_single_server(ray_url, single):
+    """The replicas' vocabulary (SmolLM2) has no FIM tokens: suffix and /infill are the same 400s."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    cases = [("/v1/completions", {"prompt": "def f():", "suffix": "\n", "max_tokens": 4}),
+             ("/infill", {"input_prefix": "def f():", "input_suffix": "\n"}),
+             ("/infill", {"input_prefix": "a", "n_indent": 4}),
+             ("/v1/completions", {"prompt": "Once", "suffix": "", "max_tokens": 3, "temperature": 0})]
+    for path, body in cases:
+        got = httpx.post(ray_url + path, json=body, headers=headers, timeout=30)
+        status, _, raw = single.request("POST", path, json.dumps(body).encode(), headers)
+        expected = json.loads(raw)
+        if status == 200:
+            got_body = got.json()
+            assert got_body["choices"][0]["text"] == expected["choices"][0]["text"]
+        else:
+            assert (got.status_code, got.json()) == (status, expected) and status == 400, path
 
 
 def test_prefix_sharing_requests_land_on_one_replica(ray_url):

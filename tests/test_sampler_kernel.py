@@ -5,7 +5,8 @@ within 1e-4 of the draw), which the property test recognises and leaves out."""
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, assume, given, settings, strategies as st
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
 
 from engine.params import SamplingParams
 from engine.sampling.sampler import RandomStream, prompt_logprobs, sample

@@ -19,7 +19,7 @@ from engine.core.scheduler import Scheduler, SchedulerConfig
 from engine.core.sequence import Sequence, SequenceStatus
 from engine.errors import InvalidParameterError, SchedulerRefused
 from engine.params import SamplingParams
-from tests.sched_reference import RefSeq, ReferenceScheduler
+from tests.sched_reference import ReferenceScheduler, RefSeq
 
 VOCAB = 50
 
@@ -92,7 +92,7 @@ def run_workload(reqs, max_num_seqs, budget, num_blocks, block_size, caching, eo
     sched = Scheduler(cfg)
     ref = ReferenceScheduler(max_num_seqs, budget, num_blocks, block_size, caching)
     kv = FakeKV(num_blocks, block_size)
-    shared = [list(np.random.default_rng(7).integers(0, VOCAB, 40)), list(np.random.default_rng(8).integers(0, VOCAB, 40))]
+    shared = [list(np.random.default_rng(seed).integers(0, VOCAB, 40)) for seed in (7, 8)]
     seqs: dict[str, Sequence] = {}
     expected: dict[str, list[int]] = {}
     arrivals: list[str] = []
@@ -131,7 +131,7 @@ def run_workload(reqs, max_num_seqs, budget, num_blocks, block_size, caching, eo
         prefill_budget = None
         if prefill_budgets:  # stand-in for the time-target budget, shared with the reference
             prefill_budget = prefill_budgets[tick % len(prefill_budgets)]
-            sched.prefill_budget = lambda: prefill_budget
+            sched.prefill_budget = lambda b=prefill_budget: b
         out = sched.schedule()
         ref_tick = ref.schedule(prefill_budget)
         tick += 1
@@ -177,7 +177,8 @@ def run_workload(reqs, max_num_seqs, budget, num_blocks, block_size, caching, eo
         sched.update(out, sampled)
         ref.update(sampled)
         for s in out.sample_seqs:
-            if s.status is SequenceStatus.RUNNING and (s.num_generated >= s.max_tokens or s.output_token_ids[-1] == eos):
+            done = s.num_generated >= s.max_tokens or s.output_token_ids[-1] == eos
+            if s.status is SequenceStatus.RUNNING and done:
                 sched.finish(s)
                 ref.remove(s.request_id)
         table_refs: dict[int, int] = {}
@@ -231,7 +232,8 @@ def test_prefix_cache_hits_skip_computation():
 
 def test_prefix_hit_counts_and_prompt_logprobs_do_not_reuse():
     cfg = SchedulerConfig(
-        max_num_seqs=4, max_num_batched_tokens=64, num_blocks=32, max_model_len=64, block_size=4, target_tick_seconds=None
+        max_num_seqs=4, max_num_batched_tokens=64, num_blocks=32, max_model_len=64, block_size=4,
+        target_tick_seconds=None,
     )
     sched = Scheduler(cfg)
     prompt = list(range(1, 19))  # 18 tokens: 4 full blocks
@@ -256,7 +258,8 @@ def test_prefix_hit_counts_and_prompt_logprobs_do_not_reuse():
 
 def test_long_prompt_spreads_over_ticks():
     cfg = SchedulerConfig(
-        max_num_seqs=4, max_num_batched_tokens=16, num_blocks=64, max_model_len=256, block_size=4, target_tick_seconds=None
+        max_num_seqs=4, max_num_batched_tokens=16, num_blocks=64, max_model_len=256, block_size=4,
+        target_tick_seconds=None,
     )
     sched = Scheduler(cfg)
     decoders = [Sequence(f"d{i}", [1, 2], 50) for i in range(3)]
@@ -289,13 +292,13 @@ def test_validation_errors_name_the_field():
     # them. The scheduler refuses, with its own type, only what its buffers cannot hold.
     with pytest.raises(InvalidParameterError, match="max_tokens"):
         SamplingParams(max_tokens=0)
-    sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=8, num_blocks=4, max_model_len=16, block_size=4))
+    sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=8, num_blocks=4, max_model_len=16,
+                                      block_size=4))
     with pytest.raises(SchedulerRefused, match="max_model_len"):
         sched.add(Sequence("x", [1] * 10, 7))
     with pytest.raises(SchedulerRefused, match="kv_cache_tokens"):
-        Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=8, num_blocks=2, max_model_len=16, block_size=4)).add(
-            Sequence("y", [1] * 8, 2)
-        )
+        Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=8, num_blocks=2, max_model_len=16,
+                                  block_size=4)).add(Sequence("y", [1] * 8, 2))
     sched.add(Sequence("x", [1] * 4, 2))
     with pytest.raises(SchedulerRefused, match="already") as info:
         sched.add(Sequence("x", [1] * 4, 2))
@@ -325,7 +328,8 @@ def test_abort_everywhere_and_interface():
 
 def test_short_request_starts_during_a_long_prefill():
     cfg = SchedulerConfig(
-        max_num_seqs=4, max_num_batched_tokens=64, num_blocks=64, max_model_len=512, block_size=4, target_tick_seconds=None
+        max_num_seqs=4, max_num_batched_tokens=64, num_blocks=64, max_model_len=512, block_size=4,
+        target_tick_seconds=None,
     )
     sched = Scheduler(cfg)
     long = Sequence("long", list(range(200)), 2)
@@ -421,4 +425,5 @@ def test_prefill_keeps_a_share_when_decodes_alone_exceed_the_target():
     # A prompt that fits the hard budget is admitted whole past the time target: it is done in one tick.
     sched.add(Sequence("short", list(range(5000, 5300)), 2))
     out = sched.schedule()
-    assert out.seqs[-1].request_id == "short" and out.batch.query_starts_list[-1] - out.batch.query_starts_list[-2] == 300
+    assert (out.seqs[-1].request_id == "short"
+            and out.batch.query_starts_list[-1] - out.batch.query_starts_list[-2] == 300)

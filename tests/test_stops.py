@@ -3,7 +3,8 @@ against the plain quadratic matcher it replaced; linear memory; the caps."""
 import tracemalloc
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engine.detokenizer import IncrementalDetokenizer
 from engine.params import SamplingParams
@@ -190,9 +191,10 @@ def test_stop_string_cut_mid_character(name):
     tok = getattr(vocabs, name)()
     backend = vocabs.backend_of(tok)
     if name == "llama_spm":
-        ids = backend.encode("x", add_special_tokens=False).ids + [backend.token_to_id(f"<0x{b:02X}>") for b in "🙂".encode()]
+        emoji = [backend.token_to_id(f"<0x{b:02X}>") for b in "🙂".encode()]
     else:
-        ids = backend.encode("x", add_special_tokens=False).ids + [backend.token_to_id(vocabs.byte_level_str(bytes([b]))) for b in "🙂".encode()]
+        emoji = [backend.token_to_id(vocabs.byte_level_str(bytes([b]))) for b in "🙂".encode()]
+    ids = backend.encode("x", add_special_tokens=False).ids + emoji
     tail = backend.encode("after", add_special_tokens=False).ids
     ids += tail
     assert backend.decode(ids).startswith("x🙂") and backend.decode(ids).endswith("after")

@@ -128,8 +128,8 @@ def test_json_schema_in_chat_follows_property_order_and_validates(eng):
     assert c.finish_reason == "stop"
 
 
-REGEXES = [r"[0-9]{3}-[0-9]{4}", r"(cat|dog|bird)s?", r"[A-Z][a-z]{2,8} [A-Z][a-z]{2,8}", r"-?[1-9][0-9]{0,3}\.[0-9]{2}",
-           r"(yes|no), because [a-z ]{5,20}\."]
+REGEXES = [r"[0-9]{3}-[0-9]{4}", r"(cat|dog|bird)s?", r"[A-Z][a-z]{2,8} [A-Z][a-z]{2,8}",
+           r"-?[1-9][0-9]{0,3}\.[0-9]{2}", r"(yes|no), because [a-z ]{5,20}\."]
 
 
 def test_regex_outputs_match_greedy_and_seeded(eng):

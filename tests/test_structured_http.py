@@ -76,7 +76,8 @@ def test_json_object_gives_a_json_object(client):
     ({"guided_choice": ["yes", "no", "maybe"]}, lambda text: text in ("yes", "no", "maybe")),
     ({"guided_grammar": 'root ::= "age: " [0-9] [0-9]?'}, lambda text: re.fullmatch(r"age: [0-9]{1,2}", text)),
     ({"structured_outputs": {"json": PERSON}}, lambda text: jsonschema.validate(json.loads(text), PERSON)),
-    ({"structured_outputs": {"regex": r"(red|blue)-[0-9]{3}"}}, lambda text: re.fullmatch(r"(red|blue)-[0-9]{3}", text)),
+    ({"structured_outputs": {"regex": r"(red|blue)-[0-9]{3}"}},
+     lambda text: re.fullmatch(r"(red|blue)-[0-9]{3}", text)),
     ({"structured_outputs": {"choice": ["A", "B"]}}, lambda text: text in ("A", "B")),
     ({"structured_outputs": {"grammar": 'start: "ok" | "fail"'}}, lambda text: text in ("ok", "fail")),
 ])

@@ -5,8 +5,10 @@ import functools
 import json
 
 import pytest
-from hypothesis import given, settings, strategies as st
-from tokenizers import Tokenizer as HFTokenizer, processors
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import processors
 
 import engine
 from engine.tokenizer import Tokenizer, load_tokenizer
@@ -16,7 +18,7 @@ REFERENCE = json.loads((DATA / "smollm2_llamacpp_greedy.json").read_text(encodin
 SYSTEM_PREFIX = "<|im_start|>system\n"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def smollm2() -> Tokenizer:
     return load_tokenizer(default_model_path())
 

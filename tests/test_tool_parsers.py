@@ -10,8 +10,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.tools import (HermesParser, Llama3JsonParser, MistralParser, NamedParser, RequiredParser, ToolCall,
-                          ToolCallDelta, fold_tool_calls, parser_class_for)
+from engine.tools import (
+    HermesParser,
+    Llama3JsonParser,
+    MistralParser,
+    NamedParser,
+    RequiredParser,
+    ToolCall,
+    ToolCallDelta,
+    fold_tool_calls,
+    parser_class_for,
+)
 
 
 def make(parser_class, name=None):
@@ -95,7 +104,8 @@ def test_named_reply_is_the_arguments():
 
 
 def test_arguments_stream_in_pieces_with_the_name_first():
-    _, calls, deltas = run(HermesParser, ["<tool_call>", '{"name": "f", ', '"arguments": {"a"', ': 1}', "}</tool_call>"])
+    _, calls, deltas = run(HermesParser,
+                           ["<tool_call>", '{"name": "f", ', '"arguments": {"a"', ': 1}', "}</tool_call>"])
     assert deltas[0] == ToolCallDelta(0, "id0", "f", '{"a"')  # announced with the arguments so far
     assert len(deltas) == 2 and "".join(d.arguments for d in deltas) == '{"a": 1}'
     assert all(d.id is None and d.name is None for d in deltas[1:])

@@ -7,8 +7,15 @@ import pytest
 
 from engine.errors import InvalidParameterError
 from engine.params import SamplingParams
-from engine.tools import (HermesParser, MistralParser, NamedParser, RequiredParser, plan_tools, validate_tool_choice,
-                          validate_tools)
+from engine.tools import (
+    HermesParser,
+    MistralParser,
+    NamedParser,
+    RequiredParser,
+    plan_tools,
+    validate_tool_choice,
+    validate_tools,
+)
 from engine.tools.spec import MAX_TOOLS
 
 

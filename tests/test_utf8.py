@@ -100,7 +100,8 @@ def pieces_reference(items):
 items_strategy = st.lists(
     st.one_of(
         st.tuples(st.just("t"), st.sampled_from([b"", b"a", b" b", "\u00e9".encode(), "你好".encode()])),
-        st.tuples(st.just("b"), st.one_of(st.integers(0, 255), st.sampled_from([0xE4, 0xBD, 0xA0, 0xF0, 0x9F, 0x98, 0x80]))),
+        st.tuples(st.just("b"),
+                  st.one_of(st.integers(0, 255), st.sampled_from([0xE4, 0xBD, 0xA0, 0xF0, 0x9F, 0x98, 0x80]))),
     ),
     max_size=16,
 )
@@ -148,7 +149,8 @@ def test_strip_removes_leading_spaces_of_the_whole_output_only():
 def make_table(pieces, kinds):
     offsets = np.zeros(len(pieces) + 1, dtype=np.int64)
     offsets[1:] = np.cumsum([len(p) for p in pieces])
-    texts = [None if k & TokenKind.KIND_BYTE else p.decode("utf-8", "strict") if _valid(p) else None for p, k in zip(pieces, kinds)]
+    texts = [None if k & TokenKind.KIND_BYTE else p.decode("utf-8", "strict") if _valid(p) else None
+             for p, k in zip(pieces, kinds)]
     return TokenTable(b"".join(pieces), offsets, np.array(kinds, dtype=np.uint8), texts)
 
 
@@ -162,7 +164,8 @@ def _valid(piece):
 
 def test_table_add_uses_kinds():
 
-    table = make_table([b"a", b"\xe4", b"\xbd\xa0", b"<s>", b""], [0, 0, 0, TokenKind.KIND_SPECIAL, TokenKind.KIND_UNKNOWN])
+    table = make_table([b"a", b"\xe4", b"\xbd\xa0", b"<s>", b""],
+                       [0, 0, 0, TokenKind.KIND_SPECIAL, TokenKind.KIND_UNKNOWN])
     tracker = Utf8Tracker(table, DecodeMode.MODE_BYTES, skip_special=True)
     assert [tracker.add(i) for i in (0, 1, 3, 4, 99, -1, 2)] == ["a", "", "", "", "", "", "你"]
     keep = Utf8Tracker(table, DecodeMode.MODE_BYTES, skip_special=False)

@@ -162,7 +162,8 @@ def synthetic_spm(decoder_name: str = "spm"):
         "strip_per_token": decoders.Sequence([decoders.Replace("\u2581", " "), decoders.Strip(" ", 1, 0)]),
     }[decoder_name]
     tok.add_special_tokens([AddedToken("<s>", special=True), AddedToken("</s>", special=True)])
-    tok.add_tokens([AddedToken("<x>", special=False), AddedToken("\u2581y", special=False), AddedToken("<0x41>", special=False)])
+    tok.add_tokens([AddedToken("<x>", special=False), AddedToken("\u2581y", special=False),
+                    AddedToken("<0x41>", special=False)])
     tok.add_special_tokens([AddedToken("<0xE4>", special=True), AddedToken("<|sp ace|>", special=True)])
     return tok
 
@@ -177,8 +178,9 @@ def synthetic_byte_level():
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken("<|s|>", special=True), AddedToken("日本", special=True)])
-    tok.add_tokens([AddedToken("Ġx", special=False), AddedToken("a b", special=False), AddedToken(chars[0xA0] + "ä", special=False),
-                    AddedToken("Ġ x", special=False), AddedToken("Ġ日", special=False)])
+    tok.add_tokens([AddedToken("Ġx", special=False), AddedToken("a b", special=False),
+                    AddedToken(chars[0xA0] + "ä", special=False), AddedToken("Ġ x", special=False),
+                    AddedToken("Ġ日", special=False)])
     return tok
 
 

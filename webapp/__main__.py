@@ -19,7 +19,8 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 def build_parser(prog: str = "python -m webapp") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description="OpenAI-compatible LLM server")
-    parser.add_argument("--model", default=None, help=".gguf file or Hugging Face directory (default: embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--model", default=None,
+                        help=".gguf file or Hugging Face directory (default: embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--served-model-name", default=None, help="model id reported by /v1/models")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=8000)
@@ -60,7 +61,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m webapp") -> None:
             raise ValueError(f"--threads must be more than {RESERVED_THREADS} (the threads kept for probes), "
                              f"got {args.threads}")
         if args.max_concurrent_requests is not None and args.max_concurrent_requests < 1:
-            raise ValueError(f"--max-concurrent-requests must be a positive integer, got {args.max_concurrent_requests}")
+            raise ValueError(f"--max-concurrent-requests must be a positive integer, "
+                             f"got {args.max_concurrent_requests}")
         EngineConfig.from_options(options)
         allowed_origins = parse_origins(args.allowed_origins)
         model_path = default_model_path() if args.model is None else args.model

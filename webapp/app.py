@@ -19,9 +19,22 @@ from werkzeug.exceptions import HTTPException
 
 from cext.chunk import ChunkWriter
 
-from . import cors, embeddings, errors, generation, prompt_echo, protocol, request_fields, sse
+from . import (
+    cors,
+    embeddings,
+    errors,
+    generation,
+    prompt_echo,
+    protocol,
+    request_fields,
+    response_objects,
+    responses,
+    sse,
+)
+from . import infill as infill_api
 from .errors import APIError
 from .metrics import RequestRecord, ServerMetrics
+from .response_store import ResponseStore
 from .shared import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_THREADS,
@@ -68,6 +81,7 @@ def create_app(engine, model_name: str | None = None, api_key: str | None = None
     metrics = ServerMetrics(engine, model_name)
     app.extensions["llm_engine"] = engine
     app.extensions["llm_metrics"] = metrics
+    store = app.extensions["llm_responses"] = ResponseStore()  # POST /v1/responses with store
     tokenizer = engine.tokenizer
     max_model_len = getattr(engine, "max_model_len", None)
     expected_auth = generation.expected_authorization(api_key)
@@ -135,8 +149,7 @@ def create_app(engine, model_name: str | None = None, api_key: str | None = None
 
     @app.get("/v1/schema")
     def schema():
-        return _json({endpoint: request_fields.json_schema(endpoint)
-                      for endpoint in (request_fields.CHAT, request_fields.COMPLETIONS)})
+        return _json({name: request_fields.json_schema(name) for name in request_fields.ENDPOINTS})
 
     @app.post("/v1/chat/completions")
     def chat_completions():
@@ -145,6 +158,28 @@ def create_app(engine, model_name: str | None = None, api_key: str | None = None
     @app.post("/v1/completions")
     def completions():
         return _limited(lambda: _generate(protocol.parse_completion(_read_body()), "completions"))
+
+    @app.post("/infill")
+    def infill():
+        return _limited(lambda: _infill(infill_api.parse_infill(_read_body())))
+
+    @app.post("/v1/responses")
+    def create_response():
+        return _limited(lambda: _respond(responses.parse_responses(_read_body(), store)))
+
+    @app.get("/v1/responses/<response_id>")
+    def get_response(response_id: str):
+        responses.check_no_query(request.args)
+        entry = store.get(response_id)
+        if entry is None:
+            raise responses.response_not_found(response_id)
+        return _json(entry.body)
+
+    @app.delete("/v1/responses/<response_id>")
+    def delete_response(response_id: str):
+        if not store.delete(response_id):
+            raise responses.response_not_found(response_id)
+        return _json(responses.deleted_body(response_id))
 
     # ----- embeddings and scores (webapp.embeddings; the forwards run between the engine's ticks) -----
     def _scores_route(kind: str):
@@ -192,5 +227,35 @@ def create_app(engine, model_name: str | None = None, api_key: str | None = None
             return Response(status=499)
         body = generation.response_body(req, request_id, model_name, created, done, echo_texts, tokenizer)
         return _json(body)
+
+    def _infill(req: protocol.ParsedRequest) -> Response:
+        record = RequestRecord("infill", 0)
+        stream = generation.submit(engine, req)
+        record.num_prompt_tokens = num_prompt = generation.num_prompt_tokens(stream, 1)
+        is_disconnected = request.environ.get("waitress.client_disconnected") or _never_disconnected
+        if req.is_stream:
+            body = infill_api.stream_chunks(stream, record, metrics, is_disconnected, num_prompt)
+            return Response(body, mimetype="text/event-stream", headers=sse.STREAM_HEADERS)
+        done = sse.collect(stream, record, metrics, is_disconnected)
+        if done is None:
+            return Response(status=499)
+        return _json(infill_api.infill_body(done[0], num_prompt, model_name))
+
+    def _respond(req: responses.ResponsesRequest) -> Response:
+        record = RequestRecord("responses", 0)
+        stream = responses.submit(engine, req)
+        record.num_prompt_tokens = generation.num_prompt_tokens(stream, 1)
+        response_id = responses.RESPONSE_ID_PREFIX + stream.request_id
+        created = int(time.time())
+        is_disconnected = request.environ.get("waitress.client_disconnected") or _never_disconnected
+        if req.chat.is_stream:
+            events = response_objects.ResponseEvents(req, store, response_id, model_name, created)
+            body = response_objects.stream_events(stream, events, record, metrics, is_disconnected)
+            return Response(body, mimetype="text/event-stream", headers=sse.STREAM_HEADERS)
+        done = sse.collect(stream, record, metrics, is_disconnected)
+        if done is None:
+            return Response(status=499)
+        return _json(response_objects.response_body(req, store, response_id, model_name, created, done[0],
+                                                    record.num_prompt_tokens))
 
     return app

@@ -4,7 +4,11 @@ from __future__ import annotations
 import json
 
 from engine.errors import (
-    ContextLengthError, EngineDead, EngineError, EngineOverloaded, InvalidParameterError,
+    ContextLengthError,
+    EngineDead,
+    EngineError,
+    EngineOverloaded,
+    InvalidParameterError,
 )
 
 

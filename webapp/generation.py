@@ -39,9 +39,13 @@ def expected_authorization(api_key: str | None) -> bytes | None:
     return f"Bearer {api_key}".encode() if api_key else None
 
 
+KEYED_PATHS = frozenset({"/infill"})  # generation routes outside /v1/ that need the key as well
+
+
 def check_api_key(expected: bytes | None, path: str, method: str, authorization: str | None) -> None:
-    """/v1/* needs ``Authorization: Bearer <key>`` when a key is set (preflights excepted): else 401."""
-    if expected is None or not path.startswith("/v1/") or method == "OPTIONS":
+    """/v1/* and /infill need ``Authorization: Bearer <key>`` when a key is set (preflights excepted):
+    else 401."""
+    if expected is None or not (path.startswith("/v1/") or path in KEYED_PATHS) or method == "OPTIONS":
         return
     if not hmac.compare_digest((authorization or "").encode(), expected):
         raise errors.unauthorized()
@@ -65,21 +69,37 @@ def _api_error(req: protocol.ParsedRequest, exc: Exception) -> errors.APIError:
 def submit(engine, req: protocol.ParsedRequest):
     """Template and tokenize on the calling thread (the engine's own prompt path), then submit.
     Engine errors (context length, a bad parameter, overload) come out as APIErrors."""
-    return _submit(req, engine.stream_chat, engine.submit_batch)
+    return _submit(engine, req, engine.stream_chat, engine.submit_batch)
 
 
 def asubmit(engine, req: protocol.ParsedRequest):
     """``submit`` for an event loop: an AsyncRequestStream (the events wake the loop, no thread held)."""
-    return _submit(req, engine.astream_chat, engine.asubmit_batch)
+    return _submit(engine, req, engine.astream_chat, engine.asubmit_batch)
 
 
-def _submit(req: protocol.ParsedRequest, stream_chat, submit_batch):
+def _prompts(engine, req: protocol.ParsedRequest) -> tuple[list, object]:
+    """(prompts, params) to submit: with a suffix, each prompt is a prefix framed by the model's FIM
+    tokens (the engine's one infill path, Engine.prepare_infill)."""
+    if req.suffix is None:
+        return req.prompts, req.params
+    prompts, params = [], req.params
+    for prompt in req.prompts:
+        if req.cursor_text:  # tokenized apart from the prefix, as llama.cpp's /infill does
+            pieces = engine.tokenizer.encode_batch([prompt, req.cursor_text], add_special_tokens=False)
+            prompt = pieces[0] + pieces[1]
+        ids, params = engine.prepare_infill(prompt, req.suffix, req.params, req.extra_files)
+        prompts.append(ids)
+    return prompts, params
+
+
+def _submit(engine, req: protocol.ParsedRequest, stream_chat, submit_batch):
     """The core of both twins: ``stream_chat`` / ``submit_batch`` are the engine's sync or async ones."""
     try:
         if req.is_chat:
             return stream_chat(req.messages, req.params, tools=req.tools, tool_choice=req.tool_choice,
                                parallel_tool_calls=req.parallel_tool_calls)
-        return submit_batch(req.prompts, req.params, add_special_tokens=req.add_special_tokens)
+        prompts, params = _prompts(engine, req)
+        return submit_batch(prompts, params, add_special_tokens=req.add_special_tokens)
     except Exception as exc:
         raise _api_error(req, exc) from None
 

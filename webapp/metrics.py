@@ -75,6 +75,13 @@ class RequestRecord:
         self.last = now
         self.num_generated += num_tokens
 
+    def event(self, event) -> None:
+        """Fold in one StreamEvent: its new tokens and, when it ends its choice, its finish reason."""
+        if event.token_ids:
+            self.tokens(len(event.token_ids))
+        if event.finish_reason is not None:
+            self.finish_reasons.append(event.finish_reason)
+
 
 class ServerMetrics:
     def __init__(self, engine, model_name: str):

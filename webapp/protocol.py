@@ -26,7 +26,16 @@ from engine.tools import validate_tool_choice, validate_tools
 
 from .constraints import constraint
 from .errors import APIError, bad_request
-from .request_fields import CHAT, COMPLETIONS, CONSTRAINT_FIELDS, FIELDS_BY_ENDPOINT, MAX_TOKENS_LIMIT, Fate, check
+from .request_fields import (
+    CHAT,
+    COMPLETIONS,
+    COMPLETIONS_DEFAULT_MAX_TOKENS,
+    CONSTRAINT_FIELDS,
+    FIELDS_BY_ENDPOINT,
+    MAX_TOKENS_LIMIT,
+    Fate,
+    check,
+)
 
 MAX_PROMPTS = 256  # prompts in one batched /v1/completions request
 MAX_CHOICES = 256  # prompts * n
@@ -48,6 +57,9 @@ class ParsedRequest:
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool = True
     constraint_param: str | None = None  # the client's structured-output field, named by a later compile error
+    suffix: str | None = None  # fill-in-the-middle: each prompt is the prefix (engine.Engine.prepare_infill)
+    extra_files: list[dict] | None = None  # with suffix: llama.cpp /infill's repo-level context
+    cursor_text: str = ""  # /infill's prompt: the line before the cursor, tokenized after the prefix
 
     @property
     def prompt(self) -> str | list[int] | None:
@@ -73,7 +85,7 @@ def _reject_constant(name: str):
     raise ValueError(f"{name} is not a JSON number")
 
 
-def _check_text(value: str, param: str) -> str:
+def check_text(value: str, param: str) -> str:
     if _SURROGATES.search(value):
         raise bad_request(f"{param} contains a lone surrogate (not valid Unicode).", param)
     return value
@@ -94,7 +106,7 @@ def _is_ids(value) -> bool:
 def _prompts(prompt) -> list[str | list[int]]:
     """A string, token ids, or a batch of either -> the list of prompts."""
     if isinstance(prompt, str):
-        return [_check_text(prompt, "prompt")]
+        return [check_text(prompt, "prompt")]
     if _is_ids(prompt):
         if min(prompt) < 0:
             raise bad_request("prompt token ids must be >= 0", "prompt")
@@ -104,7 +116,7 @@ def _prompts(prompt) -> list[str | list[int]]:
             raise bad_request(f"prompt holds {len(prompt)} prompts; at most {MAX_PROMPTS} are allowed", "prompt")
         for k, p in enumerate(prompt):
             if isinstance(p, str):
-                _check_text(p, f"prompt[{k}]")
+                check_text(p, f"prompt[{k}]")
             elif min(p) < 0:
                 raise bad_request(f"prompt[{k}] token ids must be >= 0", f"prompt[{k}]")
         return list(prompt)
@@ -127,8 +139,10 @@ def _fields(body: dict, endpoint: str) -> dict:
     return values
 
 
-def _sampling(values: dict, endpoint: str, found: tuple | None = None) -> SamplingParams:
-    """``found``: the request's structured-output constraint (webapp.constraints.constraint)."""
+def sampling_params(values: dict, endpoint: str, found: tuple | None = None,
+                    default_max_tokens: int | None = None) -> SamplingParams:
+    """``found``: the request's structured-output constraint (webapp.constraints.constraint).
+    ``default_max_tokens``: when the body has no max_tokens (None: the rest of the context)."""
     fields = FIELDS_BY_ENDPOINT[endpoint]
     kwargs = {}
     if found is not None:
@@ -139,12 +153,12 @@ def _sampling(values: dict, endpoint: str, found: tuple | None = None) -> Sampli
             kwargs[f.target or name] = value
     if "max_completion_tokens" in values:
         kwargs["max_tokens"] = values["max_completion_tokens"]
-    kwargs.setdefault("max_tokens", None)  # None: the rest of the context
+    kwargs.setdefault("max_tokens", default_max_tokens)  # None: the rest of the context
     stop = values.get("stop")
     if stop is not None:
         kwargs["stop"] = (stop,) if isinstance(stop, str) else tuple(stop)
         for s in kwargs["stop"]:
-            _check_text(s, "stop")
+            check_text(s, "stop")
     if kwargs.get("top_k") == -1:
         kwargs["top_k"] = 0  # vLLM spells "disabled" as -1
     if endpoint == COMPLETIONS and "logprobs" in values:  # legacy: an int, the number of alternatives
@@ -179,7 +193,7 @@ def parse_chat(body: dict) -> ParsedRequest:
     messages = _messages(body.get("messages"))
     _tools(values)
     found = constraint(values)  # (client field, SamplingParams field, value) or None
-    params = _sampling(values, CHAT, found)
+    params = sampling_params(values, CHAT, found)
     is_stream, include_usage = _stream_flags(values)
     return ParsedRequest(True, params, messages=messages, is_stream=is_stream, include_usage=include_usage,
                          is_prompt_logprobs_shown=params.prompt_logprobs is not None,
@@ -192,10 +206,15 @@ def parse_completion(body: dict) -> ParsedRequest:
     values = _fields(body, COMPLETIONS)
     prompts = _prompts(body.get("prompt"))
     found = constraint(values)
-    params = _sampling(values, COMPLETIONS, found)
+    # OpenAI's legacy default: 16 tokens when max_tokens is absent; an explicit null: the rest of the context
+    default_max_tokens = None if "max_tokens" in body else COMPLETIONS_DEFAULT_MAX_TOKENS
+    params = sampling_params(values, COMPLETIONS, found, default_max_tokens)
     if len(prompts) * params.n > MAX_CHOICES:
         raise bad_request(f"{len(prompts)} prompts x n={params.n} choices exceeds {MAX_CHOICES}", "n")
     is_echo = values.get("echo", False)
+    suffix = check_text(values["suffix"], "suffix") if values.get("suffix") else None  # "": no insertion
+    if suffix is not None and is_echo:
+        raise bad_request("echo cannot be combined with suffix (fill-in-the-middle)", "suffix")
     is_prompt_logprobs_shown = params.prompt_logprobs is not None
     if is_echo and params.logprobs and (params.prompt_logprobs is None or params.prompt_logprobs < params.top_logprobs):
         # echo with logprobs: the echoed prompt's tokens get theirs too (OpenAI legacy, vLLM)
@@ -204,7 +223,7 @@ def parse_completion(body: dict) -> ParsedRequest:
     return ParsedRequest(False, params, prompts=prompts, is_stream=is_stream, include_usage=include_usage,
                          is_echo=is_echo, add_special_tokens=values.get("add_special_tokens", True),
                          is_prompt_logprobs_shown=is_prompt_logprobs_shown,
-                         constraint_param=found[0] if found else None)
+                         constraint_param=found[0] if found else None, suffix=suffix)
 
 
 # ---- /tokenize and /detokenize (vLLM's shapes) ----
@@ -245,7 +264,7 @@ def parse_tokenize(body: dict) -> TokenizeRequest:
     prompt = body.get("prompt")
     if not isinstance(prompt, str):
         raise bad_request("prompt (a string) or messages is required", "prompt")
-    return TokenizeRequest(prompt=_check_text(prompt, "prompt"),
+    return TokenizeRequest(prompt=check_text(prompt, "prompt"),
                            add_special_tokens=_flag(body, "add_special_tokens", True),
                            return_token_strs=return_token_strs)
 

@@ -34,10 +34,12 @@ from starlette.routing import Route
 from cext.chunk import ChunkWriter
 from engine.errors import EngineDead
 
-from . import embeddings, errors, generation, protocol, request_fields, sse
+from . import embeddings, errors, generation, infill, protocol, request_fields, response_objects, responses, sse
 from .errors import APIError
 from .metrics import RequestRecord, ServerMetrics
 from .ray_messages import StreamEnd
+from .response_objects import ResponseEvents
+from .response_store import ResponseStore
 from .shared import DEFAULT_MAX_BODY_BYTES, GENERATION_ENDPOINTS, STATIC_DIR, version
 
 log = logging.getLogger("webapp")
@@ -114,6 +116,7 @@ def build_app(engine_handle, model_name: str = "default", api_key: str | None = 
     metrics = ServerMetrics(ReplicaStatsView(), model_name)
     expected_auth = generation.expected_authorization(api_key)
     stream_handle = engine_handle.options(stream=True)
+    store = ResponseStore()  # /v1/responses' stored responses: in this (the one) ingress replica
     max_model_len: list[int | None] = []  # asked of a replica once
 
     async def read_body(request: Request) -> dict:
@@ -183,41 +186,118 @@ def build_app(engine_handle, model_name: str = "default", api_key: str | None = 
             release()
             metrics.finish(record, status)
 
+    async def response_events_body(response, events: ResponseEvents, record, release):
+        """A streamed /v1/responses request: the replica's event batches as typed Responses events."""
+        status = "abort"
+        try:
+            yield events.opening()
+            async for item in response:
+                if isinstance(item, StreamEnd):
+                    record.queue_s = item.queue_s
+                    continue
+                if isinstance(item, APIError):  # the engine failed mid-stream
+                    status = "error"
+                    yield events.failure(item)
+                    return
+                for event in item:
+                    record.event(event)
+                yield b"".join(events.add(event) for event in item)
+            yield events.closing(record.num_prompt_tokens)[0]
+            status = "ok"
+        except (RayActorError, DeploymentUnavailableError) as exc:
+            status = "error"
+            log.warning("engine replica died mid-stream: %s", exc)
+            yield events.failure(_replica_gone(exc))
+        finally:
+            release()
+            metrics.finish(record, status)
+
+    async def infill_body(response, record, release):
+        """A streamed /infill request: one llama.cpp object per event (webapp.infill)."""
+        status = "abort"
+        try:
+            async for item in response:
+                if isinstance(item, StreamEnd):
+                    record.queue_s = item.queue_s
+                    continue
+                if isinstance(item, APIError):
+                    status = "error"
+                    yield b"data: " + item.body() + b"\n\n"
+                    return
+                parts = []
+                for event in item:
+                    record.event(event)
+                    parts.append(infill.event_chunk(event, record.num_generated, record.num_prompt_tokens))
+                yield b"".join(parts)
+            status = "ok"
+        except (RayActorError, DeploymentUnavailableError) as exc:
+            status = "error"
+            log.warning("engine replica died mid-stream: %s", exc)
+            yield b"data: " + errors.from_exception(_replica_gone(exc)).body() + b"\n\n"
+        finally:
+            release()
+            metrics.finish(record, status)
+
+    async def collect(response, record) -> list:
+        """A non-streamed request's Completions (the replica's fold), its metrics folded in."""
+        try:
+            completions = await response.__anext__()
+            end = await response.__anext__() if not isinstance(completions, APIError) else None
+        except (RayActorError, DeploymentUnavailableError) as exc:
+            metrics.finish(record, "error")
+            raise errors.from_exception(_replica_gone(exc)) from None
+        if isinstance(completions, APIError):
+            metrics.finish(record, "error")
+            raise completions
+        record.queue_s = end.queue_s
+        for c in completions:
+            record.finish_reasons.append(c.finish_reason)
+        record.tokens(sum(c.usage.completion_tokens for c in completions))
+        metrics.finish(record, "ok")
+        return completions
+
     async def generate(request: Request, endpoint_name: str, parse) -> Response:
+        """Chat, completions, responses and /infill alike: a Responses request runs as its chat request
+        (``req.chat``), /infill as a completion with a suffix; only the answers' shapes differ
+        (webapp.response_objects, webapp.infill)."""
         admission.enter()
         is_admitted = True  # until the response body owns the slot
         try:
             record = RequestRecord(endpoint_name, 0)
             req = parse(await read_body(request))
-            response, head = await first_item(req)
+            is_responses = isinstance(req, responses.ResponsesRequest)
+            chat_req = req.chat if is_responses else req
+            response, head = await first_item(chat_req)
             if isinstance(head, APIError):
-                raise head
+                raise responses.renamed(head) if is_responses else head
             record.num_prompt_tokens = head.num_prompt_tokens
-            request_id = generation.response_id(req, head.request_id)
+            request_id = (responses.RESPONSE_ID_PREFIX + head.request_id if is_responses
+                          else generation.response_id(req, head.request_id))
             created = int(time.time())
             headers = {"X-Replica-Id": head.replica_id}
-            if req.is_stream:
-                writer = ChunkWriter(request_id, model_name, created, req.is_chat, req.include_usage)
+            if chat_req.is_stream:
                 release = _Once(response, admission)
-                body = stream_body(response, writer, record, req.include_usage, head.echo_texts, release)
+                if is_responses:
+                    events = ResponseEvents(req, store, request_id, model_name, created)
+                    body = response_events_body(response, events, record, release)
+                elif endpoint_name == "infill":
+                    body = infill_body(response, record, release)
+                else:
+                    writer = ChunkWriter(request_id, model_name, created, req.is_chat, req.include_usage)
+                    body = stream_body(response, writer, record, req.include_usage, head.echo_texts, release)
                 weakref.finalize(body, release)  # a body never started (the client left first) is dropped
                 is_admitted = False
-                return StreamingResponse(body, media_type="text/event-stream", headers={**sse.STREAM_HEADERS, **headers})
-            try:
-                completions = await response.__anext__()
-                end = await response.__anext__() if not isinstance(completions, APIError) else None
-            except (RayActorError, DeploymentUnavailableError) as exc:
-                metrics.finish(record, "error")
-                raise errors.from_exception(_replica_gone(exc)) from None
-            if isinstance(completions, APIError):
-                metrics.finish(record, "error")
-                raise completions
-            record.queue_s = end.queue_s
-            for c in completions:
-                record.finish_reasons.append(c.finish_reason)
-            record.tokens(sum(c.usage.completion_tokens for c in completions))
-            metrics.finish(record, "ok")
-            body = generation.response_body(req, request_id, model_name, created, completions, head.echo_texts)
+                return StreamingResponse(body, media_type="text/event-stream",
+                                         headers={**sse.STREAM_HEADERS, **headers})
+            completions = await collect(response, record)
+            if is_responses:
+                body = response_objects.response_body(req, store, request_id, model_name, created,
+                                                      completions[0], record.num_prompt_tokens)
+            elif endpoint_name == "infill":
+                body = infill.infill_body(completions[0], record.num_prompt_tokens, model_name)
+            else:
+                body = generation.response_body(req, request_id, model_name, created, completions,
+                                                head.echo_texts)
             return _json(body, headers)
         finally:
             if is_admitted:
@@ -228,6 +308,26 @@ def build_app(engine_handle, model_name: str = "default", api_key: str | None = 
 
     async def completions(request: Request) -> Response:
         return await generate(request, "completions", protocol.parse_completion)
+
+    async def infill_endpoint(request: Request) -> Response:
+        return await generate(request, "infill", infill.parse_infill)
+
+    async def create_response(request: Request) -> Response:
+        return await generate(request, "responses", lambda body: responses.parse_responses(body, store))
+
+    async def get_response(request: Request) -> Response:
+        response_id = request.path_params["response_id"]
+        responses.check_no_query(request.query_params)
+        entry = store.get(response_id)
+        if entry is None:
+            raise responses.response_not_found(response_id)
+        return _json(entry.body)
+
+    async def delete_response(request: Request) -> Response:
+        response_id = request.path_params["response_id"]
+        if not store.delete(response_id):
+            raise responses.response_not_found(response_id)
+        return _json(responses.deleted_body(response_id))
 
     async def health(request: Request) -> Response:
         try:
@@ -274,8 +374,7 @@ def build_app(engine_handle, model_name: str = "default", api_key: str | None = 
         return _json({"version": version()})
 
     async def schema(request: Request) -> Response:
-        return _json({name: request_fields.json_schema(name)
-                             for name in (request_fields.CHAT, request_fields.COMPLETIONS)})
+        return _json({name: request_fields.json_schema(name) for name in request_fields.ENDPOINTS})
 
     async def index(request: Request) -> Response:
         return FileResponse(os.path.join(STATIC_DIR, "index.html"))
@@ -290,6 +389,10 @@ def build_app(engine_handle, model_name: str = "default", api_key: str | None = 
     table = [
         ("/v1/chat/completions", "POST", chat),
         ("/v1/completions", "POST", completions),
+        ("/v1/responses", "POST", create_response),
+        ("/infill", "POST", infill_endpoint),
+        ("/v1/responses/{response_id}", "GET", get_response),
+        ("/v1/responses/{response_id}", "DELETE", delete_response),
         ("/v1/models", "GET", models),
         ("/health", "GET", health),
         ("/metrics", "GET", metrics_endpoint),

@@ -9,7 +9,7 @@ A field is one of
 The parsers (webapp.protocol) validate every present field against its schema with
 ``check`` (one pass over the value: linear time), and ``json_schema(endpoint)`` renders
 the table as the JSON Schema served at ``GET /v1/schema``. Fields the table does not know
-are ignored, as vLLM does.
+are ignored, as vLLM does; on /v1/responses (``RESPONSES_FIELDS``) they are a 400 naming them.
 """
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ from engine.params import MAX_LOGIT_BIAS, MAX_N, MAX_TOP_LOGPROBS
 from .errors import bad_request
 
 MAX_TOKENS_LIMIT = (1 << 31) - 1  # beyond this a request is malformed, not merely too long
-CHAT, COMPLETIONS = "chat", "completions"
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # /v1/completions without max_tokens (OpenAI documents 16; vLLM too)
+CHAT, COMPLETIONS, RESPONSES = "chat", "completions", "responses"
 BOTH = frozenset({CHAT, COMPLETIONS})
 
 
@@ -63,7 +64,8 @@ RESPONSE_FORMAT = {"anyOf": [
     {"type": "object", "required": ["type", "json_schema"], "properties": {
         "type": {"const": "json_schema"},
         "json_schema": {"type": "object", "required": ["name"], "properties": {
-            "name": STR, "description": STR, "schema": {"type": "object"}, "strict": {"anyOf": [BOOL, {"type": "null"}]}}}}},
+            "name": STR, "description": STR, "schema": {"type": "object"},
+            "strict": {"anyOf": [BOOL, {"type": "null"}]}}}}},
 ]}
 STRUCTURED_OUTPUTS = {"type": "object", "properties": {
     "json": {"anyOf": [{"type": "object"}, STR]}, "regex": STR, "choice": STRINGS, "grammar": STR, "json_object": BOOL}}
@@ -81,7 +83,10 @@ FIELDS: tuple[Field, ...] = (
                                {"type": "array", "items": TOKEN_IDS, "minItems": 1}]}, _R,
           "a string, token ids, or a batch of either (choices of prompt i have indices i*n .. i*n+n-1)", _P),
     Field("max_tokens", _nullable({"type": "integer", "minimum": 1, "maximum": MAX_TOKENS_LIMIT}), _S,
-          "null: the rest of the context"),
+          "absent or null: the rest of the context", _C),
+    Field("max_tokens", _nullable({"type": "integer", "minimum": 1, "maximum": MAX_TOKENS_LIMIT}), _S,
+          f"absent: {COMPLETIONS_DEFAULT_MAX_TOKENS} (OpenAI's default, as vLLM); null: the rest of the "
+          "context", _P),
     Field("max_completion_tokens", _nullable({"type": "integer", "minimum": 1, "maximum": MAX_TOKENS_LIMIT}), _S,
           "the newer name of max_tokens (wins over it)", _C, "max_tokens"),
     Field("temperature", _nullable({"type": "number", "minimum": 0}), _S, "0: greedy"),
@@ -156,7 +161,8 @@ FIELDS: tuple[Field, ...] = (
     Field("documents", {"type": "null"}, _H, "not supported", _C),
     Field("echo", _nullable(FALSE), _H, "vLLM's chat echo: not supported", _C),
     Field("add_special_tokens", _nullable(FALSE), _H, "the chat template adds what it needs", _C),
-    Field("suffix", {"anyOf": [{"const": ""}, {"type": "null"}]}, _H, "insertion: not supported", _P),
+    Field("suffix", _nullable(STR), _R, "fill-in-the-middle: the text after the insertion (models with FIM "
+          "tokens; others: a 400 unless empty)", _P),
     Field("best_of", _nullable({"type": "integer", "minimum": 1}), _H, "no reranking: must equal n"),
     Field("use_beam_search", _nullable(FALSE), _H, "no beam search"),
     Field("length_penalty", _nullable({"const": 1}), _H, "beam search only"),
@@ -170,9 +176,62 @@ FIELDS: tuple[Field, ...] = (
     Field("mm_processor_kwargs", {"type": "null"}, _H, "text only"),
 )
 
+_RS = frozenset({RESPONSES})
+TEXT_FORMAT = {"anyOf": [
+    {"type": "object", "properties": {"type": {"enum": ["text", "json_object"]}}, "required": ["type"]},
+    {"type": "object", "required": ["type"], "properties": {
+        "type": {"const": "json_schema"}, "name": STR, "description": STR, "schema": {"type": "object"},
+        "strict": _nullable(BOOL)}}]}
+
+# POST /v1/responses (webapp.responses): a field not declared here is a 400 naming it.
+RESPONSES_FIELDS: tuple[Field, ...] = (
+    Field("model", _nullable(STR), _R, "any name: this server serves one model", _RS),
+    Field("input", {"anyOf": [STR, {"type": "array", "minItems": 1}]}, _R,  # items: webapp.responses
+          "a user message, or items: messages, function_call, function_call_output", _RS),
+    Field("instructions", _nullable(STR), _R, "a system message first (not carried by previous_response_id)",
+          _RS),
+    Field("previous_response_id", _nullable(STR), _R, "continue a stored response's conversation", _RS),
+    Field("store", _nullable(BOOL), _R, "keep the response for GET and previous_response_id (default true)",
+          _RS),
+    Field("max_output_tokens", _nullable({"type": "integer", "minimum": 1, "maximum": MAX_TOKENS_LIMIT}), _S,
+          "absent or null: the rest of the context", _RS, "max_tokens"),
+    Field("temperature", _nullable({"type": "number", "minimum": 0, "maximum": 2}), _S, "0: greedy", _RS),
+    Field("top_p", _nullable({"type": "number", "exclusiveMinimum": 0, "maximum": 1}), _S, "nucleus mass",
+          _RS),
+    Field("tools", _nullable({"type": "array", "items": {"type": "object"}}), _R,
+          "function tools {type: function, name, description, parameters, strict}", _RS),
+    Field("tool_choice", {"anyOf": [{"enum": ["none", "auto", "required"]}, {"type": "object"},
+                                    {"type": "null"}]}, _R, "none | auto | required | {type: function, name}",
+          _RS),
+    Field("parallel_tool_calls", _nullable(BOOL), _R, "false: tool_choice required makes exactly one call",
+          _RS),
+    Field("text", _nullable({"type": "object", "properties": {"format": TEXT_FORMAT,
+                                                              "verbosity": _nullable({"const": "medium"})}}),
+          _R, "format: text, json_object or json_schema {name, schema, strict} (structured output)", _RS),
+    Field("stream", _nullable(BOOL), _R, "server-sent events, OpenAI's typed response.* events", _RS),
+    Field("stream_options", _nullable({"type": "object", "properties": {
+        "include_obfuscation": _nullable(BOOL)}}), _R, "include_obfuscation: no padding is ever added", _RS),
+    Field("metadata", _nullable({"type": "object", "maxProperties": 16,
+                                 "additionalProperties": STR}), _R, "echoed in the response", _RS),
+    *(Field(name, {}, _I, "ignored: cannot change the answer", _RS) for name in (
+        "user", "safety_identifier", "prompt_cache_key", "service_tier", "prompt_cache_retention")),
+    Field("truncation", _nullable({"const": "disabled"}), _H, "a prompt past the context is a 400", _RS),
+    Field("include", _nullable({"type": "array", "maxItems": 0}), _H, "no extra output data", _RS),
+    Field("top_logprobs", _nullable({"const": 0}), _H, "no logprobs on this route", _RS),
+    Field("reasoning", _nullable({"type": "object", "additionalProperties": {"type": "null"}}), _H,
+          "this model has no reasoning output", _RS),
+    Field("background", _nullable(FALSE), _H, "no background responses", _RS),
+    Field("max_tool_calls", {"type": "null"}, _H, "not supported", _RS),
+    Field("conversation", {"type": "null"}, _H, "conversations: use previous_response_id", _RS),
+    Field("prompt", {"type": "null"}, _H, "prompt templates: not supported", _RS),
+)
+
 FIELDS_BY_ENDPOINT: dict[str, dict[str, Field]] = {
-    endpoint: {f.name: f for f in FIELDS if endpoint in f.endpoints} for endpoint in (CHAT, COMPLETIONS)
+    endpoint: {f.name: f for f in (*FIELDS, *RESPONSES_FIELDS) if endpoint in f.endpoints}
+    for endpoint in (CHAT, COMPLETIONS, RESPONSES)
 }
+REQUIRED_FIELD = {CHAT: "messages", COMPLETIONS: "prompt", RESPONSES: "input"}
+ENDPOINTS = tuple(REQUIRED_FIELD)  # the endpoints GET /v1/schema describes
 
 
 def json_schema(endpoint: str) -> dict:
@@ -182,8 +241,8 @@ def json_schema(endpoint: str) -> dict:
     for name, f in fields.items():
         properties[name] = {**f.schema, "description": f"{f.doc} [{f.fate.value}]"}
     return {"$schema": "https://json-schema.org/draft/2020-12/schema", "type": "object",
-            "required": ["messages"] if endpoint == CHAT else ["prompt"], "properties": properties,
-            "additionalProperties": True}
+            "required": [REQUIRED_FIELD[endpoint]], "properties": properties,
+            "additionalProperties": endpoint != RESPONSES}
 
 
 # ---- the validator: the subset of JSON Schema the table uses ----
@@ -305,7 +364,7 @@ def matches(value, schema: dict) -> bool:
     return compile_schema(schema)(value)
 
 
-_CHECKS = {id(f): compile_schema(f.schema) for f in FIELDS}
+_CHECKS = {id(f): compile_schema(f.schema) for f in (*FIELDS, *RESPONSES_FIELDS)}
 
 
 def check(value, f: Field):

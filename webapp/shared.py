@@ -15,7 +15,8 @@ DEFAULT_THREADS = 64
 # 429 answers themselves always find a thread (benchmarks/overload.py measures the probe latency).
 RESERVED_THREADS = 8
 # The routes whose every answer, refusals included, counts in llm:request_success_total.
-GENERATION_ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+GENERATION_ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions",
+                        "/v1/responses": "responses", "/infill": "infill"}
 STATIC_DIR = os.path.join(os.path.dirname(__file__), "static")
 
 

@@ -14,10 +14,9 @@ while the request was waiting, within one tick of the next event.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-
 import json
 import logging
+from collections.abc import Callable, Iterator
 
 from cext.chunk import DONE, ChunkWriter
 

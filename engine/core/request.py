@@ -101,8 +101,8 @@ class Request:
         num_prompt = len(prompt_ids)
         if num_prompt >= max_model_len:
             raise ContextLengthError(
-                f"This model's maximum context length (max_model_len) is {max_model_len} tokens; the {prompt_param} has "
-                f"{num_prompt} tokens, which leaves no room for a completion", prompt_param,
+                f"This model's maximum context length (max_model_len) is {max_model_len} tokens; "
+                f"the {prompt_param} has {num_prompt} tokens, which leaves no room for a completion", prompt_param,
                 max_model_len=max_model_len)
         if params.max_tokens is None:  # a copy: dataclasses.replace would validate params again
             params = copy.copy(params)

@@ -14,11 +14,21 @@ import numpy as np
 import torch
 
 from engine.gguf_file import GGUFFile, is_gguf_file
-from engine.loader.repack import (INT4_TYPES, INT5_TYPES, PLAIN_TYPES, Q5_0, Q8_0, MappedRows, dequantize, int4_from_q4,
-                                  int5_from_q5, q5_0_codes)
+from engine.loader.repack import (
+    INT4_TYPES,
+    INT5_TYPES,
+    PLAIN_TYPES,
+    Q5_0,
+    Q8_0,
+    MappedRows,
+    dequantize,
+    int4_from_q4,
+    int5_from_q5,
+    q5_0_codes,
+)
 from engine.models.config import ModelConfig
-from engine.models.quant import Int4Weight, Int8Weight, Weight
 from engine.models.llama import resolve_dtype
+from engine.models.quant import Int4Weight, Int8Weight, Weight
 
 CHUNK_ROWS = 4096  # rows dequantized at once for dense or int8 conversions (~15 MB of float32)
 
@@ -162,7 +172,8 @@ class GGUFStateDict(Mapping):
             scales = np.empty((num_rows, num_cols // 32), dtype=np.float16)  # the file's d, exactly
             for start in range(0, num_rows, CHUNK_ROWS):  # the file's pages dropped as they are used (the
                 part = blocks[start:start + CHUNK_ROWS]  # head: 145 MB mapped beside its copy otherwise)
-                q[start:start + len(part), ..., 0], q[start:start + len(part), ..., 1] = part[..., 2:18], part[..., 18:34]
+                q[start:start + len(part), ..., 0] = part[..., 2:18]
+                q[start:start + len(part), ..., 1] = part[..., 18:34]
                 scales[start:start + len(part)] = np.ascontiguousarray(part[..., :2]).view(np.float16)[..., 0]
                 self.gguf.release(info.name, start, start + len(part))
             return Int8Weight(torch.from_numpy(q.view(np.int8).reshape(num_rows, num_cols)), torch.from_numpy(scales),
@@ -172,7 +183,8 @@ class GGUFStateDict(Mapping):
             scales = torch.empty(num_rows, num_cols // 32, dtype=torch.float32)
             for start in range(0, num_rows, CHUNK_ROWS):
                 codes, d = q5_0_codes(raw[start:start + CHUNK_ROWS], num_cols)
-                q[start:start + len(codes)], scales[start:start + len(codes)] = torch.from_numpy(codes), torch.from_numpy(d)
+                q[start:start + len(codes)] = torch.from_numpy(codes)
+                scales[start:start + len(codes)] = torch.from_numpy(d)
             return Int8Weight(q, scales, is_exact=True)  # q5_0_codes gives the kernels' order
         q = torch.empty(num_rows, num_cols, dtype=torch.int8)
         scales = torch.empty(num_rows, num_cols // 32, dtype=torch.float32)

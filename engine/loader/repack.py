@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from engine.models.quant import GROUP_SIZE, Int4Weight, Int5Weight, Int8Weight
+from engine.models.quant import Int4Weight, Int5Weight
 
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K = 2, 3, 6, 7, 8, 12
 INT4_TYPES = (Q4_0, Q4_1, Q4_K)

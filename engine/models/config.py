@@ -122,7 +122,8 @@ class ModelConfig:
         """
         arch = metadata.get("general.architecture")
         if arch not in ("llama", "qwen2"):
-            raise ValueError(f"general.architecture: unsupported GGUF architecture {arch!r}, expected 'llama' or 'qwen2'")
+            raise ValueError(
+                f"general.architecture: unsupported GGUF architecture {arch!r}, expected 'llama' or 'qwen2'")
 
         def key(name, default=None, required=True):
             value = metadata.get(f"{arch}.{name}", default)

@@ -20,8 +20,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.models.quant import GROUP_SIZE, Int4Weight, Int5Weight, Int8Weight, Weight, blocks_to_int4
-from engine.models.quant import is_half_exact_tensor
+from engine.models.quant import (
+    GROUP_SIZE,
+    Int4Weight,
+    Int5Weight,
+    Int8Weight,
+    Weight,
+    blocks_to_int4,
+    is_half_exact_tensor,
+)
 
 try:
     from cext import cpu, qgemm

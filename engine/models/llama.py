@@ -20,8 +20,8 @@ from torch import nn
 
 from engine.batch import ForwardBatch
 from engine.models import fused
-from engine.models.config import ModelConfig
 from engine.models.attention import AttentionPlan, PagedKVCache, paged_attention, plan_attention
+from engine.models.config import ModelConfig
 from engine.models.linear import Linear
 from engine.models.quant import Int8Weight, Weight, cat_rows
 from engine.models.rope import RotaryTable, apply_rope

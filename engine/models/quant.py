@@ -10,8 +10,8 @@ cext/csrc/qgemm.h, described there once).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import torch

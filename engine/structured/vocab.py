@@ -45,7 +45,7 @@ class _Wrapper:
         return self._tokenizer.encode(text, add_special_tokens=False)
 
 
-_cache: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
 

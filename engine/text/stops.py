@@ -35,10 +35,12 @@ def check_stop_caps(stops) -> None:
     num_chars = 0
     for s in stops:
         if len(s) > MAX_STOP_LEN:
-            raise InvalidParameterError(f"stop strings must be at most {MAX_STOP_LEN} characters each, got one of {len(s)}", "stop")
+            raise InvalidParameterError(
+                f"stop strings must be at most {MAX_STOP_LEN} characters each, got one of {len(s)}", "stop")
         num_chars += len(s)
     if num_chars > MAX_TOTAL_STOP_LEN:
-        raise InvalidParameterError(f"stop strings must total at most {MAX_TOTAL_STOP_LEN} characters, got {num_chars}", "stop")
+        raise InvalidParameterError(
+            f"stop strings must total at most {MAX_TOTAL_STOP_LEN} characters, got {num_chars}", "stop")
 
 
 class StopMatcher(StopAutomaton):

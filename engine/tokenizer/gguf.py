@@ -20,10 +20,11 @@ import os
 import re
 from dataclasses import dataclass
 
-from tokenizers import AddedToken, Tokenizer as HFTokenizer
+from tokenizers import AddedToken
+from tokenizers import Tokenizer as HFTokenizer
 
 from ..gguf_file import read_gguf_metadata
-from .gguf_special import TokenType, header_id, llamacpp_special_tokens
+from .gguf_special import TokenType, fim_token_ids, header_id, llamacpp_special_tokens
 from .tokenizer import Tokenizer
 
 __all__ = ["GGUFVocab", "TokenType", "load_gguf_tokenizer", "load_gguf_vocab", "vocab_from_metadata"]
@@ -40,6 +41,7 @@ class GGUFVocab:
     chat_template: str | None
     strip: AsciiStrip | None = None  # text preparation for LSTRIP/RSTRIP tokens, when the model has any
     missing_byte_id: int | None = None  # backend id for bytes the vocabulary lacks; encode drops it
+    fim_token_ids: dict[str, int] | None = None  # fill-in-the-middle role -> id (gguf_special.fim_token_ids)
 
 
 def token_types(metadata: dict, num_tokens: int) -> list[int]:
@@ -129,7 +131,7 @@ def load_gguf_tokenizer(path: str | os.PathLike) -> Tokenizer:
     return Tokenizer(
         vocab.backend, bos_token_id=vocab.bos_token_id, eos_token_ids=vocab.eos_token_ids,
         add_bos=vocab.add_bos, chat_template=vocab.chat_template, vocab_size=vocab.vocab_size,
-        prepare_text=vocab.strip, dropped_token_id=vocab.missing_byte_id,
+        prepare_text=vocab.strip, dropped_token_id=vocab.missing_byte_id, fim_token_ids=vocab.fim_token_ids,
     )
 
 
@@ -186,4 +188,5 @@ def vocab_from_metadata(metadata: dict) -> GGUFVocab:
         strip=AsciiStrip([tokens[i] for i in lstrip_ids], [tokens[i] for i in rstrip_ids])
         if lstrip_ids or rstrip_ids else None,
         missing_byte_id=missing_byte_id,
+        fim_token_ids=fim_token_ids(metadata, tokens),
     )

@@ -8,7 +8,8 @@ followed by a regex-free ByteLevel step.
 """
 from __future__ import annotations
 
-from tokenizers import Regex, Tokenizer as HFTokenizer, decoders, models, normalizers, pre_tokenizers
+from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
 
 from .tokenizer import MISSING_BYTE
 

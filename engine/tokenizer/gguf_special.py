@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from enum import IntEnum
 
-from .tokenizer import EOG_TEXTS
+from .tokenizer import EOG_TEXTS, FIM_TEXTS
 
 __all__ = ["TokenType", "header_id", "llamacpp_special_tokens"]
 
@@ -34,15 +34,7 @@ _DETECTED = {
                                     "<|end_of_text|>", "<EOT>", "_<EOT>", "[EOT]", "<｜end▁of▁sentence｜>",
                                     "<end_of_utterance>"),
     "tokenizer.ggml.eom_token_id": ("<|eom_id|>",),
-    "tokenizer.ggml.fim_pre_token_id": ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>",
-                                        "▁<PRE>", "<|code_prefix|>", "<|prefix|>"),
-    "tokenizer.ggml.fim_suf_token_id": ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>", "<SUF>",
-                                        "▁<SUF>", "<|code_suffix|>", "<|suffix|>"),
-    "tokenizer.ggml.fim_mid_token_id": ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>",
-                                        "▁<MID>", "<|code_middle|>", "<|middle|>"),
-    "tokenizer.ggml.fim_pad_token_id": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
-    "tokenizer.ggml.fim_rep_token_id": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
-    "tokenizer.ggml.fim_sep_token_id": ("<|file_sep|>",),
+    **{f"tokenizer.ggml.fim_{role}_token_id": texts for role, texts in FIM_TEXTS.items()},
 }
 _DEPRECATED_KEYS = {"tokenizer.ggml.fim_pre_token_id": "tokenizer.ggml.prefix_token_id",
                     "tokenizer.ggml.fim_suf_token_id": "tokenizer.ggml.suffix_token_id",
@@ -51,6 +43,24 @@ _DEPRECATED_KEYS = {"tokenizer.ggml.fim_pre_token_id": "tokenizer.ggml.prefix_to
 _EOG_KEYS = ("tokenizer.ggml.fim_pad_token_id", "tokenizer.ggml.fim_rep_token_id", "tokenizer.ggml.fim_sep_token_id")
 # gpt-oss: always rendered, never special.
 _USER_DEFINED_TEXTS = ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>")
+
+
+def fim_key(role: str) -> str:
+    """The GGUF header key of a fill-in-the-middle role ("pre" -> tokenizer.ggml.fim_pre_token_id)."""
+    return f"tokenizer.ggml.fim_{role}_token_id"
+
+
+def fim_token_ids(metadata: dict, tokens: list[str]) -> dict[str, int]:
+    """Role -> id of the FIM tokens as llama.cpp finds them: the header's id, else the first text."""
+    ids = {text: token_id for token_id, text in enumerate(tokens)}
+    found = {}
+    for role, texts in FIM_TEXTS.items():
+        token_id = header_id(metadata, fim_key(role), len(tokens))
+        if token_id is None:
+            token_id = next((ids[t] for t in texts if t in ids), None)
+        if token_id is not None:
+            found[role] = token_id
+    return found
 
 
 def header_id(metadata: dict, key: str, num_tokens: int) -> int | None:

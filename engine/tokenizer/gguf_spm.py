@@ -12,7 +12,8 @@ decoders that undo both.
 """
 from __future__ import annotations
 
-from tokenizers import Tokenizer as HFTokenizer, decoders, models, normalizers
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, normalizers
 
 from .gguf_special import TokenType
 

@@ -10,7 +10,8 @@ import json
 import os
 from pathlib import Path
 
-from tokenizers import AddedToken, Tokenizer as HFTokenizer
+from tokenizers import AddedToken
+from tokenizers import Tokenizer as HFTokenizer
 
 from .tokenizer import EOG_TEXTS, MISSING_BYTE, Tokenizer
 
@@ -144,7 +145,8 @@ def from_backend(backend: HFTokenizer, config: dict | None = None, directory: Pa
     eos_ids = [i for i in dict.fromkeys(eos_ids) if 0 <= i < vocab_size]
 
     # A backend converted from GGUF by gguf_bpe.py and saved keeps its missing-byte id.
-    dropped_id = backend.token_to_id(MISSING_BYTE) if getattr(backend.model, "unk_token", None) == MISSING_BYTE else None
+    keeps_missing_byte = getattr(backend.model, "unk_token", None) == MISSING_BYTE
+    dropped_id = backend.token_to_id(MISSING_BYTE) if keeps_missing_byte else None
 
     prepended_id = _post_processor_prefix(backend)
     if bos_id is None:

@@ -89,7 +89,8 @@ def plan_decoder(decoder_json: dict | None) -> DecoderPlan:
         scheme = decoder_json.get("prepend_scheme", "always" if decoder_json.get("add_prefix_space", True) else "never")
         if len(replacement) != 1 or scheme not in ("always", "first", "never"):
             return DecoderPlan()
-        return DecoderPlan(DecodeMode.MODE_PIECES, ((replacement, " "),), first_token_drops=None if scheme == "never" else replacement)
+        return DecoderPlan(DecodeMode.MODE_PIECES, ((replacement, " "),),
+                           first_token_drops=None if scheme == "never" else replacement)
     if kind != "Sequence":
         return DecoderPlan()
     steps = _flatten(decoder_json)
@@ -128,7 +129,7 @@ class TokenPieces:
     to the tokenizer or changing its decoder afterwards rebuilds the table.
     """
 
-    _cache: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+    _cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def __new__(cls, tokenizer):
         backend = getattr(tokenizer, "backend", tokenizer)

@@ -16,7 +16,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from .chat_template import render_chat_template
 
-__all__ = ["EOG_TEXTS", "MISSING_BYTE", "Tokenizer"]
+__all__ = ["EOG_TEXTS", "FIM_TEXTS", "MISSING_BYTE", "Tokenizer"]
 
 # Texts of tokens that end generation whatever the header or config says (llama.cpp's
 # `special_eog_ids` loop); GGUF and Hugging Face sources both stop on them.
@@ -26,6 +26,21 @@ EOG_TEXTS = (
     "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
     "<｜end▁of▁sentence｜>", "[e~[",
 )
+# Fill-in-the-middle tokens by role, and the texts llama.cpp recognises them by when the GGUF header
+# names none (src/llama-vocab.cpp); a Hugging Face vocabulary is searched for the same texts.
+# Roles: prefix, suffix, middle (the prompt's order), pad, repo and file separator (repo-level
+# context; all three also end generation).
+FIM_TEXTS = {
+    "pre": ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>", "▁<PRE>",
+            "<|code_prefix|>", "<|prefix|>"),
+    "suf": ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>", "<SUF>", "▁<SUF>",
+            "<|code_suffix|>", "<|suffix|>"),
+    "mid": ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>", "▁<MID>",
+            "<|code_middle|>", "<|middle|>"),
+    "pad": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
+    "rep": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
+    "sep": ("<|file_sep|>",),
+}
 # The token a byte-level BPE backend built from GGUF uses for bytes its vocabulary lacks
 # (gguf_bpe.py); the Tokenizer drops its id from encode's output, as llama.cpp drops the bytes.
 MISSING_BYTE = "<engine:missing-byte>"
@@ -45,6 +60,7 @@ class Tokenizer:
         vocab_size: int | None = None,
         prepare_text=None,
         dropped_token_id: int | None = None,
+        fim_token_ids: dict[str, int] | None = None,
     ):
         if not isinstance(backend, HFTokenizer):
             raise ValueError(f"backend must be a tokenizers.Tokenizer, got {type(backend).__name__}")
@@ -69,6 +85,16 @@ class Tokenizer:
         self.special_token_ids = frozenset(
             token_id for token_id, added in backend.get_added_tokens_decoder().items() if added.special
         )
+        # Role ("pre", "suf", "mid", "pad", "rep", "sep": FIM_TEXTS) -> token id; None: found by text.
+        self.fim_token_ids = self._find_fim_tokens() if fim_token_ids is None else dict(fim_token_ids)
+
+    def _find_fim_tokens(self) -> dict[str, int]:
+        found = {}
+        for role, texts in FIM_TEXTS.items():
+            token_id = next((i for i in map(self.token_to_id, texts) if i is not None), None)
+            if token_id is not None and token_id < self.vocab_size:
+                found[role] = token_id
+        return found
 
     def __repr__(self) -> str:
         return (f"Tokenizer(vocab_size={self.vocab_size}, bos_token_id={self.bos_token_id}, "

@@ -18,8 +18,15 @@ The package, one module per concern:
 from __future__ import annotations
 
 from .calls import ToolCall, ToolCallDelta, fold_tool_calls
-from .parsers import (HermesParser, Llama3JsonParser, MistralParser, NamedParser, RequiredParser,
-                      ToolParser, parser_class_for)
+from .parsers import (
+                      HermesParser,
+                      Llama3JsonParser,
+                      MistralParser,
+                      NamedParser,
+                      RequiredParser,
+                      ToolParser,
+                      parser_class_for,
+)
 from .spec import ToolPlan, plan_tools, validate_tool_choice, validate_tools
 
 __all__ = [

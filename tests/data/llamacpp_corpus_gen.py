@@ -51,7 +51,10 @@ int main(int argc, char ** argv) {
         if (n && fread(&text[0], 1, n, stdin) != n) break;
         std::vector<llama_token> toks(n + 16);
         int k = llama_tokenize(vocab, text.data(), (int) text.size(), toks.data(), (int) toks.size(), false, true);
-        if (k < 0) { toks.resize(-k); k = llama_tokenize(vocab, text.data(), (int) text.size(), toks.data(), (int) toks.size(), false, true); }
+        if (k < 0) {
+            toks.resize(-k);
+            k = llama_tokenize(vocab, text.data(), (int) text.size(), toks.data(), (int) toks.size(), false, true);
+        }
         for (int i = 0; i < k; i++) printf(i ? " %d" : "%d", toks[i]);
         printf("\n");
         fflush(stdout);

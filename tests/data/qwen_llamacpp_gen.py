@@ -100,8 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         import llama_cpp
-    except ImportError:
-        raise SystemExit("llama-cpp-python is not installed: run `make llamacpp` (builds 0.3.36 from its sdist)")
+    except ImportError as e:
+        raise SystemExit("llama-cpp-python is not installed: run `make llamacpp` (builds 0.3.36 from its sdist)") from e
     if llama_cpp.__version__ != "0.3.36":
         raise SystemExit(f"llama-cpp-python {llama_cpp.__version__} found; the reference data pins 0.3.36")
     if args.model == "qwen":
