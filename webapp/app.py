@@ -21,6 +21,7 @@ from cext.chunk import ChunkWriter
 
 from . import (
     cors,
+    embeddings,
     errors,
     generation,
     prompt_echo,
@@ -179,6 +180,16 @@ def create_app(engine, model_name: str | None = None, api_key: str | None = None
         if not store.delete(response_id):
             raise responses.response_not_found(response_id)
         return _json(responses.deleted_body(response_id))
+
+    # ----- embeddings and scores (webapp.embeddings; the forwards run between the engine's ticks) -----
+    def _scores_route(kind: str):
+        return lambda: _limited(lambda: _json(embeddings.respond(engine, _read_body(), kind, model_name)))
+
+    app.add_url_rule("/v1/embeddings", "embeddings", _scores_route("embeddings"), methods=["POST"])
+    for path in embeddings.RERANK_PATHS:
+        app.add_url_rule(path, f"rerank:{path}", _scores_route("rerank"), methods=["POST"])
+    for path in embeddings.SCORE_PATHS:
+        app.add_url_rule(path, f"score:{path}", _scores_route("score"), methods=["POST"])
 
     def _limited(handle) -> Response:
         """Run a generation request in one of the bounded slots, held until its response closes."""

@@ -34,7 +34,7 @@ from starlette.routing import Route
 from cext.chunk import ChunkWriter
 from engine.errors import EngineDead
 
-from . import errors, generation, infill, protocol, request_fields, response_objects, responses, sse
+from . import embeddings, errors, generation, infill, protocol, request_fields, response_objects, responses, sse
 from .errors import APIError
 from .metrics import RequestRecord, ServerMetrics
 from .ray_messages import StreamEnd
@@ -350,6 +350,23 @@ def build_app(engine_handle, model_name: str = "default", api_key: str | None = 
     async def detokenize(request: Request) -> Response:
         return _answer(await engine_handle.detokenize.remote(await read_body(request)))
 
+    def scores(kind: str):
+        """/v1/embeddings, rerank and score: one call to a replica, in an admission slot."""
+        async def handle(request: Request) -> Response:
+            admission.enter()
+            try:
+                body = await read_body(request)
+                try:
+                    answer = await engine_handle.embeddings.remote(body, kind, model_name)
+                except BackPressureError:
+                    raise errors.overloaded("every engine replica's queue is full") from None
+                except (RayActorError, DeploymentUnavailableError) as exc:
+                    raise errors.from_exception(_replica_gone(exc)) from None
+                return _answer(answer)
+            finally:
+                admission.leave()
+        return handle
+
     async def metrics_endpoint(request: Request) -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
@@ -383,6 +400,9 @@ def build_app(engine_handle, model_name: str = "default", api_key: str | None = 
         ("/detokenize", "POST", detokenize),
         ("/version", "GET", version_endpoint),
         ("/v1/schema", "GET", schema),
+        ("/v1/embeddings", "POST", scores("embeddings")),
+        *((path, "POST", scores("rerank")) for path in embeddings.RERANK_PATHS),
+        *((path, "POST", scores("score")) for path in embeddings.SCORE_PATHS),
         ("/", "GET", index),
         ("/static/{name:path}", "GET", static_file),
     ]

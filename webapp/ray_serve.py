@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from ray import serve
 from ray.serve.config import BackpressureConfig, RequestRouterConfig
 
-from . import errors, generation
+from . import embeddings, errors, generation
 from .errors import APIError
 from .ray_ingress import build_app
 from .ray_messages import StreamEnd, StreamHead
@@ -117,6 +117,15 @@ class EngineReplica:
             return generation.tokenize_body(self.engine.tokenizer, body, self.engine.max_model_len)
         except APIError as err:
             return err
+
+    async def embeddings(self, body: dict, kind: str, model_name: str) -> dict | APIError:
+        """/v1/embeddings, /v1/rerank, /score on this replica's engine (webapp.embeddings)."""
+        try:
+            return await embeddings.arespond(self.engine, body, kind, model_name)
+        except APIError as err:
+            return err
+        except Exception as exc:
+            return errors.from_exception(exc)
 
     def detokenize(self, body: dict) -> dict | APIError:
         try:

@@ -60,6 +60,7 @@ class EngineCore:
         self.groups: dict[str, RequestGroup] = {}  # unfinished submissions, by their public id
         self._new: collections.deque[RequestGroup] = collections.deque()
         self._aborts: collections.deque[str] = collections.deque()
+        self._jobs: collections.deque = collections.deque()  # embedding/scoring jobs (engine/embedding)
         self._submit_lock = threading.Lock()  # submit's check-then-append, never taken per token
         self._live_ids: set[str] = set()  # submitted and not finished (added under _submit_lock)
         self._wake = threading.Event()
@@ -110,6 +111,10 @@ class EngineCore:
                      group: RequestGroup | None = None) -> Request:
         """A Request for this engine's model and limits (typed errors name the bad field): the
         leader of ``params.n`` choices, added to ``group`` (batched prompts) or to a new group."""
+        if not getattr(self.model, "can_generate", True):
+            raise InvalidParameterError(
+                f"{type(self.model).__name__} is an embedding model: it serves embed, rerank and score, not "
+                "generation", "model")
         if group is not None:
             request_id = group.request_id
         elif request_id is None:
@@ -143,6 +148,16 @@ class EngineCore:
             self._new.append(group)
         self._wake.set()
 
+    def submit_job(self, job) -> None:
+        """Run ``job.step(is_busy)`` on the engine thread, once between two ticks, until it returns
+        True (engine/embedding/runner.py); ``is_busy``: generation is running or waiting. A step
+        that raises fails the job (``job.fail(exc)``), never the engine. Raises EngineDead."""
+        with self._submit_lock:
+            if not self.is_alive():
+                raise EngineDead(self.dead_message)
+            self._jobs.append(job)
+        self._wake.set()
+
     def abort(self, request_id: str) -> None:
         """Abort a submission by its public id (every choice of it)."""
         self._aborts.append(request_id)
@@ -160,9 +175,12 @@ class EngineCore:
             torch.set_grad_enabled(False)
             while not self._stopping:
                 self._drain_inputs()
+                if self._jobs:
+                    self._step_job()
                 if not self.scheduler.has_work():
-                    self._wake.wait()
-                    self._wake.clear()
+                    if not self._jobs:
+                        self._wake.wait()
+                        self._wake.clear()
                     continue
                 self._tick()
         except BaseException as exc:  # the thread itself failed: nobody may hang
@@ -189,6 +207,17 @@ class EngineCore:
                     if self.requests.pop(req.request_id, None) is not None:
                         self.scheduler.abort(req.request_id)
                     self._finish(req, "abort", text="")
+
+    def _step_job(self) -> None:
+        job = self._jobs.popleft()
+        try:
+            is_done = job.step(self.scheduler.has_work())
+        except Exception as exc:  # a failed job fails its caller, not the engine
+            log.exception("embedding job failed")
+            job.fail(exc)
+            return
+        if not is_done:
+            self._jobs.append(job)  # round robin with the other jobs
 
     def _add(self, req: Request) -> None:
         try:
@@ -387,6 +416,8 @@ class EngineCore:
             group.end(EngineError(f"request {request_id} failed: {type(exc).__name__}: {exc}"))
 
     def _fail_all(self, exc: BaseException) -> None:
+        while self._jobs:
+            self._jobs.popleft().fail(exc)
         pending = list(self.groups.values()) + list(self._new)
         self.requests.clear()
         self.groups.clear()

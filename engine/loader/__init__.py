@@ -133,6 +133,10 @@ def load_model(path: str | os.PathLike | None = None, dtype: str | None = None, 
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelFileError(f"{path}: not a Hugging Face model directory (no config.json)", str(path))
+        from engine.loader.encoder_loader import is_encoder_directory, load_encoder
+
+        if is_encoder_directory(path):  # BERT: dense weights; dtype (or quantization) bfloat16 runs in bfloat16
+            return load_encoder(path, "bfloat16" if "bfloat16" in (dtype, quantization) else "float32")
         return load_hf(path, **options)
     if is_gguf_file(path):
         return load_gguf(path, **options)

@@ -292,6 +292,12 @@ class LlamaModel(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_cache: PagedKVCache) -> torch.Tensor:
         """-> logits [len(batch.logit_rows), vocab_size] float32."""
+        return self.finish_logits(self.compute_logits(self.forward_hidden(batch, kv_cache)))
+
+    @torch.inference_mode()
+    def forward_hidden(self, batch: ForwardBatch, kv_cache: PagedKVCache) -> torch.Tensor:
+        """-> the final-normed hidden states of batch.logit_rows [S, E] (the head's input;
+        pooled embeddings read them, engine/embedding)."""
         for rope in self.ropes:
             rope.ensure(max(batch.context_lens_list))
         if self.use_fused:
@@ -302,8 +308,7 @@ class LlamaModel(nn.Module):
         for i, layer in enumerate(self.layers):
             x = layer(x, ropes, kv_cache.k[i], kv_cache.v[i], plans)
         x = x.index_select(0, batch.logit_rows)  # [S, E]
-        x = F.rms_norm(x, (self.config.hidden_size,), self.norm, self.config.rms_norm_eps)
-        return self.finish_logits(self.compute_logits(x))
+        return F.rms_norm(x, (self.config.hidden_size,), self.norm, self.config.rms_norm_eps)
 
     def _plans(self, batch: ForwardBatch, is_fused: bool) -> tuple[AttentionPlan, AttentionPlan]:
         """(full-attention plan, sliding-window plan): one plan when every layer is one kind."""
@@ -329,9 +334,8 @@ class LlamaModel(nn.Module):
         for i, layer in enumerate(self.layers):
             delta = layer.forward_fused(resid, delta, step, kv_cache.k[i], kv_cache.v[i], ropes, plans)
         rows = batch.logit_rows
-        x = fused.add_rmsnorm(resid.index_select(0, rows), delta.index_select(0, rows), self.norm,
-                              self.config.rms_norm_eps)  # [S, E]
-        return self.finish_logits(self.compute_logits(x))
+        return fused.add_rmsnorm(resid.index_select(0, rows), delta.index_select(0, rows), self.norm,
+                                 self.config.rms_norm_eps)  # [S, E]
 
     def finish_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """The family's last step on the logits [S, V]: Granite's scale, Gemma 2's soft-cap."""

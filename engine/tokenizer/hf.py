@@ -48,10 +48,16 @@ def _read_json(path: Path) -> dict | None:
 
 
 def _read_backend(path: Path) -> HFTokenizer:
+    """The backend of a tokenizer.json, without the padding and truncation it may declare
+    (all-MiniLM-L6-v2's pads and truncates every encoding to 128 ids): transformers applies
+    neither unless a call asks, and the engine truncates where a request says so."""
     try:
-        return HFTokenizer.from_file(os.fspath(path))
+        backend = HFTokenizer.from_file(os.fspath(path))
     except Exception as e:  # tokenizers raises plain Exception for malformed files
         raise ValueError(f"{path}: not a valid tokenizer.json ({e})") from None
+    backend.no_padding()
+    backend.no_truncation()
+    return backend
 
 
 def _token_content(value) -> str | None:
