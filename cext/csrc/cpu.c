@@ -136,10 +136,9 @@ float *cpu_scratch(size_t num_floats) {
 /* ---- thread pool ----
  * An idle worker polls for the next job for spin_ns (300 us by default), yielding the core to
  * any runnable thread between polls, then sleeps on a condition variable; the caller polls the
- * same way for its workers' chunks. Waking a sleeping vCPU costs tens of microseconds here, as
- * much as a whole decode-step product: with sleeping workers a second thread made SmolLM2's
- * batch-1 decode slower than one (57 vs 53 tok/s); polling workers and a 2^15 threshold made
- * it 87.5 (interleaved medians, load 1.4; scratch measurements quoted in the commit).
+ * same way for its workers' chunks. Waking a sleeping vCPU costs as much as a whole decode-step
+ * product, so sleeping workers made a second thread useless at batch 1 (docs/performance.md,
+ * "The kernels' thread pool", has the figures and the command).
  * A job's items are claimed in chunks through one 64-bit word (generation << 32 | next item),
  * so a worker that wakes late, after the caller has taken every chunk, finds nothing and
  * never delays the caller; the caller waits only for chunks actually claimed. */

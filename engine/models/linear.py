@@ -35,9 +35,8 @@ try:
 except ImportError:  # not built: quantized products dequantize the weight per call
     cpu = qgemm = None
 
-# Rows up to which the C kernels beat dequantize + BLAS: their float path ran 1.3-2x the BLAS
-# route at 128 rows and prefilled 256-token chunks 1.4-1.6x faster in the model (the scheduler's
-# default tick budget is 256); 512-1,000-row products measured even (benchmarks/qgemm_rows.py).
+# Rows up to which the C kernels beat dequantize + BLAS without a measured route table (the
+# scheduler's default tick budget is 256; docs/performance.md, "Quantized product routes").
 KERNEL_MAX_ROWS = 256
 INT_KERNEL_MAX_ROWS = 16  # without AVX2 there is no float path: the scalar kernels up to here
 # The kernels' layout codes (cext/csrc/qgemm.h's QG_*; tests/test_qgemm.py checks they agree).
