@@ -43,8 +43,13 @@ def check_model_path(path: str | os.PathLike) -> None:
         if missing:
             raise ModelFileError(f"{path}: not a complete Hugging Face model directory (missing "
                                  f"{', '.join(missing)})", str(path))
-        from .loader.validate import check_hf_directory
+        from .loader.encoder_loader import is_encoder_directory
+        from .loader.validate import check_hf_directory, read_safetensors_header, safetensors_files
 
+        if is_encoder_directory(path):  # BERT (engine.models.bert): its loader checks the config
+            for file in safetensors_files(path):
+                read_safetensors_header(file)  # offsets inside the file, byte counts matching shapes
+            return
         check_hf_directory(path)  # config.json against the safetensors headers
         return
     check_gguf_file(path)
@@ -169,9 +174,12 @@ def check_startup(path: str | os.PathLike, config, *, weights_loaded: bool = Fal
     loaded) and the scheduler's tables will take (check_memory). config: the user's EngineConfig
     (unresolved). ModelFileError or MemoryLimitError, both ValueErrors with one-line messages."""
     from .loader import model_footprint
+    from .loader.encoder_loader import is_encoder_directory
     from .models.llama import kv_cache_bytes
 
     check_model_path(path)
+    if Path(path).is_dir() and is_encoder_directory(path):  # an encoder keeps no KV cache, and its
+        return  # weights (tens of MB for the BERT family) are not estimated here
     model_config, kv_dtype, weights_bytes = model_footprint(path, config.dtype, config.quantization)
     resolved = config.resolve(model_config.max_position_embeddings)
     param = "kv_cache_tokens" if config.kv_cache_tokens is not None else "max_model_len"
