@@ -124,9 +124,6 @@ def read_config(gguf: GGUFFile) -> ModelConfig:
             if name not in tensors:
                 raise ModelFileError(f"{gguf.path}: LongRoPE GGUF file has no {name} tensor", gguf.path)
             info = tensors[name]
-            if info.shape != (config.head_dim // 2,):
-                raise ModelFileError(f"{gguf.path}: tensor {name!r} has shape {list(info.shape)}, but the "
-                                     f"metadata implies [{config.head_dim // 2}] (head_dim / 2)", gguf.path)
             scaling[f"{kind}_factor"] = dequantize(gguf.raw(name), info.ggml_type, info.shape).tolist()
     return config
 

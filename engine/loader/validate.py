@@ -84,6 +84,7 @@ TENSOR_TABLES: dict[str, tuple[TensorSpec, ...]] = {
     "mistral": DECODER_TENSORS,
     "qwen3": DECODER_TENSORS,
     "qwen3moe": DECODER_TENSORS,
+    "mixtral": DECODER_TENSORS,
     "granite": DECODER_TENSORS,
     "gemma2": DECODER_TENSORS,
     "gemma3": DECODER_TENSORS,
