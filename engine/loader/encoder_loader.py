@@ -33,8 +33,8 @@ ACTIVATIONS = {
 def is_encoder_directory(path: str | os.PathLike) -> bool:
     """True for a directory whose config.json names a BERT architecture."""
     config = _read_json(Path(path) / "config.json")
-    architectures = (config or {}).get("architectures") or []
-    return bool(architectures) and architectures[0] in ARCHITECTURES
+    architectures = config.get("architectures") if isinstance(config, dict) else None
+    return isinstance(architectures, list) and bool(architectures) and architectures[0] in ARCHITECTURES
 
 
 def _read_json(path: Path) -> dict | None:
