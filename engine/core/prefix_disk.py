@@ -139,7 +139,7 @@ class PrefixDiskCache:
         self.payload_bytes = 2 * k[:, :block_size].numel() * k.element_size()
         self.file_bytes = HEADER_BYTES + self.payload_bytes
         self._queue: queue.Queue = queue.Queue()
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # DiskBlocks.__del__ may release a reservation on any thread
         self._num_pending_bytes = 0
         self._num_prefetch_bytes = 0
         self._num_dir_bytes: int | None = None  # the writer's estimate of the directory's size
