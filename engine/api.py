@@ -307,7 +307,8 @@ class Engine(EmbeddingMixin):
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None,
              tools: list[dict] | None = None, tool_choice=None,
-             parallel_tool_calls: bool = True, chat_template_kwargs: dict | None = None) -> Completion | list[Completion]:
+             parallel_tool_calls: bool = True,
+             chat_template_kwargs: dict | None = None) -> Completion | list[Completion]:
         """The reply's Completion; with params.n > 1, the list of the n choices' Completions.
         With tools, ``Completion.tool_calls`` holds the calls and ``text`` the content around them;
         ``reasoning_content`` the reasoning of a template with ``<think>`` blocks."""
@@ -389,7 +390,8 @@ class Engine(EmbeddingMixin):
 
     async def achat(self, messages: list[dict], params: SamplingParams | None = None,
                     tools: list[dict] | None = None, tool_choice=None,
-                    parallel_tool_calls: bool = True, chat_template_kwargs: dict | None = None) -> Completion | list[Completion]:
+                    parallel_tool_calls: bool = True,
+             chat_template_kwargs: dict | None = None) -> Completion | list[Completion]:
         stream = self.astream_chat(messages, params, tools=tools, tool_choice=tool_choice,
                                    parallel_tool_calls=parallel_tool_calls, chat_template_kwargs=chat_template_kwargs)
         return await stream.collect_reply()

@@ -3,8 +3,8 @@
 reasoning_content in a tool-call loop), QwQ, the DeepSeek-R1 distills, SmolLM3, Gemma 2, Phi-3.5
 (tests/data/templates, from llama.cpp's models/templates) and the templates inside the GGUF test
 vocabularies (Gemma 4, Phi-3; text only: a GGUF vocabulary tokenizes as llama.cpp does, which
-strips blanks around some special tokens, Phi-3's <|end|>). A template's own refusal (Gemma's "System role not supported")
-is refused by both."""
+strips blanks around some special tokens, Phi-3's <|end|>). A template's own refusal (Gemma's
+"System role not supported") is refused by both."""
 from __future__ import annotations
 
 import copy
@@ -116,9 +116,8 @@ def test_qwen3_enable_thinking_and_reasoning_content():
 
 def test_reasoning_content_must_be_a_string_of_an_assistant():
     tok = tokenizer_with("Qwen-Qwen3-0.6B.jinja")
-    for messages, param in [([{"role": "user", "content": "x", "reasoning_content": "y"}], "messages[0].reasoning_content"),
-                            ([{"role": "assistant", "content": "x", "reasoning_content": 3}],
-                             "messages[0].reasoning_content")]:
+    for messages in ([{"role": "user", "content": "x", "reasoning_content": "y"}],
+                     [{"role": "assistant", "content": "x", "reasoning_content": 3}]):
         with pytest.raises(ChatTemplateError) as info:
             tok.apply_chat_template(messages)
-        assert info.value.param == param
+        assert info.value.param == "messages[0].reasoning_content"

@@ -209,3 +209,36 @@ def test_reasoning_chunk_matches_the_plain_reference(index, text, reasoning, wit
         assert json.loads(raw[6:]) == want
     assert json.loads(writer.event("after", None, None, 0)[6:]) == protocol.chat_chunk(
         "chatcmpl-r", "m", 7, "after", None, None, is_first=index != 0, include_usage=include_usage)
+
+
+def test_repl_shows_the_reasoning_apart_and_keeps_only_the_content():
+    from engine.chat_repl import ChatSession
+
+    shown = []
+    with reasoning_engine(THOUGHT) as eng:
+        session = ChatSession(eng, GREEDY, write=shown.append)
+        assert session.turn("What is 2+2?") == "\n\nIt is 4."
+    assert "".join(shown) == "[thinking] \nThe user asks 2+2. That is 4.\n [/thinking]\n\n\nIt is 4.\n"
+    assert session.messages[-1] == {"role": "assistant", "content": "\n\nIt is 4."}
+
+
+def test_markers_that_are_special_tokens_are_kept_for_the_parser():
+    """A vocabulary whose <think> / </think> are special tokens (dropped by skip_special_tokens)
+    still has its reasoning split: the chat path keeps special tokens in the text for it."""
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as Backend
+
+    import engine
+    from engine.testing import ScriptedModel
+    from engine.tokenizer import Tokenizer
+    from tests.reasoning_fixtures import SURE_PEAK, reply_ids, tokenizer_with
+
+    base = tokenizer_with(QWEN3)
+    backend = Backend.from_str(base.backend.to_str())
+    backend.add_special_tokens([AddedToken("<think>", special=True), AddedToken("</think>", special=True)])
+    tok = Tokenizer(backend, eos_token_ids=base.eos_token_ids, chat_template=base.chat_template)
+    assert tok.token_to_id("</think>") in tok.special_token_ids
+    ids = reply_ids(tok, THOUGHT)
+    with engine.Engine(ScriptedModel(ids, tok.vocab_size, SURE_PEAK), tok, max_model_len=1024) as eng:
+        done = eng.chat(ASK, GREEDY)
+    assert (done.reasoning_content, done.text) == ("\nThe user asks 2+2. That is 4.\n", "\n\nIt is 4.")
