@@ -32,7 +32,7 @@ __all__ = ["MARKERS", "ReasoningEventFilter", "ReasoningParser", "markers_are_sp
            "reasoning_filter", "reasoning_markers"]
 
 # (opening tag, closing tag) of the reasoning formats, in the order they are looked for.
-MARKERS: tuple[tuple[str, str], ...] = (("<think>", "</think>"),)
+MARKERS: tuple[tuple[str, str], ...] = (("<think>", "</think>"),)  # a tag's first character occurs once in it
 _START, _REASONING, _CONTENT = 0, 1, 2
 _PROMPT_TAIL_IDS = 16  # prompt ids decoded to see whether the prompt opened the reasoning
 
@@ -93,11 +93,13 @@ class ReasoningParser:
         if end >= 0:
             self.state, self.held = _CONTENT, ""
             return text[:end], text[end + len(self.close_tag):]
+        # A held prefix of the tag starts at the tag's first character, which occurs in the tag only
+        # there (MARKERS): the last such character in the text's tail is the one place to look.
         tag = self.close_tag
-        for n in range(min(len(tag) - 1, len(text)), 0, -1):
-            if text.endswith(tag[:n]):
-                self.held = text[-n:]
-                return text[:-n], ""
+        start = text.rfind(tag[0], max(0, len(text) - len(tag) + 1))
+        if start >= 0 and tag.startswith(text[start:]):
+            self.held = text[start:]
+            return text[:start], ""
         self.held = ""
         return text, ""
 
@@ -124,6 +126,8 @@ class ReasoningEventFilter:
         parser = self.parsers.get(event.index)
         if parser is None:
             parser = self.parsers[event.index] = ReasoningParser(self.markers, self.is_open)
+        if parser.state == _CONTENT:  # past the block (or there is none): the event as it is
+            return event
         reasoning, content = parser.add(event.text) if event.text else ("", "")
         if event.finish_reason is not None:
             more_reasoning, more_content = parser.finish()
