@@ -39,6 +39,23 @@ def test_ngram_proposer_matches_a_scan_incrementally(ids, k, lo, extra):
         assert proposer.propose(tokens) == reference_proposal(ids[:num], k, lo, hi)
 
 
+def test_ngram_proposer_long_context_large_vocabulary():
+    # 5,000 ids over a large vocabulary with copied stretches: the table grows many times over.
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 150_000, 2000).tolist()
+    ids = ids + ids[300:1300] + rng.integers(0, 3, 1000).tolist() + ids[:1000]
+    tokens = np.asarray(ids, dtype=np.int32)
+    proposer = NgramProposer(5, 2, 4)
+    checked = 0
+    for num in range(1, len(ids) + 1):
+        got = proposer.propose(tokens[:num])
+        if num % 97 == 0 or num > len(ids) - 30:
+            assert got == reference_proposal(ids[:num], 5, 2, 4), num
+            checked += bool(got)
+    assert checked > 20
+    assert proposer.num_entries <= 3 * len(ids)
+
+
 def test_ngram_proposer_rebuilds_when_the_history_changes():
     proposer = NgramProposer(3, 1, 2)
     assert proposer.propose(np.array([1, 2, 3, 1], dtype=np.int32)) == [2, 3, 1]

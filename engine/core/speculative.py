@@ -35,10 +35,13 @@ for a while (the adaptive gate), so open-ended text costs almost nothing extra.
 """
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+
+from cext.ngram import NgramIndex
 
 from ..sampling import sampler
 from ..structured import mask_rows
@@ -53,7 +56,7 @@ GATE_FAILURES = 2
 GATE_MAX_WAIT = 64
 
 
-class Proposer:
+class Proposer(abc.ABC):
     """``propose(tokens) -> list[int]``: at most ``k`` ids that may follow ``tokens``."""
 
     k: int
@@ -62,47 +65,11 @@ class Proposer:
         raise NotImplementedError
 
 
-class NgramProposer(Proposer):
-    """Prompt lookup over one sequence: the longest suffix (n from ngram_max down to ngram_min)
-    that occurred earlier proposes the up to k ids that followed its latest earlier occurrence.
-
-    The index maps each n-gram (as a tuple) to the last position it ended at and is brought up
-    to date incrementally, so a proposal costs O(ngram_max**2) whatever the context length. It
-    indexes every n-gram that ends before the last token (the suffix must not find itself).
-    """
-
-    __slots__ = ("k", "ngram_min", "ngram_max", "_ids", "_index", "_num_indexed")
-
-    def __init__(self, k: int, ngram_min: int = NGRAM_MIN, ngram_max: int = NGRAM_MAX) -> None:
-        if not 1 <= ngram_min <= ngram_max:
-            raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {ngram_min}, {ngram_max}")
-        self.k = k
-        self.ngram_min = ngram_min
-        self.ngram_max = ngram_max
-        self._ids: list[int] = []  # copy of the sequence's ids seen so far
-        self._index: dict[tuple[int, ...], int] = {}
-        self._num_indexed = 0  # n-grams ending at positions < this are in the index
-
-    def propose(self, tokens: np.ndarray) -> list[int]:
-        ids = self._ids
-        num = len(tokens)
-        if num < len(ids) or (ids and ids[-1] != int(tokens[len(ids) - 1])):  # history changed: rebuild
-            ids.clear()
-            self._index.clear()
-            self._num_indexed = 0
-        if num > len(ids):
-            ids.extend(tokens[len(ids):num].tolist())
-        index = self._index
-        lo, hi = self.ngram_min, self.ngram_max
-        for end in range(self._num_indexed, num - 1):  # index n-grams ending at end (< num - 1)
-            for n in range(lo, min(hi, end + 1) + 1):
-                index[tuple(ids[end - n + 1 : end + 1])] = end
-        self._num_indexed = max(self._num_indexed, num - 1)
-        for n in range(min(hi, num - 1), lo - 1, -1):
-            end = index.get(tuple(ids[num - n :]))
-            if end is not None:
-                return ids[end + 1 : min(end + 1 + self.k, num)]
-        return []
+# Prompt lookup over one sequence (cext/ngram.pyx): the longest suffix (n from ngram_max down to
+# ngram_min) that occurred earlier proposes the up to k ids that followed its latest earlier
+# occurrence; an incremental hash of n-grams, O(ngram_max**2) per proposal at any context length.
+NgramProposer = NgramIndex
+Proposer.register(NgramIndex)
 
 
 @dataclass(slots=True)
@@ -163,7 +130,7 @@ class SpecDecoder:
     entries: list[SpecEntry] = field(default_factory=list)  # this tick's proposals
 
     def make_state(self) -> SpecState:
-        return SpecState(NgramProposer(self.k))
+        return SpecState(NgramProposer(self.k, NGRAM_MIN, NGRAM_MAX))
 
     @property
     def acceptance_rate(self) -> float:
