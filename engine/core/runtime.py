@@ -231,7 +231,7 @@ class EngineCore:
         except SchedulerRefused as exc:
             self._fail(req.request_id, exc, req)
             return
-        if self.spec is not None and self.spec.is_eligible(req.params, req):
+        if self.spec is not None:  # every request may speculate (verification samples as plain decoding)
             req.seq.spec = self.spec.make_state()
         self.requests[req.request_id] = req
 
@@ -269,57 +269,45 @@ class EngineCore:
             )
         else:
             token_ids, row_logprobs = [], []
-        runs = self._verify(out, logits, reqs, token_ids) if out.spec_entries else None
+        runs = (self.spec.verify(out.spec_entries, logits, reqs, token_ids, row_logprobs)
+                if out.spec_entries else None)
         self.scheduler.update(out, token_ids)
         if not token_ids:
             return
         self.num_generated_tokens += len(token_ids)
-        if runs:
-            self._rollback(runs)
         # Every sampled sequence's length, with its new token, in one read of the tick state.
         slots = out.slots if len(token_ids) == len(out.slots) else out.slots[out.sample_entries]
         lengths = self.scheduler.state.num_tokens[slots].tolist()
         for k, (req, token_id, lp, num_tokens) in enumerate(zip(reqs, token_ids, row_logprobs, lengths)):
             try:
                 if runs and k in runs:
-                    self._process_run(req, *runs[k])
+                    self._process_run(req, runs[k])
                 else:
                     self._process_token(req, token_id, lp, num_tokens)
             except Exception as exc:
                 log.exception("output processing failed for %s", req.request_id)
                 self._fail(req.request_id, exc)
 
-    def _verify(self, out, logits: torch.Tensor, reqs: list[Request], token_ids: list[int]) -> dict:
-        """The target's greedy ids at the proposal rows (the same sampler call as a plain decode's)
-        -> {sample index: (SpecEntry, emitted ids)}."""
-        rows, params = [], []
-        for entry, k, first in out.spec_entries:
-            rows.extend(range(first + 1, first + 1 + len(entry.draft)))
-            params.extend([reqs[k].params] * len(entry.draft))
-        picked = logits.index_select(0, torch.tensor(rows, dtype=torch.int64))
-        ids, _ = sampler.sample(picked, params, [None] * len(params))
-        runs, j = {}, 0
-        for entry, k, _first in out.spec_entries:
-            n = len(entry.draft)
-            runs[k] = (entry, self.spec.accept(entry, [token_ids[k]] + ids[j : j + n]))
-            j += n
-        return runs
-
-    def _rollback(self, runs: dict) -> None:
-        sched = self.scheduler
-        for entry, emitted in runs.values():
-            if self.spec.rollback(sched.state, sched.block_manager, entry, emitted):
-                self.num_generated_tokens += len(emitted) - 1
-
-    def _process_run(self, req: Request, entry, emitted: list[int]) -> None:
+    def _process_run(self, req: Request, run) -> None:
         """The ids a verified proposal emits, one event each, as if decoded one by one (the
-        sequence's length steps with them, so stops, max_tokens and EOS cut the run there)."""
+        sequence's length steps with them, so stops, max_tokens and EOS cut the run there); a
+        run verified in order samples its next row once the id before it is counted. Then
+        the rejected rows are rolled back."""
+        entry = run.entry
         num_tokens = self.scheduler.state.num_tokens
-        for j, token_id in enumerate(emitted):
-            num_tokens[entry.slot] = entry.num_tokens + j + 1  # what the sequence holds if it finishes here
-            self._process_token(req, token_id, None, entry.num_tokens + j + 1)
-            if req.is_finished:
-                return
+        num_emitted = 0
+        while True:
+            length = entry.num_tokens + num_emitted + 1
+            num_tokens[entry.slot] = length  # what the sequence holds if it finishes here
+            self._process_token(req, run.ids[num_emitted], run.logprobs[num_emitted], length)
+            num_emitted += 1
+            if req.is_finished or (num_emitted == len(run.ids) and not self.spec.sample_next(run, req)):
+                break
+        self.spec.finish_run(run)
+        self.num_generated_tokens += num_emitted - 1  # the first is counted with the tick's
+        if not req.is_finished:
+            sched = self.scheduler
+            self.spec.rollback(sched.state, sched.block_manager, entry, run.ids)
 
     def _process_token(self, req: Request, token_id: int, lp, num_tokens: int) -> None:
         """``num_tokens``: the sequence's length with ``token_id``."""
