@@ -95,10 +95,11 @@ def throughput(args, texts: list[str], num_tokens: int) -> dict:
         eng.embed(texts[:64])  # warm-up (oneDNN primitives, allocator)
         for size, label in ((1, "1"), (32, "32"), (len(texts), "all")):
             configs[f"ours {dtype}, batch {label}"] = batched(eng.embed, texts, size)
-    st = SentenceTransformer(str(path), device="cpu")
-    st.encode(texts[:64], batch_size=32)
-    for size in [1, *[int(s) for s in args.st_batch_sizes.split(",")]]:
-        configs[f"sentence-transformers, batch {size}"] = lambda size=size: st.encode(texts, batch_size=size)
+    if args.st_batch_sizes != "none":
+        st = SentenceTransformer(str(path), device="cpu")
+        st.encode(texts[:64], batch_size=32)
+        for size in [1, *[int(s) for s in args.st_batch_sizes.split(",")]]:
+            configs[f"sentence-transformers, batch {size}"] = lambda size=size: st.encode(texts, batch_size=size)
     llm = None
     try:
         import llama_cpp
@@ -218,7 +219,7 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=1)
     parser.add_argument("--parts", default="throughput,latency,beside")
     parser.add_argument("--dtypes", default="float32,bfloat16")
-    parser.add_argument("--st-batch-sizes", default="32")
+    parser.add_argument("--st-batch-sizes", default="32", help="besides 1; none: no sentence-transformers rows")
     parser.add_argument("--num-latency", type=int, default=50, help="single-text requests per latency run")
     parser.add_argument("--stream-tokens", type=int, default=128)
     args = parser.parse_args()

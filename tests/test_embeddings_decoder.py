@@ -7,19 +7,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from embedding_fixtures import DECODER_TEXTS
 
 from engine import Engine, InvalidParameterError
 from engine.batch import single_sequence_batch
 from engine.loader import default_model_path
 
-TEXTS = [
-    "Hello",
-    "The capital of France is Paris.",
-    "東京は日本の首都です。 🙂",
-    "one two three " * 40,
-    "Embeddings from a decoder use the causal mask.",
-    "x",
-]
+TEXTS = DECODER_TEXTS
 
 
 def reference(model, ids: list[int], pooling: str) -> np.ndarray:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from embedding_fixtures import DECODER_TEXTS
 
 from engine import Engine
 from engine.loader import default_model_path
@@ -16,14 +17,8 @@ llama_cpp = pytest.importorskip(
     "llama_cpp", reason="llama-cpp-python is not installed in this venv (`make llamacpp` builds 0.3.36)"
 )
 
-TEXTS = [
-    "Hello",
-    "The capital of France is Paris.",
-    "東京は日本の首都です。 🙂",
-    "one two three " * 40,
-    "Embeddings from a decoder use the causal mask.",
-    "A longer sentence about retrieval: embed the documents, embed the question, rank them, answer.",
-]
+TEXTS = [*DECODER_TEXTS,
+         "A longer sentence about retrieval: embed the documents, embed the question, rank them, answer."]
 POOLING_TYPES = {"mean": "LLAMA_POOLING_TYPE_MEAN", "last": "LLAMA_POOLING_TYPE_LAST",
                  "cls": "LLAMA_POOLING_TYPE_CLS"}
 

@@ -11,10 +11,14 @@ for last), like a long prompt.
 The share of the tick's token budget (``TickRows.budget``):
 - no generation work: the whole budget (``max_num_batched_tokens``);
 - generation prefill but no running stream: half of it;
-- running streams: what keeps their ticks within ``1 + EMBED_TIME_SHARE`` of a tick without
-  embedding rows, by the scheduler's running cost estimates (seconds per decode tick, seconds per
-  prefill token), at least MIN_EMBED_TOKENS; a stream then keeps about 1 / (1 + share) of its
-  solo rate. Until a tick without embedding rows has been timed, none are added.
+- running streams: a share of their time, not of every tick's rows. Any prefill rows move a
+  decode tick's products onto the prefill routes (engine/models/routes.py), so even a few rows
+  cost about a prefill forward; a tick with embedding rows therefore takes a full prefill chunk
+  (the scheduler's time-target budget, engine/core/tick_cost.py) and such ticks are spaced out
+  by a time credit: every tick earns EMBED_TIME_SHARE of the measured time of a tick without
+  embedding rows, and a tick with them (and the one after it, whose caches it left cold) spends
+  what it took beyond that. A stream keeps about
+  1 / (1 + EMBED_TIME_SHARE) of its solo rate on average, whatever the rows cost.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import threading
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -32,7 +37,8 @@ from ..errors import EngineDead
 from .runner import EmbedJob
 
 EMBED_TIME_SHARE = 0.3  # a stream beside embeddings keeps ~1 / 1.3 = 0.77 of its solo tok/s
-MIN_EMBED_TOKENS = 16  # embedding rows of a busy tick, at least (progress under any estimate)
+MIN_EMBED_TOKENS = 16  # embedding rows of a tick that has them, at least
+TIMING_SMOOTHING = 0.3  # weight of the newest tick in the estimate of a tick without embedding rows
 
 
 @dataclass(slots=True)
@@ -60,9 +66,14 @@ class TickPart:
 class TickRows:
     """The decoder's embedding queue on the engine thread (EngineCore.set_tick_rows)."""
 
-    def __init__(self, core, block_size: int):
+    def __init__(self, core, block_size: int, clock=time.perf_counter):
         self.core = core
         self.block_size = block_size
+        self.clock = clock
+        self.credit = 0.0  # seconds of stream time the embedding rows may still take
+        self.plain_tick_seconds: float | None = None  # a streaming tick without embedding rows
+        self._last_kind: str | None = None  # the last tick: "plain" | "mixed" | None (no stream ran)
+        self._last_start = 0.0
         self._lock = threading.Lock()
         self._jobs: collections.deque[EmbedJob] = collections.deque()  # FIFO, oldest first
         self._texts: list[_Text] = []  # partially prefilled texts, continued first
@@ -85,22 +96,30 @@ class TickRows:
 
     def budget(self, scheduler) -> int:
         """Tokens this tick's embedding rows may take (the module docstring's split)."""
+        now = self.clock()
+        elapsed, last = now - self._last_start, self._last_kind
+        self._last_start, self._last_kind = now, None
         hard = scheduler.config.max_num_batched_tokens
         if not scheduler.has_work():
             return hard
         num_running = scheduler.num_running
         if num_running == 0:
             return hard // 2
-        most = (hard - num_running) // 2
-        cost = scheduler.cost
-        if cost.target_tick_seconds is None:  # no time estimates: half the budget
-            return max(0, most)
-        if cost.sec_per_decode_tick <= 0.0:  # learn a tick without embedding rows first
+        plain = self.plain_tick_seconds
+        if last == "plain":
+            plain = elapsed if plain is None else plain + TIMING_SMOOTHING * (elapsed - plain)
+            self.plain_tick_seconds = plain
+        elif last in ("mixed", "after") and plain is not None:
+            self.credit -= max(0.0, elapsed - plain)
+        # (take() makes it "mixed" when it adds rows.) The tick after a mixed one pays for what the
+        # mixed one left behind (its caches are cold): charged like it, not learned from.
+        self._last_kind = "after" if last == "mixed" else "plain"
+        if plain is None:  # time a tick without embedding rows first
             return 0
-        share = MIN_EMBED_TOKENS
-        if cost.sec_per_prefill_token:
-            share = int(EMBED_TIME_SHARE * cost.sec_per_decode_tick / cost.sec_per_prefill_token)
-        return max(0, min(max(share, MIN_EMBED_TOKENS), most))
+        self.credit = min(self.credit + EMBED_TIME_SHARE * plain, EMBED_TIME_SHARE * plain)
+        if self.credit <= 0.0:
+            return 0
+        return max(0, min(hard - num_running, max(MIN_EMBED_TOKENS, scheduler.prefill_budget())))
 
     def take(self, num_tokens: int, block_manager) -> TickPart | None:
         """The chunks of this tick, at most ``num_tokens`` rows, their KV blocks allocated."""
@@ -146,6 +165,8 @@ class TickRows:
             left -= count
         if not chunks:
             return None
+        if self._last_kind is not None:
+            self._last_kind = "mixed"
         return TickPart(chunks, torch.empty(0, dtype=torch.int64), pooling, num_tokens - left)
 
     def _fresh(self, job: EmbedJob):
