@@ -20,7 +20,7 @@ import traceback
 import numpy as np
 import torch
 
-from cext.tick import FinishCode
+from cext.emit import emit_rows
 
 from ..config import EngineConfig
 from ..errors import EngineDead, EngineError, EngineOverloaded, InvalidParameterError, SchedulerRefused
@@ -36,7 +36,6 @@ from .speculative import make_spec_decoder
 log = logging.getLogger("engine")
 
 FINISHED = object()  # queue sentinel after the last event
-_STOP_ID, _LENGTH, _UNKNOWN = FinishCode.FINISH_STOP_ID, FinishCode.FINISH_LENGTH, FinishCode.FINISH_UNKNOWN
 
 
 class _TickRequests:
@@ -310,41 +309,27 @@ class EngineCore:
                 self._fail(req.request_id, exc)
 
     def _emit_decodes(self, reqs: list[Request], token_ids: list[int]) -> None:
-        """The output of a steady-state tick whose rows are all plain: per row its text, one event on
-        its queue and its finish, from the tick's finish verdicts (cext.tick decode_commit: stop ids
-        past min_tokens, max_tokens, max_model_len) instead of per-token checks here. The same
-        events as _process_token."""
-        codes = self.scheduler.state.finish_codes[: len(reqs)].tolist()
-        for req, token_id, code in zip(reqs, token_ids, codes):
-            if req.is_finished:  # its group failed on an earlier row of this tick
-                continue
-            try:
-                if code == _UNKNOWN:  # more stop ids than the tick's table holds
-                    self._process_token(req, token_id, None, req.seq.num_tokens)
-                    continue
-                if code == _STOP_ID:
-                    text, _ = req.text.finish()  # the stop token's own text is not output
-                    finish_reason = "stop"
-                else:
-                    text, is_stopped = req.text.add(token_id)
-                    if is_stopped:
-                        finish_reason = "stop"
-                    elif code == _LENGTH:
-                        tail, is_stopped = req.text.finish()
-                        text += tail
-                        finish_reason = "stop" if is_stopped else "length"
-                    else:
-                        req.group.outputs.put(StreamEvent(req.group.request_id, text, [token_id], None, None,
-                                                          req.index))
-                        continue
-                group = req.group
-                self.scheduler.finish(req.seq)
-                self.requests.pop(req.request_id, None)
-                group.outputs.put(StreamEvent(group.request_id, text, [token_id], None, finish_reason, req.index))
-                self._mark_finished(req)
-            except Exception as exc:
-                log.exception("output processing failed for %s", req.request_id)
-                self._fail(req.request_id, exc)
+        """The output of a steady-state tick whose rows are all plain, in one call (cext.emit): per row
+        its text and its event, with the tick's finish verdicts (cext.tick decode_commit: stop ids past
+        min_tokens, max_tokens, max_model_len) in place of per-token checks; rows that end come back
+        here in row order. The same events as _process_token."""
+
+        def end_row(k: int, text: str | None, finish_reason: str | None) -> None:
+            req = reqs[k]
+            if finish_reason is None:  # more stop ids than the tick's table holds
+                self._process_token(req, token_ids[k], None, req.seq.num_tokens)
+                return
+            group = req.group
+            self.scheduler.finish(req.seq)
+            self.requests.pop(req.request_id, None)
+            group.outputs.put(StreamEvent(group.request_id, text, [token_ids[k]], None, finish_reason, req.index))
+            self._mark_finished(req)
+
+        def fail_row(k: int, exc: BaseException) -> None:
+            log.error("output processing failed for %s", reqs[k].request_id, exc_info=exc)
+            self._fail(reqs[k].request_id, exc)
+
+        emit_rows(reqs, token_ids, self.scheduler.state.finish_codes, StreamEvent, end_row, fail_row)
 
     def _verify(self, out, logits: torch.Tensor, reqs: list[Request], token_ids: list[int]) -> dict:
         """The target's greedy ids at the proposal rows (the same sampler call as a plain decode's)
