@@ -11,6 +11,12 @@ a decode needs a block and none is free (after evicting unreferenced prefix-cach
 least recently used first), the newest running sequence is preempted: its blocks are
 freed and it waits at the head of the queue to recompute prompt + generated tokens.
 
+With a sliding window (``sliding_window``, the model's sliding layers), a running sequence gives
+up its window reference on each block its next query can no longer see (``window_slack`` tokens
+of margin for speculative rows that may be rolled back); ``on_window_dropped`` receives the blocks
+whose sliding K/V nobody needs any more, so a long context holds the window, not the whole
+context, in those layers (engine.core.block_manager).
+
 The per-sequence loops run in Cython (``cext.tick``); this file holds the Python-level
 decisions that happen once per admission, preemption or new block. The decode-only steady
 state (nothing waits, every running sequence decodes one token, no speculation) takes
@@ -48,6 +54,11 @@ class SchedulerConfig:
     # long, within max_num_batched_tokens; None: always fill max_num_batched_tokens. It bounds the
     # decode streams' inter-token gap and the wait of a new request while a long prompt prefills.
     target_tick_seconds: float | None = DEFAULT_TARGET_TICK_SECONDS
+    # The model's sliding-window length (None: no sliding layers): blocks a sequence's next query
+    # is past in those layers are released (see the module docstring); window_slack tokens of
+    # margin (speculative rows may be rolled back that far).
+    sliding_window: int | None = None
+    window_slack: int = 0
 
 
 @dataclass(slots=True)
@@ -74,7 +85,11 @@ class Scheduler:
         self.config = config
         self.cost = TickCostModel(config.target_tick_seconds, config.max_num_batched_tokens, clock)
         self.block_size = config.block_size
-        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching,
+                                          config.sliding_window)
+        # Per slot: leading blocks whose window reference the running sequence gave up.
+        self._window_released = np.zeros(config.max_num_seqs, dtype=np.int64)
+        self.on_window_dropped = None  # callable(list of block ids) (the KV cache's), or None
         self.state = TickState(config.max_num_seqs, config.max_model_len, config.block_size)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order, oldest first
@@ -159,10 +174,12 @@ class Scheduler:
 
     # -- the tick --
 
-    def schedule(self) -> SchedulerOutput | None:
+    def schedule(self, num_reserved_tokens: int = 0) -> SchedulerOutput | None:
+        """The next tick; ``num_reserved_tokens`` of max_num_batched_tokens are kept for rows the
+        caller adds to the batch (a decoder's embedding rows, engine/embedding/tick_rows.py)."""
         if not self.running and not self.waiting:
             return None
-        if not self.waiting and self.spec is None:
+        if not self.waiting and self.spec is None and not num_reserved_tokens:
             out = self._schedule_decodes()
             if out is not None:
                 self.cost.start()
@@ -171,23 +188,21 @@ class Scheduler:
         bm = self.block_manager
         cfg = self.config
         preempted: list[Sequence] = []
-        prefill_budget = self.prefill_budget()
+        hard = cfg.max_num_batched_tokens - num_reserved_tokens
+        prefill_budget = min(self.prefill_budget(), hard)
         spec = self.spec
         if spec is not None:
             spec.entries = []
             if not self.waiting:
-                spec.propose(state, self.running, bm, cfg.max_num_batched_tokens, prefill_budget,
-                             cfg.max_model_len)
+                spec.propose(state, self.running, bm, hard, prefill_budget, cfg.max_model_len)
         while True:
             max_chunk = prefill_budget
             if self.waiting and len(self.running) < cfg.max_num_seqs:
                 # Leave room for a waiting request: a short one then starts within a tick.
-                max_chunk = max(1, min(prefill_budget, cfg.max_num_batched_tokens - len(self.running)) // 2)
-            plan = state.plan(
-                self._running_slots, len(self.running), cfg.max_num_batched_tokens, prefill_budget, max_chunk
-            )
-            if plan.num_decodes == 0 and prefill_budget < cfg.max_num_batched_tokens:
-                prefill_budget = cfg.max_num_batched_tokens  # no stream to keep pace for: fill the tick
+                max_chunk = max(1, min(prefill_budget, hard - len(self.running)) // 2)
+            plan = state.plan(self._running_slots, len(self.running), hard, prefill_budget, max_chunk)
+            if plan.num_decodes == 0 and prefill_budget < hard:
+                prefill_budget = hard  # no stream to keep pace for: fill the tick
                 continue
             if plan.num_new_blocks <= bm.num_free_blocks:
                 break
@@ -202,7 +217,7 @@ class Scheduler:
         num_decodes, left = plan.num_decodes, plan.prefill_tokens_left
         num_planned = state.num_entries
         if not preempted:
-            left = self._admit(left)
+            left = self._admit(left, hard)
         if left > 0 and num_planned > num_decodes:
             state.top_up(num_decodes, num_planned, left)
         if state.num_entries == 0:
@@ -221,6 +236,8 @@ class Scheduler:
             self.state.decode_commit(np.asarray(sampled_token_ids, dtype=np.int64))
             if self._unpublished:
                 self._publish_blocks()
+            if self.config.sliding_window is not None:
+                self._release_windows()
             return
         self.cost.observe(out.batch.num_tokens - out.batch.num_decode_seqs)
         if isinstance(sampled_token_ids, torch.Tensor):
@@ -236,6 +253,8 @@ class Scheduler:
                 self.state.next_logprob_pos[seq.slot] = seq.next_prompt_logprob_pos
         if self._unpublished:
             self._publish_blocks()
+        if self.config.sliding_window is not None and self.running:
+            self._release_windows()
 
     # -- internals --
 
@@ -292,7 +311,7 @@ class Scheduler:
         self._decode_out, self._decode_key = out, key
         return out
 
-    def _admit(self, budget: int) -> int:
+    def _admit(self, budget: int, max_batch_tokens: int) -> int:
         """Admit waiting sequences FIFO; ``budget`` is the prefill budget left (time target).
 
         A prompt whose remaining tokens fit the tick's hard budget (max_num_batched_tokens)
@@ -302,7 +321,7 @@ class Scheduler:
         cfg = self.config
         bm = self.block_manager
         state = self.state
-        hard_left = cfg.max_num_batched_tokens - state.num_batch_tokens
+        hard_left = max_batch_tokens - state.num_batch_tokens
         while self.waiting and hard_left > 0 and len(self.running) < cfg.max_num_seqs:
             seq = self.waiting[0]
             num_tokens = seq.num_tokens
@@ -334,6 +353,7 @@ class Scheduler:
             state.epochs[slot] += 1
             state.block_tables[slot, : len(block_ids)] = block_ids
             state.num_blocks[slot] = len(block_ids)
+            self._window_released[slot] = 0
             seq.num_cached_tokens = num_cached
             self.num_prefix_cache_hit_tokens += num_cached
             self.num_prefix_cache_query_tokens += num_tokens if cfg.enable_prefix_caching else 0
@@ -426,12 +446,32 @@ class Scheduler:
                 keep.append(seq)
         self._unpublished = keep
 
+    def _release_windows(self) -> None:
+        """Give up window references on the blocks each running sequence's next query is past
+        (numpy over the running slots; a Python step only per block released, one in block_size
+        tokens per sequence), then hand the dropped blocks to the cache."""
+        cfg, state, bm = self.config, self.state, self.block_manager
+        slots = self._running_slots[: len(self.running)]
+        # The next query at position p reads keys p - window + 1 .. p: blocks wholly below are unneeded.
+        first_needed = state.num_computed[slots].astype(np.int64) - cfg.sliding_window - cfg.window_slack + 1
+        targets = np.minimum(np.maximum(first_needed, 0) // self.block_size, state.num_blocks[slots])
+        released = self._window_released[slots]
+        for k in np.flatnonzero(targets > released).tolist():
+            slot = int(slots[k])
+            for j in range(int(released[k]), int(targets[k])):
+                bm.release_window(int(state.block_tables[slot, j]))
+            self._window_released[slot] = targets[k]
+        dropped = bm.drain_dropped()
+        if dropped and self.on_window_dropped is not None:
+            self.on_window_dropped(dropped)
+
     def _release(self, seq: Sequence) -> None:
         """Free a running sequence's blocks and slot and copy its tokens out."""
         state = self.state
         slot = seq.slot
         nb = int(state.num_blocks[slot])
-        self.block_manager.free(state.block_tables[slot, :nb].tolist())
+        self.block_manager.free(state.block_tables[slot, :nb].tolist(), int(self._window_released[slot]))
+        self._window_released[slot] = 0
         state.block_tables[slot, :nb] = -1
         state.num_blocks[slot] = 0
         state.epochs[slot] += 1
