@@ -122,6 +122,18 @@ def rope_kv_write_reference(qkv, num_heads, num_kv_heads, head_dim, positions, c
     v_cache[slots] = kv[:, num_kv_heads * head_dim:].reshape(num_rows, num_kv_heads, head_dim).to(v_cache.dtype)
 
 
+def _check_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_size: int) -> tuple[int, int]:
+    """The checks paged decode and prefill attention share -> (q's dtype code, the cache's)."""
+    head_dim = q.shape[2]
+    _require(q.stride(2) == 1 and q.stride(1) == head_dim, "q: heads of a row must be contiguous")
+    _require(v_cache.dtype == k_cache.dtype and k_cache.is_contiguous()
+             and v_cache.is_contiguous() and k_cache.shape == v_cache.shape and k_cache.shape[2] == head_dim,
+             "k_cache/v_cache: must be contiguous [S, KH, D] of one dtype")
+    _require(q.shape[1] % k_cache.shape[1] == 0, "num_kv_heads: must divide num_heads")
+    _require(k_cache.shape[0] % block_size == 0, "block_size: must divide the cache's slot count")
+    return _code(q), _cache_code(k_cache)
+
+
 # ---- paged decode attention ----
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -131,14 +143,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     [>= B, max_blocks] int64, context_lens [>= B] int64 -> [B, H * D] (softmax scale: 1/sqrt(D) if None)."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
-    code = _code(q)
-    _require(q.stride(2) == 1 and q.stride(1) == head_dim, "q: heads of a row must be contiguous")
-    cache_code = _cache_code(k_cache)
-    _require(v_cache.dtype == k_cache.dtype and k_cache.is_contiguous()
-             and v_cache.is_contiguous() and k_cache.shape == v_cache.shape and k_cache.shape[2] == head_dim,
-             "k_cache/v_cache: must be contiguous [S, KH, D] of one dtype")
-    _require(num_heads % num_kv_heads == 0, "num_kv_heads: must divide num_heads")
-    _require(k_cache.shape[0] % block_size == 0, "block_size: must divide the cache's slot count")
+    code, cache_code = _check_paged(q, k_cache, v_cache, block_size)
     _require(block_tables.dtype == torch.int64 and block_tables.is_contiguous() and block_tables.shape[0] >= num_seqs,
              "block_tables: contiguous int64 [>= B, max_blocks]")
     _require(context_lens.dtype == torch.int64 and context_lens.is_contiguous() and context_lens.shape[0] >= num_seqs,
@@ -186,14 +191,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     num_rows, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     num_seqs = query_starts.shape[0] - 1
-    code = _code(q)
-    _require(q.stride(2) == 1 and q.stride(1) == head_dim, "q: heads of a row must be contiguous")
-    cache_code = _cache_code(k_cache)
-    _require(v_cache.dtype == k_cache.dtype and k_cache.is_contiguous()
-             and v_cache.is_contiguous() and k_cache.shape == v_cache.shape and k_cache.shape[2] == head_dim,
-             "k_cache/v_cache: must be contiguous [S, KH, D] of one dtype")
-    _require(num_heads % num_kv_heads == 0, "num_kv_heads: must divide num_heads")
-    _require(k_cache.shape[0] % block_size == 0, "block_size: must divide the cache's slot count")
+    code, cache_code = _check_paged(q, k_cache, v_cache, block_size)
     for name, t, size in (("block_tables", block_tables, num_seqs), ("context_lens", context_lens, num_seqs),
                           ("positions", positions, num_rows)):
         _require(t.dtype == torch.int64 and t.is_contiguous() and t.shape[0] >= size,
