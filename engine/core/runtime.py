@@ -66,7 +66,8 @@ class EngineCore:
         self.groups: dict[str, RequestGroup] = {}  # unfinished submissions, by their public id
         self._new: collections.deque[RequestGroup] = collections.deque()
         self._aborts: collections.deque[str] = collections.deque()
-        self._jobs: collections.deque = collections.deque()  # embedding/scoring jobs (engine/embedding)
+        self._jobs: collections.deque = collections.deque()  # encoders' embedding/scoring jobs (engine/embedding)
+        self._tick_rows = None  # a decoder's embedding rows in the ticks (engine/embedding/tick_rows.py)
         self._submit_lock = threading.Lock()  # submit's check-then-append, never taken per token
         self._live_ids: set[str] = set()  # submitted and not finished (added under _submit_lock)
         self._wake = threading.Event()
@@ -97,6 +98,7 @@ class EngineCore:
     def stats(self) -> dict:
         sched = self.scheduler
         spec = self.spec
+        rows = self._tick_rows
         is_alive = self.is_alive()
         return {
             "num_running": sched.num_running if is_alive else 0,
@@ -110,6 +112,8 @@ class EngineCore:
             "spec_decode_num_draft_tokens": spec.num_draft_tokens if spec is not None else 0,
             "spec_decode_num_accepted_tokens": spec.num_accepted_tokens if spec is not None else 0,
             "spec_decode_acceptance_rate": spec.acceptance_rate if spec is not None else 0.0,
+            "num_embedding_tokens": rows.num_tokens if rows is not None else 0,
+            "num_mixed_ticks": rows.num_mixed_ticks if rows is not None else 0,
         }
 
     def make_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
@@ -164,6 +168,19 @@ class EngineCore:
             self._jobs.append(job)
         self._wake.set()
 
+    def set_tick_rows(self, rows) -> None:
+        """Let ``rows`` add rows to every tick's forward (engine/embedding/tick_rows.py): before a tick,
+        ``rows.budget(scheduler)`` tokens of its budget are kept for them and ``rows.take(n,
+        block_manager)`` returns a part (or None) that ``rows.merge(batch, part)`` appends to the
+        batch; the forward's hidden states of ``part.hidden_rows`` go to ``rows.put(part, hidden,
+        block_manager)``, a failed forward to ``rows.fail_part``. ``rows.has_work()`` keeps the loop
+        running; ``rows.fail(exc)`` when the engine stops."""
+        self._tick_rows = rows
+
+    def wake(self) -> None:
+        """New work for the engine thread (a caller that queued it elsewhere, e.g. TickRows)."""
+        self._wake.set()
+
     def abort(self, request_id: str) -> None:
         """Abort a submission by its public id (every choice of it)."""
         self._aborts.append(request_id)
@@ -183,7 +200,8 @@ class EngineCore:
                 self._drain_inputs()
                 if self._jobs:
                     self._step_job()
-                if not self.scheduler.has_work():
+                rows = self._tick_rows
+                if not self.scheduler.has_work() and (rows is None or not rows.has_work()):
                     if not self._jobs:
                         self._wake.wait()
                         self._wake.clear()
@@ -231,23 +249,57 @@ class EngineCore:
         except SchedulerRefused as exc:
             self._fail(req.request_id, exc, req)
             return
-        if self.spec is not None and self.spec.is_eligible(req.params, req):
+        if self.spec is not None:  # every request may speculate (verification samples as plain decoding)
             req.seq.spec = self.spec.make_state()
         self.requests[req.request_id] = req
 
     def _tick(self) -> None:
-        out = self.scheduler.schedule()
-        if out is None:
+        sched = self.scheduler
+        rows = self._tick_rows
+        num_reserved = rows.budget(sched) if rows is not None and rows.has_work() else 0
+        out = sched.schedule(num_reserved) if sched.has_work() else None
+        part = rows.take(num_reserved, sched.block_manager) if num_reserved else None
+        if out is None and part is None:
             self._wake.wait(0.001)
             return
-        self.num_ticks += 1
+        if part is not None:
+            self._tick_with_rows(out, part)
+            if out is None:
+                return
+        else:
+            self.num_ticks += 1
+            try:
+                logits = self.model.forward(out.batch, self.kv_cache)  # [S, V]
+            except Exception as exc:  # a failed forward fails the requests in it, not the engine
+                log.exception("forward failed")
+                self._fail_tick(out, exc)
+                return
+            self._after_forward(out, logits)
+
+    def _tick_with_rows(self, out, part) -> None:
+        """A forward with embedding rows after the generation rows (if any): pooled, never sampled."""
+        rows, bm = self._tick_rows, self.scheduler.block_manager
+        batch = rows.merge(out.batch if out is not None else None, part)
         try:
-            logits = self.model.forward(out.batch, self.kv_cache)  # [S, V]
-        except Exception as exc:  # a failed forward fails the requests in it, not the engine
-            log.exception("forward failed")
-            for seq in out.seqs:
-                self._fail(seq.request_id, exc)
+            logits, hidden = self.model.forward_with_hidden(batch, self.kv_cache, part.hidden_rows)
+            rows.put(part, hidden, bm)
+        except Exception as exc:
+            log.exception("forward with embedding rows failed")
+            rows.fail_part(part, exc, bm)
+            if out is not None:
+                self._fail_tick(out, exc)
             return
+        if out is not None:
+            self.num_ticks += 1
+            rows.num_mixed_ticks += 1
+            out.batch = batch  # the tick's cost counts the embedding rows too (the scheduler's estimates)
+            self._after_forward(out, logits)
+
+    def _fail_tick(self, out, exc: BaseException) -> None:
+        for seq in out.seqs:
+            self._fail(seq.request_id, exc)
+
+    def _after_forward(self, out, logits: torch.Tensor) -> None:
         sample_seqs = out.sample_seqs
         reqs = [self.requests[s.request_id] for s in sample_seqs]
         if out.prompt_logprob_spans:
@@ -269,57 +321,45 @@ class EngineCore:
             )
         else:
             token_ids, row_logprobs = [], []
-        runs = self._verify(out, logits, reqs, token_ids) if out.spec_entries else None
+        runs = (self.spec.verify(out.spec_entries, logits, reqs, token_ids, row_logprobs)
+                if out.spec_entries else None)
         self.scheduler.update(out, token_ids)
         if not token_ids:
             return
         self.num_generated_tokens += len(token_ids)
-        if runs:
-            self._rollback(runs)
         # Every sampled sequence's length, with its new token, in one read of the tick state.
         slots = out.slots if len(token_ids) == len(out.slots) else out.slots[out.sample_entries]
         lengths = self.scheduler.state.num_tokens[slots].tolist()
         for k, (req, token_id, lp, num_tokens) in enumerate(zip(reqs, token_ids, row_logprobs, lengths)):
             try:
                 if runs and k in runs:
-                    self._process_run(req, *runs[k])
+                    self._process_run(req, runs[k])
                 else:
                     self._process_token(req, token_id, lp, num_tokens)
             except Exception as exc:
                 log.exception("output processing failed for %s", req.request_id)
                 self._fail(req.request_id, exc)
 
-    def _verify(self, out, logits: torch.Tensor, reqs: list[Request], token_ids: list[int]) -> dict:
-        """The target's greedy ids at the proposal rows (the same sampler call as a plain decode's)
-        -> {sample index: (SpecEntry, emitted ids)}."""
-        rows, params = [], []
-        for entry, k, first in out.spec_entries:
-            rows.extend(range(first + 1, first + 1 + len(entry.draft)))
-            params.extend([reqs[k].params] * len(entry.draft))
-        picked = logits.index_select(0, torch.tensor(rows, dtype=torch.int64))
-        ids, _ = sampler.sample(picked, params, [None] * len(params))
-        runs, j = {}, 0
-        for entry, k, _first in out.spec_entries:
-            n = len(entry.draft)
-            runs[k] = (entry, self.spec.accept(entry, [token_ids[k]] + ids[j : j + n]))
-            j += n
-        return runs
-
-    def _rollback(self, runs: dict) -> None:
-        sched = self.scheduler
-        for entry, emitted in runs.values():
-            if self.spec.rollback(sched.state, sched.block_manager, entry, emitted):
-                self.num_generated_tokens += len(emitted) - 1
-
-    def _process_run(self, req: Request, entry, emitted: list[int]) -> None:
+    def _process_run(self, req: Request, run) -> None:
         """The ids a verified proposal emits, one event each, as if decoded one by one (the
-        sequence's length steps with them, so stops, max_tokens and EOS cut the run there)."""
+        sequence's length steps with them, so stops, max_tokens and EOS cut the run there); a
+        run verified in order samples its next row once the id before it is counted. Then
+        the rejected rows are rolled back."""
+        entry = run.entry
         num_tokens = self.scheduler.state.num_tokens
-        for j, token_id in enumerate(emitted):
-            num_tokens[entry.slot] = entry.num_tokens + j + 1  # what the sequence holds if it finishes here
-            self._process_token(req, token_id, None, entry.num_tokens + j + 1)
-            if req.is_finished:
-                return
+        num_emitted = 0
+        while True:
+            length = entry.num_tokens + num_emitted + 1
+            num_tokens[entry.slot] = length  # what the sequence holds if it finishes here
+            self._process_token(req, run.ids[num_emitted], run.logprobs[num_emitted], length)
+            num_emitted += 1
+            if req.is_finished or (num_emitted == len(run.ids) and not self.spec.sample_next(run, req)):
+                break
+        self.spec.finish_run(run)
+        self.num_generated_tokens += num_emitted - 1  # the first is counted with the tick's
+        if not req.is_finished:
+            sched = self.scheduler
+            self.spec.rollback(sched.state, sched.block_manager, entry, run.ids)
 
     def _process_token(self, req: Request, token_id: int, lp, num_tokens: int) -> None:
         """``num_tokens``: the sequence's length with ``token_id``."""
@@ -424,6 +464,8 @@ class EngineCore:
     def _fail_all(self, exc: BaseException) -> None:
         while self._jobs:
             self._jobs.popleft().fail(exc)
+        if self._tick_rows is not None:
+            self._tick_rows.fail(exc)
         pending = list(self.groups.values()) + list(self._new)
         self.requests.clear()
         self.groups.clear()

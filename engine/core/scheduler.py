@@ -163,30 +163,30 @@ class Scheduler:
 
     # -- the tick --
 
-    def schedule(self) -> SchedulerOutput | None:
+    def schedule(self, num_reserved_tokens: int = 0) -> SchedulerOutput | None:
+        """The next tick; ``num_reserved_tokens`` of max_num_batched_tokens are kept for rows the
+        caller adds to the batch (a decoder's embedding rows, engine/embedding/tick_rows.py)."""
         if not self.running and not self.waiting:
             return None
         state = self.state
         bm = self.block_manager
         cfg = self.config
         preempted: list[Sequence] = []
-        prefill_budget = self.prefill_budget()
+        hard = cfg.max_num_batched_tokens - num_reserved_tokens
+        prefill_budget = min(self.prefill_budget(), hard)
         spec = self.spec
         if spec is not None:
             spec.entries = []
             if not self.waiting:
-                spec.propose(state, self.running, bm, cfg.max_num_batched_tokens, prefill_budget,
-                             cfg.max_model_len)
+                spec.propose(state, self.running, bm, hard, prefill_budget, cfg.max_model_len)
         while True:
             max_chunk = prefill_budget
             if self.waiting and len(self.running) < cfg.max_num_seqs:
                 # Leave room for a waiting request: a short one then starts within a tick.
-                max_chunk = max(1, min(prefill_budget, cfg.max_num_batched_tokens - len(self.running)) // 2)
-            plan = state.plan(
-                self._running_slots, len(self.running), cfg.max_num_batched_tokens, prefill_budget, max_chunk
-            )
-            if plan.num_decodes == 0 and prefill_budget < cfg.max_num_batched_tokens:
-                prefill_budget = cfg.max_num_batched_tokens  # no stream to keep pace for: fill the tick
+                max_chunk = max(1, min(prefill_budget, hard - len(self.running)) // 2)
+            plan = state.plan(self._running_slots, len(self.running), hard, prefill_budget, max_chunk)
+            if plan.num_decodes == 0 and prefill_budget < hard:
+                prefill_budget = hard  # no stream to keep pace for: fill the tick
                 continue
             if plan.num_new_blocks <= bm.num_free_blocks:
                 break
@@ -201,7 +201,7 @@ class Scheduler:
         num_decodes, left = plan.num_decodes, plan.prefill_tokens_left
         num_planned = state.num_entries
         if not preempted:
-            left = self._admit(left)
+            left = self._admit(left, hard)
         if left > 0 and num_planned > num_decodes:
             state.top_up(num_decodes, num_planned, left)
         if state.num_entries == 0:
@@ -234,7 +234,7 @@ class Scheduler:
 
     # -- internals --
 
-    def _admit(self, budget: int) -> int:
+    def _admit(self, budget: int, max_batch_tokens: int) -> int:
         """Admit waiting sequences FIFO; ``budget`` is the prefill budget left (time target).
 
         A prompt whose remaining tokens fit the tick's hard budget (max_num_batched_tokens)
@@ -244,7 +244,7 @@ class Scheduler:
         cfg = self.config
         bm = self.block_manager
         state = self.state
-        hard_left = cfg.max_num_batched_tokens - state.num_batch_tokens
+        hard_left = max_batch_tokens - state.num_batch_tokens
         while self.waiting and hard_left > 0 and len(self.running) < cfg.max_num_seqs:
             seq = self.waiting[0]
             num_tokens = seq.num_tokens
