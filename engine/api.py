@@ -411,7 +411,7 @@ class Engine(EmbeddingMixin):
     async def achat(self, messages: list[dict], params: SamplingParams | None = None,
                     tools: list[dict] | None = None, tool_choice=None,
                     parallel_tool_calls: bool = True,
-             chat_template_kwargs: dict | None = None) -> Completion | list[Completion]:
+                    chat_template_kwargs: dict | None = None) -> Completion | list[Completion]:
         stream = self.astream_chat(messages, params, tools=tools, tool_choice=tool_choice,
                                    parallel_tool_calls=parallel_tool_calls, chat_template_kwargs=chat_template_kwargs)
         return await stream.collect_reply()

@@ -20,6 +20,8 @@ import traceback
 import numpy as np
 import torch
 
+from cext.emit import emit_rows
+
 from ..config import EngineConfig
 from ..errors import EngineDead, EngineError, EngineOverloaded, InvalidParameterError, SchedulerRefused
 from ..outputs import StreamEvent, TokenLogprob
@@ -36,6 +38,27 @@ from .speculative import make_spec_decoder
 log = logging.getLogger("engine")
 
 FINISHED = object()  # queue sentinel after the last event
+
+
+class _TickRequests:
+    """The requests of a tick's sampled rows and what the sampler takes from them, made once per
+    SchedulerOutput: a decode-only output is reused while the running set stays, and so is this."""
+
+    __slots__ = ("out", "reqs", "params", "generators", "grammars", "adjusters", "is_plain")
+
+    def __init__(self, out, requests: dict):
+        self.out = out
+        self.reqs = reqs = [requests[s.request_id] for s in out.sample_seqs]
+        self.params = [r.params for r in reqs]
+        self.generators = [r.generator for r in reqs]
+        grammars = [r.grammar for r in reqs]
+        adjusters = [r.adjuster for r in reqs]
+        self.grammars = grammars if grammars.count(None) != len(reqs) else None
+        self.adjusters = adjusters if adjusters.count(None) != len(reqs) else None
+        # Every row's output is text, an event and the tick's finish verdict (no grammar, no logits
+        # processing to feed, no logprobs, no followers waiting for a prefill).
+        self.is_plain = (self.grammars is None and self.adjusters is None
+                         and not any(p.logprobs for p in self.params) and not any(r.followers for r in reqs))
 
 
 class EngineCore:
@@ -81,6 +104,7 @@ class EngineCore:
         self.error: BaseException | None = None
         self.num_generated_tokens = 0
         self.num_ticks = 0
+        self._tick_requests: _TickRequests | None = None
         self._thread = threading.Thread(target=self._run, name="engine-core", daemon=True)
         self._thread.start()
 
@@ -330,7 +354,10 @@ class EngineCore:
 
     def _after_forward(self, out, logits: torch.Tensor) -> None:
         sample_seqs = out.sample_seqs
-        reqs = [self.requests[s.request_id] for s in sample_seqs]
+        tick_reqs = self._tick_requests
+        if tick_reqs is None or tick_reqs.out is not out:
+            tick_reqs = self._tick_requests = _TickRequests(out, self.requests)
+        reqs = tick_reqs.reqs
         if out.prompt_logprob_spans:
             self._prompt_logprobs(out.prompt_logprob_spans, logits)
         if sample_seqs:
@@ -339,15 +366,10 @@ class EngineCore:
                 rows = logits.index_select(0, torch.from_numpy(np.asarray(index, dtype=np.int64)))
             else:
                 rows = logits
-            num_rows = len(reqs)
-            grammars = [r.grammar for r in reqs]
-            if grammars.count(None) != num_rows:  # structured output: before sampling and logprobs (vLLM)
-                rows = mask_rows(rows, grammars)
-            adjusters = [r.adjuster for r in reqs]
-            token_ids, row_logprobs = sampler.sample(
-                rows, [r.params for r in reqs], [r.generator for r in reqs],
-                adjusters if adjusters.count(None) != num_rows else None,
-            )
+            if tick_reqs.grammars is not None:  # structured output: before sampling and logprobs (vLLM)
+                rows = mask_rows(rows, tick_reqs.grammars)
+            token_ids, row_logprobs = sampler.sample(rows, tick_reqs.params, tick_reqs.generators,
+                                                     tick_reqs.adjusters)
         else:
             token_ids, row_logprobs = [], []
         runs = (self.spec.verify(out.spec_entries, logits, reqs, token_ids, row_logprobs)
@@ -356,6 +378,9 @@ class EngineCore:
         if not token_ids:
             return
         self.num_generated_tokens += len(token_ids)
+        if out.is_decode_only and tick_reqs.is_plain:
+            self._emit_decodes(reqs, token_ids)
+            return
         # Every sampled sequence's length, with its new token, in one read of the tick state.
         slots = out.slots if len(token_ids) == len(out.slots) else out.slots[out.sample_entries]
         lengths = self.scheduler.state.num_tokens[slots].tolist()
@@ -368,6 +393,29 @@ class EngineCore:
             except Exception as exc:
                 log.exception("output processing failed for %s", req.request_id)
                 self._fail(req.request_id, exc)
+
+    def _emit_decodes(self, reqs: list[Request], token_ids: list[int]) -> None:
+        """The output of a steady-state tick whose rows are all plain, in one call (cext.emit): per row
+        its text and its event, with the tick's finish verdicts (cext.tick decode_commit: stop ids past
+        min_tokens, max_tokens, max_model_len) in place of per-token checks; rows that end come back
+        here in row order. The same events as _process_token."""
+
+        def end_row(k: int, text: str | None, finish_reason: str | None) -> None:
+            req = reqs[k]
+            if finish_reason is None:  # more stop ids than the tick's table holds
+                self._process_token(req, token_ids[k], None, req.seq.num_tokens)
+                return
+            group = req.group
+            self.scheduler.finish(req.seq)
+            self.requests.pop(req.request_id, None)
+            group.outputs.put(StreamEvent(group.request_id, text, [token_ids[k]], None, finish_reason, req.index))
+            self._mark_finished(req)
+
+        def fail_row(k: int, exc: BaseException) -> None:
+            log.error("output processing failed for %s", reqs[k].request_id, exc_info=exc)
+            self._fail(reqs[k].request_id, exc)
+
+        emit_rows(reqs, token_ids, self.scheduler.state.finish_codes, StreamEvent, end_row, fail_row)
 
     def _process_run(self, req: Request, run) -> None:
         """The ids a verified proposal emits, one event each, as if decoded one by one (the

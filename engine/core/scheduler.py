@@ -18,7 +18,11 @@ whose sliding K/V nobody needs any more, so a long context holds the window, not
 context, in those layers (engine.core.block_manager).
 
 The per-sequence loops run in Cython (``cext.tick``); this file holds the Python-level
-decisions that happen once per admission, preemption or new block.
+decisions that happen once per admission, preemption or new block. The decode-only steady
+state (nothing waits, every running sequence decodes one token, no speculation) takes
+``_schedule_decodes``: three Cython calls a tick and, while the running set is the same, the
+same SchedulerOutput and ForwardBatch objects over the same arrays; it plans exactly what the
+general path would (tests/test_scheduler.py holds both to tests/sched_reference.py).
 """
 from __future__ import annotations
 
@@ -71,6 +75,9 @@ class SchedulerOutput:
     sample_entries: np.ndarray = field(repr=False)  # [S] int32, index into seqs of each sample_seqs
     # Speculative rows (engine.core.speculative): (SpecEntry, index into sample_seqs, first logit row).
     spec_entries: list = field(default_factory=list, repr=False)
+    # A decode-only steady-state tick (Scheduler._schedule_decodes): reused while the running set
+    # stays; its TickState.finish_codes hold each entry's verdict after update().
+    is_decode_only: bool = False
 
 
 class Scheduler:
@@ -97,6 +104,10 @@ class Scheduler:
         self.num_prefix_cache_disk_hit_tokens = 0  # of the hits, tokens read from the disk tier
         self.disk = None  # engine.core.prefix_disk.PrefixDiskCache when prefix_cache_dir is set
         self.spec = None  # engine.core.speculative.SpecDecoder when speculative decoding is on
+        self.num_decode_ticks = 0  # ticks the steady-state path planned
+        self._num_running_changes = 0  # bumped whenever self.running changes (admit, release)
+        self._decode_out: SchedulerOutput | None = None
+        self._decode_key: tuple = ()
 
     # -- queries --
 
@@ -172,6 +183,11 @@ class Scheduler:
         caller adds to the batch (a decoder's embedding rows, engine/embedding/tick_rows.py)."""
         if not self.running and not self.waiting:
             return None
+        if not self.waiting and self.spec is None and num_reserved_tokens == 0:
+            out = self._schedule_decodes()
+            if out is not None:
+                self.cost.start()
+                return out
         state = self.state
         bm = self.block_manager
         cfg = self.config
@@ -219,6 +235,14 @@ class Scheduler:
         return self.cost.prefill_budget()
 
     def update(self, out: SchedulerOutput, sampled_token_ids) -> None:
+        if out.is_decode_only:
+            self.cost.observe(0)
+            self.state.decode_commit(np.asarray(sampled_token_ids, dtype=np.int64))
+            if self._unpublished:
+                self._publish_blocks()
+            if self.config.sliding_window is not None and self.running:
+                self._release_windows()
+            return
         self.cost.observe(out.batch.num_tokens - out.batch.num_decode_seqs)
         if isinstance(sampled_token_ids, torch.Tensor):
             ids = sampled_token_ids.numpy().astype(np.int64, copy=False).reshape(-1)
@@ -237,6 +261,59 @@ class Scheduler:
             self._release_windows()
 
     # -- internals --
+
+    def _schedule_decodes(self) -> SchedulerOutput | None:
+        """The steady state: every running sequence decodes one token (cext.tick decode_plan /
+        decode_build), or None (nothing planned) when the state is not steady or its decodes need
+        more blocks than are free (the general path then preempts)."""
+        state = self.state
+        num_new_blocks = state.decode_plan(self._running_slots, len(self.running))
+        if num_new_blocks < 0:
+            return None
+        if num_new_blocks:  # about one decode in block_size needs a block each tick
+            bm = self.block_manager
+            if num_new_blocks > bm.num_free_blocks:
+                return None
+            state.grow(np.array(bm.allocate(num_new_blocks), dtype=np.int32))
+        layout = state.decode_build()
+        self.num_decode_ticks += 1
+        key = (layout, self._num_running_changes)
+        out = self._decode_out
+        if key == self._decode_key:  # same sequences, same arrays: only the context lengths moved
+            out.batch.context_lens_list = layout.context_lens.tolist()
+            return out
+        B = layout.num_seqs
+        seqs = list(self.running)
+        slots = state.entry_slots[:B].copy()
+        batch = ForwardBatch(
+            input_ids=layout.input_ids,
+            positions=layout.positions,
+            slot_mapping=layout.slot_mapping,
+            query_starts=layout.query_starts,
+            context_lens=layout.context_lens,
+            block_tables=layout.block_tables,
+            logit_rows=layout.logit_rows,
+            prompt_lens=layout.prompt_lens,
+            query_starts_list=list(range(B + 1)),
+            context_lens_list=layout.context_lens.tolist(),
+            num_decode_seqs=B,
+            block_size=self.block_size,
+        )
+        out = SchedulerOutput(
+            batch=batch,
+            seqs=seqs,
+            sample_seqs=seqs,
+            sample_logit_index=list(range(B)),
+            prompt_logprob_spans=[],
+            preempted=[],
+            num_new_tokens=np.ones(B, dtype=np.int32),
+            slots=slots,
+            epochs=state.epochs[slots],
+            sample_entries=np.arange(B, dtype=np.int32),
+            is_decode_only=True,
+        )
+        self._decode_out, self._decode_key = out, key
+        return out
 
     def _admit(self, budget: int, max_batch_tokens: int) -> int:
         """Admit waiting sequences FIFO; ``budget`` is the prefill budget left (time target).
@@ -299,6 +376,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self._running_slots[len(self.running)] = slot
             self.running.append(seq)
+            self._num_running_changes += 1
             self._slot_seqs[slot] = seq
             if cfg.enable_prefix_caching and len(seq.block_hashes) > len(hit_ids):
                 seq.num_registered_blocks = len(hit_ids)
@@ -429,6 +507,7 @@ class Scheduler:
         state.epochs[slot] += 1
         seq.unbind()
         self.running.remove(seq)
+        self._num_running_changes += 1
         n = len(self.running)
         self._running_slots[:n] = [s.slot for s in self.running]
         self._slot_seqs[slot] = None
