@@ -222,3 +222,34 @@ def test_qwen_coder_fills_function_bodies_that_parse():
     print(f"fill-in-the-middle: {num_parsing} of {len(CASES)} parse")
     assert num_parsing >= 16, middles  # 20 of 20 on this host; 16 of 20 without the stop string
     assert sum(bool(m.strip()) for m in middles) == len(CASES)  # a body each, never an empty middle
+
+
+def test_prompt_against_llama_cpp_python_itself(qwen_tokenizer, qwen_vocab):
+    """llama-cpp-python 0.3.36's own ``create_completion(prompt, suffix=)`` (its vocabulary only; the
+    prompt captured where it would be evaluated). Its source sets the three FIM ids to a placeholder 0
+    ("TODO: Fix") and prepends "☺" to the suffix, dropping the suffix's first 2 tokens (a SentencePiece
+    space hack): its texts' ids are ours, its FIM ids are not llama.cpp's, so the rendering we match
+    is the one with the vocabulary's FIM ids (llama_cpp_python_prompt above, llama-server's /infill)."""
+    llama_cpp = pytest.importorskip("llama_cpp", reason="`make llamacpp` builds llama-cpp-python 0.3.36")
+    llm = llama_cpp.Llama(str(qwen_model_path()), vocab_only=True, verbose=False)
+
+    class Captured(Exception):
+        pass
+
+    def capture(tokens, **kwargs):
+        raise Captured(list(tokens))
+
+    llm.generate = capture
+    with pytest.raises(Captured) as info:
+        llm.create_completion(PREFIX, suffix=SUFFIX, max_tokens=4)
+    theirs = info.value.args[0]
+
+    def enc(text):
+        return qwen_tokenizer.encode(text, add_special_tokens=False)
+
+    assert theirs == [0, *enc(PREFIX), 0, *enc("☺" + SUFFIX)[2:], 0]
+    from engine.infill import infill_prompt_ids
+
+    ours = infill_prompt_ids(qwen_tokenizer, PREFIX, SUFFIX)
+    assert ours == [qwen_vocab["<|fim_prefix|>"], *enc(PREFIX), qwen_vocab["<|fim_suffix|>"], *enc(SUFFIX),
+                    qwen_vocab["<|fim_middle|>"]]
