@@ -11,8 +11,12 @@ the speculative engine's counters. Outputs are checked equal token for token.
 The machine is shared (several engineers, 2 cores): the load average is printed and recorded,
 and the figures are indicative only.
 
-Usage: ``python benchmarks/speculative.py [--model PATH] [--max-tokens 128] [--repeats 3] [-k 4]``.
-Writes benchmarks/results/speculative.json.
+``--proposer``: only the n-gram proposer's micro-benchmark (cext/ngram.pyx): the cost of one
+proposal at an 8k-token context as a decode sees it (one id appended, then propose), median and
+p99 over 2,000 steps, and the cold build of the index over the whole context.
+
+Usage: ``python benchmarks/speculative.py [--model PATH] [--max-tokens 128] [--repeats 3] [-k 4]
+[--proposer]``. Writes benchmarks/results/speculative.json (speculative_proposer.json).
 """
 from __future__ import annotations
 
@@ -20,7 +24,10 @@ import argparse
 import os
 import time
 
+import numpy as np
+
 from benchmarks.common import environment, fmt_stats, print_table, summarize, write_json
+from cext.ngram import NgramIndex
 from engine import Engine, SamplingParams
 
 CODE = '''def total_price(items, tax_rate, discount=None):
@@ -68,6 +75,44 @@ def run_one(eng: Engine, prompt: str, max_tokens: int) -> tuple[list[int], float
     return out, end - start, end - (first or end)
 
 
+def bench_proposer(k: int, context: int = 8192, num_steps: int = 2000) -> dict:
+    """Per-proposal cost at ``context`` ids (random ids of a 150k vocabulary, the second half a
+    copy of the first, so most suffixes are found)."""
+    rng = np.random.default_rng(0)
+    half = rng.integers(0, 150_000, context // 2 + num_steps)
+    ids = np.concatenate([half, half]).astype(np.int32)
+    start_at = context - num_steps
+    index = NgramIndex(k, 2, 4)
+    t0 = time.perf_counter()
+    index.propose(ids[:start_at])
+    cold = time.perf_counter() - t0
+    times, num_found = [], 0
+    for n in range(start_at + 1, context + 1):
+        view = ids[:n]
+        t0 = time.perf_counter_ns()
+        found = index.propose(view)
+        times.append(time.perf_counter_ns() - t0)
+        num_found += bool(found)
+    times_us = np.asarray(times) / 1e3
+    return {"context": context, "k": k, "median_us": float(np.median(times_us)),
+            "p99_us": float(np.percentile(times_us, 99)), "max_us": float(times_us.max()),
+            "cold_build_ms": cold * 1e3, "cold_ids": start_at, "found_fraction": num_found / num_steps}
+
+
+def main_proposer(k: int) -> None:
+    load_before = os.getloadavg()
+    result = bench_proposer(k)
+    load_after = os.getloadavg()
+    print_table(["context", "k", "median us", "p99 us", "max us", "cold build ms", "found"],
+                [[result["context"], k, f"{result['median_us']:.2f}", f"{result['p99_us']:.2f}",
+                  f"{result['max_us']:.1f}", f"{result['cold_build_ms']:.2f}", f"{result['found_fraction']:.2f}"]],
+                title="n-gram proposer (cext/ngram.pyx): one id appended + propose, n = 4..2")
+    print(f"load average before {load_before}, after {load_after} (shared machine, 2 cores)")
+    path = write_json("speculative_proposer", {"environment": environment(), "result": result,
+                                               "load_average_before": load_before, "load_average_after": load_after})
+    print(f"wrote {path}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None,
@@ -75,7 +120,11 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("-k", "--num-speculative-tokens", type=int, default=4)
+    parser.add_argument("--proposer", action="store_true", help="only the proposer's micro-benchmark")
     args = parser.parse_args()
+    if args.proposer:
+        main_proposer(args.num_speculative_tokens)
+        return
     load_before = os.getloadavg()
     plain = Engine.from_pretrained(args.model)
     fast = Engine.from_pretrained(args.model, speculative="ngram",

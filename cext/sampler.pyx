@@ -52,6 +52,19 @@ cdef class RandomStream:
     def random(self) -> float:
         return sk_mt_uniform(&self.mt)
 
+    def snapshot(self) -> RandomStream:
+        """A copy of the stream at this point (speculative verification draws ahead, then rewinds)."""
+        cdef RandomStream copy = RandomStream.__new__(RandomStream)
+        copy.mt = self.mt
+        return copy
+
+    def restore(self, RandomStream snapshot, int num_draws=0):
+        """Go back to ``snapshot``'s state, then draw ``num_draws`` uniforms (discarded)."""
+        cdef int i
+        self.mt = snapshot.mt
+        for i in range(num_draws):
+            sk_mt_uniform(&self.mt)
+
 
 @cython.final
 cdef class TouchedIds:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import queue
+import sys
 import weakref
 from collections.abc import Sequence as SequenceABC
 
@@ -77,6 +78,10 @@ class Engine(EmbeddingMixin):
         from .startup import LoadProgress, check_startup
         from .tokenizer import load_tokenizer
 
+        if "prefix_cache_dir" not in options and "ipykernel" in sys.modules:  # a notebook: on by default
+            from .core.prefix_disk import default_prefix_cache_dir
+
+            options = {**options, "prefix_cache_dir": default_prefix_cache_dir()}
         config = EngineConfig.from_options(options)
         apply_thread_policy(config.num_threads)
         path = default_model_path() if model is None else os.fspath(model)
@@ -98,6 +103,10 @@ class Engine(EmbeddingMixin):
                     _shared_models[key] = loaded
                 except TypeError:  # a model type without weak references: not shared
                     pass
+            if config.prefix_cache_dir is not None and getattr(loaded, "file_identity", None) is None:
+                from .core.prefix_disk import file_identity
+
+                loaded.file_identity = {"files": file_identity(path), "load": config.load_options}
             load.stage("allocating KV cache")
             eng = cls(loaded, tokenizer, **runtime_options)
         release_free_heap()
@@ -163,17 +172,21 @@ class Engine(EmbeddingMixin):
 
     def stream_chat(self, messages: list[dict], params: SamplingParams | None = None,
                     request_id: str | None = None, tools: list[dict] | None = None, tool_choice=None,
-                    parallel_tool_calls: bool = True) -> RequestStream:
+                    parallel_tool_calls: bool = True, chat_template_kwargs: dict | None = None) -> RequestStream:
         """Apply the chat template to OpenAI-style messages and stream the reply.
 
         ``tools`` / ``tool_choice``: OpenAI's (engine/tools): events then carry content as ``text``
-        and call pieces as ``tool_calls``."""
+        and call pieces as ``tool_calls``. A template that writes ``<think>`` blocks puts the
+        reply's reasoning in ``reasoning_content`` (engine/reasoning.py). ``chat_template_kwargs``:
+        more template variables, e.g. ``{"enable_thinking": False}``."""
         return self._submit_chat(self.submit, messages, params, request_id, tools, tool_choice,
-                                 parallel_tool_calls)
+                                 parallel_tool_calls, chat_template_kwargs)
 
-    def _submit_chat(self, submit, messages, params, request_id, tools, tool_choice, parallel_tool_calls):
+    def _submit_chat(self, submit, messages, params, request_id, tools, tool_choice, parallel_tool_calls,
+                     chat_template_kwargs):
         """The chat path of both twins (``submit``: self.submit or self._asubmit)."""
-        chat = prepare_chat(self.tokenizer, messages, params, tools, tool_choice, parallel_tool_calls)
+        chat = prepare_chat(self.tokenizer, messages, params, tools, tool_choice, parallel_tool_calls,
+                            chat_template_kwargs)
         try:
             return submit(chat.prompt_ids, chat.params, request_id, prompt_param="messages",
                           event_filter=chat.event_filter)
@@ -246,6 +259,17 @@ class Engine(EmbeddingMixin):
         self._core.submit(first.group)
         return first, prompts
 
+    def cache_prompt(self, prompt: str | list[int]) -> int:
+        """Compute a prompt's KV blocks into the prefix cache (mlx-lm's ``cache_prompt``) and, with
+        ``prefix_cache_dir``, wait until they are on disk: a later request, or a later engine on the
+        same directory, starting with this prompt prefills only what follows its last full block.
+        Returns the prompt tokens now cached (its full blocks)."""
+        prompt_ids = self._prompt_ids(prompt)
+        self.submit(prompt_ids, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)).collect()
+        self._core.flush_disk()
+        block_size = self.config.block_size
+        return len(prompt_ids) // block_size * block_size if self.config.enable_prefix_caching else 0
+
     # ----- one-shot wrappers -----
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                  progress: bool = False) -> list[Completion]:
@@ -303,11 +327,13 @@ class Engine(EmbeddingMixin):
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None,
              tools: list[dict] | None = None, tool_choice=None,
-             parallel_tool_calls: bool = True) -> Completion | list[Completion]:
+             parallel_tool_calls: bool = True,
+             chat_template_kwargs: dict | None = None) -> Completion | list[Completion]:
         """The reply's Completion; with params.n > 1, the list of the n choices' Completions.
-        With tools, ``Completion.tool_calls`` holds the calls and ``text`` the content around them."""
+        With tools, ``Completion.tool_calls`` holds the calls and ``text`` the content around them;
+        ``reasoning_content`` the reasoning of a template with ``<think>`` blocks."""
         stream = self.stream_chat(messages, params, tools=tools, tool_choice=tool_choice,
-                                  parallel_tool_calls=parallel_tool_calls)
+                                  parallel_tool_calls=parallel_tool_calls, chat_template_kwargs=chat_template_kwargs)
         return stream.collect_reply()
 
     # ----- async twins (engine/async_stream.py): same arguments, never block the event loop -----
@@ -327,9 +353,9 @@ class Engine(EmbeddingMixin):
 
     def astream_chat(self, messages: list[dict], params: SamplingParams | None = None,
                      request_id: str | None = None, tools: list[dict] | None = None, tool_choice=None,
-                     parallel_tool_calls: bool = True):
+                     parallel_tool_calls: bool = True, chat_template_kwargs: dict | None = None):
         return self._submit_chat(self._asubmit, messages, params, request_id, tools, tool_choice,
-                                 parallel_tool_calls)
+                                 parallel_tool_calls, chat_template_kwargs)
 
     def astream_infill(self, prefix, suffix, params: SamplingParams | None = None,
                        extra_files: list[dict] | None = None, request_id: str | None = None):
@@ -384,7 +410,8 @@ class Engine(EmbeddingMixin):
 
     async def achat(self, messages: list[dict], params: SamplingParams | None = None,
                     tools: list[dict] | None = None, tool_choice=None,
-                    parallel_tool_calls: bool = True) -> Completion | list[Completion]:
+                    parallel_tool_calls: bool = True,
+                    chat_template_kwargs: dict | None = None) -> Completion | list[Completion]:
         stream = self.astream_chat(messages, params, tools=tools, tool_choice=tool_choice,
-                                   parallel_tool_calls=parallel_tool_calls)
+                                   parallel_tool_calls=parallel_tool_calls, chat_template_kwargs=chat_template_kwargs)
         return await stream.collect_reply()

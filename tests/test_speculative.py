@@ -39,6 +39,23 @@ def test_ngram_proposer_matches_a_scan_incrementally(ids, k, lo, extra):
         assert proposer.propose(tokens) == reference_proposal(ids[:num], k, lo, hi)
 
 
+def test_ngram_proposer_long_context_large_vocabulary():
+    # 5,000 ids over a large vocabulary with copied stretches: the table grows many times over.
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 150_000, 2000).tolist()
+    ids = ids + ids[300:1300] + rng.integers(0, 3, 1000).tolist() + ids[:1000]
+    tokens = np.asarray(ids, dtype=np.int32)
+    proposer = NgramProposer(5, 2, 4)
+    checked = 0
+    for num in range(1, len(ids) + 1):
+        got = proposer.propose(tokens[:num])
+        if num % 97 == 0 or num > len(ids) - 30:
+            assert got == reference_proposal(ids[:num], 5, 2, 4), num
+            checked += bool(got)
+    assert checked > 20
+    assert proposer.num_entries <= 3 * len(ids)
+
+
 def test_ngram_proposer_rebuilds_when_the_history_changes():
     proposer = NgramProposer(3, 1, 2)
     assert proposer.propose(np.array([1, 2, 3, 1], dtype=np.int32)) == [2, 3, 1]
@@ -146,8 +163,15 @@ def make_engine(tok, script, **options):
 
 
 def run(eng, prompt, params):
+    """Per choice: (ids, text, finish reason, logprobs)."""
     events = list(eng.stream(prompt, params))
-    return [t for e in events for t in e.token_ids], "".join(e.text for e in events), events[-1].finish_reason
+    out = []
+    for index in range(params.n):
+        mine = [e for e in events if e.index == index]
+        logprobs = [(lp.token_id, lp.logprob, lp.top) for e in mine for lp in (e.logprobs or [])]
+        out.append(([t for e in mine for t in e.token_ids], "".join(e.text for e in mine),
+                    mine[-1].finish_reason, logprobs))
+    return out
 
 
 def copying_script(tok):
@@ -163,9 +187,11 @@ PARAMS = [
     SamplingParams(max_tokens=37, temperature=0, ignore_eos=True),  # max_tokens inside an accepted run
     SamplingParams(max_tokens=200, temperature=0, stop=["+= item"]),  # a stop string inside a run
     SamplingParams(max_tokens=200, temperature=0, stop=["* rate\ndef"], include_stop_str_in_output=True),
-    SamplingParams(max_tokens=60, temperature=0, logprobs=True, top_logprobs=2),  # not speculated
-    SamplingParams(max_tokens=60, temperature=0.8, seed=3),  # not speculated
-    SamplingParams(max_tokens=60, temperature=0, repetition_penalty=1.3),  # not speculated
+    SamplingParams(max_tokens=60, temperature=0, logprobs=True, top_logprobs=2),
+    SamplingParams(max_tokens=60, temperature=0.8, seed=3),
+    SamplingParams(max_tokens=60, temperature=0, repetition_penalty=1.3),
+    SamplingParams(max_tokens=60, temperature=0, logit_bias={5: 30.0}, min_tokens=40),
+    SamplingParams(max_tokens=60, temperature=0, n=2),
 ]
 
 
@@ -188,12 +214,15 @@ def test_engine_output_equals_plain_decoding(tok, k):
     assert plain.stats()["spec_decode_num_draft_tokens"] == 0
 
 
-def test_ineligible_requests_never_propose(tok):
+def test_every_kind_of_request_speculates(tok):
     script = copying_script(tok)
     with make_engine(tok, script, speculative="ngram") as eng:
         for params in PARAMS[5:]:
-            run(eng, "Rename subtotal to base:\n" + CODE, params)
-        assert eng.stats()["spec_decode_num_draft_tokens"] == 0
+            before = eng.stats()["spec_decode_num_accepted_tokens"]
+            events = list(eng.stream("Rename subtotal to base:\n" + CODE, params))
+            assert eng.stats()["spec_decode_num_accepted_tokens"] > before, params
+            if params.logprobs:  # one logprob entry per id, in every event
+                assert all(len(e.logprobs) == len(e.token_ids) for e in events)
 
 
 def test_abort_mid_speculation_frees_blocks(tok):
@@ -206,7 +235,7 @@ def test_abort_mid_speculation_frees_blocks(tok):
             if seen > 30:
                 eng.abort(event.request_id)
         assert event.finish_reason == "abort"
-        assert run(eng, CODE, PARAMS[2])[2] == "length"  # the engine goes on
+        assert run(eng, CODE, PARAMS[2])[0][2] == "length"  # the engine goes on
         assert eng.stats()["kv_usage"] == 0.0
 
 

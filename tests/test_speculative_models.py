@@ -107,3 +107,43 @@ def test_qwen_coder_code_edits_equal_and_mostly_accepted(qwen_gguf):  # noqa: F8
     assert [c.token_ids for c in got] == [c.token_ids for c in want]
     assert [c.text for c in got] == [c.text for c in want]
     assert stats["spec_decode_acceptance_rate"] > 0.5  # the edits copy the prompt
+
+
+FEATURES = {
+    "logprobs": SamplingParams(max_tokens=48, temperature=0, logprobs=True, top_logprobs=3),
+    "penalties": SamplingParams(max_tokens=48, temperature=0, repetition_penalty=1.2, frequency_penalty=0.3,
+                                presence_penalty=0.2),
+    "logit_bias": SamplingParams(max_tokens=48, temperature=0, logit_bias={28: 2.0, 30: -5.0}),
+    "min_tokens": SamplingParams(max_tokens=48, temperature=0, min_tokens=30),
+    "json_schema": SamplingParams(max_tokens=48, temperature=0, json_schema={
+        "type": "object", "properties": {"items": {"type": "array", "items": {"type": "string"}}},
+        "required": ["items"]}),
+    "regex": SamplingParams(max_tokens=48, temperature=0, regex=r"(apples|pears|plums)(, (apples|pears|plums)){3,9}"),
+    "choice": SamplingParams(max_tokens=48, temperature=0, choice=["apples, pears, plums", "apples, pears"]),
+    "n2_seeded": SamplingParams(max_tokens=48, temperature=0.8, top_p=0.95, seed=11, n=2),
+    "seeded_penalties": SamplingParams(max_tokens=48, temperature=0.7, seed=5, frequency_penalty=0.5,
+                                       logit_bias={28: 1.0}),
+}
+
+
+@pytest.mark.parametrize("name", list(FEATURES))
+def test_default_model_features_equal_with_speculation(engines, name):
+    """Each feature once exact under speculation: the same ids as plain decoding, on prompts whose
+    output repeats, and logprobs within 0.01 (test_batching's bound: a chunk of 1 + k rows takes
+    other product routes than a one-row decode and rounds differently; measured up to 1.1e-3)."""
+    plain, fast = engines
+    params = FEATURES[name]
+    prompts = PROMPTS[:2] + PROMPTS[7:8]
+    before = fast.stats()["spec_decode_num_accepted_tokens"]
+    want = generate(plain, prompts, params)
+    got = generate(fast, prompts, params)
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
+    assert [c.text for c in got] == [c.text for c in want]
+    assert [c.finish_reason for c in got] == [c.finish_reason for c in want]
+    assert fast.stats()["spec_decode_num_accepted_tokens"] > before  # speculation ran and was accepted
+    if params.logprobs:
+        for g, w in zip(got, want):
+            assert len(g.logprobs) == len(g.token_ids)
+            for a, b in zip(g.logprobs, w.logprobs):
+                assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 0.01
+                assert [t[0] for t in a.top] == [t[0] for t in b.top]

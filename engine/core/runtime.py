@@ -20,6 +20,8 @@ import traceback
 import numpy as np
 import torch
 
+from cext.emit import emit_rows
+
 from ..config import EngineConfig
 from ..errors import EngineDead, EngineError, EngineOverloaded, InvalidParameterError, SchedulerRefused
 from ..outputs import StreamEvent, TokenLogprob
@@ -27,6 +29,8 @@ from ..params import SamplingParams
 from ..sampling import sampler
 from ..structured import mask_rows
 from ..tokenizer.token_bytes import TokenPieces
+from .block_manager import prefix_block_hashes
+from .prefix_disk import make_prefix_disk_cache
 from .request import Request, RequestGroup
 from .scheduler import Scheduler, SchedulerConfig
 from .speculative import make_spec_decoder
@@ -36,6 +40,27 @@ log = logging.getLogger("engine")
 FINISHED = object()  # queue sentinel after the last event
 
 
+class _TickRequests:
+    """The requests of a tick's sampled rows and what the sampler takes from them, made once per
+    SchedulerOutput: a decode-only output is reused while the running set stays, and so is this."""
+
+    __slots__ = ("out", "reqs", "params", "generators", "grammars", "adjusters", "is_plain")
+
+    def __init__(self, out, requests: dict):
+        self.out = out
+        self.reqs = reqs = [requests[s.request_id] for s in out.sample_seqs]
+        self.params = [r.params for r in reqs]
+        self.generators = [r.generator for r in reqs]
+        grammars = [r.grammar for r in reqs]
+        adjusters = [r.adjuster for r in reqs]
+        self.grammars = grammars if grammars.count(None) != len(reqs) else None
+        self.adjusters = adjusters if adjusters.count(None) != len(reqs) else None
+        # Every row's output is text, an event and the tick's finish verdict (no grammar, no logits
+        # processing to feed, no logprobs, no followers waiting for a prefill).
+        self.is_plain = (self.grammars is None and self.adjusters is None
+                         and not any(p.logprobs for p in self.params) and not any(r.followers for r in reqs))
+
+
 class EngineCore:
     def __init__(self, model, tokenizer, config: EngineConfig):
         """``config`` is resolved (EngineConfig.resolve): max_model_len and kv_cache_tokens are set."""
@@ -43,6 +68,10 @@ class EngineCore:
         self.tokenizer = tokenizer
         self.config = config
         self.max_model_len = config.max_model_len
+        self.kv_cache = model.make_kv_cache(config.num_blocks, config.block_size)
+        # Sliding layers (Gemma 2/3) keep only their window's blocks (engine.core.block_manager).
+        has_sliding = bool(getattr(self.kv_cache, "sliding_layers", ()))
+        self.spec = make_spec_decoder(config.speculative, config.num_speculative_tokens)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -51,10 +80,14 @@ class EngineCore:
             max_model_len=config.max_model_len,
             enable_prefix_caching=config.enable_prefix_caching,
             target_tick_seconds=config.target_tick_seconds,
+            sliding_window=model.window if has_sliding else None,
+            window_slack=config.num_speculative_tokens if self.spec is not None else 0,
         ))
-        self.spec = make_spec_decoder(config.speculative, config.num_speculative_tokens)
         self.scheduler.spec = self.spec
-        self.kv_cache = model.make_kv_cache(config.num_blocks, config.block_size)
+        if has_sliding:
+            self.scheduler.on_window_dropped = self.kv_cache.drop_window_blocks
+        self.disk = make_prefix_disk_cache(config, model, self.kv_cache)  # None unless prefix_cache_dir
+        self.scheduler.disk = self.disk
         self.pieces = TokenPieces(tokenizer)
         self.requests: dict[str, Request] = {}  # running or waiting choices, by their own id
         self.groups: dict[str, RequestGroup] = {}  # unfinished submissions, by their public id
@@ -71,6 +104,7 @@ class EngineCore:
         self.error: BaseException | None = None
         self.num_generated_tokens = 0
         self.num_ticks = 0
+        self._tick_requests: _TickRequests | None = None
         self._thread = threading.Thread(target=self._run, name="engine-core", daemon=True)
         self._thread.start()
 
@@ -103,6 +137,8 @@ class EngineCore:
             "num_preemptions": sched.num_preemptions,
             "num_prefix_cache_hit_tokens": sched.num_prefix_cache_hit_tokens,
             "num_prefix_cache_query_tokens": sched.num_prefix_cache_query_tokens,
+            "num_prefix_cache_disk_hit_tokens": sched.num_prefix_cache_disk_hit_tokens,
+            **(self.disk.stats() if self.disk is not None else {}),
             "spec_decode_num_draft_tokens": spec.num_draft_tokens if spec is not None else 0,
             "spec_decode_num_accepted_tokens": spec.num_accepted_tokens if spec is not None else 0,
             "spec_decode_acceptance_rate": spec.acceptance_rate if spec is not None else 0.0,
@@ -130,10 +166,27 @@ class EngineCore:
         elif not isinstance(params, SamplingParams):
             raise InvalidParameterError(f"params must be a SamplingParams, got {type(params).__name__}",
                                         "params")
-        return Request.create(
+        request = Request.create(
             request_id, prompt_ids, params, tokenizer=self.tokenizer,
             vocab_size=self.model.vocab_size, max_model_len=self.max_model_len, prompt_param=prompt_param,
             group=group)
+        if self.disk is not None:  # here, on the caller's thread: the engine thread only copies them in
+            self._read_ahead(request.seq)
+        return request
+
+    def _read_ahead(self, seq) -> None:
+        """Read the prompt's full blocks the memory cache lacks from the disk tier (PrefixDiskCache.read)."""
+        if seq.next_prompt_logprob_pos >= 0:  # prompt logprobs compute every prompt row
+            return
+        bs = self.config.block_size
+        seq.block_hashes = prefix_block_hashes(seq.token_array, seq.num_prompt_tokens // bs, bs)
+        max_hits = min(len(seq.block_hashes), (seq.num_prompt_tokens - 1) // bs)
+        in_memory = self.scheduler.block_manager.hash_to_block  # read only: a miss here is a hint
+        first = 0
+        while first < max_hits and seq.block_hashes[first] in in_memory:
+            first += 1
+        if first < max_hits:
+            seq.disk_blocks = self.disk.read(seq.block_hashes[:max_hits], first)
 
     def submit(self, request: Request | RequestGroup) -> None:
         """Hand a request (all choices of its group) to the engine thread. Raises EngineDead, or
@@ -185,6 +238,12 @@ class EngineCore:
         self._wake.set()
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
+            if self.disk is not None:  # the blocks handed to the writer reach the disk
+                self.disk.close()
+
+    def flush_disk(self, timeout: float = 60.0) -> bool:
+        """Wait until the blocks computed so far are written to the disk tier (True when there is none)."""
+        return self.disk is None or self.disk.flush(timeout)
 
     # ----- engine thread -----
     def _run(self) -> None:
@@ -243,7 +302,7 @@ class EngineCore:
         except SchedulerRefused as exc:
             self._fail(req.request_id, exc, req)
             return
-        if self.spec is not None and self.spec.is_eligible(req.params, req):
+        if self.spec is not None:  # every request may speculate (verification samples as plain decoding)
             req.seq.spec = self.spec.make_state()
         self.requests[req.request_id] = req
 
@@ -295,7 +354,10 @@ class EngineCore:
 
     def _after_forward(self, out, logits: torch.Tensor) -> None:
         sample_seqs = out.sample_seqs
-        reqs = [self.requests[s.request_id] for s in sample_seqs]
+        tick_reqs = self._tick_requests
+        if tick_reqs is None or tick_reqs.out is not out:
+            tick_reqs = self._tick_requests = _TickRequests(out, self.requests)
+        reqs = tick_reqs.reqs
         if out.prompt_logprob_spans:
             self._prompt_logprobs(out.prompt_logprob_spans, logits)
         if sample_seqs:
@@ -304,68 +366,77 @@ class EngineCore:
                 rows = logits.index_select(0, torch.from_numpy(np.asarray(index, dtype=np.int64)))
             else:
                 rows = logits
-            num_rows = len(reqs)
-            grammars = [r.grammar for r in reqs]
-            if grammars.count(None) != num_rows:  # structured output: before sampling and logprobs (vLLM)
-                rows = mask_rows(rows, grammars)
-            adjusters = [r.adjuster for r in reqs]
-            token_ids, row_logprobs = sampler.sample(
-                rows, [r.params for r in reqs], [r.generator for r in reqs],
-                adjusters if adjusters.count(None) != num_rows else None,
-            )
+            if tick_reqs.grammars is not None:  # structured output: before sampling and logprobs (vLLM)
+                rows = mask_rows(rows, tick_reqs.grammars)
+            token_ids, row_logprobs = sampler.sample(rows, tick_reqs.params, tick_reqs.generators,
+                                                     tick_reqs.adjusters)
         else:
             token_ids, row_logprobs = [], []
-        runs = self._verify(out, logits, reqs, token_ids) if out.spec_entries else None
+        runs = (self.spec.verify(out.spec_entries, logits, reqs, token_ids, row_logprobs)
+                if out.spec_entries else None)
         self.scheduler.update(out, token_ids)
         if not token_ids:
             return
         self.num_generated_tokens += len(token_ids)
-        if runs:
-            self._rollback(runs)
+        if out.is_decode_only and tick_reqs.is_plain:
+            self._emit_decodes(reqs, token_ids)
+            return
         # Every sampled sequence's length, with its new token, in one read of the tick state.
         slots = out.slots if len(token_ids) == len(out.slots) else out.slots[out.sample_entries]
         lengths = self.scheduler.state.num_tokens[slots].tolist()
         for k, (req, token_id, lp, num_tokens) in enumerate(zip(reqs, token_ids, row_logprobs, lengths)):
             try:
                 if runs and k in runs:
-                    self._process_run(req, *runs[k])
+                    self._process_run(req, runs[k])
                 else:
                     self._process_token(req, token_id, lp, num_tokens)
             except Exception as exc:
                 log.exception("output processing failed for %s", req.request_id)
                 self._fail(req.request_id, exc)
 
-    def _verify(self, out, logits: torch.Tensor, reqs: list[Request], token_ids: list[int]) -> dict:
-        """The target's greedy ids at the proposal rows (the same sampler call as a plain decode's)
-        -> {sample index: (SpecEntry, emitted ids)}."""
-        rows, params = [], []
-        for entry, k, first in out.spec_entries:
-            rows.extend(range(first + 1, first + 1 + len(entry.draft)))
-            params.extend([reqs[k].params] * len(entry.draft))
-        picked = logits.index_select(0, torch.tensor(rows, dtype=torch.int64))
-        ids, _ = sampler.sample(picked, params, [None] * len(params))
-        runs, j = {}, 0
-        for entry, k, _first in out.spec_entries:
-            n = len(entry.draft)
-            runs[k] = (entry, self.spec.accept(entry, [token_ids[k]] + ids[j : j + n]))
-            j += n
-        return runs
+    def _emit_decodes(self, reqs: list[Request], token_ids: list[int]) -> None:
+        """The output of a steady-state tick whose rows are all plain, in one call (cext.emit): per row
+        its text and its event, with the tick's finish verdicts (cext.tick decode_commit: stop ids past
+        min_tokens, max_tokens, max_model_len) in place of per-token checks; rows that end come back
+        here in row order. The same events as _process_token."""
 
-    def _rollback(self, runs: dict) -> None:
-        sched = self.scheduler
-        for entry, emitted in runs.values():
-            if self.spec.rollback(sched.state, sched.block_manager, entry, emitted):
-                self.num_generated_tokens += len(emitted) - 1
-
-    def _process_run(self, req: Request, entry, emitted: list[int]) -> None:
-        """The ids a verified proposal emits, one event each, as if decoded one by one (the
-        sequence's length steps with them, so stops, max_tokens and EOS cut the run there)."""
-        num_tokens = self.scheduler.state.num_tokens
-        for j, token_id in enumerate(emitted):
-            num_tokens[entry.slot] = entry.num_tokens + j + 1  # what the sequence holds if it finishes here
-            self._process_token(req, token_id, None, entry.num_tokens + j + 1)
-            if req.is_finished:
+        def end_row(k: int, text: str | None, finish_reason: str | None) -> None:
+            req = reqs[k]
+            if finish_reason is None:  # more stop ids than the tick's table holds
+                self._process_token(req, token_ids[k], None, req.seq.num_tokens)
                 return
+            group = req.group
+            self.scheduler.finish(req.seq)
+            self.requests.pop(req.request_id, None)
+            group.outputs.put(StreamEvent(group.request_id, text, [token_ids[k]], None, finish_reason, req.index))
+            self._mark_finished(req)
+
+        def fail_row(k: int, exc: BaseException) -> None:
+            log.error("output processing failed for %s", reqs[k].request_id, exc_info=exc)
+            self._fail(reqs[k].request_id, exc)
+
+        emit_rows(reqs, token_ids, self.scheduler.state.finish_codes, StreamEvent, end_row, fail_row)
+
+    def _process_run(self, req: Request, run) -> None:
+        """The ids a verified proposal emits, one event each, as if decoded one by one (the
+        sequence's length steps with them, so stops, max_tokens and EOS cut the run there); a
+        run verified in order samples its next row once the id before it is counted. Then
+        the rejected rows are rolled back."""
+        entry = run.entry
+        num_tokens = self.scheduler.state.num_tokens
+        num_emitted = 0
+        while True:
+            length = entry.num_tokens + num_emitted + 1
+            num_tokens[entry.slot] = length  # what the sequence holds if it finishes here
+            self._process_token(req, run.ids[num_emitted], run.logprobs[num_emitted], length)
+            num_emitted += 1
+            if req.is_finished or (num_emitted == len(run.ids) and not self.spec.sample_next(run, req)):
+                break
+        self.spec.finish_run(run)
+        self.num_generated_tokens += num_emitted - 1  # the first is counted with the tick's
+        if not req.is_finished:
+            sched = self.scheduler
+            self.spec.rollback(sched.state, sched.block_manager, entry, run.ids)
 
     def _process_token(self, req: Request, token_id: int, lp, num_tokens: int) -> None:
         """``num_tokens``: the sequence's length with ``token_id``."""

@@ -1,16 +1,32 @@
 """Speculative decoding: proposers, and the verify/rollback step of the scheduler tick.
 
-A running decode whose request allows it (``SpecDecoder.is_eligible``: greedy, no logprobs,
-no logits processing, no grammar, one choice) gets a proposal of at most k ids before the
-tick is planned. The ids are appended to its token row as if they were prompt tokens, so the
-tick runs the sequence's last real token and its k proposals as one causal chunk of 1 + k
-query rows over its paged KV (the same path as a prefill chunk); every one of those rows
-gets logits. After sampling, the target's greedy choice at each row is compared with the
-proposal: the longest agreeing prefix and the target's own next token are emitted, and the
-rejected rows are rolled back: the sequence's length is cut to what was accepted, its
-computed count to the KV rows that hold verified tokens, and blocks past the new length go
-back to the block manager. Decode blocks are never published to the prefix cache, so an
-unverified token never reaches it.
+A running decode gets a proposal of at most k ids before the tick is planned. The ids are
+appended to its token row as if they were prompt tokens, so the tick runs the sequence's last
+real token and its k proposals as one causal chunk of 1 + k query rows over its paged KV (the
+same path as a prefill chunk); every one of those rows gets logits. After the forward, each
+row is sampled as plain decoding would sample that position, and a proposal is accepted while
+the target's sample equals it; the first disagreeing sample (or the sample after the last
+proposal) is the target's own next token. The rejected rows are rolled back: the sequence's
+length is cut to what was accepted, its computed count to the KV rows that hold verified
+tokens, and blocks past the new length go back to the block manager. Decode blocks are never
+published to the prefix cache, so an unverified token never reaches it.
+
+The acceptance rule for sampling. An n-gram proposal is deterministic (its q is one-hot), so
+the speculative sampling rule (accept x with probability min(1, p(x) / q(x)), else draw from
+the normalised residual max(0, p - q)) reads: accept x with probability p(x), else draw from
+p with x removed. Drawing y from p with the position's own uniform (inverse CDF, as the
+sampler does) and accepting iff y == x is exactly that rule, and it makes the same token the
+plain decode would make with that uniform: a seeded request's output is the same with and
+without speculation, whatever the batch. Verification draws ahead over the k rows, then
+rewinds the request's stream to one draw per emitted token. ``accept_from_draft`` is the
+rule for a proposal drawn from a real draft distribution q.
+
+Exact per position: the sampler processes row j with the request's logits processing as of
+position j (temperature, top-k/top-p/min-p, penalties with the counts of the ids before it,
+logit_bias, min_tokens, bad words) and the grammar's mask after the ids before it. Requests
+without a logits adjuster or grammar verify all rows in one sampler call; the others are
+verified in order as the run is emitted (``SpecRun.rows``), a row sampled only once the ids
+before it are counted, so a proposal the grammar rejects ends the run.
 
 Speculation runs only on ticks where it cannot disturb the plan: no request waits, no
 running sequence is mid-prefill, every proposal fits the tick's token budget and the free
@@ -19,9 +35,16 @@ for a while (the adaptive gate), so open-ended text costs almost nothing extra.
 """
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
+
+from cext.ngram import NgramIndex
+
+from ..sampling import sampler
+from ..structured import mask_rows
 
 SPECULATIVE_METHODS = ("ngram",)  # "draft" and "auto" are in the contract and not built yet
 DEFAULT_NUM_SPECULATIVE_TOKENS = 4
@@ -33,7 +56,7 @@ GATE_FAILURES = 2
 GATE_MAX_WAIT = 64
 
 
-class Proposer:
+class Proposer(abc.ABC):
     """``propose(tokens) -> list[int]``: at most ``k`` ids that may follow ``tokens``."""
 
     k: int
@@ -42,47 +65,11 @@ class Proposer:
         raise NotImplementedError
 
 
-class NgramProposer(Proposer):
-    """Prompt lookup over one sequence: the longest suffix (n from ngram_max down to ngram_min)
-    that occurred earlier proposes the up to k ids that followed its latest earlier occurrence.
-
-    The index maps each n-gram (as a tuple) to the last position it ended at and is brought up
-    to date incrementally, so a proposal costs O(ngram_max**2) whatever the context length. It
-    indexes every n-gram that ends before the last token (the suffix must not find itself).
-    """
-
-    __slots__ = ("k", "ngram_min", "ngram_max", "_ids", "_index", "_num_indexed")
-
-    def __init__(self, k: int, ngram_min: int = NGRAM_MIN, ngram_max: int = NGRAM_MAX) -> None:
-        if not 1 <= ngram_min <= ngram_max:
-            raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {ngram_min}, {ngram_max}")
-        self.k = k
-        self.ngram_min = ngram_min
-        self.ngram_max = ngram_max
-        self._ids: list[int] = []  # copy of the sequence's ids seen so far
-        self._index: dict[tuple[int, ...], int] = {}
-        self._num_indexed = 0  # n-grams ending at positions < this are in the index
-
-    def propose(self, tokens: np.ndarray) -> list[int]:
-        ids = self._ids
-        num = len(tokens)
-        if num < len(ids) or (ids and ids[-1] != int(tokens[len(ids) - 1])):  # history changed: rebuild
-            ids.clear()
-            self._index.clear()
-            self._num_indexed = 0
-        if num > len(ids):
-            ids.extend(tokens[len(ids):num].tolist())
-        index = self._index
-        lo, hi = self.ngram_min, self.ngram_max
-        for end in range(self._num_indexed, num - 1):  # index n-grams ending at end (< num - 1)
-            for n in range(lo, min(hi, end + 1) + 1):
-                index[tuple(ids[end - n + 1 : end + 1])] = end
-        self._num_indexed = max(self._num_indexed, num - 1)
-        for n in range(min(hi, num - 1), lo - 1, -1):
-            end = index.get(tuple(ids[num - n :]))
-            if end is not None:
-                return ids[end + 1 : min(end + 1 + self.k, num)]
-        return []
+# Prompt lookup over one sequence (cext/ngram.pyx): the longest suffix (n from ngram_max down to
+# ngram_min) that occurred earlier proposes the up to k ids that followed its latest earlier
+# occurrence; an incremental hash of n-grams, O(ngram_max**2) per proposal at any context length.
+NgramProposer = NgramIndex
+Proposer.register(NgramIndex)
 
 
 @dataclass(slots=True)
@@ -105,6 +92,32 @@ class SpecEntry:
     draft: list[int]
 
 
+@dataclass(slots=True)
+class SpecRun:
+    """What one proposal emits: ids (and their logprob rows) verified so far."""
+
+    entry: SpecEntry
+    ids: list[int]
+    logprobs: list
+    rows: torch.Tensor | None = None  # [k, V] the draft rows' logits, for a run verified in order
+    is_counted: bool = False
+
+
+def accept_from_draft(p: np.ndarray, q: np.ndarray, x: int, stream) -> tuple[int, bool]:
+    """The speculative sampling rule for a proposal ``x`` drawn from a draft distribution ``q``
+    [V] against the target's ``p`` [V] (both normalised, float64): accept with probability
+    min(1, p(x) / q(x)), else draw from the normalised residual max(0, p - q). Two uniforms of
+    ``stream`` at most. Returns (id, is_accepted); the id is distributed as p."""
+    if stream.random() * q[x] < p[x]:
+        return x, True
+    residual = np.maximum(p - q, 0.0)
+    cdf = np.cumsum(residual)
+    if not cdf[-1] > 0:  # p == q: never rejected (up to rounding); draw from p
+        cdf = np.cumsum(p)
+    i = int(np.searchsorted(cdf, stream.random() * cdf[-1], side="right"))
+    return min(i, len(p) - 1), False
+
+
 @dataclass
 class SpecDecoder:
     """Engine-wide: which sequences propose in a tick, and the verify/rollback step."""
@@ -116,13 +129,8 @@ class SpecDecoder:
     num_proposals: int = 0
     entries: list[SpecEntry] = field(default_factory=list)  # this tick's proposals
 
-    def is_eligible(self, params, request) -> bool:
-        """Requests whose output speculation keeps token-for-token exact (greedy and plain)."""
-        return (params.temperature == 0 and params.n == 1 and not params.logprobs and not params.top_logprobs
-                and request.adjuster is None and request.grammar is None and not params.has_logits_processing)
-
     def make_state(self) -> SpecState:
-        return SpecState(NgramProposer(self.k))
+        return SpecState(NgramProposer(self.k, NGRAM_MIN, NGRAM_MAX))
 
     @property
     def acceptance_rate(self) -> float:
@@ -216,12 +224,76 @@ class SpecDecoder:
 
     # -- after sampling (EngineCore._tick) --
 
+    def verify(self, spec_entries: list, logits: torch.Tensor, reqs: list, token_ids: list[int],
+               row_logprobs: list) -> dict:
+        """The runs of this tick's proposals -> {sample index: SpecRun}. ``token_ids[k]`` /
+        ``row_logprobs[k]``: what the tick's sampler call drew at each entry's first row.
+
+        Requests without logits processing or grammar: the k draft rows of all of them in one
+        sampler call (each drawing from its own stream in row order), the run cut at the first
+        disagreement and the stream rewound to one draw per emitted id. The others keep their
+        draft rows for ``sample_next``, in order."""
+        runs, batched = {}, []
+        for entry, k, first in spec_entries:
+            req = reqs[k]
+            run = SpecRun(entry, [token_ids[k]], [row_logprobs[k]])
+            runs[k] = run
+            if req.adjuster is None and req.grammar is None:
+                batched.append((run, req, first))
+            else:
+                run.rows = logits[first + 1 : first + 1 + len(entry.draft)].float().contiguous()  # [k, V]
+        if batched:
+            rows, params, streams, snapshots = [], [], [], []
+            for run, req, first in batched:
+                n = len(run.entry.draft)
+                rows.extend(range(first + 1, first + 1 + n))
+                params.extend([req.params] * n)
+                streams.extend([req.generator] * n)
+                snapshots.append(req.generator.snapshot() if req.generator is not None else None)
+            picked = logits.index_select(0, torch.tensor(rows, dtype=torch.int64))  # [R, V] a copy
+            ids, lps = sampler.sample(picked, params, streams)
+            j = 0
+            for (run, req, _first), snapshot in zip(batched, snapshots):
+                n = len(run.entry.draft)
+                run.ids = self.accept(run.entry, run.ids + ids[j : j + n])
+                run.logprobs = (run.logprobs + lps[j : j + n])[: len(run.ids)]
+                run.is_counted = True
+                if snapshot is not None:
+                    req.generator.restore(snapshot, len(run.ids) - 1)
+                j += n
+        return runs
+
+    def sample_next(self, run: SpecRun, req) -> bool:
+        """For a run verified in order, after its last id was counted (the request's adjuster
+        and grammar are at that position): if that id was the proposal, sample the next row and
+        append it. False when the run is over."""
+        m = len(run.ids)
+        draft = run.entry.draft
+        if run.rows is None or m > len(draft) or run.ids[-1] != draft[m - 1] or run.ids[-1] in req.stop_ids:
+            return False
+        if req.grammar is not None and (req.grammar.is_finished or req.grammar.error is not None):
+            return False
+        row = run.rows[m - 1 : m]  # [1, V] the logits after draft[m - 1]
+        if req.grammar is not None:
+            row = mask_rows(row, [req.grammar])
+        ids, lps = sampler.sample(row, [req.params], [req.generator],
+                                  [req.adjuster] if req.adjuster is not None else None)
+        run.ids.append(ids[0])
+        run.logprobs.append(lps[0])
+        return True
+
+    def finish_run(self, run: SpecRun) -> None:
+        """Count a run verified in order (the batched ones are counted in ``verify``)."""
+        if not run.is_counted:
+            self.accept(run.entry, run.ids)
+            run.is_counted = True
+
     def accept(self, entry: SpecEntry, target: list[int]) -> list[int]:
-        """The emitted ids for a proposal: the agreeing prefix of ``target`` (the target's greedy
-        choice at each of the 1 + k rows) and the target's next id. Updates the gate and counts."""
+        """The emitted ids for a proposal: the agreeing prefix of ``target`` (the target's choice
+        at each of the 1 + k rows, or fewer) and the target's next id. Updates the gate and counts."""
         draft = entry.draft
         a = 0
-        while a < len(draft) and draft[a] == target[a]:
+        while a < len(draft) and a < len(target) and draft[a] == target[a]:
             a += 1
         self.num_proposals += 1
         self.num_draft_tokens += len(draft)
