@@ -29,6 +29,8 @@ from ..params import SamplingParams
 from ..sampling import sampler
 from ..structured import mask_rows
 from ..tokenizer.token_bytes import TokenPieces
+from .block_manager import prefix_block_hashes
+from .prefix_disk import make_prefix_disk_cache
 from .request import Request, RequestGroup
 from .scheduler import Scheduler, SchedulerConfig
 from .speculative import make_spec_decoder
@@ -84,6 +86,8 @@ class EngineCore:
         self.scheduler.spec = self.spec
         if has_sliding:
             self.scheduler.on_window_dropped = self.kv_cache.drop_window_blocks
+        self.disk = make_prefix_disk_cache(config, model, self.kv_cache)  # None unless prefix_cache_dir
+        self.scheduler.disk = self.disk
         self.pieces = TokenPieces(tokenizer)
         self.requests: dict[str, Request] = {}  # running or waiting choices, by their own id
         self.groups: dict[str, RequestGroup] = {}  # unfinished submissions, by their public id
@@ -133,6 +137,8 @@ class EngineCore:
             "num_preemptions": sched.num_preemptions,
             "num_prefix_cache_hit_tokens": sched.num_prefix_cache_hit_tokens,
             "num_prefix_cache_query_tokens": sched.num_prefix_cache_query_tokens,
+            "num_prefix_cache_disk_hit_tokens": sched.num_prefix_cache_disk_hit_tokens,
+            **(self.disk.stats() if self.disk is not None else {}),
             "spec_decode_num_draft_tokens": spec.num_draft_tokens if spec is not None else 0,
             "spec_decode_num_accepted_tokens": spec.num_accepted_tokens if spec is not None else 0,
             "spec_decode_acceptance_rate": spec.acceptance_rate if spec is not None else 0.0,
@@ -160,10 +166,27 @@ class EngineCore:
         elif not isinstance(params, SamplingParams):
             raise InvalidParameterError(f"params must be a SamplingParams, got {type(params).__name__}",
                                         "params")
-        return Request.create(
+        request = Request.create(
             request_id, prompt_ids, params, tokenizer=self.tokenizer,
             vocab_size=self.model.vocab_size, max_model_len=self.max_model_len, prompt_param=prompt_param,
             group=group)
+        if self.disk is not None:  # here, on the caller's thread: the engine thread only copies them in
+            self._read_ahead(request.seq)
+        return request
+
+    def _read_ahead(self, seq) -> None:
+        """Read the prompt's full blocks the memory cache lacks from the disk tier (PrefixDiskCache.read)."""
+        if seq.next_prompt_logprob_pos >= 0:  # prompt logprobs compute every prompt row
+            return
+        bs = self.config.block_size
+        seq.block_hashes = prefix_block_hashes(seq.token_array, seq.num_prompt_tokens // bs, bs)
+        max_hits = min(len(seq.block_hashes), (seq.num_prompt_tokens - 1) // bs)
+        in_memory = self.scheduler.block_manager.hash_to_block  # read only: a miss here is a hint
+        first = 0
+        while first < max_hits and seq.block_hashes[first] in in_memory:
+            first += 1
+        if first < max_hits:
+            seq.disk_blocks = self.disk.read(seq.block_hashes[:max_hits], first)
 
     def submit(self, request: Request | RequestGroup) -> None:
         """Hand a request (all choices of its group) to the engine thread. Raises EngineDead, or
@@ -215,6 +238,12 @@ class EngineCore:
         self._wake.set()
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
+            if self.disk is not None:  # the blocks handed to the writer reach the disk
+                self.disk.close()
+
+    def flush_disk(self, timeout: float = 60.0) -> bool:
+        """Wait until the blocks computed so far are written to the disk tier (True when there is none)."""
+        return self.disk is None or self.disk.flush(timeout)
 
     # ----- engine thread -----
     def _run(self) -> None:

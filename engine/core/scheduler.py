@@ -101,6 +101,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_prefix_cache_hit_tokens = 0  # prompt tokens taken from the prefix cache at admission
         self.num_prefix_cache_query_tokens = 0  # tokens looked up in the prefix cache at admission
+        self.num_prefix_cache_disk_hit_tokens = 0  # of the hits, tokens read from the disk tier
+        self.disk = None  # engine.core.prefix_disk.PrefixDiskCache when prefix_cache_dir is set
         self.spec = None  # engine.core.speculative.SpecDecoder when speculative decoding is on
         self.num_decode_ticks = 0  # ticks the steady-state path planned
         self._num_running_changes = 0  # bumped whenever self.running changes (admit, release)
@@ -159,6 +161,7 @@ class Scheduler:
         else:
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
+        self._drop_disk_blocks(seq)
         del self._seqs[request_id]
         return seq
 
@@ -170,6 +173,7 @@ class Scheduler:
         else:
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
+        self._drop_disk_blocks(seq)
         self._seqs.pop(seq.request_id, None)
 
     # -- the tick --
@@ -326,6 +330,7 @@ class Scheduler:
             seq = self.waiting[0]
             num_tokens = seq.num_tokens
             hit_ids: list[int] = []
+            disk_payloads = []
             if cfg.enable_prefix_caching:
                 if seq.block_hashes is None:
                     seq.block_hashes = prefix_block_hashes(
@@ -334,8 +339,9 @@ class Scheduler:
                 if seq.next_prompt_logprob_pos < 0:  # prompt logprobs need every prompt row computed
                     max_hits = min(len(seq.block_hashes), (num_tokens - 1) // self.block_size)
                     hit_ids = bm.match_prefix(seq.block_hashes[:max_hits])
+                    disk_payloads = self._disk_run(seq, len(hit_ids), max_hits)
             num_new_blocks = -(-num_tokens // self.block_size) - len(hit_ids)
-            remaining = num_tokens - len(hit_ids) * self.block_size
+            remaining = num_tokens - (len(hit_ids) + len(disk_payloads)) * self.block_size
             if remaining <= hard_left:
                 chunk = remaining
             elif budget > 0:
@@ -347,6 +353,14 @@ class Scheduler:
             self.waiting.popleft()
             bm.take(hit_ids)
             block_ids = hit_ids + bm.allocate(num_new_blocks)
+            if disk_payloads:  # blocks read from disk instead of prefilled: into the cache, published
+                new_ids = block_ids[len(hit_ids) : len(hit_ids) + len(disk_payloads)]
+                for k, (block_id, payload) in enumerate(zip(new_ids, disk_payloads), start=len(hit_ids)):
+                    self.disk.restore(block_id, payload)
+                    bm.register(block_id, seq.block_hashes[k])
+                hit_ids = block_ids[: len(hit_ids) + len(disk_payloads)]
+                self.num_prefix_cache_disk_hit_tokens += len(disk_payloads) * self.block_size
+            self._drop_disk_blocks(seq)
             slot = self._free_slots.pop()
             num_cached = len(hit_ids) * self.block_size
             seq.bind(state, slot, num_cached)
@@ -440,11 +454,27 @@ class Scheduler:
             slot = seq.slot
             num_done = min(int(state.num_computed[slot]), seq.num_prompt_tokens) // self.block_size
             for k in range(seq.num_registered_blocks, num_done):
-                bm.register(int(state.block_tables[slot, k]), seq.block_hashes[k])
+                block_id = int(state.block_tables[slot, k])
+                if bm.register(block_id, seq.block_hashes[k]) and self.disk is not None:
+                    self.disk.save(seq.block_hashes[k], k, block_id)
             seq.num_registered_blocks = max(seq.num_registered_blocks, num_done)
             if seq.num_registered_blocks < len(seq.block_hashes):
                 keep.append(seq)
         self._unpublished = keep
+
+    def _disk_run(self, seq: Sequence, num_hits: int, max_hits: int) -> list:
+        """Payloads of the prompt blocks after the ``num_hits`` found in memory that were read from
+        disk ahead of admission (PrefixDiskCache.read), at most up to block ``max_hits``."""
+        disk = seq.disk_blocks
+        if disk is None or num_hits < disk.first:  # the memory blocks before the disk run were evicted
+            return []
+        return disk.payloads[num_hits - disk.first : max_hits - disk.first]
+
+    @staticmethod
+    def _drop_disk_blocks(seq: Sequence) -> None:
+        if seq.disk_blocks is not None:
+            seq.disk_blocks.release()
+            seq.disk_blocks = None
 
     def _release_windows(self) -> None:
         """Give up window references on the blocks each running sequence's next query is past

@@ -31,6 +31,7 @@ class Sequence:
         "block_hashes",
         "num_registered_blocks",
         "num_cached_tokens",
+        "disk_blocks",
         "arrival_time",
         "first_scheduled_time",
         "spec",
@@ -60,6 +61,7 @@ class Sequence:
         self.block_hashes: list[int] | None = None  # chained hashes of full prompt blocks
         self.num_registered_blocks = 0  # prompt blocks already published to the prefix cache
         self.num_cached_tokens = 0  # tokens taken from the prefix cache at the last admission
+        self.disk_blocks = None  # engine.core.prefix_disk.DiskBlocks read ahead for admission, or None
         self.arrival_time = time.perf_counter()
         self.first_scheduled_time: float | None = None  # perf_counter at the first admission (queue time)
         self.spec = None  # engine.core.speculative.SpecState when this request may speculate
