@@ -36,6 +36,23 @@ def _sizing_option(config: EngineConfig) -> str:
 _shared_models: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
+def _load_draft(path: str, model, tokenizer, load_options: dict | None = None):
+    """The draft model for speculative="draft", loaded from ``path`` with the model's load options:
+    its files and tokenizer are checked against the model's before its weights load, the width
+    of its logits after (InvalidParameterError / ModelFileError naming draft_model)."""
+    from .core.draft import check_draft_tokenizer, check_draft_width
+    from .loader import load_model
+    from .startup import check_model_path
+    from .tokenizer import load_tokenizer
+
+    check_model_path(path)
+    check_draft_tokenizer(tokenizer, load_tokenizer(path))
+    options = load_options or {}
+    draft = load_model(path, dtype=options.get("dtype"), quantization=options.get("quantization", "auto"))
+    check_draft_width(model, draft)
+    return draft
+
+
 class Engine(EmbeddingMixin):
     """An LLM engine with continuous batching. Use as a context manager or call close().
     Embeddings and scores: ``embed``, ``aembed``, ``rerank``, ``score`` (engine/embedding/api.py).
@@ -44,19 +61,23 @@ class Engine(EmbeddingMixin):
     run here, on the caller's thread; the thread sees only token ids.
     """
 
-    def __init__(self, model, tokenizer, **options):
-        """``options``: the runtime fields of EngineConfig (max_model_len, max_num_seqs, ...)."""
+    def __init__(self, model, tokenizer, *, draft=None, **options):
+        """``options``: the runtime fields of EngineConfig (max_model_len, max_num_seqs, ...).
+        ``draft``: for speculative="draft", the loaded draft model (else it is loaded from
+        draft_model); its tokenizer must be the model's (InvalidParameterError otherwise)."""
         from .tokenizer import Tokenizer, load_tokenizer
 
         config = EngineConfig.from_options(options, allow_load=False)
         self.tokenizer = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
+        if config.speculative == "draft" and draft is None:
+            draft = _load_draft(config.draft_model, model, self.tokenizer)
         self.model = model
         self.config = config.resolve(getattr(model, "max_model_len", None))
         if hasattr(model, "kv_cache_bytes"):  # before the cache is allocated (the weights are resident)
             check_memory(self.config, model.kv_cache_bytes(self.config.kv_cache_tokens),
                          param=_sizing_option(config))
         self.model_path: str | None = None  # set by from_pretrained
-        self._core = EngineCore(model, self.tokenizer, self.config)
+        self._core = EngineCore(model, self.tokenizer, self.config, draft)
         # Collected without close() (a re-run notebook cell): stop the thread, which frees the
         # model and the KV cache. The finalizer holds the core, never the Engine.
         self._finalizer = weakref.finalize(self, EngineCore.close, self._core)
@@ -81,7 +102,8 @@ class Engine(EmbeddingMixin):
         apply_thread_policy(config.num_threads)
         path = default_model_path() if model is None else os.fspath(model)
         runtime_options = {k: v for k, v in options.items() if k not in config.load_options}
-        with LoadProgress(_display_name(path), num_stages=4, enabled=progress) as load:
+        num_stages = 5 if config.speculative == "draft" else 4
+        with LoadProgress(_display_name(path), num_stages=num_stages, enabled=progress) as load:
             load.stage("checking files")
             stat = os.stat(path) if os.path.exists(path) else None
             key = stat and (os.path.realpath(path), stat.st_mtime_ns, stat.st_size,
@@ -98,8 +120,12 @@ class Engine(EmbeddingMixin):
                     _shared_models[key] = loaded
                 except TypeError:  # a model type without weak references: not shared
                     pass
+            draft = None
+            if config.speculative == "draft":
+                load.stage("loading the draft model")
+                draft = _load_draft(config.draft_model, loaded, tokenizer, config.load_options)
             load.stage("allocating KV cache")
-            eng = cls(loaded, tokenizer, **runtime_options)
+            eng = cls(loaded, tokenizer, draft=draft, **runtime_options)
         release_free_heap()
         eng.model_path = path
         return eng

@@ -27,6 +27,7 @@ from ..params import SamplingParams
 from ..sampling import sampler
 from ..structured import mask_rows
 from ..tokenizer.token_bytes import TokenPieces
+from .draft import DraftModel
 from .request import Request, RequestGroup
 from .scheduler import Scheduler, SchedulerConfig
 from .speculative import make_spec_decoder
@@ -37,8 +38,9 @@ FINISHED = object()  # queue sentinel after the last event
 
 
 class EngineCore:
-    def __init__(self, model, tokenizer, config: EngineConfig):
-        """``config`` is resolved (EngineConfig.resolve): max_model_len and kv_cache_tokens are set."""
+    def __init__(self, model, tokenizer, config: EngineConfig, draft_model=None):
+        """``config`` is resolved (EngineConfig.resolve): max_model_len and kv_cache_tokens are set.
+        ``draft_model``: the loaded model for speculative="draft" (tokenizer checked by the caller)."""
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
@@ -52,7 +54,12 @@ class EngineCore:
             enable_prefix_caching=config.enable_prefix_caching,
             target_tick_seconds=config.target_tick_seconds,
         ))
-        self.spec = make_spec_decoder(config.speculative, config.num_speculative_tokens)
+        draft = None
+        if draft_model is not None:  # its own pool of the target's size, plus room for the proposals
+            extra = config.max_num_seqs * (-(-config.num_speculative_tokens // config.block_size) + 1)
+            draft = DraftModel(draft_model, config.num_blocks + extra, config.block_size, config.max_num_seqs,
+                               config.max_model_len)
+        self.spec = make_spec_decoder(config.speculative, config.num_speculative_tokens, draft)
         self.scheduler.spec = self.spec
         self.kv_cache = model.make_kv_cache(config.num_blocks, config.block_size)
         self.pieces = TokenPieces(tokenizer)
