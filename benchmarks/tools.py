@@ -4,7 +4,7 @@ ScriptedModel (no model compute) with the default model's tokenizer replays two 
 about the same length (~1,400 tokens): plain prose, and prose with 16 Hermes ``<tool_call>`` calls. Each is
 streamed through ``Engine.stream_chat`` without tools and with ``tools`` (tool_choice auto:
 every event goes through the parser), and each event is serialized as its SSE chunk (the
-per-token ``ChunkWriter.event`` path, or ``tool_chunk`` for events with call deltas), as the
+per-token ``ChunkWriter.event`` path, or ``delta_chunk`` for events with call deltas), as the
 server does. All configurations interleave within each repeat; medians with min-max; the load
 average is printed. A second table times the parser alone, fed the replies' token texts.
 Never asserts on time.
@@ -29,7 +29,7 @@ from engine.loader import default_model_path  # noqa: E402
 from engine.params import SamplingParams  # noqa: E402
 from engine.testing import ScriptedModel  # noqa: E402
 from engine.tools import HermesParser  # noqa: E402
-from webapp.sse import tool_chunk  # noqa: E402
+from webapp.sse import delta_chunk  # noqa: E402
 
 PROSE = ("The engine streams every token as soon as it is sampled, and the server writes it to the socket "
          "at once. Tool calls arrive as JSON inside tags; the parser holds back what may start a call. ")
@@ -57,7 +57,7 @@ def run_once(eng, tools, num_tokens: int) -> tuple[float, int]:
             writer.event(event.text, event.logprobs, event.finish_reason, event.index)
         else:
             num_deltas += len(event.tool_calls)
-            tool_chunk(writer, event)
+            delta_chunk(writer, event)
     return time.perf_counter() - start, num_deltas
 
 

@@ -30,5 +30,7 @@ cdef class ChunkWriter:
     cpdef bytes event(self, str text, object logprobs, object finish_reason, long long index=*)
     cpdef bytes tool_event(self, str text, bytes tool_calls_json, object logprobs, object finish_reason,
                            long long index=*)
+    cpdef bytes delta_event(self, str text, object reasoning, object tool_calls_json, object logprobs,
+                            object finish_reason, long long index=*)
     cpdef bytes usage(self, long long prompt_tokens, long long completion_tokens)
     cpdef advance_text_offset(self, long long index, long long num_chars)

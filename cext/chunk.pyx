@@ -6,7 +6,8 @@ once into its buffer; each ``event()`` then rewinds to the end of that head and 
 only the escaped delta text, the optional logprobs and the finish_reason, and returns
 the whole SSE event (``data: {...}\\n\\n``) as one ``bytes``. Events of other choices
 (``index`` > 0: n > 1, batched prompts) rewind to ``"choices":[`` and write their index;
-each choice gets its own first-chunk role and its own text offsets.
+each choice gets its own first-chunk role and its own text offsets. A chat event with more
+than content (``delta.reasoning_content``, ``delta.tool_calls``) goes through ``delta_event``.
 
 String escaping (the output is UTF-8 JSON that ``json.loads`` reads back exactly):
 ``"`` and ``\\`` are backslash-escaped; control characters below U+0020 become
@@ -356,9 +357,21 @@ cdef class ChunkWriter:
         """A chat event with tool call deltas: ``tool_calls_json`` is the JSON array of
         ``delta.tool_calls`` (written as is); ``content`` is null when ``text`` is empty.
         Requests with tools only: the per-token ``event`` path stays as it is."""
+        return self.delta_event(text, None, tool_calls_json, logprobs, finish_reason, index)
+
+    cpdef bytes delta_event(self, str text, object reasoning, object tool_calls_json, object logprobs,
+                            object finish_reason, long long index=0):
+        """A chat event whose delta has more than content: ``reasoning`` (str or None) is written as
+        ``delta.reasoning_content``, ``tool_calls_json`` (bytes or None: the JSON array of
+        ``delta.tool_calls``) as is; ``content`` is null when ``text`` is empty. Requests of a
+        reasoning template or with tools only: the per-token ``event`` path stays as it is."""
         cdef bint is_first
         if not self.is_chat:
-            raise ValueError("tool calls exist only in chat chunks")
+            raise ValueError("reasoning and tool calls exist only in chat chunks")
+        if reasoning is not None and not isinstance(reasoning, str):
+            raise TypeError("reasoning must be a str or None")
+        if tool_calls_json is not None and not isinstance(tool_calls_json, bytes):
+            raise TypeError("tool_calls_json must be bytes or None")
         if index == 0:
             self.pos = self.prefix_len
             is_first = self.is_first
@@ -378,8 +391,12 @@ cdef class ChunkWriter:
             self._str(text)
         else:
             self._raw(b"null", 4)
-        self._raw(b',"tool_calls":', 14)
-        self._raw(tool_calls_json, len(tool_calls_json))
+        if reasoning is not None:
+            self._raw(b',"reasoning_content":', 21)
+            self._str(reasoning)
+        if tool_calls_json is not None:
+            self._raw(b',"tool_calls":', 14)
+            self._raw(tool_calls_json, len(<bytes>tool_calls_json))
         self._raw(b'},"logprobs":', 13)
         if logprobs is None:
             self._raw(b"null", 4)

@@ -189,17 +189,21 @@ class Engine(EmbeddingMixin):
 
     def stream_chat(self, messages: list[dict], params: SamplingParams | None = None,
                     request_id: str | None = None, tools: list[dict] | None = None, tool_choice=None,
-                    parallel_tool_calls: bool = True) -> RequestStream:
+                    parallel_tool_calls: bool = True, chat_template_kwargs: dict | None = None) -> RequestStream:
         """Apply the chat template to OpenAI-style messages and stream the reply.
 
         ``tools`` / ``tool_choice``: OpenAI's (engine/tools): events then carry content as ``text``
-        and call pieces as ``tool_calls``."""
+        and call pieces as ``tool_calls``. A template that writes ``<think>`` blocks puts the
+        reply's reasoning in ``reasoning_content`` (engine/reasoning.py). ``chat_template_kwargs``:
+        more template variables, e.g. ``{"enable_thinking": False}``."""
         return self._submit_chat(self.submit, messages, params, request_id, tools, tool_choice,
-                                 parallel_tool_calls)
+                                 parallel_tool_calls, chat_template_kwargs)
 
-    def _submit_chat(self, submit, messages, params, request_id, tools, tool_choice, parallel_tool_calls):
+    def _submit_chat(self, submit, messages, params, request_id, tools, tool_choice, parallel_tool_calls,
+                     chat_template_kwargs):
         """The chat path of both twins (``submit``: self.submit or self._asubmit)."""
-        chat = prepare_chat(self.tokenizer, messages, params, tools, tool_choice, parallel_tool_calls)
+        chat = prepare_chat(self.tokenizer, messages, params, tools, tool_choice, parallel_tool_calls,
+                            chat_template_kwargs)
         try:
             return submit(chat.prompt_ids, chat.params, request_id, prompt_param="messages",
                           event_filter=chat.event_filter)
@@ -329,11 +333,13 @@ class Engine(EmbeddingMixin):
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None,
              tools: list[dict] | None = None, tool_choice=None,
-             parallel_tool_calls: bool = True) -> Completion | list[Completion]:
+             parallel_tool_calls: bool = True,
+             chat_template_kwargs: dict | None = None) -> Completion | list[Completion]:
         """The reply's Completion; with params.n > 1, the list of the n choices' Completions.
-        With tools, ``Completion.tool_calls`` holds the calls and ``text`` the content around them."""
+        With tools, ``Completion.tool_calls`` holds the calls and ``text`` the content around them;
+        ``reasoning_content`` the reasoning of a template with ``<think>`` blocks."""
         stream = self.stream_chat(messages, params, tools=tools, tool_choice=tool_choice,
-                                  parallel_tool_calls=parallel_tool_calls)
+                                  parallel_tool_calls=parallel_tool_calls, chat_template_kwargs=chat_template_kwargs)
         return stream.collect_reply()
 
     # ----- async twins (engine/async_stream.py): same arguments, never block the event loop -----
@@ -353,9 +359,9 @@ class Engine(EmbeddingMixin):
 
     def astream_chat(self, messages: list[dict], params: SamplingParams | None = None,
                      request_id: str | None = None, tools: list[dict] | None = None, tool_choice=None,
-                     parallel_tool_calls: bool = True):
+                     parallel_tool_calls: bool = True, chat_template_kwargs: dict | None = None):
         return self._submit_chat(self._asubmit, messages, params, request_id, tools, tool_choice,
-                                 parallel_tool_calls)
+                                 parallel_tool_calls, chat_template_kwargs)
 
     def astream_infill(self, prefix, suffix, params: SamplingParams | None = None,
                        extra_files: list[dict] | None = None, request_id: str | None = None):
@@ -410,7 +416,8 @@ class Engine(EmbeddingMixin):
 
     async def achat(self, messages: list[dict], params: SamplingParams | None = None,
                     tools: list[dict] | None = None, tool_choice=None,
-                    parallel_tool_calls: bool = True) -> Completion | list[Completion]:
+                    parallel_tool_calls: bool = True,
+             chat_template_kwargs: dict | None = None) -> Completion | list[Completion]:
         stream = self.astream_chat(messages, params, tools=tools, tool_choice=tool_choice,
-                                   parallel_tool_calls=parallel_tool_calls)
+                                   parallel_tool_calls=parallel_tool_calls, chat_template_kwargs=chat_template_kwargs)
         return await stream.collect_reply()

@@ -8,16 +8,21 @@ Every chat request (Engine.stream_chat / astream_chat, and so chat, achat and th
 hook into this path (``ToolHook``, engine/tools/stream.py), loaded only when a request has
 tools or a tool_choice: it validates them before templating, hands the template the tools to
 render, rewrites the params (a json_schema for tool_choice "required" or a named tool) and
-filters the request's events (generated text -> content + tool-call deltas).
+filters the request's events (generated text -> content + tool-call deltas). Reasoning is a
+filter before it (engine/reasoning.py), on when the template writes ``<think>`` blocks: the
+reply's reasoning goes to ``reasoning_content`` and the tools' parser sees the content only.
+``chat_template_kwargs`` reach the template as its variables (``enable_thinking``).
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from .errors import InvalidParameterError
 from .outputs import StreamEvent
 from .params import SamplingParams
+from .reasoning import markers_are_special, reasoning_filter
 
 
 @dataclass(slots=True)
@@ -34,8 +39,15 @@ class ChatPrompt:
         return exc if self.tool_hook is None else self.tool_hook.error(exc)
 
 
+def _chain(first, second):
+    """One event filter that applies ``first``, then ``second`` (either may be None)."""
+    if first is None or second is None:
+        return first or second
+    return lambda event: second(first(event))
+
+
 def prepare_chat(tokenizer, messages, params: SamplingParams | None = None, tools=None, tool_choice=None,
-                 parallel_tool_calls: bool = True) -> ChatPrompt:
+                 parallel_tool_calls: bool = True, chat_template_kwargs: dict | None = None) -> ChatPrompt:
     """Template and tokenize ``messages`` (with the tools of the hook, if any). Raises
     InvalidParameterError naming the field (tools and tool_choice are checked before templating)."""
     hook = None
@@ -44,7 +56,12 @@ def prepare_chat(tokenizer, messages, params: SamplingParams | None = None, tool
 
         hook = tool_hook(tokenizer, tools, tool_choice, parallel_tool_calls)
     prompt_ids = tokenizer.encode_chat(messages, add_generation_prompt=True,
-                                       tools=None if hook is None else hook.tools)
-    if hook is None:
-        return ChatPrompt(prompt_ids, params)
-    return ChatPrompt(prompt_ids, hook.sampling_params(params), hook.event_filter(), hook)
+                                       tools=None if hook is None else hook.tools,
+                                       chat_template_kwargs=chat_template_kwargs)
+    if hook is not None:
+        params = hook.sampling_params(params)
+    reasoning = reasoning_filter(tokenizer, prompt_ids, params)
+    if reasoning is not None and markers_are_special(tokenizer, reasoning.markers):
+        params = dataclasses.replace(params or SamplingParams(), skip_special_tokens=False)
+    tool_filter = None if hook is None else hook.event_filter()
+    return ChatPrompt(prompt_ids, params, _chain(reasoning, tool_filter), hook)

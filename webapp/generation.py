@@ -97,7 +97,8 @@ def _submit(engine, req: protocol.ParsedRequest, stream_chat, submit_batch):
     try:
         if req.is_chat:
             return stream_chat(req.messages, req.params, tools=req.tools, tool_choice=req.tool_choice,
-                               parallel_tool_calls=req.parallel_tool_calls)
+                               parallel_tool_calls=req.parallel_tool_calls,
+                               chat_template_kwargs=req.chat_template_kwargs)
         prompts, params = _prompts(engine, req)
         return submit_batch(prompts, params, add_special_tokens=req.add_special_tokens)
     except Exception as exc:
@@ -143,7 +144,8 @@ def tokenize_body(tokenizer, body: dict, max_model_len: int | None) -> dict:
     req = protocol.parse_tokenize(body)
     try:
         if req.messages is not None:
-            ids = tokenizer.encode_chat(req.messages, add_generation_prompt=req.add_generation_prompt, tools=req.tools)
+            ids = tokenizer.encode_chat(req.messages, add_generation_prompt=req.add_generation_prompt, tools=req.tools,
+                                        chat_template_kwargs=req.chat_template_kwargs)
         else:
             ids = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
     except Exception as exc:

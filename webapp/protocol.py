@@ -56,6 +56,7 @@ class ParsedRequest:
     tools: list[dict] | None = None  # chat: OpenAI tools, checked by the engine (engine/tools)
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool = True
+    chat_template_kwargs: dict | None = None  # chat: more template variables (the engine checks each key)
     constraint_param: str | None = None  # the client's structured-output field, named by a later compile error
     suffix: str | None = None  # fill-in-the-middle: each prompt is the prefix (engine.Engine.prepare_infill)
     extra_files: list[dict] | None = None  # with suffix: llama.cpp /infill's repo-level context
@@ -199,7 +200,8 @@ def parse_chat(body: dict) -> ParsedRequest:
                          is_prompt_logprobs_shown=params.prompt_logprobs is not None,
                          constraint_param=found[0] if found else None, tools=values.get("tools"),
                          tool_choice=values.get("tool_choice"),
-                         parallel_tool_calls=values.get("parallel_tool_calls", True))
+                         parallel_tool_calls=values.get("parallel_tool_calls", True),
+                         chat_template_kwargs=values.get("chat_template_kwargs"))
 
 
 def parse_completion(body: dict) -> ParsedRequest:
@@ -236,6 +238,7 @@ class TokenizeRequest:
     add_generation_prompt: bool = True
     tools: list[dict] | None = None
     return_token_strs: bool = False
+    chat_template_kwargs: dict | None = None
 
 
 def _flag(body: dict, name: str, default: bool) -> bool:
@@ -248,7 +251,8 @@ def _flag(body: dict, name: str, default: bool) -> bool:
 
 
 def parse_tokenize(body: dict) -> TokenizeRequest:
-    """{"prompt", "add_special_tokens"=true} or {"messages", "add_generation_prompt"=true, "tools"}."""
+    """{"prompt", "add_special_tokens"=true} or {"messages", "add_generation_prompt"=true, "tools",
+    "chat_template_kwargs"}."""
     return_token_strs = _flag(body, "return_token_strs", False)
     if body.get("messages") is not None:
         try:
@@ -258,9 +262,13 @@ def parse_tokenize(body: dict) -> TokenizeRequest:
         if _flag(body, "add_special_tokens", False):
             raise bad_request("add_special_tokens is not supported with messages: the template adds what it needs",
                               "add_special_tokens")
+        kwargs = body.get("chat_template_kwargs")
+        if kwargs is not None and not isinstance(kwargs, dict):
+            raise bad_request("chat_template_kwargs must be an object", "chat_template_kwargs")
         return TokenizeRequest(messages=_messages(body["messages"]),
                                add_generation_prompt=_flag(body, "add_generation_prompt", True),
-                               tools=tools or None, return_token_strs=return_token_strs)
+                               tools=tools or None, return_token_strs=return_token_strs,
+                               chat_template_kwargs=kwargs)
     prompt = body.get("prompt")
     if not isinstance(prompt, str):
         raise bad_request("prompt (a string) or messages is required", "prompt")
@@ -342,11 +350,15 @@ def usage_dict(prompt_tokens: int, completion_tokens: int) -> dict:
 
 
 def chat_chunk(request_id, model, created, text, logprobs, finish_reason, is_first=False,
-               include_usage=False, index=0, tool_calls=None) -> dict:
-    """``tool_calls``: the ToolCallDeltas of the event (then an empty ``text`` is content null)."""
+               include_usage=False, index=0, tool_calls=None, reasoning_content=None) -> dict:
+    """``tool_calls``: the ToolCallDeltas of the event; ``reasoning_content``: its reasoning text
+    (with either, an empty ``text`` is content null)."""
     delta = {"role": "assistant", "content": clean_text(text)} if is_first else {"content": clean_text(text)}
-    if tool_calls is not None:
+    if tool_calls is not None or reasoning_content is not None:
         delta["content"] = clean_text(text) if text else None
+    if reasoning_content is not None:
+        delta["reasoning_content"] = clean_text(reasoning_content)
+    if tool_calls is not None:
         delta["tool_calls"] = tool_call_deltas(tool_calls)
     chunk = {"id": clean_text(request_id), "object": "chat.completion.chunk", "created": created,
              "model": clean_text(model),
@@ -363,11 +375,16 @@ def tool_call_deltas(deltas) -> list[dict]:
 
 
 def chat_message(c) -> dict:
-    """The ``message`` of a chat choice: content null when the reply is only tool calls."""
+    """The ``message`` of a chat choice: content null when the reply is only tool calls;
+    ``reasoning_content`` (vLLM's and llama.cpp's field) when the reply had a reasoning block."""
     tool_calls = getattr(c, "tool_calls", None)
-    if not tool_calls:
-        return {"role": "assistant", "content": c.text}
-    return {"role": "assistant", "content": c.text or None, "tool_calls": [call.to_dict() for call in tool_calls]}
+    message = {"role": "assistant", "content": c.text or None if tool_calls else c.text}
+    reasoning = getattr(c, "reasoning_content", None)
+    if reasoning is not None:
+        message["reasoning_content"] = reasoning
+    if tool_calls:
+        message["tool_calls"] = [call.to_dict() for call in tool_calls]
+    return message
 
 
 def text_chunk(request_id, model, created, text, logprobs, finish_reason, text_offset=0,

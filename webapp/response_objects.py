@@ -7,6 +7,8 @@ events as they are written. A streamed response's events, each ``event: <type>``
 
     response.created, response.in_progress
     per output item, in the order it first appears in the reply:
+      reasoning:     output_item.added, content_part.added, reasoning_text.delta..., (at the end)
+                     reasoning_text.done, content_part.done, output_item.done
       message:       output_item.added, content_part.added, output_text.delta..., (at the end)
                      output_text.done, content_part.done, output_item.done
       function_call: output_item.added, function_call_arguments.delta..., (at the end)
@@ -14,7 +16,9 @@ events as they are written. A streamed response's events, each ``event: <type>``
     response.completed (or response.incomplete: max_output_tokens reached), with usage
 
 ``sequence_number`` counts the events from 0. A reply that is only tool calls (its text only
-whitespace) has no message item; any other reply has one. A failure mid-stream is an ``error``
+whitespace) has no message item; any other reply has one. A reply with a reasoning block (a
+template that writes ``<think>``: engine/reasoning.py) has a reasoning item first, its text as
+one ``reasoning_text`` part; the message's text never holds it. A failure mid-stream is an ``error``
 event, then ``response.failed``.
 """
 from __future__ import annotations
@@ -50,9 +54,17 @@ def message_item(item_id: str, text: str, status: str) -> dict:
             "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
 
 
+def reasoning_item(item_id: str, text: str, status: str) -> dict:
+    return {"id": item_id, "type": "reasoning", "summary": [], "status": status,
+            "content": [{"type": "reasoning_text", "text": text}]}
+
+
 def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict:
     return {"id": item_id, "type": "function_call", "call_id": call_id, "name": name, "arguments": arguments,
             "status": status}
+
+
+_ID_PREFIXES = {"reasoning": "rs_", "message": "msg_", "function_call": "fc_"}
 
 
 def _status(finish_reason: str | None) -> str:
@@ -69,11 +81,15 @@ def output_items(completion, item_ids: list[str] | None = None) -> list[dict]:
     the ids a stream already announced, in this order (None: new ones)."""
     calls = completion.tool_calls or []
     status = _status(completion.finish_reason)
-    kinds = (["message"] if has_message(completion.text, len(calls)) else []) + ["function_call"] * len(calls)
-    ids = item_ids or [new_item_id("msg_" if kind == "message" else "fc_") for kind in kinds]
+    reasoning = completion.reasoning_content
+    kinds = (["reasoning"] if reasoning is not None else []) + \
+        (["message"] if has_message(completion.text, len(calls)) else []) + ["function_call"] * len(calls)
+    ids = item_ids or [new_item_id(_ID_PREFIXES[kind]) for kind in kinds]
     items = []
-    if kinds and kinds[0] == "message":
-        items.append(message_item(ids[0], completion.text, status))
+    if reasoning is not None:
+        items.append(reasoning_item(ids[0], reasoning, status))
+    if "message" in kinds:
+        items.append(message_item(ids[len(items)], completion.text, status))
     for item_id, call in zip(ids[len(items):], calls, strict=True):
         items.append(call_item(item_id, call.id, call.name, call.arguments, "completed"))
     return items
@@ -94,6 +110,8 @@ def response_object(req: ResponsesRequest, response_id: str, model_name: str, cr
 def reply_messages(completion) -> list[dict]:
     """The reply as the chat messages a continuation (previous_response_id) sends the model."""
     message = {"role": "assistant", "content": completion.text or None}
+    if completion.reasoning_content is not None:  # templates render it in a tool-call loop (Qwen3)
+        message["reasoning_content"] = completion.reasoning_content
     if completion.tool_calls:
         message["tool_calls"] = [call.to_dict() for call in completion.tool_calls]
     return [message]
@@ -130,6 +148,7 @@ class ResponseEvents:
         self.num_events = 0
         self.item_ids: list[str] = []  # by output_index
         self.message_index: int | None = None
+        self.reasoning_index: int | None = None
         self.call_indices: dict[int, int] = {}  # the call's delta index -> its output_index
         self.pending = ""  # whitespace before the first text: shown once the reply proves to have a message
 
@@ -157,6 +176,20 @@ class ResponseEvents:
                 + self._event("response.content_part.added", item_id=item_id, output_index=self.message_index,
                               content_index=0, part=part))
 
+    def _open_reasoning(self) -> bytes:
+        self.reasoning_index = len(self.item_ids)
+        item_id = new_item_id("rs_")
+        self.item_ids.append(item_id)
+        item = reasoning_item(item_id, "", "in_progress")
+        item["content"] = []
+        return (self._event("response.output_item.added", output_index=self.reasoning_index, item=item)
+                + self._event("response.content_part.added", item_id=item_id, output_index=self.reasoning_index,
+                              content_index=0, part={"type": "reasoning_text", "text": ""}))
+
+    def _reasoning_delta(self, text: str) -> bytes:
+        return self._event("response.reasoning_text.delta", item_id=self.item_ids[self.reasoning_index],
+                           output_index=self.reasoning_index, content_index=0, delta=text)
+
     def _text_delta(self, text: str) -> bytes:
         return self._event("response.output_text.delta", item_id=self.item_ids[self.message_index],
                            output_index=self.message_index, content_index=0, delta=text, logprobs=[])
@@ -164,6 +197,11 @@ class ResponseEvents:
     def add(self, event) -> bytes:
         self.fold.add(event)
         out = []
+        if event.reasoning_content is not None:
+            if self.reasoning_index is None:
+                out.append(self._open_reasoning())
+            if event.reasoning_content:
+                out.append(self._reasoning_delta(event.reasoning_content))
         if event.text:
             if self.message_index is not None:
                 out.append(self._text_delta(event.text))
@@ -197,14 +235,20 @@ class ResponseEvents:
         call_keys = sorted(self.call_indices)  # fold_tool_calls orders the calls by index too
         by_output = {self.call_indices[k]: call
                      for k, call in zip(call_keys, completion.tool_calls or [], strict=True)}
-        body_ids = [self.item_ids[self.message_index]] if self.message_index is not None else []
+        body_ids = [self.item_ids[i] for i in (self.reasoning_index, self.message_index) if i is not None]
         body_ids += [self.item_ids[self.call_indices[k]] for k in call_keys]
         body = response_body(self.req, self.store, self.response_id, self.model_name, self.created_at,
                              completion, num_prompt_tokens, body_ids)
         items = {item["id"]: item for item in body["output"]}
         for index, item_id in enumerate(self.item_ids):
             item = items[item_id]
-            if index == self.message_index:
+            if index == self.reasoning_index:
+                part = item["content"][0]
+                out += [self._event("response.reasoning_text.done", item_id=item_id, output_index=index,
+                                    content_index=0, text=part["text"]),
+                        self._event("response.content_part.done", item_id=item_id, output_index=index,
+                                    content_index=0, part=part)]
+            elif index == self.message_index:
                 part = item["content"][0]
                 out += [self._event("response.output_text.done", item_id=item_id, output_index=index,
                                     content_index=0, text=part["text"], logprobs=[]),

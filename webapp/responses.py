@@ -7,7 +7,8 @@ the wire shapes differ (webapp.response_objects builds the Response object and i
 
     input (a string or items)  -> chat messages: message items (text parts) as messages,
                                   function_call items as the assistant's tool_calls,
-                                  function_call_output items as tool messages
+                                  function_call_output items as tool messages, reasoning items
+                                  as the next assistant turn's reasoning_content
     instructions               -> a system message first (not carried by previous_response_id)
     previous_response_id       -> the stored conversation (webapp.response_store) before input
     tools / tool_choice        -> chat's function tools and tool_choice
@@ -41,6 +42,7 @@ ITEM_KEYS = {  # the keys each input item may carry (ids and statuses of output 
     "message": frozenset({"type", "role", "content", "id", "status", "phase"}),
     "function_call": frozenset({"type", "call_id", "name", "arguments", "id", "status"}),
     "function_call_output": frozenset({"type", "call_id", "output", "id", "status"}),
+    "reasoning": frozenset({"type", "id", "summary", "content", "status"}),
 }
 PART_KEYS = frozenset({"type", "text", "annotations", "logprobs"})
 ROLES = ("user", "system", "developer", "assistant")
@@ -161,6 +163,7 @@ def input_messages(value, known_call_ids: set[str]) -> list[dict]:
     if len(value) > MAX_INPUT_ITEMS:
         raise bad_request(f"input holds {len(value)} items; at most {MAX_INPUT_ITEMS} are allowed", "input")
     messages: list[dict] = []
+    pending: tuple[int, str] | None = None  # a reasoning item's index and text, for the next assistant turn
     for i, item in enumerate(value):
         where = f"input[{i}]"
         if not isinstance(item, dict):
@@ -168,14 +171,28 @@ def input_messages(value, known_call_ids: set[str]) -> list[dict]:
         kind = item.get("type", "message" if "role" in item else None)
         if kind not in ITEM_KEYS:
             raise bad_request(f"{where}.type: {kind!r:.40} is not a supported input item (message, "
-                              "function_call, function_call_output)", f"{where}.type")
+                              "function_call, function_call_output, reasoning)", f"{where}.type")
         _check_keys(item, kind, where)
+        if pending is not None and not _is_assistant_turn(item, kind):
+            raise bad_request(f"input[{pending[0]}]: a reasoning item must come right before the assistant "
+                              "message or function_call it belongs to", f"input[{pending[0]}]")
+        if kind == "reasoning":
+            pending = (i, _reasoning_text(item, where))
+            continue
+        if pending is not None:  # this item opens the assistant turn the reasoning belongs to
+            messages.append({"role": "assistant", "content": None, "reasoning_content": pending[1]})
+            pending = None
         if kind == "message":
             role = item.get("role")
             if role not in ROLES:
                 raise bad_request(f"{where}.role must be one of {', '.join(ROLES)}, got {role!r:.40}",
                                   f"{where}.role")
-            messages.append({"role": role, "content": _parts(item.get("content"), f"{where}.content")})
+            content = _parts(item.get("content"), f"{where}.content")
+            if role == "assistant" and messages and messages[-1].get("reasoning_content") is not None \
+                    and messages[-1]["content"] is None and "tool_calls" not in messages[-1]:
+                messages[-1]["content"] = content  # the turn its reasoning item opened
+            else:
+                messages.append({"role": role, "content": content})
         elif kind == "function_call":
             call_id = _text(item.get("call_id"), f"{where}.call_id")
             call = {"id": call_id, "type": "function", "function": {
@@ -195,7 +212,31 @@ def input_messages(value, known_call_ids: set[str]) -> list[dict]:
             output = item.get("output")
             content = _parts(output, f"{where}.output")
             messages.append({"role": "tool", "tool_call_id": call_id, "content": content})
+    if pending is not None:
+        raise bad_request(f"input[{pending[0]}]: a reasoning item must come right before the assistant "
+                          "message or function_call it belongs to", f"input[{pending[0]}]")
     return messages
+
+
+def _is_assistant_turn(item: dict, kind: str) -> bool:
+    return kind == "function_call" or (kind == "message" and item.get("role") == "assistant")
+
+
+def _reasoning_text(item: dict, where: str) -> str:
+    """A reasoning item's text: its reasoning_text parts joined (summary parts are not model text)."""
+    if item.get("summary"):
+        raise bad_request(f"{where}.summary: reasoning summaries are not supported (send the reasoning_text "
+                          "content this server wrote)", f"{where}.summary")
+    content = item.get("content") or []
+    if not isinstance(content, list):
+        raise bad_request(f"{where}.content must be an array of reasoning_text parts", f"{where}.content")
+    texts = []
+    for j, part in enumerate(content):
+        at = f"{where}.content[{j}]"
+        if not isinstance(part, dict) or part.get("type") != "reasoning_text":
+            raise bad_request(f"{at} must be a reasoning_text part", at)
+        texts.append(_text(part.get("text"), f"{at}.text"))
+    return "".join(texts)
 
 
 def call_ids(messages) -> set[str]:

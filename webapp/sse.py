@@ -33,11 +33,15 @@ def error_event(exc: BaseException) -> bytes:
     return b"data: " + from_exception(exc).body() + b"\n\n"
 
 
-def tool_chunk(writer: ChunkWriter, event) -> bytes:
-    """The chunk of an event with tool call deltas (requests with tools only; the deltas are few
-    and small, so they go through json.dumps; the text still goes through the serializer)."""
-    deltas = json.dumps([d.to_dict() for d in event.tool_calls], ensure_ascii=False).encode("utf-8", "replace")
-    return writer.tool_event(event.text, deltas, event.logprobs, event.finish_reason, event.index)
+def delta_chunk(writer: ChunkWriter, event) -> bytes:
+    """The chunk of an event with reasoning or tool call deltas (chat requests of a reasoning
+    template or with tools only). The reasoning and content texts go through the serializer;
+    tool call deltas are few and small, so they go through json.dumps."""
+    deltas = None
+    if event.tool_calls is not None:
+        deltas = json.dumps([d.to_dict() for d in event.tool_calls], ensure_ascii=False).encode("utf-8", "replace")
+    return writer.delta_event(event.text, event.reasoning_content, deltas, event.logprobs, event.finish_reason,
+                              event.index)
 
 
 def _never() -> bool:
@@ -62,7 +66,7 @@ def events_chunk(writer: ChunkWriter, events, record: RequestRecord, opening=Non
         if opening is not None:
             parts.append(opening.first(event.index))
         parts.append(writer.event(event.text, event.logprobs, event.finish_reason, event.index)
-                     if event.tool_calls is None else tool_chunk(writer, event))
+                     if event.tool_calls is None and event.reasoning_content is None else delta_chunk(writer, event))
         if event.token_ids:
             record.tokens(len(event.token_ids))
         if event.finish_reason is not None:

@@ -5,6 +5,14 @@ free (ref 0, no hash), referenced (ref >= 1) or cached (ref 0 with a hash: its K
 kept for a future request with the same prefix, evicted least recently used first when a
 new block is needed). Full prompt blocks are hashed by (parent hash, their token ids), so a
 hash names a whole prefix.
+
+Sliding-window layers (Gemma 2/3, Mistral): a block's K/V in those layers is needed only while
+some sequence holding it can still attend to it. ``window_refs`` counts the sequences that may
+(a reference taken with the block, given up by ``release_window`` once the sequence's next
+query is past the block's window); at zero the block's sliding K/V is dropped (its pages go
+back to the OS, engine.models.attention) and the block is marked ``is_window_dropped`` until it
+is allocated again. Its other layers stay, so a prefix-cache match must end where the window
+before it is intact (``match_prefix``).
 """
 from __future__ import annotations
 
@@ -29,11 +37,16 @@ def prefix_block_hashes(token_ids: np.ndarray, num_blocks: int, block_size: int)
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 sliding_window: int | None = None) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.sliding_window = sliding_window
         self.ref_counts = [0] * num_blocks
+        self.window_refs = [0] * num_blocks  # references that may still read the sliding layers' K/V
+        self.is_window_dropped = [False] * num_blocks
+        self.dropped_ids: list[int] = []  # dropped since the owner last took them (drain_dropped)
         self.block_hashes: list[int | None] = [None] * num_blocks
         self.free_ids: deque[int] = deque(range(num_blocks))
         self.cached_ids: OrderedDict[int, None] = OrderedDict()  # ref 0 with a hash, LRU first
@@ -71,26 +84,52 @@ class BlockManager:
                 self.block_hashes[block_id] = None
                 self.num_evictions += 1
             self.ref_counts[block_id] = 1
+            self.window_refs[block_id] = 1
+            self.is_window_dropped[block_id] = False
             ids.append(block_id)
         return ids
 
-    def free(self, block_ids: list[int]) -> None:
-        """Drop one reference from each block. Freed in reverse so a prefix's tail is evicted first."""
-        for block_id in reversed(block_ids):
+    def free(self, block_ids: list[int], num_window_released: int = 0) -> None:
+        """Drop one reference from each block (and its window reference, unless it is among the
+        first ``num_window_released``, given up before). Freed in reverse so a prefix's tail is
+        evicted first. A window reference given up here drops nothing: a finished sequence's
+        last blocks keep their sliding K/V for a prefix-cache match."""
+        for k in range(len(block_ids) - 1, -1, -1):
+            block_id = block_ids[k]
             ref = self.ref_counts[block_id] - 1
             if ref < 0:
                 raise RuntimeError(f"block {block_id} freed more often than allocated")
             self.ref_counts[block_id] = ref
+            if k >= num_window_released:
+                self.window_refs[block_id] -= 1
             if ref == 0:
                 if self.block_hashes[block_id] is not None:
                     self.cached_ids[block_id] = None
                 else:
                     self.free_ids.append(block_id)
 
+    def release_window(self, block_id: int) -> None:
+        """A sequence's next query is past this block's window: give up its window reference;
+        the last one marks the block's sliding K/V dropped (``drain_dropped`` hands them out)."""
+        refs = self.window_refs[block_id] - 1
+        if refs < 0:
+            raise RuntimeError(f"block {block_id}: window released more often than taken")
+        self.window_refs[block_id] = refs
+        if refs == 0 and not self.is_window_dropped[block_id]:
+            self.is_window_dropped[block_id] = True
+            self.dropped_ids.append(block_id)
+
+    def drain_dropped(self) -> list[int]:
+        """Blocks whose sliding K/V became unneeded since the last call (for the cache to drop)."""
+        ids, self.dropped_ids = self.dropped_ids, []
+        return ids
+
     # -- prefix cache --
 
     def match_prefix(self, block_hashes: list[int]) -> list[int]:
-        """Ids of the cached blocks holding the longest cached prefix (no references taken)."""
+        """Ids of the cached blocks holding the longest usable cached prefix (no references
+        taken): with a sliding window, the longest whose last window of blocks kept its
+        sliding K/V (the next query attends to it)."""
         ids = []
         if not self.enable_prefix_caching:
             return ids
@@ -99,7 +138,19 @@ class BlockManager:
             if block_id is None:
                 break
             ids.append(block_id)
-        return ids
+        if self.sliding_window is None:
+            return ids
+        num_dropped = 0  # dropped blocks among ids[:n] (a running count: linear in the match)
+        dropped_before = [0]
+        for block_id in ids:
+            num_dropped += self.is_window_dropped[block_id]
+            dropped_before.append(num_dropped)
+        for n in range(len(ids), 0, -1):
+            # The query at position n * bs reads keys from n * bs - window + 1 on.
+            first = max(0, (n * self.block_size - self.sliding_window + 1) // self.block_size)
+            if dropped_before[n] == dropped_before[first]:
+                return ids[:n]
+        return []
 
     def num_unreferenced(self, block_ids: list[int]) -> int:
         """How many of these cached blocks count as free now (taking them uses up free capacity)."""
@@ -111,6 +162,7 @@ class BlockManager:
             if self.ref_counts[block_id] == 0:
                 del self.cached_ids[block_id]
             self.ref_counts[block_id] += 1
+            self.window_refs[block_id] += 1
 
     def register(self, block_id: int, block_hash: int) -> None:
         """Publish a fully computed block under its prefix hash (first writer wins)."""
@@ -146,6 +198,8 @@ class BlockManager:
                 raise RuntimeError(f"cached block {block_id} has no hash")
             if block_id in free and self.block_hashes[block_id] is not None:
                 raise RuntimeError(f"free block {block_id} still has a hash")
+            if not 0 <= self.window_refs[block_id] <= ref:
+                raise RuntimeError(f"block {block_id}: {self.window_refs[block_id]} window refs, ref {ref}")
         for h, block_id in self.hash_to_block.items():
             if self.block_hashes[block_id] != h:
                 raise RuntimeError(f"hash table points at block {block_id} with another hash")

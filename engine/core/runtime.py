@@ -45,6 +45,15 @@ class EngineCore:
         self.tokenizer = tokenizer
         self.config = config
         self.max_model_len = config.max_model_len
+        self.kv_cache = model.make_kv_cache(config.num_blocks, config.block_size)
+        # Sliding layers (Gemma 2/3) keep only their window's blocks (engine.core.block_manager).
+        has_sliding = bool(getattr(self.kv_cache, "sliding_layers", ()))
+        draft = None
+        if draft_model is not None:  # its own pool of the target's size, plus room for the proposals
+            extra = config.max_num_seqs * (-(-config.num_speculative_tokens // config.block_size) + 1)
+            draft = DraftModel(draft_model, config.num_blocks + extra, config.block_size, config.max_num_seqs,
+                               config.max_model_len)
+        self.spec = make_spec_decoder(config.speculative, config.num_speculative_tokens, draft)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -53,15 +62,12 @@ class EngineCore:
             max_model_len=config.max_model_len,
             enable_prefix_caching=config.enable_prefix_caching,
             target_tick_seconds=config.target_tick_seconds,
+            sliding_window=model.window if has_sliding else None,
+            window_slack=config.num_speculative_tokens if self.spec is not None else 0,
         ))
-        draft = None
-        if draft_model is not None:  # its own pool of the target's size, plus room for the proposals
-            extra = config.max_num_seqs * (-(-config.num_speculative_tokens // config.block_size) + 1)
-            draft = DraftModel(draft_model, config.num_blocks + extra, config.block_size, config.max_num_seqs,
-                               config.max_model_len)
-        self.spec = make_spec_decoder(config.speculative, config.num_speculative_tokens, draft)
         self.scheduler.spec = self.spec
-        self.kv_cache = model.make_kv_cache(config.num_blocks, config.block_size)
+        if has_sliding:
+            self.scheduler.on_window_dropped = self.kv_cache.drop_window_blocks
         self.pieces = TokenPieces(tokenizer)
         self.requests: dict[str, Request] = {}  # running or waiting choices, by their own id
         self.groups: dict[str, RequestGroup] = {}  # unfinished submissions, by their public id

@@ -11,6 +11,12 @@ a decode needs a block and none is free (after evicting unreferenced prefix-cach
 least recently used first), the newest running sequence is preempted: its blocks are
 freed and it waits at the head of the queue to recompute prompt + generated tokens.
 
+With a sliding window (``sliding_window``, the model's sliding layers), a running sequence gives
+up its window reference on each block its next query can no longer see (``window_slack`` tokens
+of margin for speculative rows that may be rolled back); ``on_window_dropped`` receives the blocks
+whose sliding K/V nobody needs any more, so a long context holds the window, not the whole
+context, in those layers (engine.core.block_manager).
+
 The per-sequence loops run in Cython (``cext.tick``); this file holds the Python-level
 decisions that happen once per admission, preemption or new block.
 """
@@ -44,6 +50,11 @@ class SchedulerConfig:
     # long, within max_num_batched_tokens; None: always fill max_num_batched_tokens. It bounds the
     # decode streams' inter-token gap and the wait of a new request while a long prompt prefills.
     target_tick_seconds: float | None = DEFAULT_TARGET_TICK_SECONDS
+    # The model's sliding-window length (None: no sliding layers): blocks a sequence's next query
+    # is past in those layers are released (see the module docstring); window_slack tokens of
+    # margin (speculative rows may be rolled back that far).
+    sliding_window: int | None = None
+    window_slack: int = 0
 
 
 @dataclass(slots=True)
@@ -67,7 +78,11 @@ class Scheduler:
         self.config = config
         self.cost = TickCostModel(config.target_tick_seconds, config.max_num_batched_tokens, clock)
         self.block_size = config.block_size
-        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching,
+                                          config.sliding_window)
+        # Per slot: leading blocks whose window reference the running sequence gave up.
+        self._window_released = np.zeros(config.max_num_seqs, dtype=np.int64)
+        self.on_window_dropped = None  # callable(list of block ids) (the KV cache's), or None
         self.state = TickState(config.max_num_seqs, config.max_model_len, config.block_size)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order, oldest first
@@ -214,6 +229,8 @@ class Scheduler:
                 self.state.next_logprob_pos[seq.slot] = seq.next_prompt_logprob_pos
         if self._unpublished:
             self._publish_blocks()
+        if self.config.sliding_window is not None and self.running:
+            self._release_windows()
 
     # -- internals --
 
@@ -259,6 +276,7 @@ class Scheduler:
             state.epochs[slot] += 1
             state.block_tables[slot, : len(block_ids)] = block_ids
             state.num_blocks[slot] = len(block_ids)
+            self._window_released[slot] = 0
             seq.num_cached_tokens = num_cached
             self.num_prefix_cache_hit_tokens += num_cached
             self.num_prefix_cache_query_tokens += num_tokens if cfg.enable_prefix_caching else 0
@@ -350,12 +368,32 @@ class Scheduler:
                 keep.append(seq)
         self._unpublished = keep
 
+    def _release_windows(self) -> None:
+        """Give up window references on the blocks each running sequence's next query is past
+        (numpy over the running slots; a Python step only per block released, one in block_size
+        tokens per sequence), then hand the dropped blocks to the cache."""
+        cfg, state, bm = self.config, self.state, self.block_manager
+        slots = self._running_slots[: len(self.running)]
+        # The next query at position p reads keys p - window + 1 .. p: blocks wholly below are unneeded.
+        first_needed = state.num_computed[slots].astype(np.int64) - cfg.sliding_window - cfg.window_slack + 1
+        targets = np.minimum(np.maximum(first_needed, 0) // self.block_size, state.num_blocks[slots])
+        released = self._window_released[slots]
+        for k in np.flatnonzero(targets > released).tolist():
+            slot = int(slots[k])
+            for j in range(int(released[k]), int(targets[k])):
+                bm.release_window(int(state.block_tables[slot, j]))
+            self._window_released[slot] = targets[k]
+        dropped = bm.drain_dropped()
+        if dropped and self.on_window_dropped is not None:
+            self.on_window_dropped(dropped)
+
     def _release(self, seq: Sequence) -> None:
         """Free a running sequence's blocks and slot and copy its tokens out."""
         state = self.state
         slot = seq.slot
         nb = int(state.num_blocks[slot])
-        self.block_manager.free(state.block_tables[slot, :nb].tolist())
+        self.block_manager.free(state.block_tables[slot, :nb].tolist(), int(self._window_released[slot]))
+        self._window_released[slot] = 0
         state.block_tables[slot, :nb] = -1
         state.num_blocks[slot] = 0
         state.epochs[slot] += 1

@@ -25,39 +25,89 @@ from engine.batch import ForwardBatch
 from engine.models import fused
 
 
-def _zeroed(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def _zeroed(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, mmap.mmap | None]:
     """A zero tensor over a private anonymous memory map: the OS hands out zero pages and
     makes them resident only when first written, so the cache costs memory as it fills, not
-    at start-up (masked padding slots are still read, hence zeros, never NaN garbage)."""
+    at start-up (masked padding slots are still read, hence zeros, never NaN garbage).
+    -> (tensor, its map; None for a small tensor, which is not worth a mapping)."""
     num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if num_bytes < 1 << 20:  # small (tests): not worth a mapping
-        return torch.zeros(shape, dtype=dtype)
+        return torch.zeros(shape, dtype=dtype), None
     try:
         region = mmap.mmap(-1, num_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     except OSError as exc:  # only past the start-up memory check with allow_overcommit
         raise MemoryError(f"kv_cache_tokens: the OS refused to map {num_bytes} bytes for the KV cache "
                           f"({exc.strerror}); lower kv_cache_tokens or max_model_len") from None
-    return torch.frombuffer(region, dtype=dtype).view(shape)  # the tensor keeps the map alive
+    return torch.frombuffer(region, dtype=dtype).view(shape), region  # the tensor keeps the map alive
 
 
 class PagedKVCache:
-    """K and V for every layer: ``k[layer]`` / ``v[layer]`` are ``[num_slots, KH, D]``."""
+    """K and V for every layer: ``k[layer]`` / ``v[layer]`` are ``[num_slots, KH, D]``.
+
+    ``sliding_layers``: the layers with a sliding window. ``drop_window_blocks`` gives the
+    pages of some blocks in those layers back to the OS (the scheduler calls it for blocks no
+    query can see any more through a window, engine.core.block_manager); they read as zeros
+    until written again. ``poison`` (tests): fill the dropped slots with this value instead,
+    so that any read of them that is not masked out shows in the outputs."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype):
+                 head_dim: int, dtype: torch.dtype, sliding_layers: tuple[int, ...] = ()):
         if num_blocks <= 0:
             raise ValueError(f"num_blocks: must be > 0, got {num_blocks}")
         if block_size <= 0:
             raise ValueError(f"block_size: must be > 0, got {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.sliding_layers = tuple(sliding_layers)
+        self.poison: float | None = None
+        self.num_dropped_blocks = 0  # blocks dropped in the sliding layers so far (a counter)
         shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
-        self.k = _zeroed(shape, dtype)  # [L, S, KH, D]
-        self.v = _zeroed(shape, dtype)  # [L, S, KH, D]
+        self.k, self._k_map = _zeroed(shape, dtype)  # [L, S, KH, D]
+        self.v, self._v_map = _zeroed(shape, dtype)  # [L, S, KH, D]
+        self.block_bytes = block_size * num_kv_heads * head_dim * self.k.element_size()
 
     @property
     def num_slots(self) -> int:
         return self.num_blocks * self.block_size
+
+    def drop_window_blocks(self, block_ids: list[int]) -> None:
+        """Give back the sliding layers' K/V pages of these blocks (runs of consecutive ids in one
+        madvise call per layer; a page shared with a block still in use is kept)."""
+        if not self.sliding_layers or not block_ids:
+            return
+        self.num_dropped_blocks += len(block_ids)
+        runs = _consecutive_runs(sorted(block_ids))
+        if self.poison is not None:
+            for first, end in runs:
+                span = slice(first * self.block_size, end * self.block_size)
+                for layer in self.sliding_layers:
+                    self.k[layer, span] = self.poison
+                    self.v[layer, span] = self.poison
+            return
+        if self._k_map is None:  # a small cache (no map): nothing worth giving back
+            return
+        layer_bytes = self.num_slots * self.block_bytes // self.block_size
+        page = mmap.PAGESIZE
+        for region in (self._k_map, self._v_map):
+            for layer in self.sliding_layers:
+                for first, end in runs:
+                    start = layer * layer_bytes + first * self.block_bytes
+                    stop = layer * layer_bytes + end * self.block_bytes
+                    start = -(-start // page) * page  # whole pages inside the run only
+                    stop = stop // page * page
+                    if stop > start:
+                        region.madvise(mmap.MADV_DONTNEED, start, stop - start)
+
+
+def _consecutive_runs(ids: list[int]) -> list[tuple[int, int]]:
+    """Sorted ids -> [(first, end)] half-open runs of consecutive ids."""
+    runs = []
+    for block_id in ids:
+        if runs and runs[-1][1] == block_id:
+            runs[-1] = (runs[-1][0], block_id + 1)
+        else:
+            runs.append((block_id, block_id + 1))
+    return runs
 
 
 @dataclass(slots=True)

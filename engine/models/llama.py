@@ -287,7 +287,9 @@ class LlamaModel(nn.Module):
 
     def make_kv_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
         c = self.config
-        return PagedKVCache(c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim, self.kv_cache_dtype)
+        sliding = tuple(i for i, layer in enumerate(self.layers) if layer.window is not None)
+        return PagedKVCache(c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim, self.kv_cache_dtype,
+                            sliding)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_cache: PagedKVCache) -> torch.Tensor:

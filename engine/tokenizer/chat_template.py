@@ -3,8 +3,9 @@
 `validate_messages` is the one message check of the engine and the HTTP server: roles system,
 developer, user, assistant, tool; content a string or a list of text parts (joined with "\n",
 as vLLM does); an assistant message may have no content and OpenAI's `tool_calls` (their
-`arguments` JSON text parsed into the object templates expect, as transformers' server does);
-a tool message needs its `tool_call_id`; keys set to None are dropped (as transformers does);
+`arguments` JSON text parsed into the object templates expect, as transformers' server does)
+and a `reasoning_content` string (Qwen3's template renders it in a tool-call loop); a tool
+message needs its `tool_call_id`; keys set to None are dropped (as transformers does);
 other keys pass through to the template; lone surrogates are rejected. Role `developer`
 (OpenAI's newer name for the system role) is rendered as `system`
 by a template that does not mention it, as vLLM's and llama.cpp's servers do; a template that
@@ -29,13 +30,13 @@ from functools import lru_cache
 
 import jinja2
 import jinja2.ext
-from jinja2 import nodes
+from jinja2 import meta, nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from ..errors import InvalidParameterError
 
-__all__ = ["ChatTemplateError", "KNOWN_ROLES", "check_chat_template", "render_chat_template",
-           "validate_messages"]
+__all__ = ["ChatTemplateError", "KNOWN_ROLES", "check_chat_template", "check_template_kwargs",
+           "render_chat_template", "validate_messages"]
 
 KNOWN_ROLES = ("system", "developer", "user", "assistant", "tool")
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -168,6 +169,12 @@ def validate_messages(messages) -> list[dict]:
         if role == "tool" and not isinstance(out.get("tool_call_id"), str):
             raise ChatTemplateError(f"{where}.tool_call_id (the id of the call this answers) must be a string",
                                     f"{where}.tool_call_id")
+        reasoning = out.get("reasoning_content")
+        if reasoning is not None and (role != "assistant" or not isinstance(reasoning, str)):
+            raise ChatTemplateError(f"{where}.reasoning_content must be a string, in an assistant message",
+                                    f"{where}.reasoning_content")
+        if reasoning is not None:
+            _check_text(reasoning, f"{where}.reasoning_content")
         name = out.get("name")
         if name is not None and not isinstance(name, str):
             raise ChatTemplateError(f"{where}.name must be a string", f"{where}.name")
@@ -208,6 +215,48 @@ def _tool_calls(tool_calls, where: str) -> list[dict]:
                                     f"{at}.function.arguments")
         out.append({**call, "function": {**function, "arguments": arguments}})
     return out
+
+
+# Variables the renderer sets itself: a request names them with their own fields (messages, tools, ...).
+_RESERVED_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt", "bos_token",
+                                 "eos_token", "raise_exception", "strftime_now"})
+
+
+@lru_cache(maxsize=16)
+def _template_variables(template: str) -> frozenset[str]:
+    """The variables ``template`` reads that it does not set itself."""
+    env = _compile(template).environment
+    return frozenset(meta.find_undeclared_variables(env.parse(template)))
+
+
+def check_template_kwargs(template: str | None, kwargs) -> dict:
+    """``chat_template_kwargs`` checked: an object of variables the template reads, none of them one
+    the renderer sets (messages, tools, ...). Nothing is passed that the template would ignore, so a
+    key it does not read is an error naming it. Returns the dict ({} for None)."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict):
+        raise ChatTemplateError(f"chat_template_kwargs must be an object, got {type(kwargs).__name__}",
+                                "chat_template_kwargs")
+    if not kwargs:
+        return kwargs
+    if not template:
+        raise ChatTemplateError("this model has no chat template to pass chat_template_kwargs to",
+                                "chat_template_kwargs")
+    known = _template_variables(template)
+    for key in kwargs:
+        where = f"chat_template_kwargs.{key}"
+        if not isinstance(key, str):
+            raise ChatTemplateError(f"chat_template_kwargs keys must be strings, got {key!r:.80}",
+                                    "chat_template_kwargs")
+        if key in _RESERVED_VARIABLES:
+            raise ChatTemplateError(f"{where} is set by the request itself (its own field), not by "
+                                    "chat_template_kwargs", where)
+        if key not in known:
+            names = ", ".join(sorted(known - _RESERVED_VARIABLES)) or "none"
+            raise ChatTemplateError(f"{where}: this model's chat template has no variable {key!r:.80} "
+                                    f"(it reads: {names})", where)
+    return kwargs
 
 
 @lru_cache(maxsize=16)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from tokenizers import Tokenizer as HFTokenizer
 
-from .chat_template import render_chat_template
+from .chat_template import check_template_kwargs, render_chat_template
 
 __all__ = ["EOG_TEXTS", "FIM_TEXTS", "MISSING_BYTE", "Tokenizer"]
 
@@ -157,9 +157,13 @@ class Tokenizer:
             bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs,
         )
 
-    def encode_chat(self, messages, add_generation_prompt: bool = True, tools: list[dict] | None = None) -> list[int]:
+    def encode_chat(self, messages, add_generation_prompt: bool = True, tools: list[dict] | None = None,
+                    chat_template_kwargs: dict | None = None) -> list[int]:
         """The prompt ids of a chat: the template rendered, then encoded without adding BOS (a
-        template writes its own). The one chat prompt path of the engine and the HTTP server."""
-        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools)
+        template writes its own). The one chat prompt path of the engine and the HTTP server.
+        ``chat_template_kwargs``: more variables of the template (``{"enable_thinking": False}``),
+        each one the template reads (else ChatTemplateError naming ``chat_template_kwargs.<key>``)."""
+        extra = check_template_kwargs(self.chat_template, chat_template_kwargs)
+        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools, **extra)
         return self.encode(text, add_special_tokens=False)
 

@@ -43,7 +43,7 @@ class ToolEventFilter:
             if parser.num_calls and finish_reason == "stop":
                 finish_reason = "tool_calls"
         return StreamEvent(event.request_id, content, event.token_ids, event.logprobs, finish_reason,
-                           event.index, deltas or None)
+                           event.index, deltas or None, event.reasoning_content)
 
 
 def _markers_are_special(tokenizer, parser_class: type[ToolParser]) -> bool:

@@ -62,6 +62,8 @@ async function send(text) {
   setBusy(true);
   let reply = "";
   let numChunks = 0;
+  let reasoning = "";  // a reasoning model's delta.reasoning_content, shown above the reply
+  let thinking = null;
   try {
     const response = await fetch("/v1/chat/completions", {
       method: "POST", headers: headers, body: JSON.stringify(body), signal: controller.signal,
@@ -75,6 +77,17 @@ async function send(text) {
       if (chunk.error) throw new Error(chunk.error.message);  // failure after the stream began
       const choice = chunk.choices && chunk.choices[0];
       if (!choice) return;
+      const thought = (choice.delta && choice.delta.reasoning_content) || "";
+      if (thought) {
+        if (!thinking) {
+          thinking = document.createElement("div");
+          thinking.className = "msg reasoning";
+          $("log").insertBefore(thinking, out);
+        }
+        reasoning += thought;
+        thinking.textContent = reasoning;  // never innerHTML
+        $("log").scrollTop = $("log").scrollHeight;
+      }
       const piece = (choice.delta && choice.delta.content) || "";
       if (piece) {
         reply += piece;
