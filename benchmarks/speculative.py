@@ -28,6 +28,7 @@ benchmarks/results/speculative.json (speculative_proposer.json).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
 
@@ -268,7 +269,7 @@ def main() -> None:
                     r = many[name]
                     stream_rows.append([task, name, fmt_stats(r["aggregate_tok_s"]), fmt_stats(r["ratio"], ".2f"),
                                         f"{r['acceptance_rate']:.2f}", f"{r['mean_accepted_length']:.2f}"])
-            print(f"{task}: done, load average {os.getloadavg()}", flush=True)
+            print(f"{task}: {json.dumps(results[task])}\nload average {os.getloadavg()}", flush=True)
     finally:
         for eng in engines.values():
             eng.close()

@@ -36,21 +36,29 @@ def _sizing_option(config: EngineConfig) -> str:
 _shared_models: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
-def _load_draft(path: str, model, tokenizer, load_options: dict | None = None):
-    """The draft model for speculative="draft", loaded from ``path`` with the model's load options:
-    its files and tokenizer are checked against the model's before its weights load, the width
-    of its logits after (InvalidParameterError / ModelFileError naming draft_model)."""
-    from .core.draft import check_draft_tokenizer, check_draft_width
-    from .loader import load_model
+def _model_key(path: str, config: EngineConfig):
+    """The key of a loaded model in _shared_models: the file's identity and the load options."""
+    stat = os.stat(path) if os.path.exists(path) else None
+    return stat and (os.path.realpath(path), stat.st_mtime_ns, stat.st_size,
+                     tuple(sorted(config.load_options.items())))
+
+
+def _check_draft(path: str, tokenizer) -> None:
+    """The draft model's files, and its tokenizer against the model's (before any weights load)."""
+    from .core.draft import check_draft_tokenizer
     from .startup import check_model_path
     from .tokenizer import load_tokenizer
 
     check_model_path(path)
     check_draft_tokenizer(tokenizer, load_tokenizer(path))
+
+
+def _load_draft(path: str, load_options: dict | None = None):
+    """The draft model for speculative="draft", loaded with the model's load options."""
+    from .loader import load_model
+
     options = load_options or {}
-    draft = load_model(path, dtype=options.get("dtype"), quantization=options.get("quantization", "auto"))
-    check_draft_width(model, draft)
-    return draft
+    return load_model(path, dtype=options.get("dtype"), quantization=options.get("quantization", "auto"))
 
 
 class Engine(EmbeddingMixin):
@@ -70,7 +78,11 @@ class Engine(EmbeddingMixin):
         config = EngineConfig.from_options(options, allow_load=False)
         self.tokenizer = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
         if config.speculative == "draft" and draft is None:
-            draft = _load_draft(config.draft_model, model, self.tokenizer)
+            from .core.draft import check_draft_width
+
+            _check_draft(config.draft_model, self.tokenizer)
+            draft = _load_draft(config.draft_model)
+            check_draft_width(model, draft)
         self.model = model
         self.config = config.resolve(getattr(model, "max_model_len", None))
         if hasattr(model, "kv_cache_bytes"):  # before the cache is allocated (the weights are resident)
@@ -93,6 +105,7 @@ class Engine(EmbeddingMixin):
         lines otherwise). A model this process already holds for another engine (same file,
         same load options) is shared, not loaded again.
         """
+        from .core.draft import check_draft_width
         from .loader import default_model_path, load_model, release_free_heap
         from .models.threads import apply_thread_policy
         from .startup import LoadProgress, check_startup
@@ -105,14 +118,14 @@ class Engine(EmbeddingMixin):
         num_stages = 5 if config.speculative == "draft" else 4
         with LoadProgress(_display_name(path), num_stages=num_stages, enabled=progress) as load:
             load.stage("checking files")
-            stat = os.stat(path) if os.path.exists(path) else None
-            key = stat and (os.path.realpath(path), stat.st_mtime_ns, stat.st_size,
-                            tuple(sorted(config.load_options.items())))
+            key = _model_key(path, config)
             loaded = _shared_models.get(key) if key else None
             # The files, then the KV cache and the weights still to load against the memory, before either.
             check_startup(path, config, weights_loaded=loaded is not None)
             load.stage("loading tokenizer")
             tokenizer = load_tokenizer(path)
+            if config.speculative == "draft":  # a wrong draft stops the start before any weights load
+                _check_draft(config.draft_model, tokenizer)
             load.stage("loading weights")
             if loaded is None:
                 loaded = load_model(path, dtype=config.dtype, quantization=config.quantization)
@@ -123,7 +136,15 @@ class Engine(EmbeddingMixin):
             draft = None
             if config.speculative == "draft":
                 load.stage("loading the draft model")
-                draft = _load_draft(config.draft_model, loaded, tokenizer, config.load_options)
+                draft_key = _model_key(config.draft_model, config)
+                draft = _shared_models.get(draft_key) if draft_key else None  # a model drafting for itself: shared
+                if draft is None:
+                    draft = _load_draft(config.draft_model, config.load_options)
+                    try:
+                        _shared_models[draft_key] = draft
+                    except TypeError:
+                        pass
+                check_draft_width(loaded, draft)
             load.stage("allocating KV cache")
             eng = cls(loaded, tokenizer, draft=draft, **runtime_options)
         release_free_heap()

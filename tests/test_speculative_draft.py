@@ -2,6 +2,9 @@
 always and changes nothing (SmolLM2-135M and Qwen2.5-Coder-0.5B, greedy token for token, seeded
 sampling too), stops and max_tokens cut accepted runs, the draft's KV follows rollbacks and
 preemption, and a draft whose tokenizer differs is refused in one line before its weights load."""
+import subprocess
+import sys
+
 import pytest
 from model_fixtures import qwen_gguf  # noqa: F401 (fixture)
 
@@ -113,3 +116,12 @@ def test_draft_options_are_validated():
     from engine.errors import ModelFileError
     with pytest.raises(ModelFileError, match="no such file"):
         engine.Engine.from_pretrained(speculative="draft", draft_model="/nonexistent/draft.gguf")
+
+
+def test_server_refuses_a_mismatched_draft_in_one_line(qwen_gguf):  # noqa: F811
+    proc = subprocess.run([sys.executable, "-m", "webapp", "--port", "0", "--speculative", "draft",
+                           "--draft-model", str(qwen_gguf)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert "draft_model does not match the model" in lines[-1]
+    assert not any("Traceback" in line for line in lines)
