@@ -52,6 +52,15 @@ def check_model_path(path: str | os.PathLike) -> None:
             return
         check_hf_directory(path)  # config.json against the safetensors headers
         return
+    from .loader.encoder_loader import is_encoder_path
+
+    if is_encoder_path(path):  # a "bert" GGUF: the header, the tensors' bytes; its loader checks the shapes
+        try:
+            GGUFFile(str(path), with_vocabulary=False).close()
+        except ValueError as exc:
+            detail = str(exc).removeprefix(f"{path}: ")
+            raise ModelFileError(f"{path}: corrupt GGUF file ({detail}): download it again", str(path)) from None
+        return
     check_gguf_file(path)
 
 
@@ -174,11 +183,11 @@ def check_startup(path: str | os.PathLike, config, *, weights_loaded: bool = Fal
     loaded) and the scheduler's tables will take (check_memory). config: the user's EngineConfig
     (unresolved). ModelFileError or MemoryLimitError, both ValueErrors with one-line messages."""
     from .loader import model_footprint
-    from .loader.encoder_loader import is_encoder_directory
+    from .loader.encoder_loader import is_encoder_path
     from .models.llama import kv_cache_bytes
 
     check_model_path(path)
-    if Path(path).is_dir() and is_encoder_directory(path):  # an encoder keeps no KV cache, and its
+    if is_encoder_path(path):  # an encoder keeps no KV cache, and its
         return  # weights (tens of MB for the BERT family) are not estimated here
     model_config, kv_dtype, weights_bytes = model_footprint(path, config.dtype, config.quantization)
     resolved = config.resolve(model_config.max_position_embeddings)

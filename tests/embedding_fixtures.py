@@ -10,6 +10,16 @@ import pytest
 from tokenizer_fixtures import TESTDATA
 
 MINILM_DIR = "all-MiniLM-L6-v2"
+# Texts a decoder embeds in the pooled-decoder tests: one token, non-Latin and emoji, one past
+# a 64-token tick (prefilled over several ticks).
+DECODER_TEXTS = [
+    "Hello",
+    "The capital of France is Paris.",
+    "東京は日本の首都です。 🙂",
+    "one two three " * 40,
+    "Embeddings from a decoder use the causal mask.",
+    "x",
+]
 
 WORDS = (
     "retrieval",

@@ -106,7 +106,11 @@ def converter(tmp_path_factory) -> Path:
     """llama.cpp's convert_hf_to_gguf.py with its conversion package and gguf-py, from the sdist."""
     if not SDIST.is_file():
         pytest.fail(f"{SDIST} is missing: run `make testdata` (tests/fetch_testdata.py) first")
-    dest = tmp_path_factory.mktemp("llamacpp")
+    return extract_converter(tmp_path_factory.mktemp("llamacpp"))
+
+
+def extract_converter(dest: Path) -> Path:
+    """Unpack convert_hf_to_gguf.py and what it imports from the sdist into ``dest``."""
     prefix = "llama_cpp_python-0.3.36/vendor/llama.cpp/"
     with tarfile.open(SDIST, "r:gz") as tar:
         members = [m for m in tar.getmembers() if m.isfile() and m.name.startswith(prefix)

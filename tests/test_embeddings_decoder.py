@@ -7,19 +7,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from embedding_fixtures import DECODER_TEXTS
 
 from engine import Engine, InvalidParameterError
 from engine.batch import single_sequence_batch
 from engine.loader import default_model_path
 
-TEXTS = [
-    "Hello",
-    "The capital of France is Paris.",
-    "東京は日本の首都です。 🙂",
-    "one two three " * 40,
-    "Embeddings from a decoder use the causal mask.",
-    "x",
-]
+TEXTS = DECODER_TEXTS
 
 
 def reference(model, ids: list[int], pooling: str) -> np.ndarray:
@@ -59,21 +53,84 @@ def test_pooled_decoder_equals_reference(engines, pooling):
 
 
 def test_embedding_beside_generation(engines):
-    """An embed call while a generation stream runs: both finish, the stream's text is unchanged."""
+    """An embed call while a generation stream runs: the embedding rows share the stream's ticks
+    (mixed forwards, counted), the stream's greedy text is the one it has alone, and each vector
+    equals the one computed with no generation running (embedding rows only)."""
     import engine as engine_package
 
     eng = engines["mean"]
-    params = engine_package.SamplingParams(max_tokens=24, temperature=0)
+    params = engine_package.SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
     [alone] = eng.generate(["Once upon a time"], params)
-    stream = eng.stream("Once upon a time", params)
-    vectors = eng.embed(TEXTS * 8)
-    text = "".join(ev.text for ev in stream)
-    assert text == alone.text
-    # The same rows in a forward of another row count take other product routes (engine/models/routes.py),
-    # which round differently in float32: unit vectors agree to ~1e-5 (cosine 0.99999), not bit for bit.
     alone_vectors = eng.embed(TEXTS)
-    np.testing.assert_allclose(vectors[: len(TEXTS)], alone_vectors, atol=1e-4)
-    assert (np.sum(vectors[: len(TEXTS)] * alone_vectors, axis=1) >= 0.99999).all()
+    num_mixed = eng.stats()["num_mixed_ticks"]
+    stream = eng.stream("Once upon a time", params)
+    first = next(stream)  # the stream is running (its prompt prefilled) before the embeddings arrive
+    vectors = eng.embed(TEXTS * 4)
+    text = first.text + "".join(ev.text for ev in stream)
+    assert text == alone.text
+    assert eng.stats()["num_mixed_ticks"] > num_mixed  # the rows went into the stream's ticks
+    # The same rows in a forward of another row count take other product routes (engine/models/routes.py)
+    # and other attention chunks, which round differently in float32: measured up to ~3e-5 per element.
+    for k in range(4):
+        got = vectors[k * len(TEXTS) : (k + 1) * len(TEXTS)]
+        np.testing.assert_allclose(got, alone_vectors, atol=1e-4, rtol=0)
+        assert (np.sum(got * alone_vectors, axis=1) >= 0.99999).all()
+
+
+def test_generation_beside_embeddings_unchanged(engines):
+    """Two streams (greedy, and seeded sampling) give the same tokens with a long embedding job
+    beside them as alone, and the KV blocks the embedding rows took are all given back."""
+    import engine as engine_package
+
+    eng = engines["last"]
+    greedy = engine_package.SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    seeded = engine_package.SamplingParams(max_tokens=32, temperature=0.8, seed=7, ignore_eos=True)
+    prompts = ["The capital of France is", "List three colours:"]
+    alone = [eng.generate([p], q)[0].token_ids for p, q in zip(prompts, (greedy, seeded))]
+    num_mixed = eng.stats()["num_mixed_ticks"]
+    streams = [eng.stream(p, q) for p, q in zip(prompts, (greedy, seeded))]
+    call = eng.submit_embed(TEXTS * 6)
+    beside = [[t for ev in s for t in ev.token_ids] for s in streams]
+    vectors = call.result()
+    assert beside == alone
+    # Last-token pooling reads one row (no mean to average rounding out): measured <= 1.3e-4 per element.
+    alone_vectors = np.tile(eng.embed(TEXTS), (6, 1))
+    np.testing.assert_allclose(vectors, alone_vectors, atol=5e-4, rtol=0)
+    assert (np.sum(vectors * alone_vectors, axis=1) >= 0.99999).all()
+    assert eng.stats()["num_mixed_ticks"] > num_mixed
+    assert eng.stats()["kv_usage"] == 0.0  # blocks held by a request (prefix-cached ones are free)
+
+
+def test_abort_embedding(engines):
+    """Cancelling the task awaiting aembed drops the job on the engine thread: its remaining texts
+    are never computed, its KV blocks are freed, a stream beside it and the next call are unaffected."""
+    import asyncio
+
+    import engine as engine_package
+
+    eng = engines["cls"]
+    params = engine_package.SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    [alone] = eng.generate(["Once upon a time"], params)
+    many = [f"text number {i} " * 20 for i in range(300)]  # ~18,000 tokens: many ticks at 64 per tick
+    stream = eng.stream("Once upon a time", params)
+
+    async def cancel_midway():
+        task = asyncio.ensure_future(eng.aembed(many))
+        start = eng.stats()["num_embedding_tokens"]
+        while eng.stats()["num_embedding_tokens"] == start:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(cancel_midway())
+    assert "".join(ev.text for ev in stream) == alone.text
+    after = eng.stats()["num_embedding_tokens"]
+    vector = eng.embed(TEXTS[:1])  # the engine goes on; the dropped job computed no more rows
+    assert eng.stats()["num_embedding_tokens"] - after == len(eng.tokenizer.encode(TEXTS[0]))
+    assert after < sum(len(eng.tokenizer.encode(t)) for t in many) // 2
+    assert eng.stats()["kv_usage"] == 0.0
+    assert float(vector[0] @ reference(eng.model, eng.tokenizer.encode(TEXTS[0]), "cls")) >= 0.9999
 
 
 def test_decoder_errors(engines):

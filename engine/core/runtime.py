@@ -20,6 +20,8 @@ import traceback
 import numpy as np
 import torch
 
+from cext.emit import emit_rows
+
 from ..config import EngineConfig
 from ..errors import EngineDead, EngineError, EngineOverloaded, InvalidParameterError, SchedulerRefused
 from ..outputs import StreamEvent, TokenLogprob
@@ -27,7 +29,9 @@ from ..params import SamplingParams
 from ..sampling import sampler
 from ..structured import mask_rows
 from ..tokenizer.token_bytes import TokenPieces
+from .block_manager import prefix_block_hashes
 from .draft import DraftModel
+from .prefix_disk import make_prefix_disk_cache
 from .request import Request, RequestGroup
 from .scheduler import Scheduler, SchedulerConfig
 from .speculative import make_spec_decoder
@@ -35,6 +39,27 @@ from .speculative import make_spec_decoder
 log = logging.getLogger("engine")
 
 FINISHED = object()  # queue sentinel after the last event
+
+
+class _TickRequests:
+    """The requests of a tick's sampled rows and what the sampler takes from them, made once per
+    SchedulerOutput: a decode-only output is reused while the running set stays, and so is this."""
+
+    __slots__ = ("out", "reqs", "params", "generators", "grammars", "adjusters", "is_plain")
+
+    def __init__(self, out, requests: dict):
+        self.out = out
+        self.reqs = reqs = [requests[s.request_id] for s in out.sample_seqs]
+        self.params = [r.params for r in reqs]
+        self.generators = [r.generator for r in reqs]
+        grammars = [r.grammar for r in reqs]
+        adjusters = [r.adjuster for r in reqs]
+        self.grammars = grammars if grammars.count(None) != len(reqs) else None
+        self.adjusters = adjusters if adjusters.count(None) != len(reqs) else None
+        # Every row's output is text, an event and the tick's finish verdict (no grammar, no logits
+        # processing to feed, no logprobs, no followers waiting for a prefill).
+        self.is_plain = (self.grammars is None and self.adjusters is None
+                         and not any(p.logprobs for p in self.params) and not any(r.followers for r in reqs))
 
 
 class EngineCore:
@@ -68,12 +93,15 @@ class EngineCore:
         self.scheduler.spec = self.spec
         if has_sliding:
             self.scheduler.on_window_dropped = self.kv_cache.drop_window_blocks
+        self.disk = make_prefix_disk_cache(config, model, self.kv_cache)  # None unless prefix_cache_dir
+        self.scheduler.disk = self.disk
         self.pieces = TokenPieces(tokenizer)
         self.requests: dict[str, Request] = {}  # running or waiting choices, by their own id
         self.groups: dict[str, RequestGroup] = {}  # unfinished submissions, by their public id
         self._new: collections.deque[RequestGroup] = collections.deque()
         self._aborts: collections.deque[str] = collections.deque()
-        self._jobs: collections.deque = collections.deque()  # embedding/scoring jobs (engine/embedding)
+        self._jobs: collections.deque = collections.deque()  # encoders' embedding/scoring jobs (engine/embedding)
+        self._tick_rows = None  # a decoder's embedding rows in the ticks (engine/embedding/tick_rows.py)
         self._submit_lock = threading.Lock()  # submit's check-then-append, never taken per token
         self._live_ids: set[str] = set()  # submitted and not finished (added under _submit_lock)
         self._wake = threading.Event()
@@ -83,6 +111,7 @@ class EngineCore:
         self.error: BaseException | None = None
         self.num_generated_tokens = 0
         self.num_ticks = 0
+        self._tick_requests: _TickRequests | None = None
         self._thread = threading.Thread(target=self._run, name="engine-core", daemon=True)
         self._thread.start()
 
@@ -104,6 +133,7 @@ class EngineCore:
     def stats(self) -> dict:
         sched = self.scheduler
         spec = self.spec
+        rows = self._tick_rows
         is_alive = self.is_alive()
         return {
             "num_running": sched.num_running if is_alive else 0,
@@ -114,9 +144,13 @@ class EngineCore:
             "num_preemptions": sched.num_preemptions,
             "num_prefix_cache_hit_tokens": sched.num_prefix_cache_hit_tokens,
             "num_prefix_cache_query_tokens": sched.num_prefix_cache_query_tokens,
+            "num_prefix_cache_disk_hit_tokens": sched.num_prefix_cache_disk_hit_tokens,
+            **(self.disk.stats() if self.disk is not None else {}),
             "spec_decode_num_draft_tokens": spec.num_draft_tokens if spec is not None else 0,
             "spec_decode_num_accepted_tokens": spec.num_accepted_tokens if spec is not None else 0,
             "spec_decode_acceptance_rate": spec.acceptance_rate if spec is not None else 0.0,
+            "num_embedding_tokens": rows.num_tokens if rows is not None else 0,
+            "num_mixed_ticks": rows.num_mixed_ticks if rows is not None else 0,
         }
 
     def make_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
@@ -139,10 +173,27 @@ class EngineCore:
         elif not isinstance(params, SamplingParams):
             raise InvalidParameterError(f"params must be a SamplingParams, got {type(params).__name__}",
                                         "params")
-        return Request.create(
+        request = Request.create(
             request_id, prompt_ids, params, tokenizer=self.tokenizer,
             vocab_size=self.model.vocab_size, max_model_len=self.max_model_len, prompt_param=prompt_param,
             group=group)
+        if self.disk is not None:  # here, on the caller's thread: the engine thread only copies them in
+            self._read_ahead(request.seq)
+        return request
+
+    def _read_ahead(self, seq) -> None:
+        """Read the prompt's full blocks the memory cache lacks from the disk tier (PrefixDiskCache.read)."""
+        if seq.next_prompt_logprob_pos >= 0:  # prompt logprobs compute every prompt row
+            return
+        bs = self.config.block_size
+        seq.block_hashes = prefix_block_hashes(seq.token_array, seq.num_prompt_tokens // bs, bs)
+        max_hits = min(len(seq.block_hashes), (seq.num_prompt_tokens - 1) // bs)
+        in_memory = self.scheduler.block_manager.hash_to_block  # read only: a miss here is a hint
+        first = 0
+        while first < max_hits and seq.block_hashes[first] in in_memory:
+            first += 1
+        if first < max_hits:
+            seq.disk_blocks = self.disk.read(seq.block_hashes[:max_hits], first)
 
     def submit(self, request: Request | RequestGroup) -> None:
         """Hand a request (all choices of its group) to the engine thread. Raises EngineDead, or
@@ -171,6 +222,19 @@ class EngineCore:
             self._jobs.append(job)
         self._wake.set()
 
+    def set_tick_rows(self, rows) -> None:
+        """Let ``rows`` add rows to every tick's forward (engine/embedding/tick_rows.py): before a tick,
+        ``rows.budget(scheduler)`` tokens of its budget are kept for them and ``rows.take(n,
+        block_manager)`` returns a part (or None) that ``rows.merge(batch, part)`` appends to the
+        batch; the forward's hidden states of ``part.hidden_rows`` go to ``rows.put(part, hidden,
+        block_manager)``, a failed forward to ``rows.fail_part``. ``rows.has_work()`` keeps the loop
+        running; ``rows.fail(exc)`` when the engine stops."""
+        self._tick_rows = rows
+
+    def wake(self) -> None:
+        """New work for the engine thread (a caller that queued it elsewhere, e.g. TickRows)."""
+        self._wake.set()
+
     def abort(self, request_id: str) -> None:
         """Abort a submission by its public id (every choice of it)."""
         self._aborts.append(request_id)
@@ -181,6 +245,12 @@ class EngineCore:
         self._wake.set()
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
+            if self.disk is not None:  # the blocks handed to the writer reach the disk
+                self.disk.close()
+
+    def flush_disk(self, timeout: float = 60.0) -> bool:
+        """Wait until the blocks computed so far are written to the disk tier (True when there is none)."""
+        return self.disk is None or self.disk.flush(timeout)
 
     # ----- engine thread -----
     def _run(self) -> None:
@@ -190,7 +260,8 @@ class EngineCore:
                 self._drain_inputs()
                 if self._jobs:
                     self._step_job()
-                if not self.scheduler.has_work():
+                rows = self._tick_rows
+                if not self.scheduler.has_work() and (rows is None or not rows.has_work()):
                     if not self._jobs:
                         self._wake.wait()
                         self._wake.clear()
@@ -243,20 +314,57 @@ class EngineCore:
         self.requests[req.request_id] = req
 
     def _tick(self) -> None:
-        out = self.scheduler.schedule()
-        if out is None:
+        sched = self.scheduler
+        rows = self._tick_rows
+        num_reserved = rows.budget(sched) if rows is not None and rows.has_work() else 0
+        out = sched.schedule(num_reserved) if sched.has_work() else None
+        part = rows.take(num_reserved, sched.block_manager) if num_reserved else None
+        if out is None and part is None:
             self._wake.wait(0.001)
             return
-        self.num_ticks += 1
+        if part is not None:
+            self._tick_with_rows(out, part)
+            if out is None:
+                return
+        else:
+            self.num_ticks += 1
+            try:
+                logits = self.model.forward(out.batch, self.kv_cache)  # [S, V]
+            except Exception as exc:  # a failed forward fails the requests in it, not the engine
+                log.exception("forward failed")
+                self._fail_tick(out, exc)
+                return
+            self._after_forward(out, logits)
+
+    def _tick_with_rows(self, out, part) -> None:
+        """A forward with embedding rows after the generation rows (if any): pooled, never sampled."""
+        rows, bm = self._tick_rows, self.scheduler.block_manager
+        batch = rows.merge(out.batch if out is not None else None, part)
         try:
-            logits = self.model.forward(out.batch, self.kv_cache)  # [S, V]
-        except Exception as exc:  # a failed forward fails the requests in it, not the engine
-            log.exception("forward failed")
-            for seq in out.seqs:
-                self._fail(seq.request_id, exc)
+            logits, hidden = self.model.forward_with_hidden(batch, self.kv_cache, part.hidden_rows)
+            rows.put(part, hidden, bm)
+        except Exception as exc:
+            log.exception("forward with embedding rows failed")
+            rows.fail_part(part, exc, bm)
+            if out is not None:
+                self._fail_tick(out, exc)
             return
+        if out is not None:
+            self.num_ticks += 1
+            rows.num_mixed_ticks += 1
+            out.batch = batch  # the tick's cost counts the embedding rows too (the scheduler's estimates)
+            self._after_forward(out, logits)
+
+    def _fail_tick(self, out, exc: BaseException) -> None:
+        for seq in out.seqs:
+            self._fail(seq.request_id, exc)
+
+    def _after_forward(self, out, logits: torch.Tensor) -> None:
         sample_seqs = out.sample_seqs
-        reqs = [self.requests[s.request_id] for s in sample_seqs]
+        tick_reqs = self._tick_requests
+        if tick_reqs is None or tick_reqs.out is not out:
+            tick_reqs = self._tick_requests = _TickRequests(out, self.requests)
+        reqs = tick_reqs.reqs
         if out.prompt_logprob_spans:
             self._prompt_logprobs(out.prompt_logprob_spans, logits)
         if sample_seqs:
@@ -265,15 +373,10 @@ class EngineCore:
                 rows = logits.index_select(0, torch.from_numpy(np.asarray(index, dtype=np.int64)))
             else:
                 rows = logits
-            num_rows = len(reqs)
-            grammars = [r.grammar for r in reqs]
-            if grammars.count(None) != num_rows:  # structured output: before sampling and logprobs (vLLM)
-                rows = mask_rows(rows, grammars)
-            adjusters = [r.adjuster for r in reqs]
-            token_ids, row_logprobs = sampler.sample(
-                rows, [r.params for r in reqs], [r.generator for r in reqs],
-                adjusters if adjusters.count(None) != num_rows else None,
-            )
+            if tick_reqs.grammars is not None:  # structured output: before sampling and logprobs (vLLM)
+                rows = mask_rows(rows, tick_reqs.grammars)
+            token_ids, row_logprobs = sampler.sample(rows, tick_reqs.params, tick_reqs.generators,
+                                                     tick_reqs.adjusters)
         else:
             token_ids, row_logprobs = [], []
         runs = (self.spec.verify(out.spec_entries, logits, reqs, token_ids, row_logprobs)
@@ -282,6 +385,9 @@ class EngineCore:
         if not token_ids:
             return
         self.num_generated_tokens += len(token_ids)
+        if out.is_decode_only and tick_reqs.is_plain:
+            self._emit_decodes(reqs, token_ids)
+            return
         # Every sampled sequence's length, with its new token, in one read of the tick state.
         slots = out.slots if len(token_ids) == len(out.slots) else out.slots[out.sample_entries]
         lengths = self.scheduler.state.num_tokens[slots].tolist()
@@ -294,6 +400,29 @@ class EngineCore:
             except Exception as exc:
                 log.exception("output processing failed for %s", req.request_id)
                 self._fail(req.request_id, exc)
+
+    def _emit_decodes(self, reqs: list[Request], token_ids: list[int]) -> None:
+        """The output of a steady-state tick whose rows are all plain, in one call (cext.emit): per row
+        its text and its event, with the tick's finish verdicts (cext.tick decode_commit: stop ids past
+        min_tokens, max_tokens, max_model_len) in place of per-token checks; rows that end come back
+        here in row order. The same events as _process_token."""
+
+        def end_row(k: int, text: str | None, finish_reason: str | None) -> None:
+            req = reqs[k]
+            if finish_reason is None:  # more stop ids than the tick's table holds
+                self._process_token(req, token_ids[k], None, req.seq.num_tokens)
+                return
+            group = req.group
+            self.scheduler.finish(req.seq)
+            self.requests.pop(req.request_id, None)
+            group.outputs.put(StreamEvent(group.request_id, text, [token_ids[k]], None, finish_reason, req.index))
+            self._mark_finished(req)
+
+        def fail_row(k: int, exc: BaseException) -> None:
+            log.error("output processing failed for %s", reqs[k].request_id, exc_info=exc)
+            self._fail(reqs[k].request_id, exc)
+
+        emit_rows(reqs, token_ids, self.scheduler.state.finish_codes, StreamEvent, end_row, fail_row)
 
     def _process_run(self, req: Request, run) -> None:
         """The ids a verified proposal emits, one event each, as if decoded one by one (the
@@ -419,6 +548,8 @@ class EngineCore:
     def _fail_all(self, exc: BaseException) -> None:
         while self._jobs:
             self._jobs.popleft().fail(exc)
+        if self._tick_rows is not None:
+            self._tick_rows.fail(exc)
         pending = list(self.groups.values()) + list(self._new)
         self.requests.clear()
         self.groups.clear()

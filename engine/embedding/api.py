@@ -1,7 +1,10 @@
 """Engine.embed / aembed / rerank / score: the facade's embedding half (a mixin of engine.api.Engine).
 
-Inputs are tokenized here, on the caller's thread; the forwards run on the engine thread between
-ticks (EngineCore.submit_job, engine/embedding/runner.py). An encoder (BERT) pools as its
+Inputs are tokenized here, on the caller's thread; the forwards run on the engine thread. A
+decoder's embedding rows go into the generation ticks' own forwards under the tick budget
+(engine/embedding/tick_rows.py); an encoder, which generates nothing, runs packed chunks of the
+waiting calls one per engine-loop turn (EngineCore.submit_job, engine/embedding/runner.py).
+An encoder (BERT) pools as its
 sentence-transformers directory says; a decoder pools with ``pooling`` (the engine option, else
 "last"), over the causal forward. ``rerank`` scores (query, document) pairs with a
 cross-encoder's classification head, or, for an embedding model, by the cosine of the two
@@ -18,7 +21,8 @@ import numpy as np
 from ..errors import InvalidParameterError
 from .inputs import EncodedInputs, InputEncoder, split_inputs, truncate_limit
 from .pooling import check_dimensions, check_pooling, finish
-from .runner import DecoderRunner, EmbedBatcher, EmbedJob, EncoderRunner
+from .runner import EmbedBatcher, EmbedJob, EncoderRunner
+from .tick_rows import TickRows
 
 
 @dataclass
@@ -45,25 +49,27 @@ class EmbedCall:
 
 
 class EmbeddingMixin:
-    _embedding = None  # (EmbedBatcher, InputEncoder), built on first use
+    _embedding = None  # (EmbedBatcher | TickRows, embedding size, InputEncoder), built on first use
 
     def _embedding_parts(self):
         if self._embedding is None:
             model = self.model
             if hasattr(model, "encode") and hasattr(model, "hidden_size"):
-                runner, is_encoder = EncoderRunner(model), True
-            elif hasattr(model, "forward_hidden"):
-                runner, is_encoder = DecoderRunner(model), False
+                queue = EmbedBatcher(self._core, EncoderRunner(model), busy_tokens=self.config.max_num_batched_tokens)
+                size, is_encoder = model.hidden_size, True
+            elif hasattr(model, "forward_with_hidden"):
+                queue = TickRows(self._core, self.config.block_size)
+                self._core.set_tick_rows(queue)
+                size, is_encoder = model.config.hidden_size, False
             else:
                 raise InvalidParameterError(f"{type(model).__name__} has no hidden states to embed", "model")
             max_len = min(self.max_model_len, getattr(model, "max_model_len", None) or self.max_model_len)
-            batcher = EmbedBatcher(self._core, runner, busy_tokens=self.config.max_num_batched_tokens)
-            self._embedding = batcher, InputEncoder(self.tokenizer, model.vocab_size, max_len, is_encoder)
+            self._embedding = queue, size, InputEncoder(self.tokenizer, model.vocab_size, max_len, is_encoder)
         return self._embedding
 
     @property
     def embedding_size(self) -> int:
-        return self._embedding_parts()[0].runner.size
+        return self._embedding_parts()[1]
 
     @property
     def pooling(self) -> str:
@@ -83,10 +89,10 @@ class EmbeddingMixin:
         truncate_param: str = "truncate",
     ) -> EmbedCall:
         """Validate and tokenize here, queue the forwards on the engine thread."""
-        batcher, encoder = self._embedding_parts()
+        batcher, size, encoder = self._embedding_parts()
         if not isinstance(normalize, bool):
             raise InvalidParameterError(f"normalize must be a boolean, got {normalize!r}", "normalize")
-        dimensions = check_dimensions(dimensions, batcher.runner.size)
+        dimensions = check_dimensions(dimensions, size)
         limit = truncate_limit(truncate, encoder.max_len, truncate_param)
         encoded = encoder.encode(split_inputs(inputs, param), limit, param)
         pooling = check_pooling(self.pooling)
@@ -115,7 +121,7 @@ class EmbeddingMixin:
     def submit_score(self, query: str, documents: list[str], param: str = "documents") -> EmbedCall:
         """Relevance of each document to the query, in document order (an EmbedCall of [N] scores):
         a cross-encoder's head (its activation applied), else the cosine of the embeddings."""
-        batcher, encoder = self._embedding_parts()
+        batcher, _, encoder = self._embedding_parts()
         if self.is_cross_encoder:
             num_labels = self.model.config.num_labels
             if num_labels != 1:

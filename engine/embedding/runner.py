@@ -1,12 +1,12 @@
-"""Embedding and scoring jobs, run on the engine thread between scheduler ticks.
+"""Embedding and scoring jobs of an encoder, run on the engine thread (an encoder generates
+nothing, so there are no generation ticks to join; a decoder's rows join them instead:
+engine/embedding/tick_rows.py).
 
 An EmbedJob holds one call's encoded inputs, sorted by length. The engine's EmbedBatcher runs
-the waiting jobs a packed chunk per ``step``, inputs of several calls in one forward: at most
-``busy_tokens`` (the tick budget) while generation streams run beside it, so a stream waits for
-no more than one tick's worth of prefill; up to IDLE_TOKENS otherwise.
-Nothing is kept between chunks: an encoder has no KV cache, and a decoder's chunk writes its
-K/V into a scratch cache that the next chunk overwrites. Results go to a
-``concurrent.futures.Future`` ([N, D] float32 in input order, or [N, num_labels] scores).
+the waiting jobs a packed chunk per ``step``, inputs of several calls in one forward, up to
+IDLE_TOKENS (or the tick budget, if larger). Nothing is kept between chunks (an encoder has no
+KV cache). Results go to a ``concurrent.futures.Future`` ([N, D] float32 in input order, or
+[N, num_labels] scores).
 """
 
 from __future__ import annotations
@@ -18,9 +18,8 @@ import threading
 import numpy as np
 import torch
 
-from ..batch import ForwardBatch
 from .inputs import EncodedInputs
-from .pooling import pool, pooled_rows
+from .pooling import pool
 
 # Tokens per chunk when no generation runs. Small on purpose: on this 2-core host under load (~19)
 # all-MiniLM-L6-v2 ran 28 texts/s in 256-token chunks, 12 in 1,024, 6 in 4,096 (64 texts of 10-250
@@ -45,63 +44,6 @@ class EncoderRunner:
     def score(self, ids: list[list[int]], type_ids: list[list[int]] | None) -> torch.Tensor:
         batch = self.pack_rows(ids, type_ids)
         return self.model.classify(self.model.encode(batch), batch.starts).float()  # [B, num_labels]
-
-
-class DecoderRunner:
-    """A generation model of the engine's interface with ``forward_hidden`` (engine.models.llama):
-    prefill-only forwards with the causal mask, pooled over the final-normed hidden states."""
-
-    BLOCK_SIZE = 16
-
-    def __init__(self, model):
-        self.model = model
-        self.size = model.config.hidden_size
-        self._cache = None
-        self._num_blocks = 0
-
-    def _scratch(self, num_blocks: int):
-        if num_blocks > self._num_blocks:
-            self._cache = self.model.make_kv_cache(num_blocks, self.BLOCK_SIZE)
-            self._num_blocks = num_blocks
-        return self._cache
-
-    def embed(self, ids: list[list[int]], type_ids, pooling: str) -> torch.Tensor:
-        bs = self.BLOCK_SIZE
-        lens = [len(seq) for seq in ids]
-        starts, block_starts = [0], [0]
-        for n in lens:
-            starts.append(starts[-1] + n)
-            block_starts.append(block_starts[-1] + -(-n // bs))
-        max_blocks = max(b - a for a, b in zip(block_starts, block_starts[1:]))
-        tables = torch.full((len(ids), max_blocks), -1, dtype=torch.int64)
-        for b, (a, z) in enumerate(zip(block_starts, block_starts[1:])):
-            tables[b, : z - a] = torch.arange(a, z)
-        positions = torch.cat([torch.arange(n, dtype=torch.int64) for n in lens])  # [T]
-        seq_base = torch.repeat_interleave(
-            torch.tensor(block_starts[:-1], dtype=torch.int64) * bs, torch.tensor(lens)
-        )
-        rows = pooled_rows(pooling, starts)
-        logit_rows = torch.arange(starts[-1]) if rows is None else torch.tensor(rows, dtype=torch.int64)
-        lens_t = torch.tensor(lens, dtype=torch.int64)
-        batch = ForwardBatch(
-            input_ids=torch.tensor([t for seq in ids for t in seq], dtype=torch.int64),
-            positions=positions,
-            slot_mapping=seq_base + positions,
-            query_starts=torch.tensor(starts, dtype=torch.int64),
-            context_lens=lens_t,
-            block_tables=tables,
-            logit_rows=logit_rows,
-            prompt_lens=lens_t,
-            query_starts_list=starts,
-            context_lens_list=lens,
-            num_decode_seqs=0,
-            block_size=bs,
-        )
-        hidden = self.model.forward_hidden(batch, self._scratch(block_starts[-1]))  # [S, E]
-        return pool(hidden, starts, pooling)
-
-    def score(self, ids, type_ids) -> torch.Tensor:
-        raise TypeError("a decoder has no classification head: scores come from embeddings")
 
 
 class EmbedJob:

@@ -139,6 +139,10 @@ def load_model(path: str | os.PathLike | None = None, dtype: str | None = None, 
             return load_encoder(path, "bfloat16" if "bfloat16" in (dtype, quantization) else "float32")
         return load_hf(path, **options)
     if is_gguf_file(path):
+        from engine.loader.encoder_loader import is_encoder_path, load_encoder_gguf
+
+        if is_encoder_path(path):  # a "bert" GGUF (llama.cpp's converter)
+            return load_encoder_gguf(path, "bfloat16" if "bfloat16" in (dtype, quantization) else "float32")
         return load_gguf(path, **options)
     raise ModelFileError(f"{path}: not a GGUF file (the first bytes are not 'GGUF') "
                          "and not a Hugging Face model directory", str(path))

@@ -1,9 +1,9 @@
 """BERT-family encoders: BertModel (embeddings) and BertForSequenceClassification (cross-encoders).
 
 Bidirectional attention, absolute learned positions, token types, post-LayerNorm blocks, GELU.
-The rows of B sequences are packed back to back ([T, E], no padding) through every projection;
-only attention pads, one [B, H, L, D] product per layer over sequences the caller sorted by
-length (engine/embedding/runner.py), with a key mask when their lengths differ.
+The rows of B sequences are packed back to back ([T, E], no padding) through every projection
+and attention: the caller sorts them by length (engine/embedding/runner.py) and attention runs
+once per run of equal lengths, over the real rows only (no padding, no mask).
 Weights: Hugging Face names (``embeddings.word_embeddings.weight``, ``encoder.layer.0...``; a
 ``bert.`` prefix, as BertForSequenceClassification saves them, is accepted).
 """
@@ -106,36 +106,38 @@ def pack_rows(ids: list[list[int]], type_ids: list[list[int]] | None = None) -> 
     )
 
 
-class _Padding:
-    """Where packed rows sit in a padded [B, L] grid, and which keys are real."""
+class _Runs:
+    """A packed batch's sequences in runs of equal length (the caller sorts by length): attention runs
+    once per run over [n, H, L, D], no padding and no mask; only the real rows are computed."""
 
     def __init__(self, starts: list[int]):
-        lens = [b - a for a, b in zip(starts, starts[1:])]
-        self.num_seqs, self.max_len = len(lens), max(lens)
-        self.is_uniform = all(n == self.max_len for n in lens)
-        if self.is_uniform:
-            self.index = self.key_mask = None
-            return
-        index = torch.cat([torch.arange(n, dtype=torch.int64) + b * self.max_len for b, n in enumerate(lens)])
-        self.index = index  # [T] row -> b * L + j
-        lens_t = torch.tensor(lens, dtype=torch.int64)
-        keep = torch.arange(self.max_len, dtype=torch.int64)[None, :] < lens_t[:, None]  # [B, L]
-        self.key_mask = keep[:, None, None, :]  # [B, 1, 1, L] bool, True = attend
+        self.runs: list[tuple[int, int, int]] = []  # (first row, row count, sequence length)
+        for a, b in zip(starts, starts[1:]):
+            n = b - a
+            if self.runs and self.runs[-1][2] == n:
+                first, count, _ = self.runs[-1]
+                self.runs[-1] = (first, count + n, n)
+            else:
+                self.runs.append((a, n, n))
 
-    def to_grid(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, H, D] -> [B, H, L, D] (padding rows zero)."""
-        B, L = self.num_seqs, self.max_len
-        if self.is_uniform:
-            return x.view(B, L, *x.shape[1:]).transpose(1, 2)
-        grid = x.new_zeros((B * L, *x.shape[1:]))
-        grid.index_copy_(0, self.index, x)
-        return grid.view(B, L, *x.shape[1:]).transpose(1, 2)
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q, k, v [T, H, D] -> [T, H * D], each sequence attending to its own rows only."""
+        T, H, D = q.shape
+        if len(self.runs) == 1:
+            return self._attend_run(q, k, v, *self.runs[0])
+        out = q.new_empty((T, H * D))
+        for first, count, length in self.runs:
+            rows = slice(first, first + count)
+            out[rows] = self._attend_run(q[rows], k[rows], v[rows], first, count, length)
+        return out
 
-    def from_grid(self, grid: torch.Tensor) -> torch.Tensor:
-        """[B, H, L, D] -> [T, H * D] (the real rows only)."""
-        B, H, L, D = grid.shape
-        rows = grid.transpose(1, 2).reshape(B * L, H * D)
-        return rows if self.is_uniform else rows.index_select(0, self.index)
+    @staticmethod
+    def _attend_run(q, k, v, first: int, count: int, length: int) -> torch.Tensor:
+        n = count // length
+        H, D = q.shape[1], q.shape[2]
+        grid = [t.view(n, length, H, D).transpose(1, 2) for t in (q, k, v)]  # [n, H, L, D] each
+        out = F.scaled_dot_product_attention(*grid)  # [n, H, L, D]
+        return out.transpose(1, 2).reshape(count, H * D)
 
 
 class EncoderLayer(nn.Module):
@@ -161,14 +163,11 @@ class EncoderLayer(nn.Module):
         self.ffn_norm = (w["ffn_norm.weight"], w["ffn_norm.bias"])  # [E] each
         self.shape = (config.hidden_size,)
 
-    def forward(self, x: torch.Tensor, padding: _Padding) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, runs: _Runs) -> torch.Tensor:
         T = x.shape[0]  # x [T, E] float32
         dt = self.dtype
         q, k, v = self.qkv(x.to(dt)).view(T, 3, self.num_heads, self.head_dim).unbind(1)  # [T, H, D] each
-        out = F.scaled_dot_product_attention(
-            padding.to_grid(q), padding.to_grid(k), padding.to_grid(v), attn_mask=padding.key_mask
-        )  # [B, H, L, D]
-        attn = self.attn_out(padding.from_grid(out)).float()  # [T, E]
+        attn = self.attn_out(runs.attend(q, k, v)).float()  # [T, E]
         x = F.layer_norm(x + attn, self.shape, *self.attn_norm, self.eps)
         h = F.gelu(self.up(x.to(dt)), approximate=self.approximate)  # [T, I]
         return F.layer_norm(x + self.down(h).float(), self.shape, *self.ffn_norm, self.eps)  # [T, E]
@@ -266,9 +265,9 @@ class BertModel(nn.Module):
             + F.embedding(batch.token_type_ids, self.token_type_embeddings)
         )  # [T, E]
         x = F.layer_norm(x, (self.hidden_size,), *self.embed_norm, self.config.layer_norm_eps)
-        padding = _Padding(batch.starts)
+        runs = _Runs(batch.starts)
         for layer in self.layers:
-            x = layer(x, padding)
+            x = layer(x, runs)
         return x
 
     @torch.inference_mode()

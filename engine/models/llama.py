@@ -297,6 +297,24 @@ class LlamaModel(nn.Module):
         return self.finish_logits(self.compute_logits(self.forward_hidden(batch, kv_cache)))
 
     @torch.inference_mode()
+    def forward_with_hidden(self, batch: ForwardBatch, kv_cache: PagedKVCache,
+                            hidden_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One forward -> (logits [S, V] of batch.logit_rows, final-normed hidden states [R, E] of
+        ``hidden_rows``): a generation tick that carries pooled embedding rows (engine/embedding/tick_rows.py)."""
+        logit_rows = batch.logit_rows
+        num_logits = logit_rows.shape[0]
+        batch.logit_rows = torch.cat([logit_rows, hidden_rows])
+        try:
+            hidden = self.forward_hidden(batch, kv_cache)  # [S + R, E]
+        finally:
+            batch.logit_rows = logit_rows
+        if num_logits:
+            logits = self.finish_logits(self.compute_logits(hidden[:num_logits]))
+        else:
+            logits = torch.empty((0, self.vocab_size), dtype=torch.float32)
+        return logits, hidden[num_logits:]
+
+    @torch.inference_mode()
     def forward_hidden(self, batch: ForwardBatch, kv_cache: PagedKVCache) -> torch.Tensor:
         """-> the final-normed hidden states of batch.logit_rows [S, E] (the head's input;
         pooled embeddings read them, engine/embedding)."""

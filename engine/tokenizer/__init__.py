@@ -12,6 +12,7 @@ The package, one module per concern:
     gguf.py           a GGUF file's embedded vocabulary, with llama.cpp's ids:
       gguf_bpe.py       "gpt2" byte-level BPE and "gemma4" vocabularies
       gguf_spm.py       "llama" SentencePiece vocabularies
+      gguf_wpm.py       "bert" WordPiece vocabularies
       gguf_special.py   llama.cpp's token types and special-token rules
     token_bytes.py    per-token bytes read off the decoder (the detokenizer's table)
 

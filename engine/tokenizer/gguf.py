@@ -8,7 +8,9 @@ Vocabulary types, as llama.cpp names them in `tokenizer.ggml.model`:
   "llama"  SentencePiece BPE: tokens + scores, U+2581 for spaces, `<0xNN>` byte fallback
            (gguf_spm.py);
   "gemma4" SentencePiece-style BPE: tokens + merges on raw UTF-8, U+2581 for spaces
-           (gguf_bpe.py).
+           (gguf_bpe.py);
+  "bert"   WordPiece in llama.cpp's phantom-space form, BERT's normalizer and [CLS]/[SEP]
+           post-processor (gguf_wpm.py).
 Token types (`tokenizer.ggml.token_type`, adjusted by llama.cpp's text heuristics in
 gguf_special.py) follow llama.cpp: control and unknown tokens become special added tokens
 (parsed in text, dropped by decode(skip_special_tokens=True)), user-defined tokens become
@@ -186,7 +188,14 @@ def vocab_from_metadata(metadata: dict) -> GGUFVocab:
     check_special_ids(metadata, len(tokens))
     types, eos_ids = llamacpp_special_tokens(metadata, tokens, token_types(metadata, len(tokens)))
     missing_byte_id = None
-    if model_type == "gpt2":
+    added_texts = tokens  # the texts add_typed_tokens registers
+    if model_type == "bert":
+        from .gguf_wpm import build_wpm_backend, wordpiece_tokens
+        file_types = token_types(metadata, len(tokens))
+        backend = build_wpm_backend(metadata, tokens, file_types)
+        added_texts = wordpiece_tokens(tokens, file_types)
+        add_bos_default = False
+    elif model_type == "gpt2":
         from .gguf_bpe import build_bpe_backend, default_add_bos
         backend, missing_byte_id = build_bpe_backend(metadata, tokens)
         add_bos_default = default_add_bos(metadata.get("tokenizer.ggml.pre"))
@@ -201,9 +210,9 @@ def vocab_from_metadata(metadata: dict) -> GGUFVocab:
     else:
         raise ValueError(
             f"tokenizer.ggml.model {model_type!r} is not supported (supported: 'gpt2' byte-level BPE, "
-            "'llama' SentencePiece BPE, 'gemma4' SentencePiece-style BPE)"
+            "'llama' SentencePiece BPE, 'gemma4' SentencePiece-style BPE, 'bert' WordPiece)"
         )
-    add_typed_tokens(backend, tokens, types)
+    add_typed_tokens(backend, added_texts, types)
     lstrip_ids, rstrip_ids = strip_attributes(metadata, tokens, types)
     bos_id, add_bos = bos_settings(metadata, len(tokens), add_bos_default)
     if model_type == "gemma4" and bos_id is not None:
