@@ -187,6 +187,8 @@ def check_startup(path: str | os.PathLike, config, *, weights_loaded: bool = Fal
     from .models.llama import kv_cache_bytes
 
     check_model_path(path)
+    if config.prefix_cache_dir is not None:
+        check_prefix_cache_dir(config.prefix_cache_dir)
     if is_encoder_path(path):  # an encoder keeps no KV cache, and its
         return  # weights (tens of MB for the BERT family) are not estimated here
     model_config, kv_dtype, weights_bytes = model_footprint(path, config.dtype, config.quantization)
@@ -202,6 +204,18 @@ def check_startup(path: str | os.PathLike, config, *, weights_loaded: bool = Fal
         if os.path.realpath(config.draft_model) != os.path.realpath(path):  # a model drafting for itself shares
             weights_bytes += draft_weights
     check_memory(resolved, kv_bytes, weights_bytes, param=param)
+
+
+def check_prefix_cache_dir(path: str) -> None:
+    """The prefix cache's directory exists (made here) and is writable, else InvalidParameterError."""
+    from .errors import InvalidParameterError
+
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        raise InvalidParameterError(f"prefix_cache_dir {path!r}: {exc.strerror or exc}", "prefix_cache_dir") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise InvalidParameterError(f"prefix_cache_dir {path!r} is not writable", "prefix_cache_dir")
 
 
 # ---------------------------------------------------------------- the server's port
