@@ -109,6 +109,11 @@ def child_main(max_batch: int, max_tokens: int) -> None:
     from engine.params import SamplingParams
     from webapp import make_server
 
+    try:  # the compute threads Engine.from_pretrained sets (the sampler shares its rows with them)
+        from engine.models.threads import apply_thread_policy
+        apply_thread_policy()
+    except ImportError:
+        pass
     tok = engine.load_tokenizer(default_model_path())
     script = tok.encode(SCRIPT_TEXT, add_special_tokens=False)
     max_model_len = max_tokens + 64

@@ -5,12 +5,20 @@ computes it; with prefix caching the second request reuses its full KV blocks an
 computes its own tail. Both runs use the default model and default engine settings; each
 repeat uses a fresh system prompt so that the first request is always cold.
 
-    .venv/bin/python benchmarks/prefix_cache.py [--system-tokens 2000] [--repeats 3]
+The restart row: an engine on a prefix_cache_dir prefills a long prompt (8,160 tokens, near
+the default model's 8,192 context) cold, is closed (its blocks reach the disk), and a new
+engine on the same directory answers the same prompt, its blocks read from disk. Cold and
+restart alternate per repeat, each repeat with a fresh prompt. The new engine shares the
+weights loaded in this process (a fresh KV cache, no memory prefix cache), and the files come
+from the page cache, as after a quick restart of a server.
+
+    .venv/bin/python benchmarks/prefix_cache.py [--system-tokens 2000] [--restart-tokens 8160] [--repeats 3]
 """
 from __future__ import annotations
 
 import argparse
 import statistics
+import tempfile
 import time
 
 from benchmarks.common import environment, fmt_stats, print_table, summarize, write_json
@@ -38,6 +46,7 @@ def ttft(eng: Engine, prompt: list[int]) -> float:
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--system-tokens", type=int, default=2000)
+    parser.add_argument("--restart-tokens", type=int, default=8160, help="0: no restart row")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
     path = default_model_path()
@@ -71,8 +80,37 @@ def main(argv=None) -> dict:
                 title=f"{args.system_tokens}-token shared system prompt, default model,"
                       f" medians of {args.repeats} (min-max)")
     print(f"second-request TTFT, caching off / on: {speedup:.1f}x")
+    if args.restart_tokens:
+        results["restart"] = restart_row(tok, base, args.restart_tokens, args.repeats)
     print(f"JSON: {write_json('prefix_cache', results)}")
     return results
+
+
+def restart_row(tok, base: list[int], num_tokens: int, repeats: int) -> dict:
+    colds, restarts, hits = [], [], []
+    text = tok.decode(base)
+    long_base = tok.encode(text * (num_tokens // len(base) + 2), add_special_tokens=False)
+    with tempfile.TemporaryDirectory(prefix="prefix-cache-bench-") as cache_dir:
+        with Engine.from_pretrained(prefix_cache_dir=cache_dir) as eng:
+            model = eng.model  # held: the engines below share the loaded weights
+            ttft(eng, tok.encode("warm up", add_special_tokens=False))
+        for r in range(repeats):
+            prompt = (tok.encode(f"Document {r}. ", add_special_tokens=False) + long_base)[:num_tokens]
+            with Engine.from_pretrained(prefix_cache_dir=cache_dir) as eng:
+                colds.append(ttft(eng, prompt))
+            with Engine.from_pretrained(prefix_cache_dir=cache_dir) as eng:
+                restarts.append(ttft(eng, prompt))
+                hits.append(eng.stats()["num_prefix_cache_disk_hit_tokens"])
+            print(f"restart repeat {r}: cold {colds[-1]:.2f} s, after restart {restarts[-1]:.3f} s, "
+                  f"{hits[-1]} tokens from disk", flush=True)
+        del model
+    speedup = statistics.median(colds) / statistics.median(restarts)
+    print_table(["prompt tokens", "cold TTFT s", "TTFT after restart s", "tokens read from disk", "cold / restart"],
+                [[num_tokens, fmt_stats(summarize(colds), ".2f"), fmt_stats(summarize(restarts), ".3f"),
+                  statistics.median(hits), f"{speedup:.1f}x"]],
+                title=f"restart on the same prefix_cache_dir, default model, medians of {repeats} (min-max)")
+    return {"prompt_tokens": num_tokens, "cold_ttft": summarize(colds), "restart_ttft": summarize(restarts),
+            "disk_hit_tokens": hits, "speedup": speedup, "samples": {"cold": colds, "restart": restarts}}
 
 
 if __name__ == "__main__":

@@ -28,8 +28,6 @@ cdef class ChunkWriter:
     cdef bytes _take(self)
     cdef int _choice0_head(self) except -1
     cpdef bytes event(self, str text, object logprobs, object finish_reason, long long index=*)
-    cpdef bytes tool_event(self, str text, bytes tool_calls_json, object logprobs, object finish_reason,
-                           long long index=*)
     cpdef bytes delta_event(self, str text, object reasoning, object tool_calls_json, object logprobs,
                             object finish_reason, long long index=*)
     cpdef bytes usage(self, long long prompt_tokens, long long completion_tokens)

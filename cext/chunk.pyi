@@ -14,10 +14,6 @@ class ChunkWriter:
     def event(
         self, text: str, logprobs: list[TokenLogprob] | None, finish_reason: str | None, index: int = 0
     ) -> bytes: ...
-    def tool_event(
-        self, text: str, tool_calls_json: bytes, logprobs: list[TokenLogprob] | None, finish_reason: str | None,
-        index: int = 0,
-    ) -> bytes: ...
     def delta_event(
         self, text: str, reasoning: str | None, tool_calls_json: bytes | None, logprobs: list[TokenLogprob] | None,
         finish_reason: str | None, index: int = 0,

@@ -352,13 +352,6 @@ cdef class ChunkWriter:
         else:
             self.text_offsets[index] = self.text_offsets.get(index, 0) + num_chars
 
-    cpdef bytes tool_event(self, str text, bytes tool_calls_json, object logprobs, object finish_reason,
-                           long long index=0):
-        """A chat event with tool call deltas: ``tool_calls_json`` is the JSON array of
-        ``delta.tool_calls`` (written as is); ``content`` is null when ``text`` is empty.
-        Requests with tools only: the per-token ``event`` path stays as it is."""
-        return self.delta_event(text, None, tool_calls_json, logprobs, finish_reason, index)
-
     cpdef bytes delta_event(self, str text, object reasoning, object tool_calls_json, object logprobs,
                             object finish_reason, long long index=0):
         """A chat event whose delta has more than content: ``reasoning`` (str or None) is written as

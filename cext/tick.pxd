@@ -1,6 +1,17 @@
 # The scheduler tick: per-slot sequence state in numpy arrays and the batch builder.
 cimport cython
-from libc.stdint cimport int32_t, int64_t
+from libc.stdint cimport int8_t, int32_t, int64_t
+
+
+# decode_commit's verdict per entry (TickState.finish_codes). Python: cext.tick.FinishCode.
+cpdef enum FinishCode:
+    FINISH_NONE = 0      # keeps running (as far as ids and lengths tell: stop strings are the text's)
+    FINISH_STOP_ID = 1   # its new id is one of its stop ids, past min_tokens
+    FINISH_LENGTH = 2    # max_tokens generated, or max_model_len reached
+    FINISH_UNKNOWN = 3   # more stop ids than the slot's table holds: the caller decides
+
+cdef enum:
+    MAX_STOP_IDS = 8     # stop ids a slot's finish rule holds
 
 
 # What TickState.plan decided for the running sequences.
@@ -81,6 +92,21 @@ cdef class TickState:
     cdef int32_t[::1] _span_counts
     cdef int32_t[::1] _span_positions
 
+    # Finish rules per slot (set_finish_rule), read by decode_commit.
+    cdef readonly object max_generated       # [max_num_seqs] int32, max_tokens
+    cdef readonly object min_generated       # [max_num_seqs] int32, min_tokens (stop ids end only past it)
+    cdef readonly object stop_ids            # [max_num_seqs, MAX_STOP_IDS] int32
+    cdef readonly object num_stop_ids        # [max_num_seqs] int32
+    cdef int32_t[::1] _max_generated
+    cdef int32_t[::1] _min_generated
+    cdef int32_t[:, ::1] _stop_ids
+    cdef int32_t[::1] _num_stop_ids
+
+    # The decode-only steady state: one layout reused while the batch size and width stay.
+    cdef BatchLayout _decode_layout
+    cdef readonly object finish_codes        # [max_num_seqs] int8, FINISH_* per entry of decode_commit
+    cdef int8_t[::1] _finish_codes
+
     cpdef TickPlan plan(self, const int32_t[::1] running, int num_running, int budget, int max_prefill_tokens,
                      int max_chunk)
     cpdef int top_up(self, int first, int last, int left) except -1
@@ -89,4 +115,9 @@ cdef class TickState:
     cpdef BatchLayout build(self)
     cpdef int commit(self, const int32_t[::1] slots, const int32_t[::1] num_new, const int64_t[::1] epochs,
                      const int32_t[::1] sample_entries, const int64_t[::1] sampled_ids) except -1
+    cpdef int set_finish_rule(self, int slot, int max_tokens, int min_tokens, stop_ids) except -1
+    cpdef int decode_plan(self, const int32_t[::1] running, int num_running) except -2
+    cpdef BatchLayout decode_build(self)
+    cdef BatchLayout _new_layout(self, int B, int width)
+    cpdef int decode_commit(self, const int64_t[::1] sampled_ids) except -1
     cdef inline int _blocks_for(self, int num_tokens) noexcept nogil

@@ -1,5 +1,13 @@
 """Type stubs for the compiled scheduler tick (cext/tick.pyx)."""
+import enum
+
 import numpy as np
+
+class FinishCode(enum.IntEnum):
+    FINISH_NONE = 0  # keeps running (stop strings are the text's business)
+    FINISH_STOP_ID = 1  # its new id is one of its stop ids, past min_tokens
+    FINISH_LENGTH = 2  # max_tokens generated, or max_model_len reached
+    FINISH_UNKNOWN = 3  # more stop ids than the slot's table holds: the caller decides
 
 class TickPlan:
     num_decodes: int  # entries 0..num_decodes-1 run one token each
@@ -48,6 +56,11 @@ class TickState:
     span_firsts: np.ndarray
     span_counts: np.ndarray
     span_positions: np.ndarray
+    max_generated: np.ndarray  # [max_num_seqs] int32
+    min_generated: np.ndarray  # [max_num_seqs] int32
+    stop_ids: np.ndarray  # [max_num_seqs, 8] int32
+    num_stop_ids: np.ndarray  # [max_num_seqs] int32, -1: more than the table holds
+    finish_codes: np.ndarray  # [max_num_seqs] int8, FinishCode per entry of decode_commit
     def __init__(self, max_num_seqs: int, max_model_len: int, block_size: int) -> None: ...
     def plan(
         self, running: np.ndarray, num_running: int, budget: int, max_prefill_tokens: int, max_chunk: int
@@ -64,3 +77,7 @@ class TickState:
         sample_entries: np.ndarray,
         sampled_ids: np.ndarray,
     ) -> int: ...
+    def set_finish_rule(self, slot: int, max_tokens: int, min_tokens: int, stop_ids) -> int: ...
+    def decode_plan(self, running: np.ndarray, num_running: int) -> int: ...
+    def decode_build(self) -> BatchLayout: ...
+    def decode_commit(self, sampled_ids: np.ndarray) -> int: ...

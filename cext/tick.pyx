@@ -7,9 +7,15 @@ touches no per-sequence Python object. The policy (which sequences, how many tok
 sequences in admission order until the token budget is spent. The scheduler then admits
 waiting sequences with ``add_entry``, hands what budget is left back to chunks cut short
 (``top_up``) and calls ``build`` for the model's arrays.
+
+The decode-only steady state (every running sequence has one token to compute, nothing
+waits) has its own three calls, one per tick each: ``decode_plan`` (the same entries as
+``plan``, or -1 when the state is not steady), ``decode_build`` (``build`` into one layout
+reused across ticks) and ``decode_commit`` (``commit`` plus each entry's finish verdict from
+its slot's rule: stop ids past min_tokens, max_tokens, max_model_len).
 """
 cimport cython
-from libc.stdint cimport int32_t, int64_t
+from libc.stdint cimport int8_t, int32_t, int64_t
 
 import numpy as np
 
@@ -89,6 +95,18 @@ cdef class TickState:
         self._span_firsts = self.span_firsts
         self._span_counts = self.span_counts
         self._span_positions = self.span_positions
+
+        self.max_generated = np.zeros(max_num_seqs, dtype=np.int32)
+        self.min_generated = np.zeros(max_num_seqs, dtype=np.int32)
+        self.stop_ids = np.full((max_num_seqs, MAX_STOP_IDS), -1, dtype=np.int32)
+        self.num_stop_ids = np.zeros(max_num_seqs, dtype=np.int32)
+        self._max_generated = self.max_generated
+        self._min_generated = self.min_generated
+        self._stop_ids = self.stop_ids
+        self._num_stop_ids = self.num_stop_ids
+        self.finish_codes = np.zeros(max_num_seqs, dtype=np.int8)
+        self._finish_codes = self.finish_codes
+        self._decode_layout = None
 
     cdef inline int _blocks_for(self, int num_tokens) noexcept nogil:
         return (num_tokens + self.block_size - 1) // self.block_size
@@ -316,3 +334,149 @@ cdef class TickState:
                     self._num_tokens[s] = n + 1
                     num_appended += 1
         return num_appended
+
+    # ---- the decode-only steady state ----
+
+    cpdef int set_finish_rule(self, int slot, int max_tokens, int min_tokens, stop_ids) except -1:
+        """The rule decode_commit applies to ``slot``: finished at ``max_tokens`` generated ids (or at
+        max_model_len), or at one of ``stop_ids`` once more than ``min_tokens`` are generated. More than
+        MAX_STOP_IDS stop ids: past min_tokens the verdict is FINISH_UNKNOWN (the caller checks)."""
+        cdef int k = 0, num = len(stop_ids)
+        if slot < 0 or slot >= self.max_num_seqs:
+            raise ValueError(f"slot {slot} is not in [0, {self.max_num_seqs})")
+        self._max_generated[slot] = max_tokens
+        self._min_generated[slot] = min_tokens
+        if num > MAX_STOP_IDS:
+            self._num_stop_ids[slot] = -1
+            return 0
+        for token_id in stop_ids:
+            self._stop_ids[slot, k] = token_id
+            k += 1
+        self._num_stop_ids[slot] = num
+        return 0
+
+    cpdef int decode_plan(self, const int32_t[::1] running, int num_running) except -2:
+        """``plan`` for the steady state: when every running slot (admission order) has exactly one
+        token to compute and owes no prompt logprobs, plan one decode entry each (what ``plan``
+        plans then) and return the blocks they need beyond those they hold; else -1, nothing planned."""
+        cdef int i, s, need, total_need = 0
+        if num_running > self.max_num_seqs or num_running > running.shape[0]:
+            raise ValueError("num_running exceeds the slots")
+        with nogil:
+            for i in range(num_running):
+                s = running[i]
+                if self._num_tokens[s] - self._num_computed[s] != 1 or self._next_logprob_pos[s] >= 0:
+                    return -1
+            for i in range(num_running):
+                s = running[i]
+                need = self._blocks_for(self._num_tokens[s]) - self._num_blocks[s]
+                if need < 0:
+                    need = 0
+                self._entry_slots[i] = s
+                self._entry_num_new[i] = 1
+                self._entry_num_new_blocks[i] = need
+                total_need += need
+        self.num_entries = num_running
+        self.num_batch_tokens = num_running
+        return total_need
+
+    cpdef BatchLayout decode_build(self):
+        """``build`` for a plan of decode entries only, written into the previous decode tick's layout
+        when the batch size and block-table width are the same (the same BatchLayout object and
+        arrays: valid until the next build), else into a new one."""
+        cdef int B = self.num_entries, i, s, c, nb, k, width = 1, bs = self.block_size
+        for i in range(B):
+            s = self._entry_slots[i]
+            if self._entry_num_new[i] != 1 or self._num_tokens[s] != self._num_computed[s] + 1:
+                raise ValueError(f"entry {i} (slot {s}) is not a decode")
+            nb = self._blocks_for(self._num_tokens[s])
+            if nb > self._num_blocks[s]:
+                raise RuntimeError(f"slot {s} needs {nb} blocks but holds {self._num_blocks[s]}")
+            if nb > width:
+                width = nb
+        cdef BatchLayout layout = self._decode_layout
+        if layout is None or layout.num_seqs != B or layout.width != width:
+            layout = self._new_layout(B, width)
+            self._decode_layout = layout
+        cdef int64_t[::1] out = layout.flat
+        cdef int64_t o_pos = B, o_slot = 2 * B, o_qs = 3 * B
+        cdef int64_t o_ctx = o_qs + B + 1, o_plen = o_ctx + B, o_bt = o_plen + B
+        cdef int64_t o_logits = o_bt + <int64_t> B * width
+        with nogil:
+            for i in range(B):
+                s = self._entry_slots[i]
+                c = self._num_computed[s]
+                out[i] = self._tokens[s, c]
+                out[o_pos + i] = c
+                out[o_slot + i] = <int64_t> self._block_tables[s, c // bs] * bs + c % bs
+                out[o_qs + i] = i
+                out[o_ctx + i] = c + 1
+                out[o_plen + i] = self._num_prompt_tokens[s]
+                nb = self._blocks_for(c + 1)
+                for k in range(nb):
+                    out[o_bt + <int64_t> i * width + k] = self._block_tables[s, k]
+                for k in range(nb, width):
+                    out[o_bt + <int64_t> i * width + k] = -1
+                out[o_logits + i] = i
+                self._sample_entries[i] = i
+                self._sample_logit_idx[i] = i
+            out[o_qs + B] = B
+        return layout
+
+    cdef BatchLayout _new_layout(self, int B, int width):
+        """A decode layout of B rows (T = B, one logit row each) and its views."""
+        cdef int64_t o_qs = 3 * B, o_ctx = o_qs + B + 1, o_plen = o_ctx + B, o_bt = o_plen + B
+        cdef int64_t o_logits = o_bt + <int64_t> B * width
+        flat = np.empty(o_logits + B, dtype=np.int64)
+        cdef BatchLayout layout = BatchLayout.__new__(BatchLayout)
+        layout.flat = flat
+        layout.num_seqs = B
+        layout.num_tokens = B
+        layout.width = width
+        layout.num_logit_rows = B
+        layout.num_samples = B
+        layout.num_spans = 0
+        layout.input_ids = flat[:B]
+        layout.positions = flat[B:2 * B]
+        layout.slot_mapping = flat[2 * B:o_qs]
+        layout.query_starts = flat[o_qs:o_ctx]
+        layout.context_lens = flat[o_ctx:o_plen]
+        layout.prompt_lens = flat[o_plen:o_bt]
+        layout.block_tables = flat[o_bt:o_logits].reshape(B, width)
+        layout.logit_rows = flat[o_logits:o_logits + B]
+        return layout
+
+    cpdef int decode_commit(self, const int64_t[::1] sampled_ids) except -1:
+        """``commit`` for the decode plan just built (entry i sampled ``sampled_ids[i]``): every entry
+        computed its token and appends the new one; ``finish_codes[i]`` gets entry i's FINISH_*
+        verdict from its slot's finish rule. Returns the number of entries."""
+        cdef int B = self.num_entries, i, k, s, n, num_generated, code
+        cdef int32_t token_id
+        if sampled_ids.shape[0] != B:
+            raise ValueError(f"expected {B} sampled ids, got {sampled_ids.shape[0]}")
+        for i in range(B):
+            if self._num_tokens[self._entry_slots[i]] >= self.max_model_len:
+                raise ValueError(f"slot {self._entry_slots[i]} is full (max_model_len={self.max_model_len})")
+        with nogil:
+            for i in range(B):
+                s = self._entry_slots[i]
+                token_id = <int32_t> sampled_ids[i]
+                n = self._num_tokens[s]
+                self._num_computed[s] = n
+                self._tokens[s, n] = token_id
+                n += 1
+                self._num_tokens[s] = n
+                num_generated = n - self._num_prompt_tokens[s]
+                code = FINISH_NONE
+                if num_generated > self._min_generated[s]:
+                    if self._num_stop_ids[s] < 0:
+                        code = FINISH_UNKNOWN
+                    else:
+                        for k in range(self._num_stop_ids[s]):
+                            if self._stop_ids[s, k] == token_id:
+                                code = FINISH_STOP_ID
+                                break
+                if code == FINISH_NONE and (num_generated >= self._max_generated[s] or n >= self.max_model_len):
+                    code = FINISH_LENGTH
+                self._finish_codes[i] = code
+        return B

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import queue
+import sys
 import weakref
 from collections.abc import Sequence as SequenceABC
 
@@ -77,6 +78,10 @@ class Engine(EmbeddingMixin):
         from .startup import LoadProgress, check_startup
         from .tokenizer import load_tokenizer
 
+        if "prefix_cache_dir" not in options and "ipykernel" in sys.modules:  # a notebook: on by default
+            from .core.prefix_disk import default_prefix_cache_dir
+
+            options = {**options, "prefix_cache_dir": default_prefix_cache_dir()}
         config = EngineConfig.from_options(options)
         apply_thread_policy(config.num_threads)
         path = default_model_path() if model is None else os.fspath(model)
@@ -98,6 +103,10 @@ class Engine(EmbeddingMixin):
                     _shared_models[key] = loaded
                 except TypeError:  # a model type without weak references: not shared
                     pass
+            if config.prefix_cache_dir is not None and getattr(loaded, "file_identity", None) is None:
+                from .core.prefix_disk import file_identity
+
+                loaded.file_identity = {"files": file_identity(path), "load": config.load_options}
             load.stage("allocating KV cache")
             eng = cls(loaded, tokenizer, **runtime_options)
         release_free_heap()
@@ -250,6 +259,17 @@ class Engine(EmbeddingMixin):
         self._core.submit(first.group)
         return first, prompts
 
+    def cache_prompt(self, prompt: str | list[int]) -> int:
+        """Compute a prompt's KV blocks into the prefix cache (mlx-lm's ``cache_prompt``) and, with
+        ``prefix_cache_dir``, wait until they are on disk: a later request, or a later engine on the
+        same directory, starting with this prompt prefills only what follows its last full block.
+        Returns the prompt tokens now cached (its full blocks)."""
+        prompt_ids = self._prompt_ids(prompt)
+        self.submit(prompt_ids, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)).collect()
+        self._core.flush_disk()
+        block_size = self.config.block_size
+        return len(prompt_ids) // block_size * block_size if self.config.enable_prefix_caching else 0
+
     # ----- one-shot wrappers -----
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                  progress: bool = False) -> list[Completion]:
@@ -391,7 +411,7 @@ class Engine(EmbeddingMixin):
     async def achat(self, messages: list[dict], params: SamplingParams | None = None,
                     tools: list[dict] | None = None, tool_choice=None,
                     parallel_tool_calls: bool = True,
-             chat_template_kwargs: dict | None = None) -> Completion | list[Completion]:
+                    chat_template_kwargs: dict | None = None) -> Completion | list[Completion]:
         stream = self.astream_chat(messages, params, tools=tools, tool_choice=tool_choice,
                                    parallel_tool_calls=parallel_tool_calls, chat_template_kwargs=chat_template_kwargs)
         return await stream.collect_reply()

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from .errors import InvalidParameterError
 from .outputs import StreamEvent
 from .params import SamplingParams
-from .reasoning import markers_are_special, reasoning_filter
+from .reasoning import reasoning_filter
 
 
 @dataclass(slots=True)
@@ -61,7 +61,7 @@ def prepare_chat(tokenizer, messages, params: SamplingParams | None = None, tool
     if hook is not None:
         params = hook.sampling_params(params)
     reasoning = reasoning_filter(tokenizer, prompt_ids, params)
-    if reasoning is not None and markers_are_special(tokenizer, reasoning.markers):
+    if reasoning is not None and tokenizer.is_special_text(reasoning.markers):  # kept in the text for the parser
         params = dataclasses.replace(params or SamplingParams(), skip_special_tokens=False)
     tool_filter = None if hook is None else hook.event_filter()
     return ChatPrompt(prompt_ids, params, _chain(reasoning, tool_filter), hook)

@@ -35,6 +35,7 @@ MIN_KV_CACHE_TOKENS = 16384
 # Speculative decoding (engine/core/speculative.py): the contract's methods; only "ngram" is built.
 SPECULATIVE = ("ngram", "draft", "auto")
 MAX_NUM_SPECULATIVE_TOKENS = 16
+DEFAULT_PREFIX_CACHE_DISK_BYTES = 8 << 30
 
 
 def _option(default, help: str, *, load: bool = False, cli: bool = True):
@@ -64,6 +65,12 @@ class EngineConfig:
     target_tick_seconds: float | None = _option(
         DEFAULT_TARGET_TICK_SECONDS, "prefill paced so a tick takes about this long while streams decode "
         "(None: always fill max_num_batched_tokens)", cli=False)
+    # -- the prefix cache's disk tier (engine/core/prefix_disk.py) --
+    prefix_cache_dir: str | None = _option(
+        None, "keep full KV blocks of prompts in this directory across restarts (command lines: the user "
+        "cache dir's llm-engine/prefix unless LLM_ENGINE_PREFIX_CACHE_DIR says otherwise; 'off': none)")
+    prefix_cache_disk_bytes: int = _option(DEFAULT_PREFIX_CACHE_DISK_BYTES,
+                                           "most bytes the prefix cache directory holds (LRU eviction)")
     # -- speculative decoding --
     speculative: str | None = _option(None, "speculative decoding: ngram (prompt lookup; greedy requests); "
                                       "default off")
@@ -76,7 +83,8 @@ class EngineConfig:
         if self.quantization not in QUANTIZATIONS:
             raise InvalidParameterError(
                 f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}", "quantization")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_waiting"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_waiting",
+                     "prefix_cache_disk_bytes"):
             _check_positive_int(name, getattr(self, name))
         for name in ("num_threads", "max_model_len", "kv_cache_tokens"):
             if getattr(self, name) is not None:
@@ -91,6 +99,11 @@ class EngineConfig:
         if not isinstance(self.enable_prefix_caching, bool):
             raise InvalidParameterError(
                 f"enable_prefix_caching must be a boolean, got {self.enable_prefix_caching!r}", "enable_prefix_caching")
+        if self.prefix_cache_dir is not None and (not isinstance(self.prefix_cache_dir, str)
+                                                  or not self.prefix_cache_dir):
+            raise InvalidParameterError(
+                f"prefix_cache_dir must be None or a directory path, got {self.prefix_cache_dir!r}",
+                "prefix_cache_dir")
         if self.speculative is not None and self.speculative not in SPECULATIVE:
             raise InvalidParameterError(
                 f"speculative must be None or one of {', '.join(SPECULATIVE)}, got {self.speculative!r}",
@@ -173,16 +186,28 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         if f.type in (bool, "bool"):
             group.add_argument(flag, dest=f.name, action="store_true", default=None, help=f.metadata["help"])
             continue
-        kind = str if f.name in ("dtype", "quantization", "speculative", "draft_model", "pooling") else int
+        kind = str if f.name in ("dtype", "quantization", "speculative", "draft_model", "pooling",
+                                 "prefix_cache_dir") else int
         choices = {"dtype": DTYPES, "quantization": QUANTIZATIONS, "speculative": SPECULATIVE,
                    "pooling": POOLINGS}.get(f.name)
         group.add_argument(flag, dest=f.name, type=kind, choices=choices, default=None, help=f.metadata["help"])
 
 
 def engine_options_from_args(args: argparse.Namespace) -> dict:
-    """The options given on the command line (flags left out keep the EngineConfig defaults)."""
-    return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)
-            if f.metadata["cli"] and getattr(args, f.name, None) is not None}
+    """The options given on the command line (flags left out keep the EngineConfig defaults, except
+    ``prefix_cache_dir``: a command line keeps prompts on disk by default, default_prefix_cache_dir)."""
+    from .core.prefix_disk import default_prefix_cache_dir
+
+    options = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)
+               if f.metadata["cli"] and getattr(args, f.name, None) is not None}
+    cache_dir = options.pop("prefix_cache_dir", None)
+    if cache_dir is None:
+        cache_dir = default_prefix_cache_dir()
+    elif cache_dir.strip().lower() in ("", "off", "none"):
+        cache_dir = None
+    if cache_dir is not None:
+        options["prefix_cache_dir"] = cache_dir
+    return options
 
 
 __all__ = ["DTYPES", "QUANTIZATIONS", "EngineConfig", "add_engine_arguments", "engine_options_from_args"]

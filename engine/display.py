@@ -31,6 +31,9 @@ def _completion_rows(completion, show_ids: bool) -> list[tuple[str, str]]:
     ]
     calls = getattr(completion, "tool_calls", None) or ()
     rows[:0] = [("tool call", f"{call.name}({call.arguments})  id={call.id}") for call in calls]
+    reasoning = getattr(completion, "reasoning_content", None)
+    if reasoning is not None:
+        rows.insert(0, ("reasoning_content", repr(reasoning)))
     if show_ids:
         rows.append(("prompt_token_ids", str(completion.prompt_token_ids)))
         rows.append(("token_ids", str(completion.token_ids)))

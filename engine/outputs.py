@@ -136,6 +136,8 @@ class Completion:
         from .display import short_text
 
         calls = f"tool_calls={[c.name for c in self.tool_calls]!r}, " if self.tool_calls else ""
+        if self.reasoning_content is not None:
+            calls = f"reasoning_content={short_text(self.reasoning_content)!r}, " + calls
         return (f"Completion(text={short_text(self.text)!r}, {calls}finish_reason={self.finish_reason!r}, "
                 f"usage=Usage(prompt_tokens={self.usage.prompt_tokens}, "
                 f"completion_tokens={self.usage.completion_tokens}), request_id={self.request_id!r})")

@@ -28,8 +28,8 @@ from __future__ import annotations
 
 from .outputs import StreamEvent
 
-__all__ = ["MARKERS", "ReasoningEventFilter", "ReasoningParser", "markers_are_special", "prompt_opens_reasoning",
-           "reasoning_filter", "reasoning_markers"]
+__all__ = ["MARKERS", "ReasoningEventFilter", "ReasoningParser", "prompt_opens_reasoning", "reasoning_filter",
+           "reasoning_markers"]
 
 # (opening tag, closing tag) of the reasoning formats, in the order they are looked for.
 MARKERS: tuple[tuple[str, str], ...] = (("<think>", "</think>"),)  # a tag's first character occurs once in it
@@ -145,9 +145,3 @@ def reasoning_filter(tokenizer, prompt_ids: list[int], params) -> ReasoningEvent
         return None
     tail = tokenizer.decode(prompt_ids[-_PROMPT_TAIL_IDS:], skip_special_tokens=False)
     return ReasoningEventFilter(markers, prompt_opens_reasoning(tail, markers))
-
-
-def markers_are_special(tokenizer, markers: tuple[str, str]) -> bool:
-    """True when a marker is one special token (dropped by skip_special_tokens: then kept for parsing)."""
-    special = tokenizer.special_token_ids
-    return any(tokenizer.token_to_id(marker) in special for marker in markers)

@@ -14,10 +14,10 @@ import pytest
 
 from engine.tokenizer import ChatTemplateError, Tokenizer, load_tokenizer
 from engine.tokenizer.chat_template import check_template_kwargs
-from tests.reasoning_fixtures import TEMPLATES, tokenizer_with
+from tests.reasoning_fixtures import tokenizer_with
 from tests.test_tool_templates import TOOLS, as_transformers_serves_it, history
+from tests.tokenizer_fixtures import vocab_data_file
 
-TESTDATA = TEMPLATES.parents[2] / ".cache" / "testdata"
 FILES = ["Qwen-Qwen3-0.6B.jinja", "Qwen-QwQ-32B.jinja", "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja",
          "HuggingFaceTB-SmolLM3-3B.jinja", "google-gemma-2-2b-it.jinja", "microsoft-Phi-3.5-mini-instruct.jinja"]
 GGUF_VOCABS = ["ggml-vocab-gemma-4.gguf", "ggml-vocab-phi-3.gguf"]
@@ -54,7 +54,7 @@ def tokenizers():
     for name in FILES:
         yield name, lambda name=name: with_own_tokens(tokenizer_with(name))
     for name in GGUF_VOCABS:
-        yield name, lambda name=name: load_tokenizer(TESTDATA / name)
+        yield name, lambda name=name: load_tokenizer(vocab_data_file(name))
 
 
 def thinking_options(tok: Tokenizer) -> list[dict]:

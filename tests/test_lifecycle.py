@@ -106,7 +106,8 @@ def test_engine_repr_shows_model_kv_and_requests(tok):
     from IPython.lib.pretty import pretty
 
     params = SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
-    with engine.Engine(ScriptedModel([5], tok.vocab_size), tok, max_model_len=256) as eng:
+    # Paced (5 ms a forward): the request is still running while the reprs are made, however fast a tick is.
+    with engine.Engine(ScriptedModel([5], tok.vocab_size, step_seconds=0.005), tok, max_model_len=256) as eng:
         stream = eng.stream("hello", params)
         next(stream)
         html = eng._repr_html_()

@@ -242,3 +242,11 @@ def test_markers_that_are_special_tokens_are_kept_for_the_parser():
     with engine.Engine(ScriptedModel(ids, tok.vocab_size, SURE_PEAK), tok, max_model_len=1024) as eng:
         done = eng.chat(ASK, GREEDY)
     assert (done.reasoning_content, done.text) == ("\nThe user asks 2+2. That is 4.\n", "\n\nIt is 4.")
+
+
+def test_completion_shows_its_reasoning():
+    with reasoning_engine(THOUGHT) as eng:
+        done = eng.chat(ASK, GREEDY)
+    assert "reasoning_content='\\nThe user asks" in repr(done)
+    assert "reasoning_content: '\\nThe user asks 2+2. That is 4.\\n'" in done.describe()
+    assert "reasoning_content" in done.to_html()

@@ -231,3 +231,36 @@ def test_long_row_logprobs_match_the_reference_on_both_paths(sampler_path, vocab
         assert lp.logprob == pytest.approx(logprob, abs=1e-5)
         assert (lp.rank, lp.top_ids) == (rank, top_ids)
         np.testing.assert_allclose(lp.top_logprobs, top_logprobs, atol=1e-5)
+
+
+@pytest.mark.parametrize("num_threads", [1, 2, 3])
+def test_a_batch_shared_with_the_thread_pool_equals_its_rows_sampled_one_by_one(num_threads):
+    # From 4 rows on the kernel hands rows to cext.cpu's pool: each row still draws from its own
+    # stream and processes its own adjuster, so the ids and logprobs are those of one row at a time.
+    from cext import cpu
+    from engine.sampling.logits_process import LogitsAdjuster
+    rng = np.random.default_rng(num_threads)
+    num_rows, vocab = 23, 3000
+    logits = (rng.standard_normal((num_rows, vocab)) * 3).astype(np.float32)
+    params = [SamplingParams(temperature=[0, 0.8, 1.3][i % 3], top_k=[0, 50][i % 2], seed=i, logprobs=i % 4 == 0,
+                             top_logprobs=3 if i % 4 == 0 else 0, repetition_penalty=1.0 + (i % 5 == 1),
+                             logit_bias={7: 5.0} if i % 7 == 2 else None) for i in range(num_rows)]
+
+    def adjusters_of(ps):
+        return [LogitsAdjuster.for_request(p, [1, 2, 3], (), 8) for p in ps]
+
+    def streams_of(ps):
+        return [None if p.is_greedy else RandomStream(p.seed) for p in ps]
+
+    before = cpu.get_num_threads()
+    try:
+        cpu.set_num_threads(num_threads)
+        ids, rows = sample(torch.from_numpy(logits.copy()), params, streams_of(params), adjusters_of(params))
+    finally:
+        cpu.set_num_threads(before)
+    for i, p in enumerate(params):
+        one_ids, one_rows = sample(torch.from_numpy(logits[i:i + 1].copy()), [p], streams_of([p]), adjusters_of([p]))
+        assert ids[i] == one_ids[0]
+        assert (rows[i] is None) == (one_rows[0] is None)
+        if rows[i] is not None:
+            assert rows[i] == one_rows[0]

@@ -14,6 +14,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from cext.tick import FinishCode
 from engine.config import EngineConfig
 from engine.core.scheduler import Scheduler, SchedulerConfig
 from engine.core.sequence import Sequence, SequenceStatus
@@ -111,7 +112,8 @@ def run_workload(reqs, max_num_seqs, budget, num_blocks, block_size, caching, eo
                 prompt[:k] = shared[prefix - 1][:k]
             max_tokens = min(max_tokens, cfg.max_model_len - n)
             rid = f"r{idx}"
-            seq = Sequence(rid, prompt, max_tokens, num_prompt_logprobs=1 if plp else None)
+            seq = Sequence(rid, prompt, max_tokens, num_prompt_logprobs=1 if plp else None,
+                           stop_ids=() if eos is None else (eos,))
             if -(-(n + max_tokens) // block_size) > num_blocks:
                 with pytest.raises(SchedulerRefused, match="KV blocks"):
                     sched.add(seq)
@@ -176,6 +178,10 @@ def run_workload(reqs, max_num_seqs, budget, num_blocks, block_size, caching, eo
         sampled = [next_token(s.token_ids) for s in out.sample_seqs]
         sched.update(out, sampled)
         ref.update(sampled)
+        if out.is_decode_only:  # the tick's finish verdicts against this test's own rule
+            verdicts = [FinishCode.FINISH_STOP_ID if s.output_token_ids[-1] == eos else FinishCode.FINISH_LENGTH
+                        if s.num_generated >= s.max_tokens else FinishCode.FINISH_NONE for s in out.sample_seqs]
+            assert sched.state.finish_codes[:len(verdicts)].tolist() == verdicts
         for s in out.sample_seqs:
             done = s.num_generated >= s.max_tokens or s.output_token_ids[-1] == eos
             if s.status is SequenceStatus.RUNNING and done:
@@ -220,7 +226,41 @@ def test_random_workloads(reqs, max_num_seqs, extra_budget, num_blocks, block_si
 def test_tiny_cache_preempts_and_finishes():
     reqs = [(0, 10, 12, 0, False, None, i) for i in range(6)]
     sched = run_workload(reqs, max_num_seqs=4, budget=16, num_blocks=8, block_size=4, caching=False)
-    assert sched.num_preemptions > 0
+    assert sched.num_preemptions > 0 and sched.num_decode_ticks > 0
+
+
+@pytest.mark.parametrize("block_size", [1, 2, 16])
+def test_steady_state_ticks_take_the_decode_path_and_match_the_reference(block_size):
+    # Staggered arrivals and lengths: steady stretches (a new block every block_size tokens, finishes by
+    # max_tokens and by EOS, an abort) between admissions, every tick held to the reference.
+    reqs = [(3 * i, 5 + 7 * i, 12 - i, i % 3, False, 20 if i == 2 else None, i) for i in range(5)]
+    sched = run_workload(reqs, max_num_seqs=4, budget=16, num_blocks=64, block_size=block_size, caching=True,
+                         eos=3)
+    assert sched.num_decode_ticks >= 10
+
+
+def test_decode_ticks_reuse_one_output_while_the_running_set_stays():
+    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, num_blocks=32, max_model_len=64, block_size=4,
+                          target_tick_seconds=None)
+    sched = Scheduler(cfg)
+    for rid in "ab":
+        sched.add(Sequence(rid, [1, 2, 3], 20, stop_ids=(7,)))
+    out = sched.schedule()
+    sched.update(out, [5, 6])
+    assert not out.is_decode_only
+    outs = []
+    for _ in range(6):  # positions 3..8: a new block at position 4 and 8 (width 2 then 3)
+        out = sched.schedule()
+        outs.append(out)
+        assert out.is_decode_only and out.batch.context_lens_list == [out.batch.positions[0].item() + 1] * 2
+        sched.update(out, [5, 5])
+    assert outs[1] is outs[2] is outs[3] is outs[4] and outs[0] is not outs[1] and outs[5] is not outs[4]
+    out = sched.schedule()
+    sched.update(out, [7, 5])  # a stop id for a, nothing for b
+    assert sched.state.finish_codes[:2].tolist() == [FinishCode.FINISH_STOP_ID, FinishCode.FINISH_NONE]
+    sched.finish(sched.running[0])
+    out2 = sched.schedule()
+    assert out2 is not out and out2.is_decode_only and [s.request_id for s in out2.seqs] == ["b"]
 
 
 def test_prefix_cache_hits_skip_computation():

@@ -1,7 +1,7 @@
 """Tools over HTTP with the official openai client: parsed calls (scripted replies, Hermes format),
-streamed deltas that fold to the one-shot call, the tool_event chunk against its plain reference,
-and on Qwen2.5-Coder-0.5B-Instruct: tool_choice "required" and a named tool give a call whose
-arguments validate against the tool's schema, streamed and not."""
+streamed deltas that fold to the one-shot call, the tool-call chunk (ChunkWriter.delta_event)
+against its plain reference, and on Qwen2.5-Coder-0.5B-Instruct: tool_choice "required" and a
+named tool give a call whose arguments validate against the tool's schema, streamed and not."""
 from __future__ import annotations
 
 import asyncio

@@ -53,6 +53,27 @@ def _json(obj, status: int = 200) -> Response:
     return Response(json.dumps(obj, allow_nan=False), status=status, mimetype=JSON_MIMETYPE)
 
 
+class _SSEBody:
+    """A streamed response's WSGI iterable: the server iterates the body generator itself, and
+    close() is the response's (the generator's finally, then the on-close callbacks)."""
+
+    __slots__ = ("_body", "close")
+
+    def __init__(self, body, close):
+        self._body = body
+        self.close = close
+
+    def __iter__(self):
+        return iter(self._body)
+
+
+class _SSEResponse(Response):
+    """A stream of SSE bytes: werkzeug's iterator (a str check and a frame per chunk) is left out."""
+
+    def get_app_iter(self, environ):
+        return _SSEBody(self.response, self.close)
+
+
 def _never_disconnected() -> bool:  # a WSGI server other than waitress: no disconnect check
     return False
 
@@ -221,7 +242,7 @@ def create_app(engine, model_name: str | None = None, api_key: str | None = None
                 echo_texts = None
             body = sse.stream_chunks(stream, writer, record, metrics, req.include_usage, is_disconnected,
                                      echo_texts, opening)
-            return Response(body, mimetype="text/event-stream", headers=sse.STREAM_HEADERS)
+            return _SSEResponse(body, mimetype="text/event-stream", headers=sse.STREAM_HEADERS)
         done = sse.collect(stream, record, metrics, is_disconnected)
         if done is None:
             return Response(status=499)
@@ -235,7 +256,7 @@ def create_app(engine, model_name: str | None = None, api_key: str | None = None
         is_disconnected = request.environ.get("waitress.client_disconnected") or _never_disconnected
         if req.is_stream:
             body = infill_api.stream_chunks(stream, record, metrics, is_disconnected, num_prompt)
-            return Response(body, mimetype="text/event-stream", headers=sse.STREAM_HEADERS)
+            return _SSEResponse(body, mimetype="text/event-stream", headers=sse.STREAM_HEADERS)
         done = sse.collect(stream, record, metrics, is_disconnected)
         if done is None:
             return Response(status=499)
@@ -251,7 +272,7 @@ def create_app(engine, model_name: str | None = None, api_key: str | None = None
         if req.chat.is_stream:
             events = response_objects.ResponseEvents(req, store, response_id, model_name, created)
             body = response_objects.stream_events(stream, events, record, metrics, is_disconnected)
-            return Response(body, mimetype="text/event-stream", headers=sse.STREAM_HEADERS)
+            return _SSEResponse(body, mimetype="text/event-stream", headers=sse.STREAM_HEADERS)
         done = sse.collect(stream, record, metrics, is_disconnected)
         if done is None:
             return Response(status=499)

@@ -171,6 +171,8 @@ class ServerMetrics:
                           stats.get("num_prefix_cache_query_tokens", 0)),
             self._counter("prefix_cache_hits", "Prompt tokens found in the prefix cache",
                           stats.get("num_prefix_cache_hit_tokens", 0)),
+            self._counter("prefix_cache_disk_hits", "Prompt tokens read from the prefix cache's disk tier",
+                          stats.get("num_prefix_cache_disk_hit_tokens", 0)),
             self._counter("num_preemptions", "Preempted requests", stats.get("num_preemptions", 0)),
             self._counter("spec_decode_num_draft_tokens", "Speculative tokens proposed",
                           stats.get("spec_decode_num_draft_tokens", 0)),

@@ -27,9 +27,12 @@ MAX_REQUEST_BODY_BYTES = 64 << 20
 
 def _json_error_channel():
     """A waitress channel whose own errors (413 past MAX_REQUEST_BODY_BYTES, malformed HTTP) are
-    OpenAI-style JSON like every other error of this server."""
+    OpenAI-style JSON like every other error of this server, with a lean write path for streams
+    (``_StreamingTask.write``, ``write_soon``)."""
+    import time
+
     from waitress.channel import HTTPChannel
-    from waitress.task import ErrorTask
+    from waitress.task import ErrorTask, WSGITask
 
     class _JSONErrorTask(ErrorTask):
         def execute(self):
@@ -41,8 +44,38 @@ def _json_error_channel():
             self.content_length = len(body)
             self.write(body)
 
+    class _StreamingTask(WSGITask):
+        """After the headers, a chunk of a chunked response (an SSE stream) is framed and handed to
+        the channel in one step: waitress's own write re-checks the headers, the status and the
+        length of every chunk."""
+
+        def write(self, data):
+            if self.wrote_header and self.chunked_response and data and self.has_body:
+                self.channel.write_soon(b"%X\r\n%b\r\n" % (len(data), data))
+            else:
+                super().write(data)
+
     class _JSONErrorChannel(HTTPChannel):
         error_task_class = _JSONErrorTask
+        task_class = _StreamingTask
+
+        def write_soon(self, data):
+            """With nothing queued ahead, send at once from the handler thread (waitress sends every
+            write at once too: send_bytes=1) without its buffer objects; whatever the socket does not
+            take, and every other case, goes through waitress's own path."""
+            if type(data) is bytes and data and self.connected and not self.total_outbufs_len:
+                with self.outbuf_lock:
+                    if self.connected and not self.total_outbufs_len:
+                        try:
+                            num_sent = self.socket.send(data)
+                        except OSError:  # would block, or a disconnect: waitress's path handles it
+                            num_sent = 0
+                        if num_sent:
+                            self.last_activity = time.time()
+                            if num_sent == len(data):
+                                return num_sent
+                            data = data[num_sent:]
+            return super().write_soon(data)
 
     return _JSONErrorChannel
 

@@ -52,7 +52,8 @@ typedef struct {
 } sk_result;
 
 /* logits [num_rows, vocab] are processed in place. process_only: stop after the processing
- * (results untouched). Returns SK_OK or an error code; rows before a bad one are done. */
+ * (results untouched). Rows are shared with cpu.h's pool from SK_PARALLEL_ROWS rows on. Returns SK_OK or
+ * the error of a bad row (the other rows may or may not be done). */
 int sk_sample_rows(float *logits, int64_t num_rows, int64_t vocab, const sk_row *rows, sk_result *results,
                    int process_only);
 

@@ -4,7 +4,8 @@ Blocks hold ``block_size`` tokens of K/V. A block is in exactly one of three sta
 free (ref 0, no hash), referenced (ref >= 1) or cached (ref 0 with a hash: its K/V are
 kept for a future request with the same prefix, evicted least recently used first when a
 new block is needed). Full prompt blocks are hashed by (parent hash, their token ids), so a
-hash names a whole prefix.
+hash names a whole prefix. The hash is a 128-bit blake2b, the same in every process: the
+disk tier (engine/core/prefix_disk.py) names its files by it.
 
 Sliding-window layers (Gemma 2/3, Mistral): a block's K/V in those layers is needed only while
 some sequence holding it can still attend to it. ``window_refs`` counts the sequences that may
@@ -16,14 +17,19 @@ before it is intact (``match_prefix``).
 """
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict, deque
 
 import numpy as np
 
 
 def hash_block(parent_hash: int | None, token_ids: np.ndarray) -> int:
-    """Hash of a full block given the hash of the block before it (None for the first)."""
-    return hash((parent_hash, token_ids.tobytes()))
+    """Hash of a full block ([block_size] int32 ids) given the hash of the block before it (None for the first)."""
+    h = hashlib.blake2b(digest_size=16)
+    if parent_hash is not None:
+        h.update(parent_hash.to_bytes(16, "little"))
+    h.update(token_ids.astype("<i4", copy=False).tobytes())
+    return int.from_bytes(h.digest(), "little")
 
 
 def prefix_block_hashes(token_ids: np.ndarray, num_blocks: int, block_size: int) -> list[int]:
@@ -164,14 +170,15 @@ class BlockManager:
             self.ref_counts[block_id] += 1
             self.window_refs[block_id] += 1
 
-    def register(self, block_id: int, block_hash: int) -> None:
-        """Publish a fully computed block under its prefix hash (first writer wins)."""
+    def register(self, block_id: int, block_hash: int) -> bool:
+        """Publish a fully computed block under its prefix hash (first writer wins); True if published."""
         if not self.enable_prefix_caching or block_hash in self.hash_to_block:
-            return
+            return False
         if self.block_hashes[block_id] is not None:
-            return
+            return False
         self.block_hashes[block_id] = block_hash
         self.hash_to_block[block_hash] = block_id
+        return True
 
     def reset_prefix_cache(self) -> int:
         """Forget every unreferenced cached block; returns how many were dropped."""

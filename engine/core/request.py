@@ -146,7 +146,7 @@ class Request:
         return cls(
             request_id=request_id,
             params=params,
-            seq=Sequence(request_id, prompt_ids, params.max_tokens, num_prompt_logprobs),
+            seq=Sequence(request_id, prompt_ids, params.max_tokens, num_prompt_logprobs, stop_ids, params.min_tokens),
             text=TextStream(tokenizer, params.skip_special_tokens, params.stop, params.include_stop_str_in_output),
             generator=generator,
             stop_ids=stop_ids,

@@ -20,6 +20,8 @@ import traceback
 import numpy as np
 import torch
 
+from cext.emit import emit_rows
+
 from ..config import EngineConfig
 from ..errors import EngineDead, EngineError, EngineOverloaded, InvalidParameterError, SchedulerRefused
 from ..outputs import StreamEvent, TokenLogprob
@@ -27,6 +29,8 @@ from ..params import SamplingParams
 from ..sampling import sampler
 from ..structured import mask_rows
 from ..tokenizer.token_bytes import TokenPieces
+from .block_manager import prefix_block_hashes
+from .prefix_disk import make_prefix_disk_cache
 from .request import Request, RequestGroup
 from .scheduler import Scheduler, SchedulerConfig
 from .speculative import make_spec_decoder
@@ -34,6 +38,27 @@ from .speculative import make_spec_decoder
 log = logging.getLogger("engine")
 
 FINISHED = object()  # queue sentinel after the last event
+
+
+class _TickRequests:
+    """The requests of a tick's sampled rows and what the sampler takes from them, made once per
+    SchedulerOutput: a decode-only output is reused while the running set stays, and so is this."""
+
+    __slots__ = ("out", "reqs", "params", "generators", "grammars", "adjusters", "is_plain")
+
+    def __init__(self, out, requests: dict):
+        self.out = out
+        self.reqs = reqs = [requests[s.request_id] for s in out.sample_seqs]
+        self.params = [r.params for r in reqs]
+        self.generators = [r.generator for r in reqs]
+        grammars = [r.grammar for r in reqs]
+        adjusters = [r.adjuster for r in reqs]
+        self.grammars = grammars if grammars.count(None) != len(reqs) else None
+        self.adjusters = adjusters if adjusters.count(None) != len(reqs) else None
+        # Every row's output is text, an event and the tick's finish verdict (no grammar, no logits
+        # processing to feed, no logprobs, no followers waiting for a prefill).
+        self.is_plain = (self.grammars is None and self.adjusters is None
+                         and not any(p.logprobs for p in self.params) and not any(r.followers for r in reqs))
 
 
 class EngineCore:
@@ -61,6 +86,8 @@ class EngineCore:
         self.scheduler.spec = self.spec
         if has_sliding:
             self.scheduler.on_window_dropped = self.kv_cache.drop_window_blocks
+        self.disk = make_prefix_disk_cache(config, model, self.kv_cache)  # None unless prefix_cache_dir
+        self.scheduler.disk = self.disk
         self.pieces = TokenPieces(tokenizer)
         self.requests: dict[str, Request] = {}  # running or waiting choices, by their own id
         self.groups: dict[str, RequestGroup] = {}  # unfinished submissions, by their public id
@@ -77,6 +104,7 @@ class EngineCore:
         self.error: BaseException | None = None
         self.num_generated_tokens = 0
         self.num_ticks = 0
+        self._tick_requests: _TickRequests | None = None
         self._thread = threading.Thread(target=self._run, name="engine-core", daemon=True)
         self._thread.start()
 
@@ -109,6 +137,8 @@ class EngineCore:
             "num_preemptions": sched.num_preemptions,
             "num_prefix_cache_hit_tokens": sched.num_prefix_cache_hit_tokens,
             "num_prefix_cache_query_tokens": sched.num_prefix_cache_query_tokens,
+            "num_prefix_cache_disk_hit_tokens": sched.num_prefix_cache_disk_hit_tokens,
+            **(self.disk.stats() if self.disk is not None else {}),
             "spec_decode_num_draft_tokens": spec.num_draft_tokens if spec is not None else 0,
             "spec_decode_num_accepted_tokens": spec.num_accepted_tokens if spec is not None else 0,
             "spec_decode_acceptance_rate": spec.acceptance_rate if spec is not None else 0.0,
@@ -136,10 +166,27 @@ class EngineCore:
         elif not isinstance(params, SamplingParams):
             raise InvalidParameterError(f"params must be a SamplingParams, got {type(params).__name__}",
                                         "params")
-        return Request.create(
+        request = Request.create(
             request_id, prompt_ids, params, tokenizer=self.tokenizer,
             vocab_size=self.model.vocab_size, max_model_len=self.max_model_len, prompt_param=prompt_param,
             group=group)
+        if self.disk is not None:  # here, on the caller's thread: the engine thread only copies them in
+            self._read_ahead(request.seq)
+        return request
+
+    def _read_ahead(self, seq) -> None:
+        """Read the prompt's full blocks the memory cache lacks from the disk tier (PrefixDiskCache.read)."""
+        if seq.next_prompt_logprob_pos >= 0:  # prompt logprobs compute every prompt row
+            return
+        bs = self.config.block_size
+        seq.block_hashes = prefix_block_hashes(seq.token_array, seq.num_prompt_tokens // bs, bs)
+        max_hits = min(len(seq.block_hashes), (seq.num_prompt_tokens - 1) // bs)
+        in_memory = self.scheduler.block_manager.hash_to_block  # read only: a miss here is a hint
+        first = 0
+        while first < max_hits and seq.block_hashes[first] in in_memory:
+            first += 1
+        if first < max_hits:
+            seq.disk_blocks = self.disk.read(seq.block_hashes[:max_hits], first)
 
     def submit(self, request: Request | RequestGroup) -> None:
         """Hand a request (all choices of its group) to the engine thread. Raises EngineDead, or
@@ -191,6 +238,12 @@ class EngineCore:
         self._wake.set()
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
+            if self.disk is not None:  # the blocks handed to the writer reach the disk
+                self.disk.close()
+
+    def flush_disk(self, timeout: float = 60.0) -> bool:
+        """Wait until the blocks computed so far are written to the disk tier (True when there is none)."""
+        return self.disk is None or self.disk.flush(timeout)
 
     # ----- engine thread -----
     def _run(self) -> None:
@@ -301,7 +354,10 @@ class EngineCore:
 
     def _after_forward(self, out, logits: torch.Tensor) -> None:
         sample_seqs = out.sample_seqs
-        reqs = [self.requests[s.request_id] for s in sample_seqs]
+        tick_reqs = self._tick_requests
+        if tick_reqs is None or tick_reqs.out is not out:
+            tick_reqs = self._tick_requests = _TickRequests(out, self.requests)
+        reqs = tick_reqs.reqs
         if out.prompt_logprob_spans:
             self._prompt_logprobs(out.prompt_logprob_spans, logits)
         if sample_seqs:
@@ -310,15 +366,10 @@ class EngineCore:
                 rows = logits.index_select(0, torch.from_numpy(np.asarray(index, dtype=np.int64)))
             else:
                 rows = logits
-            num_rows = len(reqs)
-            grammars = [r.grammar for r in reqs]
-            if grammars.count(None) != num_rows:  # structured output: before sampling and logprobs (vLLM)
-                rows = mask_rows(rows, grammars)
-            adjusters = [r.adjuster for r in reqs]
-            token_ids, row_logprobs = sampler.sample(
-                rows, [r.params for r in reqs], [r.generator for r in reqs],
-                adjusters if adjusters.count(None) != num_rows else None,
-            )
+            if tick_reqs.grammars is not None:  # structured output: before sampling and logprobs (vLLM)
+                rows = mask_rows(rows, tick_reqs.grammars)
+            token_ids, row_logprobs = sampler.sample(rows, tick_reqs.params, tick_reqs.generators,
+                                                     tick_reqs.adjusters)
         else:
             token_ids, row_logprobs = [], []
         runs = (self.spec.verify(out.spec_entries, logits, reqs, token_ids, row_logprobs)
@@ -327,6 +378,9 @@ class EngineCore:
         if not token_ids:
             return
         self.num_generated_tokens += len(token_ids)
+        if out.is_decode_only and tick_reqs.is_plain:
+            self._emit_decodes(reqs, token_ids)
+            return
         # Every sampled sequence's length, with its new token, in one read of the tick state.
         slots = out.slots if len(token_ids) == len(out.slots) else out.slots[out.sample_entries]
         lengths = self.scheduler.state.num_tokens[slots].tolist()
@@ -339,6 +393,29 @@ class EngineCore:
             except Exception as exc:
                 log.exception("output processing failed for %s", req.request_id)
                 self._fail(req.request_id, exc)
+
+    def _emit_decodes(self, reqs: list[Request], token_ids: list[int]) -> None:
+        """The output of a steady-state tick whose rows are all plain, in one call (cext.emit): per row
+        its text and its event, with the tick's finish verdicts (cext.tick decode_commit: stop ids past
+        min_tokens, max_tokens, max_model_len) in place of per-token checks; rows that end come back
+        here in row order. The same events as _process_token."""
+
+        def end_row(k: int, text: str | None, finish_reason: str | None) -> None:
+            req = reqs[k]
+            if finish_reason is None:  # more stop ids than the tick's table holds
+                self._process_token(req, token_ids[k], None, req.seq.num_tokens)
+                return
+            group = req.group
+            self.scheduler.finish(req.seq)
+            self.requests.pop(req.request_id, None)
+            group.outputs.put(StreamEvent(group.request_id, text, [token_ids[k]], None, finish_reason, req.index))
+            self._mark_finished(req)
+
+        def fail_row(k: int, exc: BaseException) -> None:
+            log.error("output processing failed for %s", reqs[k].request_id, exc_info=exc)
+            self._fail(reqs[k].request_id, exc)
+
+        emit_rows(reqs, token_ids, self.scheduler.state.finish_codes, StreamEvent, end_row, fail_row)
 
     def _process_run(self, req: Request, run) -> None:
         """The ids a verified proposal emits, one event each, as if decoded one by one (the

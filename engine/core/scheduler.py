@@ -18,7 +18,11 @@ whose sliding K/V nobody needs any more, so a long context holds the window, not
 context, in those layers (engine.core.block_manager).
 
 The per-sequence loops run in Cython (``cext.tick``); this file holds the Python-level
-decisions that happen once per admission, preemption or new block.
+decisions that happen once per admission, preemption or new block. The decode-only steady
+state (nothing waits, every running sequence decodes one token, no speculation) takes
+``_schedule_decodes``: three Cython calls a tick and, while the running set is the same, the
+same SchedulerOutput and ForwardBatch objects over the same arrays; it plans exactly what the
+general path would (tests/test_scheduler.py holds both to tests/sched_reference.py).
 """
 from __future__ import annotations
 
@@ -71,6 +75,9 @@ class SchedulerOutput:
     sample_entries: np.ndarray = field(repr=False)  # [S] int32, index into seqs of each sample_seqs
     # Speculative rows (engine.core.speculative): (SpecEntry, index into sample_seqs, first logit row).
     spec_entries: list = field(default_factory=list, repr=False)
+    # A decode-only steady-state tick (Scheduler._schedule_decodes): reused while the running set
+    # stays; its TickState.finish_codes hold each entry's verdict after update().
+    is_decode_only: bool = False
 
 
 class Scheduler:
@@ -94,7 +101,13 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_prefix_cache_hit_tokens = 0  # prompt tokens taken from the prefix cache at admission
         self.num_prefix_cache_query_tokens = 0  # tokens looked up in the prefix cache at admission
+        self.num_prefix_cache_disk_hit_tokens = 0  # of the hits, tokens read from the disk tier
+        self.disk = None  # engine.core.prefix_disk.PrefixDiskCache when prefix_cache_dir is set
         self.spec = None  # engine.core.speculative.SpecDecoder when speculative decoding is on
+        self.num_decode_ticks = 0  # ticks the steady-state path planned
+        self._num_running_changes = 0  # bumped whenever self.running changes (admit, release)
+        self._decode_out: SchedulerOutput | None = None
+        self._decode_key: tuple = ()
 
     # -- queries --
 
@@ -148,6 +161,7 @@ class Scheduler:
         else:
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
+        self._drop_disk_blocks(seq)
         del self._seqs[request_id]
         return seq
 
@@ -159,6 +173,7 @@ class Scheduler:
         else:
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
+        self._drop_disk_blocks(seq)
         self._seqs.pop(seq.request_id, None)
 
     # -- the tick --
@@ -168,6 +183,11 @@ class Scheduler:
         caller adds to the batch (a decoder's embedding rows, engine/embedding/tick_rows.py)."""
         if not self.running and not self.waiting:
             return None
+        if not self.waiting and self.spec is None and num_reserved_tokens == 0:
+            out = self._schedule_decodes()
+            if out is not None:
+                self.cost.start()
+                return out
         state = self.state
         bm = self.block_manager
         cfg = self.config
@@ -215,6 +235,14 @@ class Scheduler:
         return self.cost.prefill_budget()
 
     def update(self, out: SchedulerOutput, sampled_token_ids) -> None:
+        if out.is_decode_only:
+            self.cost.observe(0)
+            self.state.decode_commit(np.asarray(sampled_token_ids, dtype=np.int64))
+            if self._unpublished:
+                self._publish_blocks()
+            if self.config.sliding_window is not None and self.running:
+                self._release_windows()
+            return
         self.cost.observe(out.batch.num_tokens - out.batch.num_decode_seqs)
         if isinstance(sampled_token_ids, torch.Tensor):
             ids = sampled_token_ids.numpy().astype(np.int64, copy=False).reshape(-1)
@@ -234,6 +262,59 @@ class Scheduler:
 
     # -- internals --
 
+    def _schedule_decodes(self) -> SchedulerOutput | None:
+        """The steady state: every running sequence decodes one token (cext.tick decode_plan /
+        decode_build), or None (nothing planned) when the state is not steady or its decodes need
+        more blocks than are free (the general path then preempts)."""
+        state = self.state
+        num_new_blocks = state.decode_plan(self._running_slots, len(self.running))
+        if num_new_blocks < 0:
+            return None
+        if num_new_blocks:  # about one decode in block_size needs a block each tick
+            bm = self.block_manager
+            if num_new_blocks > bm.num_free_blocks:
+                return None
+            state.grow(np.array(bm.allocate(num_new_blocks), dtype=np.int32))
+        layout = state.decode_build()
+        self.num_decode_ticks += 1
+        key = (layout, self._num_running_changes)
+        out = self._decode_out
+        if key == self._decode_key:  # same sequences, same arrays: only the context lengths moved
+            out.batch.context_lens_list = layout.context_lens.tolist()
+            return out
+        B = layout.num_seqs
+        seqs = list(self.running)
+        slots = state.entry_slots[:B].copy()
+        batch = ForwardBatch(
+            input_ids=layout.input_ids,
+            positions=layout.positions,
+            slot_mapping=layout.slot_mapping,
+            query_starts=layout.query_starts,
+            context_lens=layout.context_lens,
+            block_tables=layout.block_tables,
+            logit_rows=layout.logit_rows,
+            prompt_lens=layout.prompt_lens,
+            query_starts_list=list(range(B + 1)),
+            context_lens_list=layout.context_lens.tolist(),
+            num_decode_seqs=B,
+            block_size=self.block_size,
+        )
+        out = SchedulerOutput(
+            batch=batch,
+            seqs=seqs,
+            sample_seqs=seqs,
+            sample_logit_index=list(range(B)),
+            prompt_logprob_spans=[],
+            preempted=[],
+            num_new_tokens=np.ones(B, dtype=np.int32),
+            slots=slots,
+            epochs=state.epochs[slots],
+            sample_entries=np.arange(B, dtype=np.int32),
+            is_decode_only=True,
+        )
+        self._decode_out, self._decode_key = out, key
+        return out
+
     def _admit(self, budget: int, max_batch_tokens: int) -> int:
         """Admit waiting sequences FIFO; ``budget`` is the prefill budget left (time target).
 
@@ -249,6 +330,7 @@ class Scheduler:
             seq = self.waiting[0]
             num_tokens = seq.num_tokens
             hit_ids: list[int] = []
+            disk_payloads = []
             if cfg.enable_prefix_caching:
                 if seq.block_hashes is None:
                     seq.block_hashes = prefix_block_hashes(
@@ -257,8 +339,9 @@ class Scheduler:
                 if seq.next_prompt_logprob_pos < 0:  # prompt logprobs need every prompt row computed
                     max_hits = min(len(seq.block_hashes), (num_tokens - 1) // self.block_size)
                     hit_ids = bm.match_prefix(seq.block_hashes[:max_hits])
+                    disk_payloads = self._disk_run(seq, len(hit_ids), max_hits)
             num_new_blocks = -(-num_tokens // self.block_size) - len(hit_ids)
-            remaining = num_tokens - len(hit_ids) * self.block_size
+            remaining = num_tokens - (len(hit_ids) + len(disk_payloads)) * self.block_size
             if remaining <= hard_left:
                 chunk = remaining
             elif budget > 0:
@@ -270,6 +353,14 @@ class Scheduler:
             self.waiting.popleft()
             bm.take(hit_ids)
             block_ids = hit_ids + bm.allocate(num_new_blocks)
+            if disk_payloads:  # blocks read from disk instead of prefilled: into the cache, published
+                new_ids = block_ids[len(hit_ids) : len(hit_ids) + len(disk_payloads)]
+                for k, (block_id, payload) in enumerate(zip(new_ids, disk_payloads), start=len(hit_ids)):
+                    self.disk.restore(block_id, payload)
+                    bm.register(block_id, seq.block_hashes[k])
+                hit_ids = block_ids[: len(hit_ids) + len(disk_payloads)]
+                self.num_prefix_cache_disk_hit_tokens += len(disk_payloads) * self.block_size
+            self._drop_disk_blocks(seq)
             slot = self._free_slots.pop()
             num_cached = len(hit_ids) * self.block_size
             seq.bind(state, slot, num_cached)
@@ -285,6 +376,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self._running_slots[len(self.running)] = slot
             self.running.append(seq)
+            self._num_running_changes += 1
             self._slot_seqs[slot] = seq
             if cfg.enable_prefix_caching and len(seq.block_hashes) > len(hit_ids):
                 seq.num_registered_blocks = len(hit_ids)
@@ -362,11 +454,27 @@ class Scheduler:
             slot = seq.slot
             num_done = min(int(state.num_computed[slot]), seq.num_prompt_tokens) // self.block_size
             for k in range(seq.num_registered_blocks, num_done):
-                bm.register(int(state.block_tables[slot, k]), seq.block_hashes[k])
+                block_id = int(state.block_tables[slot, k])
+                if bm.register(block_id, seq.block_hashes[k]) and self.disk is not None:
+                    self.disk.save(seq.block_hashes[k], k, block_id)
             seq.num_registered_blocks = max(seq.num_registered_blocks, num_done)
             if seq.num_registered_blocks < len(seq.block_hashes):
                 keep.append(seq)
         self._unpublished = keep
+
+    def _disk_run(self, seq: Sequence, num_hits: int, max_hits: int) -> list:
+        """Payloads of the prompt blocks after the ``num_hits`` found in memory that were read from
+        disk ahead of admission (PrefixDiskCache.read), at most up to block ``max_hits``."""
+        disk = seq.disk_blocks
+        if disk is None or num_hits < disk.first:  # the memory blocks before the disk run were evicted
+            return []
+        return disk.payloads[num_hits - disk.first : max_hits - disk.first]
+
+    @staticmethod
+    def _drop_disk_blocks(seq: Sequence) -> None:
+        if seq.disk_blocks is not None:
+            seq.disk_blocks.release()
+            seq.disk_blocks = None
 
     def _release_windows(self) -> None:
         """Give up window references on the blocks each running sequence's next query is past
@@ -399,6 +507,7 @@ class Scheduler:
         state.epochs[slot] += 1
         seq.unbind()
         self.running.remove(seq)
+        self._num_running_changes += 1
         n = len(self.running)
         self._running_slots[:n] = [s.slot for s in self.running]
         self._slot_seqs[slot] = None

@@ -31,9 +31,12 @@ class Sequence:
         "block_hashes",
         "num_registered_blocks",
         "num_cached_tokens",
+        "disk_blocks",
         "arrival_time",
         "first_scheduled_time",
         "spec",
+        "stop_ids",
+        "min_tokens",
         "_buf",
         "_num_tokens",
         "_num_computed",
@@ -42,7 +45,8 @@ class Sequence:
     )
 
     def __init__(
-        self, request_id: str, prompt_token_ids, max_tokens: int, num_prompt_logprobs: int | None = None
+        self, request_id: str, prompt_token_ids, max_tokens: int, num_prompt_logprobs: int | None = None,
+        stop_ids: frozenset[int] | tuple[int, ...] = (), min_tokens: int = 0,
     ) -> None:
         # Typed values, checked where they entered: a non-empty list of ids in [0, vocab_size)
         # (Request.create) and max_tokens >= 1 (SamplingParams).
@@ -57,9 +61,14 @@ class Sequence:
         self.block_hashes: list[int] | None = None  # chained hashes of full prompt blocks
         self.num_registered_blocks = 0  # prompt blocks already published to the prefix cache
         self.num_cached_tokens = 0  # tokens taken from the prefix cache at the last admission
+        self.disk_blocks = None  # engine.core.prefix_disk.DiskBlocks read ahead for admission, or None
         self.arrival_time = time.perf_counter()
         self.first_scheduled_time: float | None = None  # perf_counter at the first admission (queue time)
         self.spec = None  # engine.core.speculative.SpecState when this request may speculate
+        # The finish rule the decode tick checks (cext.tick.TickState.set_finish_rule): ids that end
+        # the sequence once more than min_tokens are generated; max_tokens ends it too.
+        self.stop_ids = stop_ids
+        self.min_tokens = min_tokens
         self._buf = np.empty(n + max_tokens, dtype=np.int32)  # [capacity]
         self._buf[:n] = prompt_token_ids
         self._num_tokens = n
@@ -146,6 +155,7 @@ class Sequence:
         state.num_prompt_tokens[slot] = self.num_prompt_tokens
         state.next_logprob_pos[slot] = self.next_prompt_logprob_pos
         state.num_blocks[slot] = 0
+        state.set_finish_rule(slot, self.max_tokens, self.min_tokens, self.stop_ids)
         self._buf = row
         self._state = state
         self._slot = slot

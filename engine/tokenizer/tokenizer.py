@@ -147,6 +147,11 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
 
+    def is_special_text(self, texts) -> bool:
+        """True when one of ``texts`` is a single special token (dropped by skip_special_tokens)."""
+        special = self.special_token_ids
+        return any(self.token_to_id(text) in special for text in texts)
+
     def apply_chat_template(self, messages, add_generation_prompt: bool = True, **kwargs) -> str:
         """Render OpenAI-style messages with the model's chat template (sandboxed jinja2).
 

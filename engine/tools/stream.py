@@ -46,12 +46,6 @@ class ToolEventFilter:
                            event.index, deltas or None, event.reasoning_content)
 
 
-def _markers_are_special(tokenizer, parser_class: type[ToolParser]) -> bool:
-    """True when a marker of the format is one special token (dropped by skip_special_tokens)."""
-    special = tokenizer.special_token_ids
-    return any(tokenizer.token_to_id(marker) in special for marker in parser_class.markers)
-
-
 class ToolHook:
     """The tools of one chat request, as engine/chat.py's path uses them."""
 
@@ -89,4 +83,5 @@ def tool_hook(tokenizer, tools, tool_choice=None, parallel_tool_calls: bool = Tr
     plan = plan_tools(tokenizer.chat_template, tools, tool_choice, parallel_tool_calls)
     if plan is None:
         return None
-    return ToolHook(plan, _markers_are_special(tokenizer, plan.parser_class))
+    # a format whose markers are special tokens (Mistral's [TOOL_CALLS]) keeps them in the text
+    return ToolHook(plan, tokenizer.is_special_text(plan.parser_class.markers))
