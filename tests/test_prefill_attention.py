@@ -213,3 +213,38 @@ def test_bad_indices_raise_instead_of_reading_outside_the_cache():
         _small_call(positions=torch.tensor([3, 4, 6, 7, 8], dtype=torch.int32))
     with pytest.raises(ValueError, match="dtype"):
         _small_call(q=torch.zeros(5, 2, 8, dtype=torch.float16))
+
+
+def test_whole_prompts_take_the_kernel_and_match_float64(pooled):
+    """A batch of whole prompts only (no earlier context, no decode rows): the fused plan gives
+    them to the kernel (not SDPA), and its output is the float64 causal attention."""
+    g = torch.Generator().manual_seed(4)
+    bs, H, KH, D = 16, 6, 2, 64
+    lens = [333, 70]
+    num_blocks = sum(-(-n // bs) for n in lens) + 2
+    free = torch.randperm(num_blocks, generator=g).tolist()
+    tables = torch.full((2, 22), -1, dtype=torch.int64)
+    positions, slots = [], []
+    for b, n in enumerate(lens):
+        tables[b, :-(-n // bs)] = torch.tensor([free.pop() for _ in range(-(-n // bs))])
+        positions += list(range(n))
+        slots += [int(tables[b, p // bs]) * bs + p % bs for p in range(n)]
+    starts = [0, lens[0], sum(lens)]
+    T = starts[-1]
+    batch = ForwardBatch(
+        input_ids=torch.zeros(T, dtype=torch.int64), positions=torch.tensor(positions),
+        slot_mapping=torch.tensor(slots), query_starts=torch.tensor(starts), context_lens=torch.tensor(lens),
+        block_tables=tables, logit_rows=torch.tensor([starts[1] - 1, T - 1]), prompt_lens=torch.tensor(lens),
+        query_starts_list=starts, context_lens_list=lens, num_decode_seqs=0, block_size=bs)
+    k_cache = torch.randn(num_blocks * bs, KH, D, generator=g)
+    v_cache = torch.randn(num_blocks * bs, KH, D, generator=g)
+    q = torch.randn(T, H, D, generator=g)
+    k, v = k_cache[batch.slot_mapping], v_cache[batch.slot_mapping]
+    for window in (None, 50):
+        plan = plan_attention(batch, window, torch.float32, is_fused=True)
+        assert plan.num_prefill_seqs == 2 and not plan.prefills
+        out = paged_attention(q, k, v, k_cache, v_cache, plan)
+        expected = fused.prefill_attention_reference(
+            q, k_cache, v_cache, tables, torch.tensor(starts), torch.tensor(lens), torch.tensor(positions), bs,
+            window)
+        torch.testing.assert_close(out.double(), expected, **FLOAT32_TOL)

@@ -281,6 +281,26 @@ def test_every_route_matches_the_float64_product(route, kind, num_rows):
         torch.testing.assert_close(y.double(), exact, atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize("route", ["int16", "float"])
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_products_beyond_one_kernel_block_are_run_in_row_blocks(route, kind, monkeypatch):
+    """More rows than KERNEL_BLOCK_ROWS (made 16 here): the C routes run block after block of
+    strided rows, and every block's rows are the product's (float64 definition, bias included)."""
+    if route in ROUTE_NEEDS and ROUTE_NEEDS[route][0] not in cpu.features():
+        pytest.skip(f"CPU lacks {ROUTE_NEEDS[route][1]}")
+    monkeypatch.setattr(linear_module, "KERNEL_BLOCK_ROWS", 16)
+    w, x, bias = _inputs(53, 53, 45, 192, torch.float32)
+    x = torch.cat([x, torch.randn(53, 5)], dim=1)[:, :192]  # strided rows
+    weight = _weights(kind, w)
+    layer = Linear(weight, bias)
+    y = layer.run(x, route)
+    if route == "int16":
+        expected = emulate_int8(x, weight) if kind == "int8" else emulate_int4(x, weight, layer.half)
+    else:
+        expected = x.double() @ weight.dequantize().double().T
+    torch.testing.assert_close(y.double(), expected + bias.double(), atol=1e-4, rtol=1e-5)
+
+
 @pytest.mark.parametrize("kind", ["int4", "int5", "int8"])
 def test_dequantize_to_bfloat16_rounds_like_torch(variant, kind):
     w = torch.randn(37, 256, generator=torch.Generator().manual_seed(2)) * 0.05

@@ -178,13 +178,10 @@ def plan_attention(batch: ForwardBatch, sliding_window: int | None = None,
             decode_mask &= key_pos >= lens - sliding_window
         decode_mask = _additive(decode_mask[:, None, None, :], dtype)  # [B, 1, 1, L]
     prefills = []
-    # The fused kernel takes the prefill rows as they are (below), unless every prompt in the
-    # batch is whole (no earlier context): torch's causal SDPA measured faster there (4k-token
-    # prompt, 2 threads: 28 s vs 43 s). The reference path gets each sequence's slots and mask.
-    is_whole = all(context_lens[b] == starts[b + 1] - starts[b]
-                   and (sliding_window is None or context_lens[b] <= sliding_window)
-                   for b in range(num_decode, batch.num_seqs))
-    for b in range(num_decode, num_decode if is_fused and not is_whole else batch.num_seqs):
+    # The fused kernel takes the prefill rows as they are (below), whole prompts too: it measured
+    # as fast as torch's causal SDPA on a whole 4k-token prompt (docs/performance.md). The
+    # reference path gets each sequence's slots and mask.
+    for b in range(num_decode, num_decode if is_fused else batch.num_seqs):
         row_start, row_end = starts[b], starts[b + 1]
         num_rows, num_ctx = row_end - row_start, context_lens[b]
         if num_rows == 0:
@@ -215,7 +212,7 @@ def plan_attention(batch: ForwardBatch, sliding_window: int | None = None,
         plan.slot_mapping = _int64_rows(batch.slot_mapping)
         plan.block_size = bs
         plan.sliding_window = sliding_window
-        if batch.num_seqs > num_decode and batch.num_tokens > num_decode and not is_whole:
+        if batch.num_seqs > num_decode and batch.num_tokens > num_decode:
             plan.num_prefill_seqs = batch.num_seqs - num_decode
             plan.prefill_query_starts = _int64_rows(batch.query_starts[num_decode:])
             plan.prefill_block_tables = _int64_rows(batch.block_tables[num_decode:])

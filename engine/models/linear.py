@@ -38,6 +38,10 @@ except ImportError:  # not built: quantized products dequantize the weight per c
 # Rows up to which the C kernels beat dequantize + BLAS without a measured route table (the
 # scheduler's default tick budget is 256; docs/performance.md, "Quantized product routes").
 KERNEL_MAX_ROWS = 256
+# Rows per C kernel call: a product of more rows runs as calls of this many. The kernels read
+# all of x once per pass of decoded weight rows; past a few hundred rows x leaves L2 and their
+# rate fell 1.3-3x per row at 4,096 rows (docs/performance.md).
+KERNEL_BLOCK_ROWS = 256
 INT_KERNEL_MAX_ROWS = 16  # without AVX2 there is no float path: the scalar kernels up to here
 # The kernels' layout codes (cext/csrc/qgemm.h's QG_*; tests/test_qgemm.py checks they agree).
 Q4, Q5, Q8, HALF, NO_MINS, ROUTE_INT, ROUTE_FLOAT = 0, 1, 2, 4, 8, 16, 32
@@ -260,8 +264,13 @@ class Linear:
             bias = 0 if self.bias is None else self.bias.data_ptr()
             scales = 0 if self._scales is None else self._scales.data_ptr()
             layout = self.layout | (ROUTE_INT if route == "int16" else ROUTE_FLOAT)
-            qgemm.matmul(layout, x.data_ptr(), x.stride(0), num_rows, self.in_features, self._rows.data_ptr(),
-                         scales, self.out_features, bias, y.data_ptr(), self.out_features, code)
+            # KERNEL_BLOCK_ROWS rows per call: each pass of decoded weight rows then meets a block
+            # of x that stays in L2 (docs/performance.md, "Row blocks of the C kernels").
+            for first in range(0, num_rows, KERNEL_BLOCK_ROWS):
+                count = min(KERNEL_BLOCK_ROWS, num_rows - first)
+                qgemm.matmul(layout, x[first].data_ptr(), x.stride(0), count, self.in_features,
+                             self._rows.data_ptr(), scales, self.out_features, bias, y[first].data_ptr(),
+                             self.out_features, code)
             return y
         if route == "amx":
             return self._bf16_product(x)

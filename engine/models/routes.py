@@ -35,7 +35,7 @@ log = logging.getLogger("engine")
 ROW_GRID = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 EXACT_ROUTES = ("int16", "float", "blas")  # int16: activations within 2^-15 per element
 APPROXIMATE = ("amx",)  # bfloat16 weights and activations: 8 mantissa bits
-CACHE_VERSION = 3
+CACHE_VERSION = 4  # 4: the C routes run in blocks of KERNEL_BLOCK_ROWS rows
 PROXY_ROWS = 256  # output rows a shape is timed on
 
 
