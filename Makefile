@@ -108,13 +108,15 @@ bench: install
 #    statically, cached under $(LLAMACPP_SERVER_DIR) beside the CMake arguments they were built with.
 # GGML_NATIVE=ON (ggml's default) compiles with -march=native (with AMX it died of SIGILL on these
 # VMs); we name the x86 features instead, those this CPU's /proc/cpuinfo reports, so the build says
-# what it assumes. LLAMACPP_AMX=OFF leaves the AMX tiles out even where the CPU reports them.
+# what it assumes. The AMX tiles stay out by default: with named flags and AMX on (2026-12-01, this
+# Xeon), llama-server still died of SIGILL at its first product, on `tilezero` in ggml's AMX
+# q4_1 kernel (tinygemm_kernel_amx, mmq.cpp), unless run with --no-repack. LLAMACPP_AMX=ON puts them in.
 LLAMACPP_VERSION := 0.3.36
 LLAMACPP_CACHE := .cache/llamacpp
 LLAMACPP_SDIST := $(LLAMACPP_CACHE)/llama_cpp_python-$(LLAMACPP_VERSION).tar.gz
 LLAMACPP_STAMP := $(VENV)/.llamacpp-$(LLAMACPP_VERSION)
 CPU_FLAGS := $(shell grep -m1 '^flags' /proc/cpuinfo 2>/dev/null)
-LLAMACPP_AMX ?= ON
+LLAMACPP_AMX ?= OFF
 has_flag = $(if $(filter $(1),$(CPU_FLAGS)),ON,OFF)
 has_amx = $(if $(filter ON,$(LLAMACPP_AMX)),$(call has_flag,$(1)),OFF)
 LLAMACPP_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=$(call has_flag,avx) \

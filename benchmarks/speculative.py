@@ -1,12 +1,18 @@
-"""One stream with and without n-gram speculation, side by side in one run.
+"""Speculative decoding side by side in one run: one stream, and N concurrent streams.
 
-Two engines on the same model (plain, speculative="ngram"), greedy, one request at a time,
-end to end through ``Engine.generate`` (prefill included) and decode-only (tok/s after the
-first token, from the stream's event times). Tasks: code editing (rename a variable, add type
-hints, translate comments, reformat: the output mostly copies the prompt) and open-ended chat.
-Repeats interleave the two engines prompt by prompt; medians with min-max. Per task the
-acceptance rate and the mean accepted length per proposal (accepted / proposals) come from
-the speculative engine's counters. Outputs are checked equal token for token.
+Variants on the same model and prompts, greedy: ``plain`` (no speculation), ``ngram``
+(speculative="ngram"), ``draft`` (speculative="draft" with ``--draft-model``), and with
+``--llama-cpp`` llama-cpp-python's plain ``Llama.generate`` and the same with
+``LlamaPromptLookupDecoding(num_pred_tokens=k)`` (its prompt lookup), over the same prompt ids.
+One stream: one request at a time, end to end (prefill included) and decode-only (tok/s after
+the first token, from the stream's event times), the variants interleaved prompt by prompt.
+``--streams N``: N requests at once through ``Engine.generate`` (the task's prompts repeated),
+aggregate tok/s, variants interleaved (llama-cpp-python runs one sequence: no row). Tasks:
+code editing (rename a variable, add type hints, translate comments, reformat: the output
+mostly copies the prompt) and open-ended chat. Medians with min-max; ratios against plain per
+prompt. Per task and variant the acceptance rate and the mean accepted length per proposal
+(accepted / proposals) come from the engine's counters. Our variants' outputs are checked equal
+token for token.
 
 The machine is shared (several engineers, 2 cores): the load average is printed and recorded,
 and the figures are indicative only.
@@ -15,12 +21,14 @@ and the figures are indicative only.
 proposal at an 8k-token context as a decode sees it (one id appended, then propose), median and
 p99 over 2,000 steps, and the cold build of the index over the whole context.
 
-Usage: ``python benchmarks/speculative.py [--model PATH] [--max-tokens 128] [--repeats 3] [-k 4]
-[--proposer]``. Writes benchmarks/results/speculative.json (speculative_proposer.json).
+Usage: ``python benchmarks/speculative.py [--model PATH] [--draft-model PATH] [--llama-cpp]
+[--streams 16] [--max-tokens 128] [--repeats 3] [-k 4] [--proposer]``. Writes
+benchmarks/results/speculative.json (speculative_proposer.json).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
 
@@ -60,10 +68,13 @@ TASKS = {
 }
 
 
-def run_one(eng: Engine, prompt: str, max_tokens: int) -> tuple[list[int], float, float]:
+def chat_ids(eng: Engine, prompt: str) -> list[int]:
+    return eng.tokenizer.encode_chat([{"role": "user", "content": prompt}])
+
+
+def run_one(eng: Engine, ids: list[int], max_tokens: int) -> tuple[list[int], float, float]:
     """-> (ids, end-to-end seconds, decode seconds after the first token)."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0)
-    ids = eng.tokenizer.encode_chat([{"role": "user", "content": prompt}])
     start = time.perf_counter()
     first = None
     out: list[int] = []
@@ -73,6 +84,101 @@ def run_one(eng: Engine, prompt: str, max_tokens: int) -> tuple[list[int], float
         out.extend(event.token_ids)
     end = time.perf_counter()
     return out, end - start, end - (first or end)
+
+
+def run_streams(eng: Engine, ids: list[list[int]], max_tokens: int) -> tuple[list[list[int]], float]:
+    """All prompts at once -> (ids per prompt, wall seconds)."""
+    start = time.perf_counter()
+    done = eng.generate(ids, SamplingParams(max_tokens=max_tokens, temperature=0))
+    return [c.token_ids for c in done], time.perf_counter() - start
+
+
+class LlamaCpp:
+    """llama-cpp-python over the same GGUF, greedy, our prompt ids; ``lookup`` = its prompt lookup."""
+
+    def __init__(self, path: str, k: int, lookup: bool, eos_ids: list[int]):
+        import llama_cpp
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        draft = LlamaPromptLookupDecoding(num_pred_tokens=k) if lookup else None
+        self.llm = llama_cpp.Llama(model_path=path, n_ctx=4096, n_threads=os.cpu_count(), draft_model=draft,
+                                   verbose=False)
+        self.eos_ids = set(eos_ids)
+
+    def run_one(self, ids: list[int], max_tokens: int) -> tuple[list[int], float, float]:
+        start = time.perf_counter()
+        first = None
+        out: list[int] = []
+        for token in self.llm.generate(ids, temp=0.0, reset=True):
+            if first is None:
+                first = time.perf_counter()
+            if token in self.eos_ids:
+                break
+            out.append(token)
+            if len(out) >= max_tokens:
+                break
+        end = time.perf_counter()
+        return out, end - start, end - (first or end)
+
+
+def spec_counters(eng) -> tuple[int, int, int]:
+    """(draft tokens, accepted tokens, proposals) so far; zeros without speculation."""
+    spec = eng._core.spec
+    if spec is None:
+        return 0, 0, 0
+    return spec.num_draft_tokens, spec.num_accepted_tokens, spec.num_proposals
+
+
+def acceptance(before, after) -> dict:
+    drafts, accepted, proposals = (b - a for a, b in zip(before, after))
+    return {"draft_tokens": drafts, "accepted_tokens": accepted, "proposals": proposals,
+            "acceptance_rate": accepted / drafts if drafts else 0.0,
+            "mean_accepted_length": accepted / proposals if proposals else 0.0}
+
+
+def bench_one_stream(variants: dict, prompts: list[list[int]], max_tokens: int, repeats: int) -> dict:
+    e2e = {name: [] for name in variants}
+    dec = {name: [] for name in variants}
+    before = {name: spec_counters(v) for name, v in variants.items() if isinstance(v, Engine)}
+    mismatches = 0
+    for _ in range(repeats):
+        for ids in prompts:  # interleaved, prompt by prompt
+            outs = {}
+            for name, v in variants.items():
+                out, t_e2e, t_dec = v.run_one(ids, max_tokens) if not isinstance(v, Engine) else \
+                    run_one(v, ids, max_tokens)
+                outs[name] = out
+                e2e[name].append(len(out) / t_e2e)
+                dec[name].append((len(out) - 1) / t_dec if len(out) > 1 and t_dec > 0 else 0.0)
+            mismatches += sum(outs[n] != outs["plain"] for n in before if n != "plain")
+    result = {"mismatches": mismatches}
+    for name in variants:
+        result[name] = {"e2e_tok_s": summarize(e2e[name]), "decode_tok_s": summarize(dec[name]),
+                        "ratio_e2e": summarize([b / a for a, b in zip(e2e["plain"], e2e[name])]),
+                        "ratio_decode": summarize([b / a for a, b in zip(dec["plain"], dec[name]) if a > 0])}
+        if name in before:
+            result[name].update(acceptance(before[name], spec_counters(variants[name])))
+    return result
+
+
+def bench_streams(engines: dict, prompts: list[list[int]], num_streams: int, max_tokens: int,
+                  repeats: int) -> dict:
+    ids = [prompts[i % len(prompts)] for i in range(num_streams)]
+    rates = {name: [] for name in engines}
+    before = {name: spec_counters(e) for name, e in engines.items()}
+    mismatches = 0
+    for _ in range(repeats):
+        outs = {}
+        for name, eng in engines.items():
+            outs[name], seconds = run_streams(eng, ids, max_tokens)
+            rates[name].append(sum(len(o) for o in outs[name]) / seconds)
+        mismatches += sum(outs[n] != outs["plain"] for n in engines if n != "plain")
+    result = {"mismatches": mismatches, "num_streams": num_streams}
+    for name in engines:
+        result[name] = {"aggregate_tok_s": summarize(rates[name]),
+                        "ratio": summarize([b / a for a, b in zip(rates["plain"], rates[name])]),
+                        **acceptance(before[name], spec_counters(engines[name]))}
+    return result
 
 
 def bench_proposer(k: int, context: int = 8192, num_steps: int = 2000) -> dict:
@@ -115,8 +221,11 @@ def main_proposer(k: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None,
-                        help="GGUF file or HF directory (default: the embedded model)")
+    parser.add_argument("--model", default=None, help="GGUF file or HF directory (default: the embedded model)")
+    parser.add_argument("--draft-model", default=None, help="adds the variant speculative='draft' with this draft")
+    parser.add_argument("--llama-cpp", action="store_true", help="adds llama-cpp-python plain and prompt lookup")
+    parser.add_argument("--streams", type=int, default=0, help="also N concurrent streams (0: not run)")
+    parser.add_argument("--tasks", default=",".join(TASKS), help="comma-separated: " + ", ".join(TASKS))
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("-k", "--num-speculative-tokens", type=int, default=4)
@@ -125,71 +234,59 @@ def main() -> None:
     if args.proposer:
         main_proposer(args.num_speculative_tokens)
         return
+    k = args.num_speculative_tokens
     load_before = os.getloadavg()
-    plain = Engine.from_pretrained(args.model)
-    fast = Engine.from_pretrained(args.model, speculative="ngram",
-                                  num_speculative_tokens=args.num_speculative_tokens)
-    rows, results = [], {}
+    engines = {"plain": Engine.from_pretrained(args.model),
+               "ngram": Engine.from_pretrained(args.model, speculative="ngram", num_speculative_tokens=k)}
+    if args.draft_model:
+        engines["draft"] = Engine.from_pretrained(args.model, speculative="draft", draft_model=args.draft_model,
+                                                  num_speculative_tokens=k)
+    variants = dict(engines)
+    if args.llama_cpp:
+        path = engines["plain"].model_path
+        eos = list(engines["plain"].tokenizer.eos_token_ids)
+        variants["llama.cpp"] = LlamaCpp(path, k, False, eos)
+        variants["llama.cpp lookup"] = LlamaCpp(path, k, True, eos)
+    results, rows, stream_rows = {}, [], []
     try:
-        run_one(plain, "Hello", 8), run_one(fast, "Hello", 8)  # warm-up
-        for task, prompts in TASKS.items():
-            e2e = {"plain": [], "ngram": []}
-            dec = {"plain": [], "ngram": []}
-            before = fast.stats()
-            num_tokens, mismatches = 0, 0
-            for _ in range(args.repeats):
-                for prompt in prompts:  # interleaved, prompt by prompt
-                    a, a_e2e, a_dec = run_one(plain, prompt, args.max_tokens)
-                    b, b_e2e, b_dec = run_one(fast, prompt, args.max_tokens)
-                    mismatches += a != b
-                    num_tokens += len(a)
-                    e2e["plain"].append(len(a) / a_e2e)
-                    e2e["ngram"].append(len(b) / b_e2e)
-                    if len(a) > 1:
-                        dec["plain"].append((len(a) - 1) / a_dec)
-                        dec["ngram"].append((len(b) - 1) / b_dec)
-            after = fast.stats()
-            drafts = after["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"]
-            accepted = after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
-            proposals = fast._core.spec.num_proposals
-            stats = {name: {m: summarize(v[m]) for m in v} for name, v in (("e2e", e2e), ("decode", dec))}
-            ratio_e2e = [b / a for a, b in zip(e2e["plain"], e2e["ngram"])]
-            ratio_dec = [b / a for a, b in zip(dec["plain"], dec["ngram"])]
-            results[task] = {
-                "tok_s": stats, "ratio_e2e": summarize(ratio_e2e), "ratio_decode": summarize(ratio_dec),
-                "acceptance_rate": accepted / drafts if drafts else 0.0, "draft_tokens": drafts,
-                "accepted_tokens": accepted, "mismatches": mismatches,
-                "mean_tokens": num_tokens / len(e2e["plain"]),
-            }
-            rows.append([
-                task, fmt_stats(stats["e2e"]["plain"]), fmt_stats(stats["e2e"]["ngram"]),
-                fmt_stats(summarize(ratio_e2e), ".2f"), fmt_stats(stats["decode"]["plain"]),
-                fmt_stats(stats["decode"]["ngram"]), fmt_stats(summarize(ratio_dec), ".2f"),
-                f"{results[task]['acceptance_rate']:.2f}", f"{drafts}/{accepted}", mismatches,
-            ])
-            results[task]["cumulative_proposals"] = proposals
+        for v in variants.values():  # warm-up
+            hello = chat_ids(engines["plain"], "Hello")
+            v.run_one(hello, 8) if not isinstance(v, Engine) else run_one(v, hello, 8)
+        for task in args.tasks.split(","):
+            prompts = [chat_ids(engines["plain"], p) for p in TASKS[task]]
+            one = bench_one_stream(variants, prompts, args.max_tokens, args.repeats)
+            results[task] = {"one_stream": one}
+            for name in variants:
+                r = one[name]
+                rows.append([task, name, fmt_stats(r["e2e_tok_s"]), fmt_stats(r["ratio_e2e"], ".2f"),
+                             fmt_stats(r["decode_tok_s"]), fmt_stats(r["ratio_decode"], ".2f"),
+                             f"{r['acceptance_rate']:.2f}" if "acceptance_rate" in r else "-",
+                             f"{r['mean_accepted_length']:.2f}" if "acceptance_rate" in r else "-"])
+            if args.streams:
+                many = bench_streams(engines, prompts, args.streams, args.max_tokens, args.repeats)
+                results[task]["streams"] = many
+                for name in engines:
+                    r = many[name]
+                    stream_rows.append([task, name, fmt_stats(r["aggregate_tok_s"]), fmt_stats(r["ratio"], ".2f"),
+                                        f"{r['acceptance_rate']:.2f}", f"{r['mean_accepted_length']:.2f}"])
+            print(f"{task}: {json.dumps(results[task])}\nload average {os.getloadavg()}", flush=True)
     finally:
-        plain.close()
-        fast.close()
+        for eng in engines.values():
+            eng.close()
     load_after = os.getloadavg()
-    print_table(
-        ["task", "e2e plain tok/s", "e2e ngram tok/s", "e2e ratio", "decode plain tok/s",
-         "decode ngram tok/s", "decode ratio", "accept rate", "draft/accepted", "mismatches"],
-        rows,
-        title=f"one stream, greedy, max_tokens={args.max_tokens}, k={args.num_speculative_tokens}, "
-              f"{args.repeats} repeats x 4 prompts, interleaved; medians (min-max)",
-    )
+    print_table(["task", "variant", "e2e tok/s", "e2e ratio", "decode tok/s", "decode ratio", "accept rate",
+                 "mean accepted"], rows,
+                title=f"one stream, greedy, max_tokens={args.max_tokens}, k={k}, {args.repeats} repeats x 4 "
+                      "prompts, interleaved; medians (min-max); ratios against plain per prompt")
+    if stream_rows:
+        print_table(["task", "variant", "aggregate tok/s", "ratio", "accept rate", "mean accepted"], stream_rows,
+                    title=f"{args.streams} concurrent streams, greedy, max_tokens={args.max_tokens}, "
+                          f"{args.repeats} repeats, interleaved; medians (min-max)")
+    print("mismatches against plain: " + ", ".join(
+        f"{t}: {r['one_stream']['mismatches']}" + (f" / {r['streams']['mismatches']}" if "streams" in r else "")
+        for t, r in results.items()))
     print(f"load average before {load_before}, after {load_after}: the machine is shared by several "
           "engineers (2 cores); figures are indicative only")
-    spec_proposals = [results[t]["cumulative_proposals"] for t in TASKS]
-    for task, prev, cur in zip(TASKS, [0] + spec_proposals[:-1], spec_proposals):
-        accepted = results[task]["accepted_tokens"]
-        n = cur - prev
-        results[task]["proposals"] = n
-        results[task]["mean_accepted_per_proposal"] = accepted / n if n else 0.0
-        mean = results[task]["mean_accepted_per_proposal"]
-        print(f"{task}: {n} proposals, mean accepted length {mean:.2f} "
-              f"of up to {args.num_speculative_tokens}")
     path = write_json("speculative", {"args": vars(args), "environment": environment(),
                                       "load_average_before": load_before, "load_average_after": load_after,
                                       "results": results})

@@ -37,6 +37,31 @@ def _sizing_option(config: EngineConfig) -> str:
 _shared_models: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
+def _model_key(path: str, config: EngineConfig):
+    """The key of a loaded model in _shared_models: the file's identity and the load options."""
+    stat = os.stat(path) if os.path.exists(path) else None
+    return stat and (os.path.realpath(path), stat.st_mtime_ns, stat.st_size,
+                     tuple(sorted(config.load_options.items())))
+
+
+def _check_draft(path: str, tokenizer) -> None:
+    """The draft model's files, and its tokenizer against the model's (before any weights load)."""
+    from .core.draft import check_draft_tokenizer
+    from .startup import check_model_path
+    from .tokenizer import load_tokenizer
+
+    check_model_path(path)
+    check_draft_tokenizer(tokenizer, load_tokenizer(path))
+
+
+def _load_draft(path: str, load_options: dict | None = None):
+    """The draft model for speculative="draft", loaded with the model's load options."""
+    from .loader import load_model
+
+    options = load_options or {}
+    return load_model(path, dtype=options.get("dtype"), quantization=options.get("quantization", "auto"))
+
+
 class Engine(EmbeddingMixin):
     """An LLM engine with continuous batching. Use as a context manager or call close().
     Embeddings and scores: ``embed``, ``aembed``, ``rerank``, ``score`` (engine/embedding/api.py).
@@ -45,19 +70,27 @@ class Engine(EmbeddingMixin):
     run here, on the caller's thread; the thread sees only token ids.
     """
 
-    def __init__(self, model, tokenizer, **options):
-        """``options``: the runtime fields of EngineConfig (max_model_len, max_num_seqs, ...)."""
+    def __init__(self, model, tokenizer, *, draft=None, **options):
+        """``options``: the runtime fields of EngineConfig (max_model_len, max_num_seqs, ...).
+        ``draft``: for speculative="draft", the loaded draft model (else it is loaded from
+        draft_model); its tokenizer must be the model's (InvalidParameterError otherwise)."""
         from .tokenizer import Tokenizer, load_tokenizer
 
         config = EngineConfig.from_options(options, allow_load=False)
         self.tokenizer = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
+        if config.speculative == "draft" and draft is None:
+            from .core.draft import check_draft_width
+
+            _check_draft(config.draft_model, self.tokenizer)
+            draft = _load_draft(config.draft_model)
+            check_draft_width(model, draft)
         self.model = model
         self.config = config.resolve(getattr(model, "max_model_len", None))
         if hasattr(model, "kv_cache_bytes"):  # before the cache is allocated (the weights are resident)
             check_memory(self.config, model.kv_cache_bytes(self.config.kv_cache_tokens),
                          param=_sizing_option(config))
         self.model_path: str | None = None  # set by from_pretrained
-        self._core = EngineCore(model, self.tokenizer, self.config)
+        self._core = EngineCore(model, self.tokenizer, self.config, draft)
         # Collected without close() (a re-run notebook cell): stop the thread, which frees the
         # model and the KV cache. The finalizer holds the core, never the Engine.
         self._finalizer = weakref.finalize(self, EngineCore.close, self._core)
@@ -73,6 +106,7 @@ class Engine(EmbeddingMixin):
         lines otherwise). A model this process already holds for another engine (same file,
         same load options) is shared, not loaded again.
         """
+        from .core.draft import check_draft_width
         from .loader import default_model_path, load_model, release_free_heap
         from .models.threads import apply_thread_policy
         from .startup import LoadProgress, check_startup
@@ -86,16 +120,17 @@ class Engine(EmbeddingMixin):
         apply_thread_policy(config.num_threads)
         path = default_model_path() if model is None else os.fspath(model)
         runtime_options = {k: v for k, v in options.items() if k not in config.load_options}
-        with LoadProgress(_display_name(path), num_stages=4, enabled=progress) as load:
+        num_stages = 5 if config.speculative == "draft" else 4
+        with LoadProgress(_display_name(path), num_stages=num_stages, enabled=progress) as load:
             load.stage("checking files")
-            stat = os.stat(path) if os.path.exists(path) else None
-            key = stat and (os.path.realpath(path), stat.st_mtime_ns, stat.st_size,
-                            tuple(sorted(config.load_options.items())))
+            key = _model_key(path, config)
             loaded = _shared_models.get(key) if key else None
             # The files, then the KV cache and the weights still to load against the memory, before either.
             check_startup(path, config, weights_loaded=loaded is not None)
             load.stage("loading tokenizer")
             tokenizer = load_tokenizer(path)
+            if config.speculative == "draft":  # a wrong draft stops the start before any weights load
+                _check_draft(config.draft_model, tokenizer)
             load.stage("loading weights")
             if loaded is None:
                 loaded = load_model(path, dtype=config.dtype, quantization=config.quantization)
@@ -103,12 +138,24 @@ class Engine(EmbeddingMixin):
                     _shared_models[key] = loaded
                 except TypeError:  # a model type without weak references: not shared
                     pass
+            draft = None
+            if config.speculative == "draft":
+                load.stage("loading the draft model")
+                draft_key = _model_key(config.draft_model, config)
+                draft = _shared_models.get(draft_key) if draft_key else None  # a model drafting for itself: shared
+                if draft is None:
+                    draft = _load_draft(config.draft_model, config.load_options)
+                    try:
+                        _shared_models[draft_key] = draft
+                    except TypeError:
+                        pass
+                check_draft_width(loaded, draft)
             if config.prefix_cache_dir is not None and getattr(loaded, "file_identity", None) is None:
                 from .core.prefix_disk import file_identity
 
                 loaded.file_identity = {"files": file_identity(path), "load": config.load_options}
             load.stage("allocating KV cache")
-            eng = cls(loaded, tokenizer, **runtime_options)
+            eng = cls(loaded, tokenizer, draft=draft, **runtime_options)
         release_free_heap()
         eng.model_path = path
         return eng

@@ -187,13 +187,35 @@ def check_startup(path: str | os.PathLike, config, *, weights_loaded: bool = Fal
     from .models.llama import kv_cache_bytes
 
     check_model_path(path)
+    if config.prefix_cache_dir is not None:
+        check_prefix_cache_dir(config.prefix_cache_dir)
     if is_encoder_path(path):  # an encoder keeps no KV cache, and its
         return  # weights (tens of MB for the BERT family) are not estimated here
     model_config, kv_dtype, weights_bytes = model_footprint(path, config.dtype, config.quantization)
     resolved = config.resolve(model_config.max_position_embeddings)
     param = "kv_cache_tokens" if config.kv_cache_tokens is not None else "max_model_len"
-    check_memory(resolved, kv_cache_bytes(model_config, resolved.kv_cache_tokens, kv_dtype),
-                 0 if weights_loaded else weights_bytes, param=param)
+    kv_bytes = kv_cache_bytes(model_config, resolved.kv_cache_tokens, kv_dtype)
+    weights_bytes = 0 if weights_loaded else weights_bytes
+    if config.speculative == "draft" and config.draft_model is not None:  # its files, weights and KV pool too
+        check_model_path(config.draft_model)
+        draft_config, draft_kv_dtype, draft_weights = model_footprint(config.draft_model, config.dtype,
+                                                                      config.quantization)
+        kv_bytes += kv_cache_bytes(draft_config, resolved.kv_cache_tokens, draft_kv_dtype)
+        if os.path.realpath(config.draft_model) != os.path.realpath(path):  # a model drafting for itself shares
+            weights_bytes += draft_weights
+    check_memory(resolved, kv_bytes, weights_bytes, param=param)
+
+
+def check_prefix_cache_dir(path: str) -> None:
+    """The prefix cache's directory exists (made here) and is writable, else InvalidParameterError."""
+    from .errors import InvalidParameterError
+
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        raise InvalidParameterError(f"prefix_cache_dir {path!r}: {exc.strerror or exc}", "prefix_cache_dir") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise InvalidParameterError(f"prefix_cache_dir {path!r} is not writable", "prefix_cache_dir")
 
 
 # ---------------------------------------------------------------- the server's port

@@ -1,9 +1,10 @@
-"""Parity with llama.cpp on two real models: SmolLM2-135M-Instruct Q4_1 (the embedded default)
-and Qwen2.5-Coder-0.5B-Instruct Q4_K_M (from `make testdata`).
+"""Parity with llama.cpp on four real models: SmolLM2-135M-Instruct Q4_1 (the embedded default),
+Qwen2.5-Coder-0.5B-Instruct Q4_K_M, Gemma 3 270M Q4_K_M and Qwen2.5-Coder-1.5B-Instruct Q4_K_M
+(the last three from `make testdata`).
 
 tests/data/<model>_llamacpp_greedy.json holds llama.cpp's greedy continuations of six prompts
-with its top-5 logprobs at each generated position (tests/data/qwen_llamacpp_gen.py made the
-Qwen file with llama-cpp-python 0.3.36 built from its sdist). We teacher-force prompt + greedy
+with its top-5 logprobs at each generated position (tests/data/llamacpp_greedy_gen.py made the
+Qwen and Gemma files with llama-cpp-python 0.3.36 built from its sdist). We teacher-force prompt + greedy
 ids in one forward and require, at every generated position: our argmax in llama.cpp's top-3,
 llama.cpp's token in our top-3, and its logprob within 0.35 of llama.cpp's (llama.cpp quantizes
 activations, so exact equality is not expected). Each model runs with the default weights
@@ -12,10 +13,16 @@ float32 dequantization; llama.cpp's top-3 counts tokens within NEAR_TIE of its 3
 The whole-sequence forward takes the prompt path (the C kernels' float path: weights decoded to
 float32, float32 activations); the decode-path test checks the first DECODE_STEPS positions one
 token at a time, as a stream computes them (the integer path: int16 activation codes).
+Gemma 3's last prompt (664 tokens) is longer than its 512-token sliding window.
+
+The 1.5B (1.1 GB) runs one test in `make test`: the default weights, every prompt on the prompt
+path and the first on the decode path. ENGINE_LARGE_MODELS=1 (`make test-large`) adds it to every
+test here: the float32 reference (6 GB of weights), the decode path on every prompt, every route.
 """
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -27,11 +34,13 @@ from engine.tokenizer import load_tokenizer
 
 DATA = Path(__file__).parent / "data"
 TESTDATA = Path(__file__).resolve().parent.parent / ".cache" / "testdata"
-QWEN_FILE = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
-REFERENCES = {
-    "smollm2": json.loads((DATA / "smollm2_llamacpp_greedy.json").read_text(encoding="utf-8")),
-    "qwen": json.loads((DATA / "qwen_llamacpp_greedy.json").read_text(encoding="utf-8")),
-}
+GGUF_FILES = {"qwen": "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", "gemma3": "gemma-3-270m-q4_k_m.gguf",
+              "qwen15": "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"}
+LARGE = "qwen15"
+IS_LARGE_RUN = os.environ.get("ENGINE_LARGE_MODELS", "0") == "1"
+REFERENCES = {name: json.loads((DATA / f"{name}_llamacpp_greedy.json").read_text(encoding="utf-8"))
+              for name in ("smollm2", "qwen", "gemma3", LARGE)}
+FULL = sorted(n for n in REFERENCES if n != LARGE or IS_LARGE_RUN)  # the models every test runs
 MAX_LOGPROB_DIFF = 0.35
 # llama.cpp's top-3 counts its ties: the int4 default runs its products in bfloat16 (bf16 scales
 # from GGUF's fp16 d, bf16 inputs), and at one position of "The quick brown fox" it picks the
@@ -46,13 +55,13 @@ def model_path(name: str) -> str:
     """The GGUF file of a reference model; fails (not skips) when `make testdata` was not run."""
     if name == "smollm2":
         return default_model_path()
-    path = TESTDATA / QWEN_FILE
+    path = TESTDATA / GGUF_FILES[name]
     if not path.is_file():
         pytest.fail(f"{path} is missing: run `make testdata` (tests/fetch_testdata.py .cache/testdata) first")
     return str(path)
 
 
-@pytest.fixture(scope="module", params=[(n, q) for n in sorted(REFERENCES) for q in ("auto", "float32")],
+@pytest.fixture(scope="module", params=[(n, q) for n in FULL for q in ("auto", "float32")],
                 ids=lambda p: f"{p[0]}-{p[1]}")
 def model(request):
     """Each reference model with the default weights and with the exact float32 dequantization."""
@@ -149,7 +158,7 @@ def _max_logprob_diff(entry, logprobs) -> float:
 
 
 @pytest.mark.parametrize("route", ["amx", "float"])
-@pytest.mark.parametrize("name", sorted(REFERENCES))
+@pytest.mark.parametrize("name", FULL)
 def test_each_prompt_route_keeps_the_parity_bounds(name, route):
     """Every decoder product forced onto one route at every row count (the default weights):
     amx (bfloat16 weights, activations and outputs on AMX tiles, float32 sums) must keep the
@@ -171,3 +180,18 @@ def test_each_prompt_route_keeps_the_parity_bounds(name, route):
         worst = max(worst, _max_logprob_diff(entry, logprobs))
     print(f"{name} {route}: max |dlogprob| vs llama.cpp {worst:.3f} over {len(REFERENCES[name])} prompts")
     assert not failures, f"{name} {route}:\n" + "\n".join(failures)
+
+
+@pytest.mark.skipif(IS_LARGE_RUN, reason="ENGINE_LARGE_MODELS=1 runs the 1.5B through every test above")
+def test_large_model_matches_llamacpp():
+    """Qwen2.5-Coder-1.5B with the default weights, the `make test` share: every prompt on the
+    prompt path, the first DECODE_STEPS positions of the first prompt on the decode path."""
+    model = load_model(model_path(LARGE))
+    failures = []
+    for entry in REFERENCES[LARGE]:
+        found = _mismatches(entry, teacher_forced_logprobs(model, entry))
+        failures += [f"prompt {entry['prompt'][-40:]!r} {f}" for f in found]
+    entry = REFERENCES[LARGE][0]
+    truncated = dict(entry, greedy_ids=entry["greedy_ids"][:DECODE_STEPS], top5=entry["top5"][:DECODE_STEPS])
+    failures += ["decode path " + f for f in _mismatches(truncated, decode_path_logprobs(model, entry, DECODE_STEPS))]
+    assert not failures, f"{LARGE} {model.layers[0].qkv_proj.format}:\n" + "\n".join(failures)

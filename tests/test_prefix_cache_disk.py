@@ -228,6 +228,16 @@ def test_options_are_checked(tmp_path):
     assert info.value.param == "prefix_cache_dir"
 
 
+def test_the_server_refuses_a_directory_it_cannot_use_before_loading(tmp_path):
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    proc = subprocess.run([sys.executable, "-m", "webapp", "--prefix-cache-dir", str(a_file / "sub"), "--port", "0"],
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    [line] = proc.stderr.strip().splitlines()[-1:]
+    assert "error: prefix_cache_dir" in line and str(a_file / "sub") in line
+
+
 def test_command_line_defaults(tmp_path, monkeypatch):
     from engine.config import engine_options_from_args
     from engine.core.prefix_disk import default_prefix_cache_dir

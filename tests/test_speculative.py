@@ -240,7 +240,7 @@ def test_abort_mid_speculation_frees_blocks(tok):
 
 
 def test_speculative_options_are_validated():
-    with pytest.raises(InvalidParameterError, match="speculative='draft' is not supported yet"):
+    with pytest.raises(InvalidParameterError, match="speculative='draft' needs draft_model"):
         EngineConfig(speculative="draft")
     with pytest.raises(InvalidParameterError, match="speculative must be None or one of"):
         EngineConfig(speculative="medusa")
@@ -253,3 +253,5 @@ def test_speculative_options_are_validated():
     add_engine_arguments(parser)
     args = parser.parse_args(["--speculative", "ngram", "--num-speculative-tokens", "6"])
     assert engine_options_from_args(args) == {"speculative": "ngram", "num_speculative_tokens": 6}
+    args = parser.parse_args(["--speculative", "draft", "--draft-model", "/m/draft.gguf"])
+    assert engine_options_from_args(args) == {"speculative": "draft", "draft_model": "/m/draft.gguf"}

@@ -30,6 +30,7 @@ from ..sampling import sampler
 from ..structured import mask_rows
 from ..tokenizer.token_bytes import TokenPieces
 from .block_manager import prefix_block_hashes
+from .draft import DraftModel
 from .prefix_disk import make_prefix_disk_cache
 from .request import Request, RequestGroup
 from .scheduler import Scheduler, SchedulerConfig
@@ -62,8 +63,9 @@ class _TickRequests:
 
 
 class EngineCore:
-    def __init__(self, model, tokenizer, config: EngineConfig):
-        """``config`` is resolved (EngineConfig.resolve): max_model_len and kv_cache_tokens are set."""
+    def __init__(self, model, tokenizer, config: EngineConfig, draft_model=None):
+        """``config`` is resolved (EngineConfig.resolve): max_model_len and kv_cache_tokens are set.
+        ``draft_model``: the loaded model for speculative="draft" (tokenizer checked by the caller)."""
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
@@ -71,7 +73,12 @@ class EngineCore:
         self.kv_cache = model.make_kv_cache(config.num_blocks, config.block_size)
         # Sliding layers (Gemma 2/3) keep only their window's blocks (engine.core.block_manager).
         has_sliding = bool(getattr(self.kv_cache, "sliding_layers", ()))
-        self.spec = make_spec_decoder(config.speculative, config.num_speculative_tokens)
+        draft = None
+        if draft_model is not None:  # its own pool of the target's size, plus room for the proposals
+            extra = config.max_num_seqs * (-(-config.num_speculative_tokens // config.block_size) + 1)
+            draft = DraftModel(draft_model, config.num_blocks + extra, config.block_size, config.max_num_seqs,
+                               config.max_model_len)
+        self.spec = make_spec_decoder(config.speculative, config.num_speculative_tokens, draft)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,

@@ -45,8 +45,9 @@ from cext.ngram import NgramIndex
 
 from ..sampling import sampler
 from ..structured import mask_rows
+from .draft import DraftModel
 
-SPECULATIVE_METHODS = ("ngram",)  # "draft" and "auto" are in the contract and not built yet
+SPECULATIVE_METHODS = ("ngram", "draft")  # "auto" is in the contract and not built yet
 DEFAULT_NUM_SPECULATIVE_TOKENS = 4
 NGRAM_MIN = 2
 NGRAM_MAX = 4
@@ -76,7 +77,7 @@ Proposer.register(NgramIndex)
 class SpecState:
     """One sequence's proposer and adaptive gate."""
 
-    proposer: Proposer
+    proposer: Proposer | None  # None: the engine's draft model proposes
     num_failures: int = 0  # proposals in a row with nothing accepted
     wait: int = 0  # decode steps to skip before the next proposal
 
@@ -124,13 +125,14 @@ class SpecDecoder:
 
     method: str
     k: int
+    draft: DraftModel | None = None  # speculative="draft": the model that proposes
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_proposals: int = 0
     entries: list[SpecEntry] = field(default_factory=list)  # this tick's proposals
 
     def make_state(self) -> SpecState:
-        return SpecState(NgramProposer(self.k, NGRAM_MIN, NGRAM_MAX))
+        return SpecState(NgramProposer(self.k, NGRAM_MIN, NGRAM_MAX) if self.draft is None else None)
 
     @property
     def acceptance_rate(self) -> float:
@@ -151,18 +153,28 @@ class SpecDecoder:
         for seq in running:
             if int(num_tokens[seq.slot]) - int(num_computed[seq.slot]) != 1:
                 return  # a prefill is running: no speculation this tick
+        wants = {}  # slot -> most ids it may propose
         for seq in running:
-            s = seq.slot
-            n = int(num_tokens[s])
+            n = int(num_tokens[seq.slot])
             spec = seq.spec
-            draft: list[int] = []
             if spec is not None:
                 if spec.wait > 0:
                     spec.wait -= 1
                 else:
-                    room = min(seq.num_prompt_tokens + seq.max_tokens - n - 1, max_model_len - n - 1)
+                    room = min(seq.num_prompt_tokens + seq.max_tokens - n - 1, max_model_len - n - 1, self.k)
                     if room > 0:
-                        draft = spec.proposer.propose(seq.token_array)[:room]
+                        wants[seq.slot] = room
+        if self.draft is not None:
+            self.draft.sync(state, {seq.slot for seq in running})
+            drafts = self.draft.propose(state, [(seq.slot, int(num_tokens[seq.slot]), wants[seq.slot],
+                                                 seq.num_prompt_tokens) for seq in running if seq.slot in wants])
+        else:
+            drafts = {seq.slot: seq.spec.proposer.propose(seq.token_array)[: wants[seq.slot]]
+                      for seq in running if seq.slot in wants}
+        for seq in running:
+            s = seq.slot
+            n = int(num_tokens[s])
+            draft = drafts.get(s)
             if draft:
                 proposals.append((seq, draft))
             else:
@@ -328,7 +340,8 @@ class SpecDecoder:
         return True
 
 
-def make_spec_decoder(method: str | None, num_speculative_tokens: int) -> SpecDecoder | None:
+def make_spec_decoder(method: str | None, num_speculative_tokens: int, draft: DraftModel | None = None
+                      ) -> SpecDecoder | None:
     if method is None:
         return None
-    return SpecDecoder(method, num_speculative_tokens)
+    return SpecDecoder(method, num_speculative_tokens, draft)

@@ -1,0 +1,127 @@
+"""Draft-model speculation (speculative="draft"): a model drafting for itself is accepted almost
+always and changes nothing (SmolLM2-135M and Qwen2.5-Coder-0.5B, greedy token for token, seeded
+sampling too), stops and max_tokens cut accepted runs, the draft's KV follows rollbacks and
+preemption, and a draft whose tokenizer differs is refused in one line before its weights load."""
+import subprocess
+import sys
+
+import pytest
+from model_fixtures import qwen_gguf  # noqa: F401 (fixture)
+
+import engine
+from engine.config import EngineConfig
+from engine.errors import InvalidParameterError
+from engine.loader import default_model_path
+from engine.params import SamplingParams
+
+PROMPTS = [
+    "Repeat this sentence exactly: the quick brown fox jumps over the lazy dog, and the dog sleeps.",
+    "Write a short poem about the sea.",
+    "Count from one to twenty in words.",
+    "Explain what a hash table is.",
+]
+
+
+def generate(eng, prompts, params):
+    return eng.generate([eng.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in prompts], params)
+
+
+@pytest.fixture(scope="module")
+def engines():
+    path = default_model_path()
+    with engine.Engine.from_pretrained() as plain, \
+            engine.Engine.from_pretrained(speculative="draft", draft_model=path, num_speculative_tokens=3) as fast:
+        yield plain, fast
+
+
+def test_self_draft_greedy_equal_and_accepted(engines):
+    plain, fast = engines
+    params = SamplingParams(max_tokens=48, temperature=0)
+    want = generate(plain, PROMPTS, params)
+    got = generate(fast, PROMPTS, params)
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
+    for prompt, expected in zip(PROMPTS[:2], want):
+        [alone] = generate(fast, [prompt], params)
+        assert alone.token_ids == expected.token_ids
+    stats = fast.stats()
+    assert stats["spec_decode_num_draft_tokens"] > 30
+    assert stats["spec_decode_acceptance_rate"] > 0.9  # the same model: only rounding disagrees
+
+
+def test_self_draft_stops_max_tokens_and_seeded_sampling(engines):
+    plain, fast = engines
+    [full] = generate(plain, PROMPTS[:1], SamplingParams(max_tokens=48, temperature=0, ignore_eos=True))
+    stop = full.text[len(full.text) // 2 :][:5]
+    cases = [SamplingParams(max_tokens=48, temperature=0, stop=[stop]),
+             SamplingParams(max_tokens=21, temperature=0, ignore_eos=True),
+             SamplingParams(max_tokens=40, temperature=0, logprobs=True, top_logprobs=2, repetition_penalty=1.2),
+             # Seeded: the same draws as plain decoding (top_k keeps the CDF to 20 ids: a draw on a
+             # boundary that the chunk's float32 rounding moves is rarer, see the README)
+             SamplingParams(max_tokens=40, temperature=0.5, top_k=20, seed=4, n=2)]
+    for params in cases:
+        want = generate(plain, PROMPTS[:2], params)
+        got = generate(fast, PROMPTS[:2], params)
+        assert [(c.token_ids, c.text, c.finish_reason) for c in got] == \
+            [(c.token_ids, c.text, c.finish_reason) for c in want], params
+
+
+def test_self_draft_under_preemption_frees_everything():
+    # A KV cache for about two sequences and four requests: preemption while drafting.
+    path = default_model_path()
+    params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+    options = dict(max_model_len=256, kv_cache_tokens=320, max_num_seqs=4)
+    with engine.Engine.from_pretrained(**options) as plain:
+        want = generate(plain, PROMPTS, params)
+    with engine.Engine.from_pretrained(speculative="draft", draft_model=path, **options) as fast:
+        got = generate(fast, PROMPTS, params)
+        stats = fast.stats()
+        draft = fast._core.spec.draft
+        generate(fast, PROMPTS[:1], SamplingParams(max_tokens=8, temperature=0))  # the last drafter frees the rest
+        num_held = sum(len(t) for t in draft.tables)
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
+    assert stats["num_preemptions"] > 0 and stats["spec_decode_num_accepted_tokens"] > 0
+    assert stats["kv_usage"] == 0.0
+    assert num_held <= 256 // 16 + 1  # only the last sequence's draft blocks, until the next proposal
+
+
+def test_qwen_coder_drafting_for_itself(qwen_gguf):  # noqa: F811
+    code = "def area(width, height):\n    result = width * height\n    return result\n"
+    prompts = ["Rename result to product in this function. Answer with the code only.\n\n" + code,
+               "Write a haiku about rain."]
+    params = SamplingParams(max_tokens=48, temperature=0)
+    with engine.Engine.from_pretrained(str(qwen_gguf)) as plain:
+        want = generate(plain, prompts, params)
+    with engine.Engine.from_pretrained(str(qwen_gguf), speculative="draft", draft_model=str(qwen_gguf)) as fast:
+        got = generate(fast, prompts, params)
+        stats = fast.stats()
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
+    assert stats["spec_decode_acceptance_rate"] > 0.9
+
+
+def test_mismatched_tokenizer_is_refused_in_one_line(qwen_gguf):  # noqa: F811
+    with pytest.raises(InvalidParameterError) as info:
+        engine.Engine.from_pretrained(speculative="draft", draft_model=str(qwen_gguf))
+    assert info.value.param == "draft_model"
+    message = str(info.value)
+    assert "draft_model does not match the model" in message and "\n" not in message
+
+
+def test_draft_options_are_validated():
+    with pytest.raises(InvalidParameterError, match="needs draft_model"):
+        EngineConfig(speculative="draft")
+    with pytest.raises(InvalidParameterError, match="only with speculative='draft'"):
+        EngineConfig(speculative="ngram", draft_model="/tmp/x.gguf")
+    with pytest.raises(InvalidParameterError, match="speculative='auto' is not supported yet"):
+        EngineConfig(speculative="auto")
+    from engine.errors import ModelFileError
+    with pytest.raises(ModelFileError, match="no such file"):
+        engine.Engine.from_pretrained(speculative="draft", draft_model="/nonexistent/draft.gguf")
+
+
+def test_server_refuses_a_mismatched_draft_in_one_line(qwen_gguf):  # noqa: F811
+    proc = subprocess.run([sys.executable, "-m", "webapp", "--port", "0", "--speculative", "draft",
+                           "--draft-model", str(qwen_gguf)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert "draft_model does not match the model" in lines[-1]
+    assert not any("Traceback" in line for line in lines)
