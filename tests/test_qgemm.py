@@ -301,6 +301,21 @@ def test_products_beyond_one_kernel_block_are_run_in_row_blocks(route, kind, mon
     torch.testing.assert_close(y.double(), expected + bias.double(), atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize("slice_floats", [1 << 22, 10 * 192])
+def test_blas_route_in_weight_slices_through_one_scratch(slice_floats, monkeypatch):
+    """The blas route's dequantized weight (whole, or slices of 10 rows) lives in one reused
+    per-thread scratch: two layers taking turns each still get their own float64 product."""
+    monkeypatch.setattr(linear_module, "DEQUANT_FLOATS", slice_floats)
+    layers = []
+    for seed, kind in ((11, "int4"), (12, "int8")):
+        w, x, bias = _inputs(seed, 37, 45, 192, torch.float32)
+        weight = _weights(kind, w)
+        layers.append((Linear(weight, bias), x, x.double() @ weight.dequantize().double().T + bias.double()))
+    for _ in range(2):
+        for layer, x, expected in layers:
+            torch.testing.assert_close(layer.run(x, "blas").double(), expected, atol=1e-4, rtol=1e-5)
+
+
 @pytest.mark.parametrize("kind", ["int4", "int5", "int8"])
 def test_dequantize_to_bfloat16_rounds_like_torch(variant, kind):
     w = torch.randn(37, 256, generator=torch.Generator().manual_seed(2)) * 0.05

@@ -17,6 +17,8 @@ more than ``dense_above_rows`` rows (whole prompts), where oneDNN's dense float3
 """
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.nn.functional as F
 
@@ -46,7 +48,11 @@ INT_KERNEL_MAX_ROWS = 16  # without AVX2 there is no float path: the scalar kern
 # The kernels' layout codes (cext/csrc/qgemm.h's QG_*; tests/test_qgemm.py checks they agree).
 Q4, Q5, Q8, HALF, NO_MINS, ROUTE_INT, ROUTE_FLOAT = 0, 1, 2, 4, 8, 16, 32
 AMX_ROWS = 1024  # output rows dequantized to bfloat16 at once on the amx route (1.8 MB at K = 896)
-DEQUANT_ROWS = 1024  # output rows dequantized at once for a prompt's product (4 MB of float32 at K = 896)
+# float32 elements of a weight dequantized at once on the blas route (16 MB: all of a SmolLM2
+# layer's weight in one product, Qwen2.5-0.5B's gate/up in 3), into a per-thread scratch reused
+# by every call: a fresh tensor per call cost more than the dequantization (page faults; 256 rows
+# at 2 threads, load ~15: qkv 47 ms per call against 23 ms, docs/performance.md)
+DEQUANT_FLOATS = 1 << 22
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 
@@ -58,6 +64,17 @@ def _packing_ops():
         return ops._reorder_linear_weight, ops._linear_pointwise
     except (AttributeError, RuntimeError):
         return None
+
+
+_scratch = threading.local()
+
+
+def _scratch_floats(num_floats: int) -> torch.Tensor:
+    """This thread's reused float32 scratch, at least num_floats long -> its first num_floats."""
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.numel() < num_floats:
+        buf = _scratch.buf = torch.empty(num_floats, dtype=torch.float32)
+    return buf[:num_floats]
 
 
 class DenseLinear:
@@ -193,10 +210,22 @@ class Linear:
                 return Int8Weight(self._rows[first_row:end_row], self._scales[first_row:end_row]).dequantize()
             return blocks_to_int4(self._rows[first_row:end_row], self.in_features, self.half).dequantize()
         out = torch.empty(end_row - first_row, self.in_features, dtype=torch.float32)
+        return self._dequantize_into(first_row, end_row, out)
+
+    def _dequantize_into(self, first_row: int, end_row: int, out: torch.Tensor) -> torch.Tensor:
+        """Rows first_row .. end_row - 1 of a kernel-layout weight -> out [n, K] float32 (contiguous)."""
         scales = 0 if self._scales is None else self._scales.data_ptr()
         qgemm.dequantize(self.layout, self._rows.data_ptr(), scales, first_row, end_row - first_row,
                          self.in_features, out.data_ptr())
         return out
+
+    def _dequantized_slice(self, first_row: int, end_row: int) -> torch.Tensor:
+        """The rows dequantized, in this thread's scratch when the kernels' layout allows (valid
+        until the next call on this thread), else a new tensor."""
+        if self._int4 is not None or qgemm is None:
+            return self.dequantize(first_row, end_row)
+        out = _scratch_floats((end_row - first_row) * self.in_features).view(end_row - first_row, -1)
+        return self._dequantize_into(first_row, end_row, out)
 
     # ----- routes (engine.models.routes) -----
     def row_slice(self, num_out: int) -> Linear:
@@ -274,14 +303,18 @@ class Linear:
             return y
         if route == "amx":
             return self._bf16_product(x)
-        # blas: float32 products over DEQUANT_ROWS output rows at a time, so the dequantized
-        # weight held at once is a few MB, not the layer (35 MB for Qwen2.5-0.5B's gate/up).
+        # blas: float32 products over slices of at most DEQUANT_FLOATS dequantized weights, so
+        # what is held at once is a few MB, not the layer (35 MB for Qwen2.5-0.5B's gate/up);
+        # one product when the whole weight fits (slices into a strided y measured 3x slower).
         x32 = x.float()
+        slice_rows = max(1, DEQUANT_FLOATS // self.in_features)
+        if slice_rows >= self.out_features:
+            return F.linear(x32, self._dequantized_slice(0, self.out_features), self.bias).to(x.dtype)
         y = torch.empty(num_rows, self.out_features, dtype=torch.float32)  # [T, N]
-        for first in range(0, self.out_features, DEQUANT_ROWS):
-            end = min(first + DEQUANT_ROWS, self.out_features)
+        for first in range(0, self.out_features, slice_rows):
+            end = min(first + slice_rows, self.out_features)
             bias = None if self.bias is None else self.bias[first:end]
-            y[:, first:end] = F.linear(x32, self.dequantize(first, end), bias)
+            y[:, first:end] = F.linear(x32, self._dequantized_slice(first, end), bias)
         return y.to(x.dtype)
 
     def _bf16_product(self, x: torch.Tensor) -> torch.Tensor:
