@@ -32,7 +32,10 @@ def run_batch(tok, script, params_list, general: bool):
             if general:
                 params = dataclasses.replace(params, logit_bias={0: 0.0})
             streams.append(eng.stream(f"prompt {i}", params))
-        events = [[(e.index, e.text, e.token_ids, e.finish_reason) for e in s] for s in streams]
+        # Per choice in order (stable sort): how an n > 1 request's choices interleave depends on
+        # whether the engine thread ticked before the test thread had submitted every request.
+        events = [sorted(((e.index, e.text, e.token_ids, e.finish_reason) for e in s), key=lambda e: e[0])
+                  for s in streams]
         return events, eng._core.scheduler.num_decode_ticks
 
 
