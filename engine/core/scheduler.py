@@ -262,6 +262,23 @@ class Scheduler:
 
     # -- internals --
 
+    def _layout_batch(self, layout, logit_rows, query_starts_list: list[int], num_decodes: int) -> ForwardBatch:
+        """The tick's ForwardBatch over numpy views of the Cython layout (tensors only for what the model reads)."""
+        return ForwardBatch(
+            input_ids=layout.input_ids,
+            positions=layout.positions,
+            slot_mapping=layout.slot_mapping,
+            query_starts=layout.query_starts,
+            context_lens=layout.context_lens,
+            block_tables=layout.block_tables,
+            logit_rows=logit_rows,
+            prompt_lens=layout.prompt_lens,
+            query_starts_list=query_starts_list,
+            context_lens_list=layout.context_lens.tolist(),
+            num_decode_seqs=num_decodes,
+            block_size=self.block_size,
+        )
+
     def _schedule_decodes(self) -> SchedulerOutput | None:
         """The steady state: every running sequence decodes one token (cext.tick decode_plan /
         decode_build), or None (nothing planned) when the state is not steady or its decodes need
@@ -285,20 +302,7 @@ class Scheduler:
         B = layout.num_seqs
         seqs = list(self.running)
         slots = state.entry_slots[:B].copy()
-        batch = ForwardBatch(
-            input_ids=layout.input_ids,
-            positions=layout.positions,
-            slot_mapping=layout.slot_mapping,
-            query_starts=layout.query_starts,
-            context_lens=layout.context_lens,
-            block_tables=layout.block_tables,
-            logit_rows=layout.logit_rows,
-            prompt_lens=layout.prompt_lens,
-            query_starts_list=list(range(B + 1)),
-            context_lens_list=layout.context_lens.tolist(),
-            num_decode_seqs=B,
-            block_size=self.block_size,
-        )
+        batch = self._layout_batch(layout, layout.logit_rows, list(range(B + 1)), B)
         out = SchedulerOutput(
             batch=batch,
             seqs=seqs,
@@ -415,20 +419,7 @@ class Scheduler:
         spec_entries = []
         if self.spec is not None and self.spec.entries:
             logit_rows, sample_logit_index, spec_entries = self.spec.logit_rows(layout, sample_entries, slots)
-        batch = ForwardBatch(  # numpy views of the layout: tensors only for what the model reads
-            input_ids=layout.input_ids,
-            positions=layout.positions,
-            slot_mapping=layout.slot_mapping,
-            query_starts=layout.query_starts,
-            context_lens=layout.context_lens,
-            block_tables=layout.block_tables,
-            logit_rows=logit_rows,
-            prompt_lens=layout.prompt_lens,
-            query_starts_list=layout.query_starts.tolist(),
-            context_lens_list=layout.context_lens.tolist(),
-            num_decode_seqs=num_decodes,
-            block_size=self.block_size,
-        )
+        batch = self._layout_batch(layout, logit_rows, layout.query_starts.tolist(), num_decodes)
         return SchedulerOutput(
             batch=batch,
             seqs=seqs,
