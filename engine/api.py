@@ -78,7 +78,7 @@ class Engine(EmbeddingMixin):
 
         config = EngineConfig.from_options(options, allow_load=False)
         self.tokenizer = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
-        if config.speculative == "draft" and draft is None:
+        if config.speculative_method == "draft" and draft is None:
             from .core.draft import check_draft_width
 
             _check_draft(config.draft_model, self.tokenizer)
@@ -120,7 +120,7 @@ class Engine(EmbeddingMixin):
         apply_thread_policy(config.num_threads)
         path = default_model_path() if model is None else os.fspath(model)
         runtime_options = {k: v for k, v in options.items() if k not in config.load_options}
-        num_stages = 5 if config.speculative == "draft" else 4
+        num_stages = 5 if config.speculative_method == "draft" else 4
         with LoadProgress(_display_name(path), num_stages=num_stages, enabled=progress) as load:
             load.stage("checking files")
             key = _model_key(path, config)
@@ -129,7 +129,7 @@ class Engine(EmbeddingMixin):
             check_startup(path, config, weights_loaded=loaded is not None)
             load.stage("loading tokenizer")
             tokenizer = load_tokenizer(path)
-            if config.speculative == "draft":  # a wrong draft stops the start before any weights load
+            if config.speculative_method == "draft":  # a wrong draft stops the start before any weights load
                 _check_draft(config.draft_model, tokenizer)
             load.stage("loading weights")
             if loaded is None:
@@ -139,7 +139,7 @@ class Engine(EmbeddingMixin):
                 except TypeError:  # a model type without weak references: not shared
                     pass
             draft = None
-            if config.speculative == "draft":
+            if config.speculative_method == "draft":
                 load.stage("loading the draft model")
                 draft_key = _model_key(config.draft_model, config)
                 draft = _shared_models.get(draft_key) if draft_key else None  # a model drafting for itself: shared

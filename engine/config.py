@@ -32,7 +32,8 @@ POOLINGS = ("mean", "cls", "last", "max")  # embeddings (engine/embedding/poolin
 # With no max_model_len anywhere (a model that states none), cap the context here.
 FALLBACK_MAX_MODEL_LEN = 32768
 MIN_KV_CACHE_TOKENS = 16384
-# Speculative decoding (engine/core/speculative.py): the contract's methods; "auto" is not built.
+# Speculative decoding (engine/core/speculative.py): the contract's methods; "auto" is the draft
+# model when one is given, else prompt lookup (EngineConfig.speculative_method).
 SPECULATIVE = ("ngram", "draft", "auto")
 MAX_NUM_SPECULATIVE_TOKENS = 16
 DEFAULT_PREFIX_CACHE_DISK_BYTES = 8 << 30
@@ -72,11 +73,19 @@ class EngineConfig:
     prefix_cache_disk_bytes: int = _option(DEFAULT_PREFIX_CACHE_DISK_BYTES,
                                            "most bytes the prefix cache directory holds (LRU eviction)")
     # -- speculative decoding --
-    speculative: str | None = _option(None, "speculative decoding: ngram (prompt lookup) or draft (a "
-                                      "draft model, --draft-model); default off")
+    speculative: str | None = _option(None, "speculative decoding: ngram (prompt lookup), draft (a "
+                                      "draft model, --draft-model) or auto (draft when --draft-model is "
+                                      "given, else ngram); default off")
     num_speculative_tokens: int = _option(4, f"most ids proposed per step (1-{MAX_NUM_SPECULATIVE_TOKENS})")
     draft_model: str | None = _option(None, "draft model path for speculative=draft (a .gguf file or HF "
                                       "directory with the model's tokenizer)")
+
+    @property
+    def speculative_method(self) -> str | None:
+        """The proposer speculative decoding runs: None, "ngram" or "draft" ("auto" resolved)."""
+        if self.speculative == "auto":
+            return "draft" if self.draft_model is not None else "ngram"
+        return self.speculative
 
     def __post_init__(self) -> None:
         if self.dtype is not None and self.dtype not in DTYPES:
@@ -109,15 +118,12 @@ class EngineConfig:
             raise InvalidParameterError(
                 f"speculative must be None or one of {', '.join(SPECULATIVE)}, got {self.speculative!r}",
                 "speculative")
-        if self.speculative == "auto":
-            raise InvalidParameterError(
-                f"speculative={self.speculative!r} is not supported yet; use 'ngram' or 'draft'", "speculative")
         if self.speculative == "draft" and self.draft_model is None:
             raise InvalidParameterError("speculative='draft' needs draft_model (a model path)", "draft_model")
-        if self.draft_model is not None and self.speculative != "draft":
+        if self.draft_model is not None and self.speculative not in ("draft", "auto"):
             raise InvalidParameterError(
-                f"draft_model is used only with speculative='draft', got speculative={self.speculative!r}",
-                "draft_model")
+                f"draft_model is used only with speculative='draft' or 'auto', got "
+                f"speculative={self.speculative!r}", "draft_model")
         k = self.num_speculative_tokens
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_NUM_SPECULATIVE_TOKENS:
             raise InvalidParameterError(

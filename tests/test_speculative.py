@@ -225,6 +225,16 @@ def test_every_kind_of_request_speculates(tok):
                 assert all(len(e.logprobs) == len(e.token_ids) for e in events)
 
 
+def test_auto_without_a_draft_model_is_prompt_lookup(tok):
+    script = copying_script(tok)
+    prompt = "Rename subtotal to base:\n" + CODE
+    with make_engine(tok, script) as plain, make_engine(tok, script, speculative="auto") as auto:
+        assert auto.config.speculative_method == "ngram"
+        for params in PARAMS[:2]:
+            assert run(auto, prompt, params) == run(plain, prompt, params), params
+        assert auto.stats()["spec_decode_num_accepted_tokens"] > 0
+
+
 def test_abort_mid_speculation_frees_blocks(tok):
     script = copying_script(tok) * 4
     with make_engine(tok, script, speculative="ngram") as eng:

@@ -114,10 +114,12 @@ def test_mismatched_tokenizer_is_refused_in_one_line(qwen_gguf):  # noqa: F811
 def test_draft_options_are_validated():
     with pytest.raises(InvalidParameterError, match="needs draft_model"):
         EngineConfig(speculative="draft")
-    with pytest.raises(InvalidParameterError, match="only with speculative='draft'"):
+    with pytest.raises(InvalidParameterError, match="only with speculative='draft' or 'auto'"):
         EngineConfig(speculative="ngram", draft_model="/tmp/x.gguf")
-    with pytest.raises(InvalidParameterError, match="speculative='auto' is not supported yet"):
-        EngineConfig(speculative="auto")
+    assert EngineConfig(speculative="auto").speculative_method == "ngram"
+    assert EngineConfig(speculative="auto", draft_model="/tmp/x.gguf").speculative_method == "draft"
+    assert EngineConfig(speculative="draft", draft_model="/tmp/x.gguf").speculative_method == "draft"
+    assert EngineConfig().speculative_method is None
     from engine.errors import ModelFileError
     with pytest.raises(ModelFileError, match="no such file"):
         engine.Engine.from_pretrained(speculative="draft", draft_model="/nonexistent/draft.gguf")

@@ -78,7 +78,7 @@ class EngineCore:
             extra = config.max_num_seqs * (-(-config.num_speculative_tokens // config.block_size) + 1)
             draft = DraftModel(draft_model, config.num_blocks + extra, config.block_size, config.max_num_seqs,
                                config.max_model_len)
-        self.spec = make_spec_decoder(config.speculative, config.num_speculative_tokens, draft)
+        self.spec = make_spec_decoder(config.speculative_method, config.num_speculative_tokens, draft)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
