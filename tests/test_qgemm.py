@@ -354,6 +354,36 @@ def test_route_table_picks_by_row_count_and_is_cached(tmp_path, monkeypatch):
     assert routes.calibrate([Linear(Int4Weight.from_dense(w))], allow_approximate=False, num_threads=1) == {}
 
 
+def test_a_table_measured_on_a_busy_machine_is_measured_again_when_quiet(tmp_path, monkeypatch):
+    from engine.models import routes
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("ENGINE_ROUTES", raising=False)
+    w = torch.randn(64, 128, generator=torch.Generator().manual_seed(2)) * 0.05
+    calls = []
+    table = ["int16"] * len(routes.ROW_GRID)
+    monkeypatch.setattr(routes, "measure", lambda layer, available: calls.append(layer) or list(table))
+    busy = [True]
+    monkeypatch.setattr(routes, "is_busy", lambda: busy[0])
+    routes.calibrate([Linear(Int4Weight.from_dense(w))], allow_approximate=False, num_threads=1)
+    routes.calibrate([Linear(Int4Weight.from_dense(w))], allow_approximate=False, num_threads=1)
+    assert len(calls) == 1  # still busy: the busy table serves
+    busy[0] = False
+    routes.calibrate([Linear(Int4Weight.from_dense(w))], allow_approximate=False, num_threads=1)
+    routes.calibrate([Linear(Int4Weight.from_dense(w))], allow_approximate=False, num_threads=1)
+    assert len(calls) == 2  # measured again once, quiet, then cached
+
+
+def test_decode_sized_products_are_timed_on_whole_layers():
+    from engine.models import routes
+
+    w = torch.randn(3072, 576, generator=torch.Generator().manual_seed(3)) * 0.05
+    layer = Linear(Int4Weight.from_dense(w))
+    assert routes.proxy_rows(layer, 1) == 3072  # one row: the whole layer (its fixed costs are not the product)
+    assert routes.proxy_rows(layer, 512) == routes.PROXY_ROWS
+    assert all(routes.proxy_rows(layer, m) * m * 576 >= min(routes.PROXY_MACS, 3072 * m * 576) for m in routes.ROW_GRID)
+
+
 def test_measured_routes_are_ones_this_cpu_runs():
     from engine.models import routes
 

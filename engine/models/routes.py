@@ -12,9 +12,11 @@ A quantized layer's product of M rows can run as:
 - ``blas``: the weights dequantized to float32 a slice at a time and the float32 BLAS.
 
 ``calibrate`` times every route the CPU has on each distinct (layout, N, K) at the row counts
-of ``ROW_GRID`` on a slice of its rows (0.25-2.7 s per shape measured on the shared 2-vCPU
-Xeon at load average ~18) and keeps the fastest per row count; the table is cached per machine
-(CPU model, features, threads, torch) in the user cache dir, so later loads skip the timing.
+of ``ROW_GRID`` on a slice of its rows sized by the work (``proxy_rows``; 0.2-0.35 s per shape
+on the quiet 2-vCPU Xeon) and keeps the fastest per row count; the table is cached per machine
+(CPU model, features, threads, torch) in the user cache dir, so later loads skip the timing;
+a table measured while the load average exceeded the cores is measured again by the first
+load on a quieter machine.
 ``ENGINE_ROUTES=fixed`` keeps the fixed thresholds (engine.models.linear), and
 ``ENGINE_ROUTES=recalibrate`` measures again.
 """
@@ -35,8 +37,10 @@ log = logging.getLogger("engine")
 ROW_GRID = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 EXACT_ROUTES = ("int16", "float", "blas")  # int16: activations within 2^-15 per element
 APPROXIMATE = ("amx",)  # bfloat16 weights and activations: 8 mantissa bits
-CACHE_VERSION = 4  # 4: the C routes run in blocks of KERNEL_BLOCK_ROWS rows
-PROXY_ROWS = 256  # output rows a shape is timed on
+CACHE_VERSION = 5  # 5: proxies sized by work (4 ran decode-sized products on 256 rows)
+PROXY_ROWS = 256  # fewest output rows a shape is timed on
+PROXY_MACS = 1 << 23  # and enough rows for this many multiply-adds (a decode row: whole layers)
+MIN_TIMED_SECONDS = 0.002  # a timing repeats its call until it lasts this long
 
 
 def available_routes(allow_approximate: bool) -> tuple[str, ...]:
@@ -70,17 +74,30 @@ def _cache_path() -> Path:
     return Path(base) / "llm-engine" / "product_routes.json"
 
 
+def is_busy() -> bool:
+    """More runnable work than cores (the 1-minute load average): timings are unreliable."""
+    try:
+        return os.getloadavg()[0] > (os.cpu_count() or 1)
+    except OSError:
+        return False
+
+
 def _load_cache(key: str) -> dict:
+    """The cached table of this machine; a table measured on a busy machine counts only while the
+    machine is still busy (a quiet load measures it again)."""
     try:
         data = json.loads(_cache_path().read_text())
     except (OSError, ValueError):
         return {}
     if data.get("version") != CACHE_VERSION:
         return {}
-    return data.get("machines", {}).get(hashlib.sha1(key.encode()).hexdigest(), {})
+    digest = hashlib.sha1(key.encode()).hexdigest()
+    if data.get("measured_busy", {}).get(digest) and not is_busy():
+        return {}
+    return data.get("machines", {}).get(digest, {})
 
 
-def _store_cache(key: str, table: dict) -> None:
+def _store_cache(key: str, table: dict, busy: bool = False) -> None:
     path = _cache_path()
     try:
         data = json.loads(path.read_text())
@@ -88,7 +105,9 @@ def _store_cache(key: str, table: dict) -> None:
             data = {}
     except (OSError, ValueError):
         data = {}
-    data.setdefault("machines", {})[hashlib.sha1(key.encode()).hexdigest()] = table
+    digest = hashlib.sha1(key.encode()).hexdigest()
+    data.setdefault("machines", {})[digest] = table
+    data.setdefault("measured_busy", {})[digest] = busy
     data["version"] = CACHE_VERSION
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -108,20 +127,42 @@ def _clock():
     return time.perf_counter
 
 
+def proxy_rows(layer, num_rows: int) -> int:
+    """Output rows a product of ``num_rows`` rows is timed on: at least PROXY_ROWS and enough for
+    PROXY_MACS multiply-adds (all of them when the layer is smaller). A decode-sized product on
+    256 rows is mostly fixed cost (quantizing x, the pool's hand-off): at one row int16 and float
+    timed alike there (25 us each on SmolLM2's gate_up) where the whole layer runs int16 in half
+    the time (102 vs 194 us), and the table sent every decode step down the slower route."""
+    wanted = -(-PROXY_MACS // (num_rows * layer.in_features))
+    return min(layer.out_features, max(PROXY_ROWS, -(-wanted // 64) * 64))
+
+
+def _time_call(proxy, x: torch.Tensor, route: str, clock) -> float:
+    """Seconds per product of x through route, over as many calls as fill MIN_TIMED_SECONDS."""
+    calls, start = 0, clock()
+    while True:
+        proxy.run(x, route)
+        calls += 1
+        elapsed = clock() - start
+        if elapsed >= MIN_TIMED_SECONDS:
+            return elapsed / calls
+
+
 def measure(layer, routes: tuple[str, ...], grid: tuple[int, ...] = ROW_GRID,
-            rounds: int = 2) -> list[str]:
+            rounds: int = 3) -> list[str]:
     """The fastest of `routes` for `layer` (a quantized Linear) at each row count of grid.
 
-    Timed on the first PROXY_ROWS output rows (every route's time grows linearly with the
-    output rows past a few hundred), each route once per round with the rounds interleaved and
-    the minimum kept (a busy neighbour only adds time), after one warm-up call (oneDNN builds
-    its kernel for a shape on the first). With one thread the clock is the thread's CPU time,
-    which a neighbour that preempts us does not inflate (the machine may be shared)."""
-    proxy = layer.row_slice(min(layer.out_features, PROXY_ROWS))
+    Timed on the first ``proxy_rows`` output rows (every route's time grows linearly with the
+    output rows past that), each route once per round with the rounds interleaved and the
+    minimum kept (a busy neighbour only adds time), after one warm-up call (oneDNN builds its
+    kernel for a shape on the first); a timing repeats the call until it lasts
+    MIN_TIMED_SECONDS. With one thread the clock is the thread's CPU time, which a neighbour
+    that preempts us does not inflate (the machine may be shared)."""
     clock = _clock()
     gen = torch.Generator().manual_seed(0)
     best = []
     for num_rows in grid:
+        proxy = layer.row_slice(proxy_rows(layer, num_rows))
         x = torch.randn(num_rows, layer.in_features, generator=gen)
         candidates = [r for r in routes if proxy.can_run(r, num_rows)]
         times = dict.fromkeys(candidates, float("inf"))
@@ -129,9 +170,7 @@ def measure(layer, routes: tuple[str, ...], grid: tuple[int, ...] = ROW_GRID,
             proxy.run(x, route)
         for _ in range(rounds):
             for route in candidates:
-                start = clock()
-                proxy.run(x, route)
-                times[route] = min(times[route], clock() - start)
+                times[route] = min(times[route], _time_call(proxy, x, route, clock))
         best.append(min(times, key=times.get))
     return best
 
@@ -147,6 +186,7 @@ def calibrate(layers, allow_approximate: bool, num_threads: int) -> dict[str, li
     cached = {} if mode == "recalibrate" else _load_cache(key)
     table: dict[str, list[str]] = {}
     start = time.perf_counter()
+    busy = is_busy()
     measured = 0
     for layer in layers:
         if layer.layout is None or layer.exact:
@@ -160,7 +200,7 @@ def calibrate(layers, allow_approximate: bool, num_threads: int) -> dict[str, li
                 measured += 1
         layer.set_routes(ROW_GRID, table[shape])
     if measured:
-        _store_cache(key, {**cached, **table})
+        _store_cache(key, {**cached, **table}, busy)
         log.info("product routes measured for %d shape(s) in %.2f s", measured, time.perf_counter() - start)
     return table
 
