@@ -81,6 +81,7 @@ CONTEXTS = {"ctx16": 16, "ctx1000": 1000}
 PREFILLS = {"prefill512": 512, "prefill2048": 2048}  # prompt lengths of the prefill workload (issue 29)
 PREFILL_TARGET = {True: 4.0, False: 1.5}  # issue 29: ours / llama-cpp-python, on an AMX CPU / elsewhere
 MAX_PROMPT = max(*CONTEXTS.values(), *PREFILLS.values())
+PREFILL_SEED = 1 << 20  # the prefill prompts' seeds start here
 BLOCK_SIZE = 16
 PROMPT_ID_RANGE = (1000, 40000)  # ordinary tokens in both vocabularies
 
@@ -231,7 +232,10 @@ def run_worker(args: argparse.Namespace) -> None:
         elif kind == "raw":
             reply = {"tok_s": worker.raw(command["context"], num_tokens, seed)}
         elif kind == "prefill":
-            reply = {"tok_s": command["context"] / worker.prefill(random_prompt(command["context"], seed))}
+            # a seed no other workload uses: the stream workloads' prompts of the same seed share their
+            # first ids (random.Random), which would be a prefix-cache hit for ours
+            prompt = random_prompt(command["context"], PREFILL_SEED + seed * 10_000 + command["context"])
+            reply = {"tok_s": command["context"] / worker.prefill(prompt)}
         else:  # "memory"
             reply = {**memory_status(), "kv_cache_bytes": worker.kv_cache_bytes()}
         protocol.write(json.dumps(reply) + "\n")
