@@ -210,6 +210,18 @@ def test_default_model_formats_and_exact_mode(smollm2_gguf):  # noqa: F811
     assert dense.layers[0].qkv_proj.format == "dense" and dense.head_proj.format == "dense"
 
 
+@pytest.mark.parametrize("ggml_type, block_bytes, block", [(14, 210, 256), (8, 34, 32), (6, 22, 32)])
+def test_mapped_rows_of_no_ids(ggml_type, block_bytes, block):
+    """A forward with no logit rows (a prompt's inner chunk) asks the refined head for no rows:
+    Q6_K (gguf.quants) failed on the empty gather, so any chunked prompt on Qwen2.5-Coder-1.5B,
+    whose head is Q6_K, failed its request."""
+    raw = np.zeros((3, 2 * block_bytes), dtype=np.uint8)
+    rows = MappedRows(raw, ggml_type, (3, 2 * block))
+    out = rows.rows(torch.empty(0, 5, dtype=torch.int64), torch.float32)
+    assert out.shape == (0, 5, 2 * block) and out.dtype == torch.float32
+    assert rows.rows(torch.tensor([[2, 0]]), torch.float32).shape == (1, 2, 2 * block)
+
+
 def test_qwen_untied_embedding_stays_in_the_map_and_is_exact(qwen_gguf):  # noqa: F811
     name = "model.embed_tokens.weight"  # Q5_0
     rows = converted(qwen_gguf, [name], "auto")[name]

@@ -24,11 +24,16 @@ def test_qwen15_streams_llamacpps_greedy_reply(qwen15_gguf):  # noqa: F811
     [entry] = [e for e in REFERENCE if QUESTION in e["prompt"]]
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}]
     params = engine.SamplingParams(max_tokens=NUM_TOKENS, temperature=0)
-    with engine.Engine.from_pretrained(qwen15_gguf) as eng:
+    with engine.Engine.from_pretrained(qwen15_gguf, max_num_batched_tokens=64) as eng:
         c = eng.model.config
         assert (c.architecture, c.num_layers, c.num_heads, c.num_kv_heads) == ("qwen2", 28, 12, 2)
         assert eng.tokenizer.encode_chat(messages) == entry["prompt_ids"]
         events = list(eng.stream_chat(messages, params))
+        # A prompt longer than a tick's budget: its inner chunks have no logit rows, and the
+        # refined Q6_K head must take none (every chunked prompt failed its request before)
+        long_prompt = entry["prompt_ids"] * 4
+        [done] = eng.generate([long_prompt], engine.SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+        assert len(done.token_ids) == 2 and done.finish_reason == "length"
     token_ids = [t for ev in events for t in ev.token_ids]
     text = "".join(ev.text for ev in events)
     assert len(token_ids) == NUM_TOKENS and events[-1].finish_reason == "length"

@@ -101,9 +101,10 @@ def dequantize(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> np.nd
     except ValueError:
         raise ValueError(f"unknown ggml type {ggml_type}") from None
     try:
-        return np.asarray(gguf_dequantize(raw, qtype), dtype=np.float32).reshape(shape)
-    except (NotImplementedError, ValueError):
-        raise ValueError(f"ggml type {qtype.name} cannot be dequantized by gguf.quants") from None
+        values = gguf_dequantize(raw, qtype)
+    except (NotImplementedError, ValueError) as exc:
+        raise ValueError(f"ggml type {qtype.name} cannot be dequantized by gguf.quants: {exc}") from exc
+    return np.asarray(values, dtype=np.float32).reshape(shape)
 
 
 def q5_0_codes(raw: np.ndarray, num_cols: int) -> tuple[np.ndarray, np.ndarray]:
@@ -155,6 +156,8 @@ class MappedRows:
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """ids [...] -> rows [..., K] in dtype."""
         flat = ids.reshape(-1)
+        if flat.numel() == 0:  # a forward with no logit rows (a prompt's inner chunk)
+            return torch.empty(*ids.shape, self.shape[1], dtype=dtype)
         if self._q8_0 is not None:  # in torch: gather blocks, d * q
             blocks = self._q8_0[flat]  # [n, K/32, 34]
             d = blocks[..., :2].contiguous().view(torch.float16).float()  # [n, K/32, 1]

@@ -380,7 +380,7 @@ class LlamaModel(nn.Module):
         logits = self.head_proj(x).float()  # [S, V]
         is_exact_int8 = (self.head_int8 is not None and self.head_int8.is_exact
                          and not self.head_proj.exact)
-        if self.head_proj.is_exact or is_exact_int8:
+        if self.head_proj.is_exact or is_exact_int8 or logits.shape[0] == 0:
             return logits
         top_ids = logits.topk(min(REFINE_TOP_K, self.vocab_size), dim=-1).indices  # [S, k]
         rows = self.head_rows(top_ids)  # [S, k, E]
