@@ -156,19 +156,24 @@ def _get(port: int, path: str) -> tuple[int, bytes]:
         conn.close()
 
 
-def complete(port: int, prompt_ids: list[int], num_tokens: int) -> int:
-    """One greedy completion of exactly num_tokens (EOS ignored) -> completion tokens reported."""
-    body = json.dumps({"prompt": prompt_ids, "max_tokens": num_tokens, "temperature": 0, "ignore_eos": True})
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=1800)
+def post_json(port: int, path: str, body: dict, timeout: float = 1800) -> dict:
+    """POST a JSON body to the local server on port -> its JSON reply (any status but 200 raises)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     try:
-        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
         response = conn.getresponse()
         data = response.read()
     finally:
         conn.close()
     if response.status != 200:
-        raise BenchmarkSetupError(f"port {port}: /v1/completions answered {response.status}: {data[:500]!r}")
-    return int(json.loads(data)["usage"]["completion_tokens"])
+        raise BenchmarkSetupError(f"port {port}: {path} answered {response.status}: {data[:500]!r}")
+    return json.loads(data)
+
+
+def complete(port: int, prompt_ids: list[int], num_tokens: int) -> int:
+    """One greedy completion of exactly num_tokens (EOS ignored) -> completion tokens reported."""
+    body = {"prompt": prompt_ids, "max_tokens": num_tokens, "temperature": 0, "ignore_eos": True}
+    return int(post_json(port, "/v1/completions", body)["usage"]["completion_tokens"])
 
 
 def concurrent_completions(port: int, prompts: list[list[int]], num_tokens: int) -> float:

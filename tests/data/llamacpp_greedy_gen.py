@@ -129,8 +129,6 @@ def greedy_entry(llm, llama_cpp, prompt: str) -> dict:
 def server_entries(gguf: Path, prompts: list[str], num_ctx: int, binary: str | None = None) -> list[dict]:
     """The greedy entries through llama-server (see the module docstring); binary: its path
     (default: the one `make llamacpp` builds)."""
-    import http.client
-
     sys.path.insert(0, str(REPO))
     from benchmarks import llama_server
 
@@ -144,16 +142,7 @@ def server_entries(gguf: Path, prompts: list[str], num_ctx: int, binary: str | N
     server = llama_server.Server("llama-server", argv, port, Path("/tmp/llamacpp_greedy_gen-server.log"))
 
     def post(path: str, body: dict) -> dict:
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=3600)
-        try:
-            conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
-            response = conn.getresponse()
-            data = response.read()
-        finally:
-            conn.close()
-        if response.status != 200:
-            raise SystemExit(f"llama-server {path} answered {response.status}: {data[:500]!r}")
-        return json.loads(data)
+        return llama_server.post_json(port, path, body, timeout=3600)
 
     entries = []
     try:
