@@ -26,6 +26,12 @@ cdef extern from "csrc/fused_kernels.h" nogil:
                             int head_dim, int64_t sliding_window, float scale, void* out, int dtype,
                             int cache_dtype)
     int fk_silu_mul(const void* gate_up, void* out, int64_t num_rows, int64_t inter, int dtype)
+    int fk_glu_mul(const void* gate_up, void* out, int64_t num_rows, int64_t inter, int dtype, int act)
+    int fk_rmsnorm_rows(const void* x, int64_t row_stride, void* out, int64_t out_row_stride, const void* weight,
+                        int64_t num_rows, int64_t heads, int64_t dim, float eps, int dtype)
+    enum:
+        FK_ACT_SILU
+        FK_ACT_GELU_TANH
 
 
 cdef extern from "csrc/prefill_attention.h" nogil:

@@ -2,7 +2,11 @@
 
 FLOAT32: int
 BFLOAT16: int
+ACT_SILU: int
+ACT_GELU_TANH: int
 FLOAT16: int
+ACT_SILU: int
+ACT_GELU_TANH: int
 
 def add_rmsnorm(resid: int, delta: int, weight: int, out: int, num_rows: int, dim: int, eps: float,
                 dtype: int) -> None: ...
@@ -19,3 +23,6 @@ def prefill_attention(q: int, q_row_stride: int, k_cache: int, v_cache: int, num
                       head_dim: int, sliding_window: int, scale: float, out: int, out_row_stride: int,
                       dtype: int, cache_dtype: int) -> None: ...
 def silu_mul(gate_up: int, out: int, num_rows: int, inter: int, dtype: int) -> None: ...
+def glu_mul(gate_up: int, out: int, num_rows: int, inter: int, dtype: int, act: int) -> None: ...
+def rmsnorm_rows(x: int, row_stride: int, out: int, out_row_stride: int, weight: int, num_rows: int, heads: int,
+                 dim: int, eps: float, dtype: int) -> None: ...

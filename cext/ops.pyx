@@ -1,5 +1,6 @@
 """The small ops of a forward step between the products (add + RMSNorm, RoPE + KV write, paged
-decode attention, SiLU * up) in C, for float32 or bfloat16 activations (KV caches also
+decode attention, SiLU or GELU-tanh of gate times up, RMSNorm of row pieces: post-norms, q/k
+norms) in C, for float32 or bfloat16 activations (KV caches also
 float16), accumulating in float32, on cext.cpu's instruction set and thread pool.
 
 Arguments are raw addresses (``tensor.data_ptr()``) and sizes: this module knows nothing
@@ -24,6 +25,8 @@ if cpu_client_bind(PyCapsule_GetPointer(_cpu._api, b"cext.cpu._api")) != 0:
 FLOAT32 = FK_FLOAT32
 BFLOAT16 = FK_BFLOAT16
 FLOAT16 = FK_FLOAT16
+ACT_SILU = FK_ACT_SILU
+ACT_GELU_TANH = FK_ACT_GELU_TANH
 
 _ERRORS = {
     FK_BAD_BLOCK: "block table entry outside the cache (or -1) within a context",
@@ -102,4 +105,24 @@ def silu_mul(intptr_t gate_up, intptr_t out, int64_t num_rows, int64_t inter, in
     cdef int rc
     with nogil:
         rc = fk_silu_mul(<const void*>gate_up, <void*>out, num_rows, inter, dtype)
+    _check(rc)
+
+
+def glu_mul(intptr_t gate_up, intptr_t out, int64_t num_rows, int64_t inter, int dtype, int act):
+    """gate_up [T, 2 I] -> out [T, I] = act(gate) * up (act: ACT_SILU or ACT_GELU_TANH)."""
+    cdef int rc
+    if act != FK_ACT_SILU and act != FK_ACT_GELU_TANH:
+        raise ValueError(f"act: ACT_SILU or ACT_GELU_TANH, got {act}")
+    with nogil:
+        rc = fk_glu_mul(<const void*>gate_up, <void*>out, num_rows, inter, dtype, act)
+    _check(rc)
+
+
+def rmsnorm_rows(intptr_t x, int64_t row_stride, intptr_t out, int64_t out_row_stride, intptr_t weight,
+                 int64_t num_rows, int64_t heads, int64_t dim, float eps, int dtype):
+    """RMSNorm of heads vectors of dim values per row of x -> out (may be x); see fused_kernels.h."""
+    cdef int rc
+    with nogil:
+        rc = fk_rmsnorm_rows(<const void*>x, row_stride, <void*>out, out_row_stride, <const void*>weight,
+                             num_rows, heads, dim, eps, dtype)
     _check(rc)

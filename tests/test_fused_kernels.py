@@ -185,6 +185,31 @@ def test_silu_mul(isa, num_rows, inter, scale, dtype, seed):
     _close(fused.silu_mul(gate_up), fused.silu_mul_reference(gate_up), dtype, atol=1e-5 * scale)
 
 
+@SETTINGS
+@given(num_rows=st.integers(1, 5), inter=st.integers(1, 1100), scale=st.sampled_from([1.0, 10.0, 60.0]),
+       dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2 ** 16))
+def test_gelu_tanh_mul(isa, num_rows, inter, scale, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    gate_up = _rand(g, num_rows, 2 * inter, dtype=dtype, scale=scale)
+    _close(fused.glu_mul(gate_up, "gelu_tanh"), fused.glu_mul_reference(gate_up, "gelu_tanh"), dtype,
+           atol=1e-5 * scale)
+
+
+@SETTINGS
+@given(num_rows=st.integers(1, 5), heads=st.integers(1, 5), dim=st.integers(1, 300), extra=st.integers(0, 9),
+       scale=st.sampled_from([1e-3, 1.0, 50.0]), dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2 ** 16))
+def test_rmsnorm_rows_in_place_and_out(isa, num_rows, heads, dim, extra, scale, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = _rand(g, num_rows, heads * dim + extra, dtype=dtype, scale=scale)  # columns past the pieces: untouched
+    weight = _rand(g, dim, dtype=dtype)
+    expected = fused.rmsnorm_rows_reference(x, weight, 1e-6, heads)
+    _close(fused.rmsnorm_rows(x, weight, 1e-6, heads), expected, dtype)
+    inplace = x.clone()
+    fused.rmsnorm_rows(inplace, weight, 1e-6, heads, out=inplace)
+    _close(inplace[:, : heads * dim], expected, dtype)
+    assert torch.equal(inplace[:, heads * dim:], x[:, heads * dim:])
+
+
 def test_row_kernels_split_across_pool_threads(pooled):
     g = torch.Generator().manual_seed(0)
     resid = _rand(g, 9, 70)
@@ -194,6 +219,10 @@ def test_row_kernels_split_across_pool_threads(pooled):
     _close(fused.add_rmsnorm(resid, delta, weight, 1e-6), expected, torch.float32)
     gate_up = _rand(g, 7, 2 * 600, dtype=torch.bfloat16)
     _close(fused.silu_mul(gate_up), fused.silu_mul_reference(gate_up), torch.bfloat16)
+    _close(fused.glu_mul(gate_up, "gelu_tanh"), fused.glu_mul_reference(gate_up, "gelu_tanh"), torch.bfloat16)
+    qkv, weight = _rand(g, 9, 5 * 64 + 3), _rand(g, 64)
+    _close(fused.rmsnorm_rows(qkv, weight, 1e-6, 5), fused.rmsnorm_rows_reference(qkv, weight, 1e-6, 5),
+           torch.float32)
 
 
 def test_bad_indices_raise_instead_of_reading_outside_the_cache():
@@ -230,6 +259,12 @@ def test_wrong_dtypes_and_layouts_are_value_errors():
         fused.silu_mul(torch.zeros(4, 2).t())
     with pytest.raises(ValueError, match="resid"):
         fused.add_rmsnorm(torch.zeros(2, 4, dtype=torch.bfloat16), None, torch.ones(4), 1e-5)
+    with pytest.raises(ValueError, match="act"):
+        fused.glu_mul(torch.zeros(2, 4), "relu")
+    with pytest.raises(ValueError, match="weight"):
+        fused.rmsnorm_rows(torch.zeros(2, 8), torch.ones(4, dtype=torch.bfloat16), 1e-5, 2)
+    with pytest.raises(ValueError, match="x: rows"):
+        fused.rmsnorm_rows(torch.zeros(2, 7), torch.ones(4), 1e-5, 2)
 
 
 def test_isa_selection_names_what_runs():

@@ -466,15 +466,47 @@ static void FK_FN(silu_mul_rows)(const SiluArgs *a, int64_t begin, int64_t end, 
             const int64_t n = inter - c0 < FK_CHUNK_COLS ? inter - c0 : FK_CHUNK_COLS;
             FK_FN(load_row)(gate, row + (size_t)c0 * esize, n, a->dtype);
             FK_FN(load_row)(up, row + (size_t)(inter + c0) * esize, n, a->dtype);
+            if (a->act == FK_ACT_GELU_TANH) {
+                /* 0.5 g (1 + tanh(u)) = g * sigmoid(2 u), u = sqrt(2 / pi) (g + 0.044715 g^3) */
 #pragma omp simd
-            for (int64_t i = 0; i < n; i++) gate[i] = gate[i] / (1.0f + FK_FN(fast_exp)(-gate[i])) * up[i];
+                for (int64_t i = 0; i < n; i++) {
+                    const float g = gate[i];
+                    const float u2 = 1.5957691216057308f * (g + 0.044715f * g * g * g);
+                    gate[i] = g / (1.0f + FK_FN(fast_exp)(-u2)) * up[i];
+                }
+            } else {
+#pragma omp simd
+                for (int64_t i = 0; i < n; i++) gate[i] = gate[i] / (1.0f + FK_FN(fast_exp)(-gate[i])) * up[i];
+            }
             FK_FN(store_row)(out + (size_t)c0 * esize, gate, n, a->dtype);
         }
     }
 }
 
+/* Items are vectors (t, h): dim values at x + t * row_stride + h * dim (elements), h < heads;
+ * out at the same place of out (out_row_stride) = rmsnorm(vector) * weight [dim]. */
+static void FK_FN(rmsnorm_rows)(const NormArgs *a, int64_t begin, int64_t end, float *scratch) {
+    const int64_t dim = a->dim;
+    const size_t esize = a->dtype == FK_FLOAT32 ? 4 : 2;
+    float *w = scratch;          /* [dim] */
+    float *x = scratch + dim;    /* [dim] */
+    FK_FN(load_row)(w, a->weight, dim, a->dtype);
+    for (int64_t item = begin; item < end; item++) {
+        const int64_t t = item / a->heads, h = item % a->heads;
+        FK_FN(load_row)(x, (const char *)a->x + (size_t)(t * a->row_stride + h * dim) * esize, dim, a->dtype);
+        float sum_sq = 0.0f;
+#pragma omp simd reduction(+ : sum_sq)
+        for (int64_t i = 0; i < dim; i++) sum_sq += x[i] * x[i];
+        const float inv = 1.0f / __builtin_sqrtf(sum_sq / (float)dim + a->eps);
+#pragma omp simd
+        for (int64_t i = 0; i < dim; i++) x[i] = x[i] * inv * w[i];
+        FK_FN(store_row)((char *)a->out + (size_t)(t * a->out_row_stride + h * dim) * esize, x, dim, a->dtype);
+    }
+}
+
 static const KernelTable FK_FN(kernel_table) = {
     FK_FN(add_rmsnorm_rows), FK_FN(rope_kv_rows), FK_FN(attention_items), FK_FN(silu_mul_rows),
+    FK_FN(rmsnorm_rows),
 };
 
 #undef FK_FN

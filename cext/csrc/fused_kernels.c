@@ -36,14 +36,20 @@ typedef struct {
 } AttnArgs;
 
 typedef struct {
-    const void *gate_up; void *out; int64_t inter; int dtype;
+    const void *gate_up; void *out; int64_t inter; int dtype; int act;
 } SiluArgs;
+
+typedef struct {
+    const void *x; void *out; const void *weight;
+    int64_t heads, dim, row_stride, out_row_stride; float eps; int dtype;
+} NormArgs;
 
 typedef struct {
     void (*add_rmsnorm)(const AddNormArgs *, int64_t, int64_t, float *);
     void (*rope_kv)(const RopeArgs *, int64_t, int64_t, float *);
     void (*attention)(const AttnArgs *, int64_t, int64_t, float *);
     void (*silu_mul)(const SiluArgs *, int64_t, int64_t, float *);
+    void (*rmsnorm)(const NormArgs *, int64_t, int64_t, float *);
 } KernelTable;
 
 #define FK_SUFFIX baseline
@@ -92,6 +98,7 @@ static void add_rmsnorm_range(const void *a, int64_t b, int64_t e, float *s) { k
 static void rope_kv_range(const void *a, int64_t b, int64_t e, float *s) { kernels()->rope_kv(a, b, e, s); }
 static void attention_range(const void *a, int64_t b, int64_t e, float *s) { kernels()->attention(a, b, e, s); }
 static void silu_mul_range(const void *a, int64_t b, int64_t e, float *s) { kernels()->silu_mul(a, b, e, s); }
+static void rmsnorm_range(const void *a, int64_t b, int64_t e, float *s) { kernels()->rmsnorm(a, b, e, s); }
 
 int fk_add_rmsnorm(float *resid, const void *delta, const void *weight, void *out,
                    int64_t num_rows, int64_t dim, float eps, int dtype) {
@@ -198,7 +205,17 @@ int fk_decode_attention(const void *q, int64_t q_row_stride, const void *k_cache
     return rc;
 }
 
-int fk_silu_mul(const void *gate_up, void *out, int64_t num_rows, int64_t inter, int dtype) {
-    SiluArgs args = {gate_up, out, inter, dtype};
+int fk_glu_mul(const void *gate_up, void *out, int64_t num_rows, int64_t inter, int dtype, int act) {
+    SiluArgs args = {gate_up, out, inter, dtype, act};
     return cpu_parallel_for(silu_mul_range, &args, num_rows, num_rows * inter * 8, FK_CHUNK_COLS * 2);
+}
+
+int fk_silu_mul(const void *gate_up, void *out, int64_t num_rows, int64_t inter, int dtype) {
+    return fk_glu_mul(gate_up, out, num_rows, inter, dtype, FK_ACT_SILU);
+}
+
+int fk_rmsnorm_rows(const void *x, int64_t row_stride, void *out, int64_t out_row_stride, const void *weight,
+                    int64_t num_rows, int64_t heads, int64_t dim, float eps, int dtype) {
+    NormArgs args = {x, out, weight, heads, dim, row_stride, out_row_stride, eps, dtype};
+    return cpu_parallel_for(rmsnorm_range, &args, num_rows * heads, num_rows * heads * dim * 4, (size_t)dim * 2);
 }

@@ -48,4 +48,15 @@ int fk_decode_attention(const void *q, int64_t q_row_stride, const void *k_cache
 /* gate_up [T, 2 I] -> out [T, I] = silu(gate) * up. */
 int fk_silu_mul(const void *gate_up, void *out, int64_t num_rows, int64_t inter, int dtype);
 
+/* The gated activations: act(gate) * up with act silu or GELU's tanh form (Gemma's GeGLU). */
+enum { FK_ACT_SILU = 0, FK_ACT_GELU_TANH = 1 };
+int fk_glu_mul(const void *gate_up, void *out, int64_t num_rows, int64_t inter, int dtype, int act);
+
+/* RMSNorm of vectors of dim values, heads of them per row: vector (t, h) starts at element
+ * t * row_stride + h * dim of x (dtype) and goes to the same place of out (out_row_stride;
+ * out may be x) as x * rsqrt(mean(x^2) + eps) * weight [dim] (dtype), float32 sums.
+ * Post-norms (heads = 1) and per-head q/k norms (heads = H, rows of qkv). */
+int fk_rmsnorm_rows(const void *x, int64_t row_stride, void *out, int64_t out_row_stride, const void *weight,
+                    int64_t num_rows, int64_t heads, int64_t dim, float eps, int dtype);
+
 #endif

@@ -255,6 +255,57 @@ def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
     return (F.silu(gate) * up).to(gate_up.dtype)
 
 
+# ---- act(gate) * up, GELU's tanh form (Gemma's GeGLU) beside SiLU ----
+
+_ACTS = {"silu": 0, "gelu_tanh": 1}  # cext.ops.ACT_SILU, ACT_GELU_TANH
+
+
+def glu_mul(gate_up: torch.Tensor, act: str, out: torch.Tensor | None = None) -> torch.Tensor:
+    """gate_up [T, 2 I] -> act(gate) * up [T, I], act "silu" or "gelu_tanh"."""
+    num_rows, width = gate_up.shape
+    code = _code(gate_up)
+    _require(act in _ACTS, f"act: one of {sorted(_ACTS)}, got {act!r}")
+    _require(gate_up.is_contiguous() and width % 2 == 0, "gate_up: must be contiguous [T, 2 I]")
+    if out is None:
+        out = torch.empty((num_rows, width // 2), dtype=gate_up.dtype)
+    ops.glu_mul(gate_up.data_ptr(), out.data_ptr(), num_rows, width // 2, code, _ACTS[act])
+    return out
+
+
+def glu_mul_reference(gate_up: torch.Tensor, act: str) -> torch.Tensor:
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    a = F.silu(gate) if act == "silu" else F.gelu(gate, approximate="tanh")
+    return (a * up).to(gate_up.dtype)
+
+
+# ---- RMSNorm of row pieces (post-norms, per-head q/k norms) ----
+
+def rmsnorm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, heads: int = 1,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, >= heads * D] (each row's first heads * D values contiguous; other columns are left
+    alone) -> out [T, heads * D] (or x itself, in place): each D-vector rmsnorm'ed, times weight [D]."""
+    num_rows = x.shape[0]
+    code = _code(x)
+    _require(weight.dtype == x.dtype and weight.dim() == 1 and weight.is_contiguous(),
+             "weight: must be contiguous [D] in x's dtype")
+    dim = weight.shape[0]
+    _require(x.dim() == 2 and x.stride(1) == 1 and x.shape[1] >= heads * dim,
+             "x: rows of >= heads * D contiguous values")
+    if out is None:
+        out = torch.empty((num_rows, heads * dim), dtype=x.dtype)
+    _require(out.dtype == x.dtype and out.dim() == 2 and out.stride(1) == 1 and out.shape[0] == num_rows
+             and out.shape[1] >= heads * dim, "out: rows of >= heads * D contiguous values in x's dtype")
+    ops.rmsnorm_rows(x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0), weight.data_ptr(), num_rows, heads,
+                     dim, eps, code)
+    return out
+
+
+def rmsnorm_rows_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, heads: int = 1) -> torch.Tensor:
+    dim = weight.shape[0]
+    v = x[:, : heads * dim].float().reshape(x.shape[0], heads, dim)
+    return F.rms_norm(v, (dim,), weight.float(), eps).reshape(x.shape[0], -1).to(x.dtype)
+
+
 # ---- one forward's worth of kernel calls, with the per-call checks hoisted ----
 
 class FusedStep:
@@ -328,7 +379,24 @@ class FusedStep:
         return self.attn
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.glu_mul(gate_up, 0)
+
+    def glu_mul(self, gate_up: torch.Tensor, act: int) -> torch.Tensor:
+        """act(gate) * up in the step's buffer; act: 0 SiLU, 1 GELU's tanh form."""
         inter = self.act.shape[1]
         self._check_rows(gate_up, 2 * inter, "gate_up")
-        ops.silu_mul(gate_up.data_ptr(), self.act.data_ptr(), self.num_rows, inter, self.code)
+        ops.glu_mul(gate_up.data_ptr(), self.act.data_ptr(), self.num_rows, inter, self.code, act)
         return self.act
+
+    def norm_pieces(self, x: torch.Tensor, weight: torch.Tensor, heads: int, offset: int = 0) -> None:
+        """In place: the heads D-vectors of each row of x [T, W] (contiguous) from column offset,
+        rmsnorm'ed times weight [D] (q/k norms; post-norms with heads 1 and D = E)."""
+        dim = weight.shape[0]
+        if (x.dtype != self.dtype or not x.is_contiguous() or x.shape[0] != self.num_rows
+                or x.shape[1] < offset + heads * dim):
+            raise ValueError(f"x: expected contiguous [{self.num_rows}, >= {offset + heads * dim}] {self.dtype}")
+        if weight.dtype != self.dtype or not weight.is_contiguous():
+            raise ValueError(f"weight: expected contiguous [D] {self.dtype}, got {weight.dtype}")
+        ptr = x.data_ptr() + offset * x.element_size()
+        ops.rmsnorm_rows(ptr, x.shape[1], ptr, x.shape[1], weight.data_ptr(), self.num_rows, heads, dim,
+                         self.eps, self.code)

@@ -108,8 +108,8 @@ class DecoderLayer(nn.Module):
 
     def _act_mul(self, gate_up: torch.Tensor, step: fused.FusedStep | None = None) -> torch.Tensor:
         """gate_up [T, 2 I] -> act(gate) * up [T, I]."""
-        if self.hidden_act == "silu" and step is not None:
-            return step.silu_mul(gate_up)
+        if step is not None:
+            return step.glu_mul(gate_up, 0 if self.hidden_act == "silu" else 1)
         gate, up = gate_up.chunk(2, dim=-1)
         if self.hidden_act == "silu":
             return F.silu(gate) * up
@@ -120,9 +120,14 @@ class DecoderLayer(nn.Module):
             return self.moe(h)
         return self.down_proj(self._act_mul(self.gate_up_proj(h), step))  # [T, E]
 
-    def _norm_qk(self, qkv: torch.Tensor) -> None:
+    def _norm_qk(self, qkv: torch.Tensor, step: fused.FusedStep | None = None) -> None:
         """q and k RMSNorm in place in qkv [T, (H + 2 KH) D] (before RoPE)."""
         num_rows, D = qkv.shape[0], self.head_dim
+        if step is not None:  # the C kernel: per head ("head") or over all of q and all of k
+            per_head = self.qk_norm == "head"
+            step.norm_pieces(qkv, self.q_norm, self.num_heads if per_head else 1)
+            step.norm_pieces(qkv, self.k_norm, self.num_kv_heads if per_head else 1, self.q_size)
+            return
         q, k = qkv[:, : self.q_size], qkv[:, self.q_size: self.q_size + self.kv_size]
         if self.qk_norm == "head":
             q.copy_(F.rms_norm(q.view(num_rows, -1, D), (D,), self.q_norm, self.eps).view(num_rows, -1))
@@ -131,9 +136,13 @@ class DecoderLayer(nn.Module):
             q.copy_(F.rms_norm(q, (self.q_size,), self.q_norm, self.eps))
             k.copy_(F.rms_norm(k, (self.kv_size,), self.k_norm, self.eps))
 
-    def _out(self, y: torch.Tensor, post_norm: torch.Tensor | None) -> torch.Tensor:
+    def _out(self, y: torch.Tensor, post_norm: torch.Tensor | None,
+             step: fused.FusedStep | None = None) -> torch.Tensor:
         """A block's output before the residual add, with the family's post-norm and residual scale."""
-        if post_norm is not None:
+        if (post_norm is not None and step is not None and y.is_contiguous() and y.dtype == step.dtype
+                and y.shape[0] == step.num_rows):
+            step.norm_pieces(y, post_norm, 1)  # in place: y is this block's own product output
+        elif post_norm is not None:
             y = F.rms_norm(y.float(), self.norm_shape, post_norm.float(), self.eps).to(y.dtype)
         if self.residual_scale != 1.0:
             y = y * self.residual_scale
@@ -169,7 +178,7 @@ class DecoderLayer(nn.Module):
         h = self._fused_pre(step, resid, delta, self.attn_norm)  # [T, E]
         qkv = self.qkv_proj(h)  # [T, (H + 2 KH) D]
         if self.qk_norm is not None:
-            self._norm_qk(qkv)
+            self._norm_qk(qkv, step)
         step.rope_kv(qkv, k_cache, v_cache, *ropes[self.rope_index])  # q, k rotated; k, v cached
         if plan.has_prefill or not plan.is_fused:
             H, KH, D = self.num_heads, self.num_kv_heads, self.head_dim
@@ -179,8 +188,8 @@ class DecoderLayer(nn.Module):
             attn = paged_attention(q, k, v, k_cache, v_cache, plan, self.scale, self.softcap)  # [T, H D]
         else:
             attn = step.decode_attention(qkv, k_cache, v_cache, plan, self.scale)  # [T, H D]
-        h = self._fused_pre(step, resid, self._out(self.o_proj(attn), self.post_attn_norm), self.ffn_norm)
-        return self._out(self._ffn(h, step), self.post_ffn_norm)  # [T, E]
+        h = self._fused_pre(step, resid, self._out(self.o_proj(attn), self.post_attn_norm, step), self.ffn_norm)
+        return self._out(self._ffn(h, step), self.post_ffn_norm, step)  # [T, E]
 
     def _fused_pre(self, step: fused.FusedStep, resid: torch.Tensor, delta: torch.Tensor | None,
                    weight: torch.Tensor | None) -> torch.Tensor:
