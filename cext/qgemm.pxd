@@ -9,6 +9,7 @@ cdef extern from "csrc/qgemm.h" nogil:
         QG_Q8
         QG_HALF
         QG_NO_MINS
+        QG_SUPER
         QG_ROUTE_INT
         QG_ROUTE_FLOAT
         QG_OK

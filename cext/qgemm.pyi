@@ -5,6 +5,7 @@ Q5: int
 Q8: int
 HALF: int
 NO_MINS: int
+SUPER: int
 ROUTE_INT: int
 ROUTE_FLOAT: int
 FLOAT32: int

@@ -1,7 +1,7 @@
 """Quantized weight products y [M, N] = x [M, K] @ W.T (+ bias) in C, on cext.cpu's
 instruction set and thread pool; W in one of the layouts of cext/csrc/qgemm.h (built by
-engine.models.quant), named by ``layout`` = Q4, Q5 or Q8, plus HALF (fp16 scales) and NO_MINS
-(Q5 rows without mins), and for matmul optionally the route: ROUTE_INT (int16 activation codes)
+engine.models.quant), named by ``layout`` = Q4, Q5 or Q8, plus HALF (fp16 scales), SUPER (Q4 scales as
+Q4_K stores them: uint8 multiples of an fp16 factor per 256 inputs) and NO_MINS (Q5 rows without mins), and for matmul optionally the route: ROUTE_INT (int16 activation codes)
 or ROUTE_FLOAT (float32 FMAs over decoded weights; AVX2 and up).
 
 Arguments are raw addresses (``tensor.data_ptr()``) and sizes; the caller
@@ -25,14 +25,15 @@ Q5 = QG_Q5
 Q8 = QG_Q8
 HALF = QG_HALF
 NO_MINS = QG_NO_MINS
+SUPER = QG_SUPER
 ROUTE_INT = QG_ROUTE_INT
 ROUTE_FLOAT = QG_ROUTE_FLOAT
 FLOAT32 = DT_FLOAT32
 BFLOAT16 = DT_BFLOAT16
 
 _ERRORS = {
-    QG_BAD_LENGTH: "K (num_cols) must be a multiple of 32 (Q8) or of 64 (Q4, Q5)",
-    QG_BAD_LAYOUT: "unknown layout",
+    QG_BAD_LENGTH: "K (num_cols) must be a multiple of 32 (Q8), of 64 (Q4, Q5) or of 256 (SUPER)",
+    QG_BAD_LAYOUT: "unknown layout (or SUPER on a layout other than Q4 without HALF)",
 }
 
 

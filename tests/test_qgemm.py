@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from test_fused_kernels import ALL_ISAS, use_isa
 
@@ -114,6 +114,67 @@ def test_int4_product_matches_its_definition(path, num_rows, num_out, groups, ha
     assert y.dtype == dtype and y.shape == (num_rows, num_out)
     expected = exact_product(x, weight.dequantize()) if path(num_rows) == "float" else emulate_int4(x, weight, half)
     _check(y, expected + bias.double(), dtype)
+
+
+def q4_k_weight(gen: torch.Generator, num_out: int, num_cols: int) -> Int4Weight:
+    """Scales and mins as Q4_K makes them: per 256 inputs fp16 d and dmin, per 32 6-bit sc and m
+    (scale d sc, min -dmin m), the largest 63 in most super-blocks but not all."""
+    supers = num_cols // 256
+    d = (torch.rand(num_out, supers, 1, generator=gen) * 0.01).half().float()
+    dmin = (torch.rand(num_out, supers, 1, generator=gen) * 0.01).half().float()
+    sc = torch.randint(0, 64, (num_out, supers, 8), generator=gen).float()
+    m = torch.randint(0, 64, (num_out, supers, 8), generator=gen).float()
+    sc[:, :, 3], m[:, :, 5] = 63, 63
+    sc[0, 0] = torch.arange(0, 16, 2)  # a super-block whose largest multiplier is 14
+    m[-1, -1] = 0  # and one without mins
+    codes = torch.randint(0, 16, (num_out, num_cols), generator=gen, dtype=torch.uint8)
+    return Int4Weight.from_codes(codes, (d * sc).reshape(num_out, -1), (-(dmin * m)).reshape(num_out, -1))
+
+
+@SETTINGS
+@given(num_rows=st.integers(1, MAX_TEST_ROWS), num_out=st.integers(1, 37), supers=st.integers(1, 3),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 2 ** 16))
+def test_q4_k_scales_in_super_blocks_match_their_definition(path, num_rows, num_out, supers, dtype, seed):
+    """QG_SUPER rows (18.5 bytes a block, not 24): the same products as the float32 scales give,
+    bit for bit, and the definition's values."""
+    gen = torch.Generator().manual_seed(seed)
+    num_cols = 256 * supers
+    weight = q4_k_weight(gen, num_out, num_cols)
+    assume(not weight.is_half_exact())  # (a few rows can be: those take fp16 scales, 20 bytes a block)
+    x = torch.randn(num_rows, num_cols, generator=gen).to(dtype)
+    bias = torch.randn(num_out, generator=gen)
+    linear = Linear(weight, bias)
+    assert linear.layout == qgemm.Q4 | qgemm.SUPER and not linear.half
+    assert linear._rows.shape == (num_out, num_cols // 32 * 37 // 2)
+    y = linear(x)
+    expected = exact_product(x, weight.dequantize()) if path(num_rows) == "float" else emulate_int4(x, weight, False)
+    _check(y, expected + bias.double(), dtype)
+    plain_rows = weight.blocks(False)  # float32 scales and mins
+    for name, flag in (("int16", qgemm.ROUTE_INT), ("float", qgemm.ROUTE_FLOAT)):
+        if not linear.can_run(name, num_rows):
+            continue
+        plain = torch.empty_like(y)
+        qgemm.matmul(qgemm.Q4 | flag, x.data_ptr(), x.stride(0), num_rows, num_cols, plain_rows.data_ptr(), 0,
+                     num_out, bias.data_ptr(), plain.data_ptr(), num_out, 0 if dtype == torch.float32 else 1)
+        assert torch.equal(linear.run(x, name), plain), name
+    assert torch.equal(linear.dequantize(), weight.dequantize())
+
+
+def test_scales_that_do_not_factor_keep_float32_scales():
+    from engine.models.quant import super_factors
+
+    weight = q4_k_weight(torch.Generator().manual_seed(1), 8, 512)
+    f, q = super_factors(weight.scales.numpy())
+    assert torch.equal(torch.from_numpy(f.astype("float32")).repeat_interleave(8, 1) * torch.from_numpy(q).float(),
+                       weight.scales)
+    scales = weight.scales.clone()
+    scales[2, 9] = 0.0123456  # no fp16 factor times a byte gives this
+    assert super_factors(scales.numpy()) is None
+    odd = Int4Weight(weight.packed, scales, weight.mins)
+    linear = Linear(odd)
+    assert linear.layout == qgemm.Q4 and torch.equal(linear.dequantize(), odd.dequantize())
+    narrow = Int4Weight.from_dense(torch.randn(4, 192))  # K not a multiple of 256
+    assert narrow.super_blocks() is None
 
 
 def random_int5(gen: torch.Generator, num_out: int, num_cols: int, half: bool, is_q5_0: bool) -> Int5Weight:
@@ -229,10 +290,17 @@ def test_exact_mode_and_rows_beyond_the_kernels_use_the_dequantized_weight():
 
 
 def test_layout_codes_agree_with_the_kernels():
-    names = ("Q4", "Q5", "Q8", "HALF", "NO_MINS", "ROUTE_INT", "ROUTE_FLOAT")
+    names = ("Q4", "Q5", "Q8", "HALF", "NO_MINS", "ROUTE_INT", "ROUTE_FLOAT", "SUPER")
     assert [getattr(linear_module, n) for n in names] == [getattr(qgemm, n) for n in names]
     with pytest.raises(ValueError, match="unknown layout"):
         qgemm.matmul(3, 0, 0, 1, 64, 0, 0, 1, 0, 0, 1, qgemm.FLOAT32)
+    for layout in (qgemm.Q8 | qgemm.SUPER, qgemm.Q5 | qgemm.SUPER, qgemm.Q4 | qgemm.SUPER | qgemm.HALF):
+        with pytest.raises(ValueError, match="unknown layout"):
+            qgemm.matmul(layout, 0, 0, 1, 256, 0, 0, 1, 0, 0, 1, qgemm.FLOAT32)
+        with pytest.raises(ValueError, match="unknown layout"):
+            qgemm.dequantize(layout, 0, 0, 0, 1, 256, 0, qgemm.FLOAT32)
+    with pytest.raises(ValueError, match=r"256 \(SUPER\)"):
+        qgemm.matmul(qgemm.Q4 | qgemm.SUPER, 0, 0, 1, 192, 0, 0, 1, 0, 0, 1, qgemm.FLOAT32)
 
 
 def test_bad_width_is_an_error_not_a_read_past_the_row():
@@ -250,20 +318,22 @@ ROUTE_NEEDS = {"float": ("avx2", "AVX2"), "amx": ("amx_bf16", "AMX bf16")}
 def _weights(kind: str, w: torch.Tensor):
     if kind == "int4":
         return Int4Weight.from_dense(w)
+    if kind == "q4_k":  # K a multiple of 256: the super-block layout
+        return q4_k_weight(torch.Generator().manual_seed(6), w.shape[0], w.shape[1])
     if kind == "int8":
         return Int8Weight.from_dense(w)
     return random_int5(torch.Generator().manual_seed(5), w.shape[0], w.shape[1], half=True, is_q5_0=False)
 
 
 @pytest.mark.parametrize("route", ["int16", "float", "amx", "blas"])
-@pytest.mark.parametrize("kind", ["int4", "int5", "int8"])
+@pytest.mark.parametrize("kind", ["int4", "int5", "int8", "q4_k"])
 @pytest.mark.parametrize("num_rows", [1, 7, 33])
 def test_every_route_matches_the_float64_product(route, kind, num_rows):
     """int16: the emulated integer definition; float and blas: the exact float32 product;
     amx: bfloat16 x, W and y with float32 sums, so |err| <= 2^-8 (|x| @ |W|.T) + 2^-8 |y|."""
     if route in ROUTE_NEEDS and ROUTE_NEEDS[route][0] not in cpu.features():
         pytest.skip(f"CPU lacks {ROUTE_NEEDS[route][1]}")
-    w, x, bias = _inputs(num_rows, num_rows, 45, 192, torch.float32)
+    w, x, bias = _inputs(num_rows, num_rows, 45, 256 if kind == "q4_k" else 192, torch.float32)
     weight = _weights(kind, w)
     linear = Linear(weight, bias)
     assert linear.can_run(route, num_rows)
@@ -316,7 +386,7 @@ def test_blas_route_in_weight_slices_through_one_scratch(slice_floats, monkeypat
             torch.testing.assert_close(layer.run(x, "blas").double(), expected, atol=1e-4, rtol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["int4", "int5", "int8"])
+@pytest.mark.parametrize("kind", ["int4", "int5", "int8", "q4_k"])
 def test_dequantize_to_bfloat16_rounds_like_torch(variant, kind):
     w = torch.randn(37, 256, generator=torch.Generator().manual_seed(2)) * 0.05
     linear = Linear(_weights(kind, w))

@@ -29,7 +29,8 @@ typedef struct {
     const float *dx;    /* [M, K / 32] block scales of x */
     const float *sx;    /* [M, K / 32] exact block sums of x (Q4's m term) */
     int64_t num_rows, num_cols;
-    const uint8_t *blocks; int half, high, has_mins; /* Q4 (half: fp16 scales and mins; high: Q5 codes;
+    const uint8_t *blocks; int half, high, has_mins; /* Q4 (half: 1 fp16 scales and mins, 2 QG_SUPER's
+                                                      * groups, 0 float32; high: Q5 codes;
                                                       * has_mins: 0 when every min is 0, as for Q5_0) */
     const int8_t *q8; const uint8_t *scales; /* Q8 (scales fp16 when `half`, else float32) */
     const float *bias;
@@ -48,9 +49,21 @@ static inline void store_out(const QArgs *a, int64_t row, int64_t col, float v) 
 /* A pair of blocks: 32 bytes of nibbles, and for Q5 rows 8 more of fifth bits. */
 static inline int64_t q4_pair_bytes(int high) { return high ? 40 : 32; }
 
+/* Q4 scale modes (QArgs.half): float32, fp16, QG_SUPER's groups. */
+enum { QG_SCALES_F32 = 0, QG_SCALES_F16 = 1, QG_SCALES_SUPER = 2 };
+
+static inline int layout_scales(int layout) {
+    return (layout & QG_HALF) ? QG_SCALES_F16 : (layout & QG_SUPER) ? QG_SCALES_SUPER : QG_SCALES_F32;
+}
+
+/* The bytes of a row's nb scales (and again of its mins). */
+static inline int64_t q4_scale_bytes(int64_t nb, int half) {
+    return half == QG_SCALES_SUPER ? nb / 8 * 10 : nb * (half ? 2 : 4);
+}
+
 /* Where a row's codes start: after its scales and (has_mins) its mins. */
 static inline int64_t q4_codes_offset(int64_t nb, int half, int has_mins) {
-    return nb * (half ? 2 : 4) * (has_mins ? 2 : 1);
+    return q4_scale_bytes(nb, half) * (has_mins ? 2 : 1);
 }
 
 static inline int64_t q4_row_bytes(int64_t nb, int half, int high, int has_mins) {
@@ -59,6 +72,12 @@ static inline int64_t q4_row_bytes(int64_t nb, int half, int high, int has_mins)
 
 /* Block b's scale (which = 0) or min (which = 1) from a row's scales (fp16 when `half`). */
 static inline float block_scale(const uint8_t *row, int64_t nb, int64_t b, int half, int which) {
+    if (half == QG_SCALES_SUPER) {
+        const uint8_t *group = row + which * q4_scale_bytes(nb, half) + b / 8 * 10;
+        uint16_t h;
+        memcpy(&h, group, 2);
+        return dt_f16_to_f32(h) * (float)group[2 + b % 8];
+    }
     if (half) {
         uint16_t h;
         memcpy(&h, row + (which * nb + b) * 2, 2);
@@ -268,7 +287,9 @@ static int run(QArgs *a, const void *x, int64_t x_stride, int is_q4, int route) 
 int qg_matmul(int layout, const void *x, int64_t x_stride, int64_t num_rows, int64_t num_cols,
               const void *w, const void *scales, int64_t num_out, const float *bias,
               void *y, int64_t y_stride, int dtype) {
-    const int format = layout & QG_FORMAT_MASK, half = (layout & QG_HALF) != 0;
+    const int format = layout & QG_FORMAT_MASK, half = layout_scales(layout);
+    if ((layout & QG_SUPER) && (format != QG_Q4 || (layout & QG_HALF))) return QG_BAD_LAYOUT;
+    if ((layout & QG_SUPER) && num_cols % (8 * QK_BLOCK) != 0) return QG_BAD_LENGTH;
     if (format == QG_Q8) {
         QArgs a = {NULL, NULL, NULL, NULL, num_rows, num_cols, NULL, half, 0, 0, (const int8_t *)w,
                    (const uint8_t *)scales, bias, y, y_stride, dtype, num_out};
@@ -282,8 +303,10 @@ int qg_matmul(int layout, const void *x, int64_t x_stride, int64_t num_rows, int
 
 int qg_dequantize(int layout, const void *w, const void *scales, int64_t first, int64_t count,
                   int64_t num_cols, void *out, int out_dtype) {
-    const int format = layout & QG_FORMAT_MASK, half = (layout & QG_HALF) != 0;
+    const int format = layout & QG_FORMAT_MASK, half = layout_scales(layout);
     if (format != QG_Q4 && format != QG_Q5 && format != QG_Q8) return QG_BAD_LAYOUT;
+    if ((layout & QG_SUPER) && (format != QG_Q4 || (layout & QG_HALF))) return QG_BAD_LAYOUT;
+    if ((layout & QG_SUPER) && num_cols % (8 * QK_BLOCK) != 0) return QG_BAD_LENGTH;
     if (num_cols <= 0 || num_cols % ((format == QG_Q8 ? 1 : 2) * QK_BLOCK) != 0) return QG_BAD_LENGTH;
     const int64_t nb = num_cols / QK_BLOCK;
     const int high = format == QG_Q5, has_mins = !(layout & QG_NO_MINS);

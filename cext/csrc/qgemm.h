@@ -20,7 +20,11 @@
  *   (little-endian) holds elements i and 16 + i in its low byte's nibbles (low nibble first)
  *   and 32 + i and 48 + i in its high byte's, so shifts and masks give four runs of 16
  *   consecutive codes with no byte shuffles. 24 bytes per block (20 with QG_HALF). K: a
- *   multiple of 64. The m term uses the exact block sums of x.
+ *   multiple of 64. The m term uses the exact block sums of x. With QG_SUPER (Q4 only, not with
+ *   QG_HALF; K a multiple of 256) the scales are stored as ggml's Q4_K stores them: per
+ *   super-block of 8 blocks a 10-byte group, an fp16 factor f then 8 uint8 multipliers q, and
+ *   d[b] = f * q[b] (exact in float32); the mins likewise in a second run of groups. 18.5
+ *   bytes per block (Q4_K itself: 18).
  * - QG_Q5: w = d[b] * c + m[b] with a signed code c in -16..15 (ggml's Q5_0 d * (q - 16) is
  *   c = q - 16, m = 0; Q5_1 d * q + m is c = q - 16, m + 16 d). Row n: d, m as for Q4, then
  *   per pair of blocks 40 bytes: 16-bit word i of the first 32 holds the 5-bit two's
@@ -49,6 +53,7 @@ enum { QG_Q4 = 0, QG_Q5 = 1, QG_Q8 = 2 };
 #define QG_FORMAT_MASK 3
 #define QG_HALF 4     /* fp16 scales and mins */
 #define QG_NO_MINS 8  /* Q5 rows without mins */
+#define QG_SUPER 64   /* Q4 rows with scales and mins as uint8 multiples of per-256 fp16 factors */
 /* qg_matmul only: the route, else the integer route below qg_get_float_rows() rows and the
  * float route from there (the float route needs AVX2: without it the integer route runs). */
 #define QG_ROUTE_INT 16

@@ -31,13 +31,20 @@ static inline void QG_FN(prefetch_ahead)(const uint8_t *at, int64_t bytes, const
  * i0 .. i0 + TR - 1. TR is a constant at each call site, so the loops over it unroll. */
 /* 8 scales or mins of a Q4 row from block b (fp16 or float32). */
 static inline __m256 QG_FN(q4_load8)(const uint8_t *p, int64_t b, int half) {
+    if (half == QG_SCALES_SUPER) {  /* b % 8 == 0: one group, f * q[0..7] */
+        const uint8_t *group = p + b / 8 * 10;
+        uint16_t h;
+        memcpy(&h, group, 2);
+        const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(group + 2))));
+        return _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(h)), q);
+    }
     if (half) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + b * 2)));
     return _mm256_loadu_ps((const float *)p + b);
 }
 
 static inline float QG_FN(block_scale_f16c)(const uint8_t *row, int64_t nb, int64_t b,
                                                                           int half, int which) {
-    if (half) {
+    if (half == QG_SCALES_F16) {
         uint16_t h;
         memcpy(&h, row + (which * nb + b) * 2, 2);
         return _cvtsh_ss(h);
@@ -85,7 +92,7 @@ QG_ALWAYS_INLINE static inline void QG_FN(q4_tile)(
         xrow[r] = a->qx + (i0 + r) * K;
         const float *dx = a->dx + (i0 + r) * nb, *sx = a->sx + (i0 + r) * nb;
         for (int k = 0; k < QG_NR; k++) {
-            const uint8_t *d = rows[k], *m = rows[k] + nb * (half ? 2 : 4);
+            const uint8_t *d = rows[k], *m = rows[k] + q4_scale_bytes(nb, half);
             float *sc = scales + (k * QG_TR + r) * nb;
             __m256 mv = _mm256_setzero_ps();
             int64_t b = 0;
@@ -194,7 +201,9 @@ QG_ALWAYS_INLINE static inline void QG_FN(scales_to_float)(const uint8_t *p, int
     for (; b + 8 <= nb; b += 8) _mm256_storeu_ps(out + b, _mm256_mul_ps(QG_FN(q4_load8)(p, b, half), _mm256_set1_ps(mul)));
     for (; b < nb; b++) {
         float v;
-        if (half) {
+        if (half == QG_SCALES_SUPER) {
+            v = block_scale(p, nb, b, half, 0);
+        } else if (half) {
             uint16_t h;
             memcpy(&h, p + b * 2, 2);
             v = _cvtsh_ss(h);
@@ -212,7 +221,7 @@ static void QG_FN(q45_row_to_float)(const QArgs *a, const uint8_t *row,
     const int64_t K = a->num_cols, nb = K / QK_BLOCK, pair_bytes = q4_pair_bytes(a->high);
     const uint8_t *codes = row + q4_codes_offset(nb, a->half, a->has_mins);
     QG_FN(scales_to_float)(row, nb, a->half, QG_UNPACK_SCALE, sm);
-    if (a->has_mins) QG_FN(scales_to_float)(row + nb * (a->half ? 2 : 4), nb, a->half, 1.0f, sm + nb);
+    if (a->has_mins) QG_FN(scales_to_float)(row + q4_scale_bytes(nb, a->half), nb, a->half, 1.0f, sm + nb);
     for (int64_t p = 0; p < nb / 2; p++) {
         __m256i w[4];
         if (a->high) QG_FN(q45_decode_pair)(codes + p * pair_bytes, 1, w);

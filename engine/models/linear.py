@@ -46,7 +46,7 @@ KERNEL_MAX_ROWS = 256
 KERNEL_BLOCK_ROWS = 256
 INT_KERNEL_MAX_ROWS = 16  # without AVX2 there is no float path: the scalar kernels up to here
 # The kernels' layout codes (cext/csrc/qgemm.h's QG_*; tests/test_qgemm.py checks they agree).
-Q4, Q5, Q8, HALF, NO_MINS, ROUTE_INT, ROUTE_FLOAT = 0, 1, 2, 4, 8, 16, 32
+Q4, Q5, Q8, HALF, NO_MINS, ROUTE_INT, ROUTE_FLOAT, SUPER = 0, 1, 2, 4, 8, 16, 32, 64
 AMX_ROWS = 1024  # output rows dequantized to bfloat16 at once on the amx route (1.8 MB at K = 896)
 # float32 elements of a weight dequantized at once on the blas route (16 MB: all of a SmolLM2
 # layer's weight in one product, Qwen2.5-0.5B's gate/up in 3), into a per-thread scratch reused
@@ -156,8 +156,14 @@ class Linear:
             self.format = "int4"
             if self.in_features % (2 * GROUP_SIZE) == 0:
                 half = weight.is_half_exact()  # fp16 scales where that loses nothing
-                self._rows = weight.blocks(half)  # [N, K/32 * (20 or 24)]
-                self.layout = _layout(Q4, half)
+                # Q4_K's scales are not fp16 values but factor as it stores them: 18.5 bytes a
+                # block instead of 24 (the C kernels read QG_SUPER; the NumPy fallback does not)
+                rows = None if half or qgemm is None else weight.super_blocks()
+                if rows is not None:
+                    self._rows, self.layout = rows, Q4 | SUPER  # [N, K/32 * 18.5]
+                else:
+                    self._rows = weight.blocks(half)  # [N, K/32 * (20 or 24)]
+                    self.layout = _layout(Q4, half)
             else:  # no kernel layout: the product dequantizes per call
                 self._int4 = weight
         elif isinstance(weight, Int8Weight):

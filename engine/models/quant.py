@@ -32,6 +32,48 @@ def is_half_exact_tensor(t: torch.Tensor) -> bool:
     return bool((values.astype(np.float16).astype(np.float32) == values).all())
 
 
+SUPER_GROUPS = 8  # blocks of 32 per Q4_K super-block (the kernels' QG_SUPER groups)
+
+
+def super_factors(values: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """float32 [N, G] (G a multiple of 8) -> (fp16 f [N, G / 8], uint8 q [N, G]) with
+    values[n, 8 s + j] == f[n, s] * q[n, 8 s + j] exactly in float32, or None when some group of
+    8 has no such factoring (Q4_K's scales d * sc_j and mins -dmin * m_j always do: sc, m are
+    6-bit and the largest is 63, so f = the largest magnitude / 63 first, other divisors after)."""
+    num_rows, num_groups = values.shape
+    g = values.reshape(num_rows, num_groups // SUPER_GROUPS, SUPER_GROUPS).astype(np.float32, copy=False)
+    ref = np.take_along_axis(g, np.abs(g).argmax(-1)[..., None], -1)  # [N, S, 1]: the largest magnitude, signed
+    factor, codes, ok = _try_factor(g, ref, 63)
+    if not ok.all():  # groups whose largest multiplier is not 63: other divisors, those groups only
+        todo = ~ok
+        sub, sub_ref = g[todo], ref[todo]
+        sub_factor, sub_codes = factor[todo], codes[todo]
+        left = np.ones(len(sub), dtype=bool)
+        for top in range(62, 0, -1):
+            f, q, good = _try_factor(sub, sub_ref, top)
+            take = left & good
+            sub_factor[take], sub_codes[take] = f[take], q[take]
+            left &= ~good
+            if not left.any():
+                break
+        if left.any():
+            return None
+        factor[todo], codes[todo] = sub_factor, sub_codes
+    return factor[..., 0], codes.reshape(num_rows, num_groups)
+
+
+def _try_factor(g: np.ndarray, ref: np.ndarray, top: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """[..., 8] values, [..., 1] signed largest -> (fp16 f [..., 1], uint8 q [..., 8], ok [...])
+    for f = ref / top: ok where every value is f * q exactly with q in 0..255 (all zeros: f = 0)."""
+    f = (ref / np.float32(top)).astype(np.float16)
+    f32 = f.astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.rint(g / f32)
+    q = np.where(f32 == 0, 0, q)  # an all-zero group (ref 0): q 0
+    ok = ((q >= 0) & (q <= 255) & (f32 * q == g)).all(-1)
+    return f, q.astype(np.uint8), ok
+
+
 @dataclass
 class Int4Weight:
     """w = q * scale + min per group of 32 inputs, q in 0..15 (ggml's form: Q4_0, Q4_1 and Q4_K
@@ -99,15 +141,41 @@ class Int4Weight:
             raise ValueError(f"Q4 blocks need K a multiple of {2 * GROUP_SIZE}, got {num_cols}")
         num_groups = num_cols // GROUP_SIZE
         dtype, width = (np.float16, 2) if half else (np.float32, 4)
+        out = np.empty((num_rows, num_groups * (16 + 2 * width)), dtype=np.uint8)
+        out[:, : num_groups * width] = self.scales.numpy().astype(dtype).view(np.uint8)
+        out[:, num_groups * width: num_groups * 2 * width] = self.mins.numpy().astype(dtype).view(np.uint8)
+        self._code_pairs(out[:, num_groups * 2 * width:])
+        return torch.from_numpy(out)
+
+    def _code_pairs(self, out: np.ndarray) -> None:
+        """The codes in the kernels' pairs of blocks into out uint8 [N, K / 2] (a view)."""
+        num_rows, num_cols = self.shape
+        num_groups = num_cols // GROUP_SIZE
         # ggml's byte i of a block holds its elements i (low nibble) and 16 + i (high), so word i
         # of a pair is byte i of the first block beside byte i of the second: an interleave.
         # [N, K/64, 2, 16]
         packed = self.packed.numpy().reshape(num_rows, num_groups // 2, 2, GROUP_SIZE // 2)
-        out = np.empty((num_rows, num_groups * (16 + 2 * width)), dtype=np.uint8)
-        out[:, : num_groups * width] = self.scales.numpy().astype(dtype).view(np.uint8)
-        out[:, num_groups * width: num_groups * 2 * width] = self.mins.numpy().astype(dtype).view(np.uint8)
-        out[:, num_groups * 2 * width:].reshape(num_rows, num_groups // 2, GROUP_SIZE // 2, 2)[:] = \
+        out.reshape(num_rows, num_groups // 2, GROUP_SIZE // 2, 2)[:] = \
             packed.transpose(0, 1, 3, 2)  # word i: (first block's byte i, second's)
+
+    def super_blocks(self) -> torch.Tensor | None:
+        """-> uint8 [N, K / 32 * 18.5]: the kernels' Q4 rows with QG_SUPER (scales and mins as
+        Q4_K stores them: per 8 blocks an fp16 factor and 8 uint8 multipliers), or None when
+        K is not a multiple of 256 or the scales or mins do not factor so (super_factors)."""
+        num_rows, num_cols = self.shape
+        if num_cols % (SUPER_GROUPS * GROUP_SIZE):
+            return None
+        factored = [super_factors(values.float().numpy()) for values in (self.scales, self.mins)]
+        if any(f is None for f in factored):
+            return None
+        num_supers = num_cols // (SUPER_GROUPS * GROUP_SIZE)
+        group_bytes = num_supers * (2 + SUPER_GROUPS)
+        out = np.empty((num_rows, 2 * group_bytes + num_cols // 2), dtype=np.uint8)
+        for i, (f, q) in enumerate(factored):
+            groups = out[:, i * group_bytes: (i + 1) * group_bytes].reshape(num_rows, num_supers, 2 + SUPER_GROUPS)
+            groups[..., :2] = f.view(np.uint8).reshape(num_rows, num_supers, 2)
+            groups[..., 2:] = q.reshape(num_rows, num_supers, SUPER_GROUPS)
+        self._code_pairs(out[:, 2 * group_bytes:])
         return torch.from_numpy(out)
 
 
