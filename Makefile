@@ -55,9 +55,14 @@ $(BROWSER) &:
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
+# The suite in TEST_WORKERS processes, each test file whole on one worker (its module fixtures
+# load a model once): much of it waits on subprocesses, servers and loads, so two workers on two
+# cores took 10 min where one took 17 (README). TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
+
 test: install testdata $(BROWSER)
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile) tests
 
 # What `make test` leaves out on the 1.5B for time: its float32 reference (6 GB), every prompt on
 # the decode path and every product route, against llama.cpp (tests/test_parity_llamacpp.py).
