@@ -125,6 +125,11 @@ def decode_rate(stamps: list[float]) -> float:
 # ---------- worker side: one model, one engine, in its own process ----------
 class OursWorker:
     def __init__(self, path: str, options: dict):
+        # What `import engine` sets before torch loads (engine/__init__.py): with libgomp's
+        # default wait policy the thread policy keeps one thread (engine.models.threads), so the
+        # torch import below, first for the RSS baseline, ran our side on 1 thread against
+        # llama.cpp's 2 (Gemma 3 270M at one stream: 23 tok/s instead of ~40).
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         import torch  # noqa: F401  (the baseline issue 23's RSS target is measured over)
 
         self.torch_rss = memory_status()["VmRSS"]
@@ -219,7 +224,7 @@ def run_worker(args: argparse.Namespace) -> None:
     else:
         worker = LlamaCppWorker(args.model_path, args.worker_threads, args.n_ctx)
     protocol.write(json.dumps({"load_s": worker.load_s, "torch_rss": getattr(worker, "torch_rss", 0),
-                               **memory_status()}) + "\n")
+                               "threads": worker_threads(args), **memory_status()}) + "\n")
     for line in sys.stdin:
         command = json.loads(line)
         kind, num_tokens, seed = command["kind"], command["num_tokens"], command["seed"]
@@ -239,6 +244,16 @@ def run_worker(args: argparse.Namespace) -> None:
         else:  # "memory"
             reply = {**memory_status(), "kv_cache_bytes": worker.kv_cache_bytes()}
         protocol.write(json.dumps(reply) + "\n")
+
+
+def worker_threads(args) -> int:
+    """The compute threads this worker runs: ours torch's intra-op count (the engine's thread
+    policy sets it and the kernels' pool alike), llama.cpp's its n_threads."""
+    if args.worker != "ours":
+        return args.worker_threads
+    import torch
+
+    return torch.get_num_threads()
 
 
 # ---------- parent side ----------
@@ -286,7 +301,8 @@ def bench_model(name: str, args, options: dict) -> dict:
             if label == RAW:
                 continue
             loads.setdefault(label, []).append(worker.ready["load_s"])
-            print(f"  {name} {label}: loaded in {worker.ready['load_s']:.2f} s", file=sys.stderr, flush=True)
+            print(f"  {name} {label}: loaded in {worker.ready['load_s']:.2f} s, {worker.ready['threads']} compute "
+                  "thread(s)", file=sys.stderr, flush=True)
         if round_index < args.load_repeats - 1:
             for worker in workers.values():
                 worker.close()

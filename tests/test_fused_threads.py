@@ -38,6 +38,25 @@ def test_default_is_one_thread_when_openmp_spins(monkeypatch, restore_threads):
     assert threads.apply_thread_policy(None).num_threads == 1
 
 
+def test_one_thread_by_import_order_is_said_once(monkeypatch, restore_threads, caplog):
+    """torch loaded before engine with OMP_WAIT_POLICY unset: the default is one thread, and a
+    warning names why and the fixes (once per process); a policy set on purpose says nothing."""
+    monkeypatch.setattr(threads, "available_cpus", lambda: 2)
+    monkeypatch.setattr(threads, "_warned_one_thread", False)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    with caplog.at_level("WARNING", logger="engine.models.threads"):
+        assert threads.apply_thread_policy(None).num_threads == 1
+        threads.apply_thread_policy(None)
+    said = [r.getMessage() for r in caplog.records if r.name == "engine.models.threads"]
+    assert len(said) == 1 and "imported before engine" in said[0] and "num_threads" in said[0]
+    caplog.clear()
+    monkeypatch.setattr(threads, "_warned_one_thread", False)
+    monkeypatch.setenv("OMP_WAIT_POLICY", "active")
+    with caplog.at_level("WARNING", logger="engine.models.threads"):
+        threads.apply_thread_policy(None)
+    assert not [r for r in caplog.records if r.name == "engine.models.threads"]
+
+
 def test_default_uses_the_available_cpus_when_waits_are_passive(monkeypatch, restore_threads):
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
     expected = min(threads.available_cpus(), threads.MAX_DEFAULT_THREADS)

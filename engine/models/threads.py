@@ -19,10 +19,13 @@ before anything imports torch: first thing in ``engine/__init__.py``::
 """
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 
 MAX_DEFAULT_THREADS = 8
+log = logging.getLogger(__name__)
+_warned_one_thread = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +60,7 @@ def apply_thread_policy(num_threads: int | None = None) -> ThreadPolicy:
     (None: the measured default). Raises ValueError for a count < 1."""
     if num_threads is None:
         num_threads = default_num_threads()
+        _warn_if_one_thread_by_import_order(num_threads)
     elif isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
         raise ValueError(f"num_threads: must be a positive int or None, got {num_threads!r}")
     import torch
@@ -71,3 +75,17 @@ def apply_thread_policy(num_threads: int | None = None) -> ThreadPolicy:
     else:
         cpu.set_num_threads(num_threads)
     return ThreadPolicy(num_threads, kernel_threads, os.environ.get("OMP_WAIT_POLICY"))
+
+
+def _warn_if_one_thread_by_import_order(num_threads: int) -> None:
+    """Once per process: the default fell to one thread only because torch was loaded before
+    engine without OMP_WAIT_POLICY (a notebook's `import torch` first): half the speed on two
+    cores, silently, unless said."""
+    global _warned_one_thread
+    if num_threads == 1 and available_cpus() > 1 and "OMP_WAIT_POLICY" not in os.environ \
+            and not _warned_one_thread:
+        _warned_one_thread = True
+        log.warning("compute threads: 1 of %d CPUs, because torch was imported before engine with "
+                    "OMP_WAIT_POLICY unset (libgomp's spinning wait collapses on shared cores); import "
+                    "engine first, set OMP_WAIT_POLICY=PASSIVE before torch loads, or pass num_threads",
+                    available_cpus())
