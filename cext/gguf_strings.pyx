@@ -24,3 +24,28 @@ def read_strings(const uint8_t[::1] buffer, Py_ssize_t offset, Py_ssize_t num_it
         if decode:
             out.append(PyUnicode_DecodeUTF8(<const char *>(data + end), <Py_ssize_t>num_bytes, "replace"))
     return out, offset
+
+
+def two_token_splits(list tokens, set vocab, const uint8_t[::1] skip):
+    """Every split of a token text into two texts that are both in vocab (SentencePiece BPE's
+    merges, engine/tokenizer/gguf_spm.py), tokens with skip[id] != 0 left out -> (lefts, rights,
+    merged ids, split positions), in token order then split order. The Python loop took ~1-2 s
+    over Gemma 3's 262,144 tokens (1.5 M split points) at every load."""
+    cdef list lefts = [], rights = [], ids = [], splits = []
+    cdef Py_ssize_t token_id, split, n
+    cdef str text, left, right
+    for token_id in range(len(tokens)):
+        if skip[token_id]:
+            continue
+        text = <str>tokens[token_id]
+        n = len(text)
+        for split in range(1, n):
+            left = text[:split]
+            if left in vocab:
+                right = text[split:]
+                if right in vocab:
+                    lefts.append(left)
+                    rights.append(right)
+                    ids.append(token_id)
+                    splits.append(split)
+    return lefts, rights, ids, splits

@@ -240,6 +240,28 @@ def test_tiny_spm_without_space_prefix(tmp_path):
     assert tok.decode(tok.encode(" ab")) == " ab"
 
 
+def test_spm_splits_in_c_and_in_python_agree(monkeypatch):
+    """The C loop (cext.gguf_strings.two_token_splits) and its Python fallback give the same
+    merges, in the same order, on a real SentencePiece vocabulary (ties included: its scores)."""
+    import numpy as np
+
+    from engine.gguf_file import read_gguf_metadata as read_metadata
+    from engine.tokenizer import gguf_spm
+    from engine.tokenizer.gguf import llamacpp_special_tokens, token_types, unique_token_texts
+
+    md = read_metadata(vocab_data_file("ggml-vocab-llama-spm.gguf"))
+    tokens = unique_token_texts(md["tokenizer.ggml.tokens"])
+    types, _ = llamacpp_special_tokens(md, tokens, token_types(md, len(tokens)))
+    scores = md["tokenizer.ggml.scores"]
+    assert gguf_spm.two_token_splits is not None  # built: make build
+    in_c = spm_merges(tokens, scores, types)
+    monkeypatch.setattr(gguf_spm, "two_token_splits", None)
+    assert spm_merges(tokens, scores, types) == in_c and len(in_c) > 50_000
+    skip = np.zeros(3, dtype=np.uint8)
+    skip[2] = 1
+    assert gguf_spm._two_token_splits(["ab", "a", "b"], {"ab", "a", "b"}, skip) == (["a"], ["b"], [0], [1])
+
+
 def test_spm_merges_ranked_by_merged_score():
     tokens = ["a", "b", "c", "ab", "bc", "abc"]
     scores = [0.0, 0.0, 0.0, -2.0, -1.0, -3.0]
