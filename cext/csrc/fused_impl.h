@@ -75,6 +75,16 @@ static inline float FK_FN(fast_exp)(float x) {
     return is_tiny ? 0.0f : p * scale;
 }
 
+/* out[i] = x[i] * rsqrt(mean(x^2) + eps) * w[i] over dim values (out may be x). */
+static inline void FK_FN(rms_scale)(const float *x, const float *w, int64_t dim, float eps, float *out) {
+    float sum_sq = 0.0f;
+#pragma omp simd reduction(+ : sum_sq)
+    for (int64_t i = 0; i < dim; i++) sum_sq += x[i] * x[i];
+    const float inv = 1.0f / __builtin_sqrtf(sum_sq / (float)dim + eps);
+#pragma omp simd
+    for (int64_t i = 0; i < dim; i++) out[i] = x[i] * inv * w[i];
+}
+
 static void FK_FN(add_rmsnorm_rows)(const AddNormArgs *a, int64_t begin, int64_t end, float *scratch) {
     const int64_t dim = a->dim;
     const size_t esize = a->dtype == FK_FLOAT32 ? 4 : 2;
@@ -88,12 +98,7 @@ static void FK_FN(add_rmsnorm_rows)(const AddNormArgs *a, int64_t begin, int64_t
 #pragma omp simd
             for (int64_t i = 0; i < dim; i++) x[i] += delta[i];
         }
-        float sum_sq = 0.0f;
-#pragma omp simd reduction(+ : sum_sq)
-        for (int64_t i = 0; i < dim; i++) sum_sq += x[i] * x[i];
-        float inv = 1.0f / __builtin_sqrtf(sum_sq / (float)dim + a->eps);
-#pragma omp simd
-        for (int64_t i = 0; i < dim; i++) delta[i] = x[i] * inv * w[i];
+        FK_FN(rms_scale)(x, w, dim, a->eps, delta);
         FK_FN(store_row)((char *)a->out + (size_t)(t * dim) * esize, delta, dim, a->dtype);
     }
 }
@@ -494,12 +499,7 @@ static void FK_FN(rmsnorm_rows)(const NormArgs *a, int64_t begin, int64_t end, f
     for (int64_t item = begin; item < end; item++) {
         const int64_t t = item / a->heads, h = item % a->heads;
         FK_FN(load_row)(x, (const char *)a->x + (size_t)(t * a->row_stride + h * dim) * esize, dim, a->dtype);
-        float sum_sq = 0.0f;
-#pragma omp simd reduction(+ : sum_sq)
-        for (int64_t i = 0; i < dim; i++) sum_sq += x[i] * x[i];
-        const float inv = 1.0f / __builtin_sqrtf(sum_sq / (float)dim + a->eps);
-#pragma omp simd
-        for (int64_t i = 0; i < dim; i++) x[i] = x[i] * inv * w[i];
+        FK_FN(rms_scale)(x, w, dim, a->eps, x);
         FK_FN(store_row)((char *)a->out + (size_t)(t * a->out_row_stride + h * dim) * esize, x, dim, a->dtype);
     }
 }
