@@ -31,11 +31,15 @@ def test_bad_counts_name_the_field(bad):
         threads.apply_thread_policy(bad)
 
 
-def test_default_is_one_thread_when_openmp_spins(monkeypatch, restore_threads):
+def test_default_is_one_torch_thread_when_openmp_spins(monkeypatch, restore_threads):
+    """torch's team: one thread; the kernels' pool (no spinning barriers): every CPU."""
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.setattr(threads, "available_cpus", lambda: 2)
     assert threads.default_num_threads() == 1
     monkeypatch.setenv("OMP_WAIT_POLICY", "active")
-    assert threads.apply_thread_policy(None).num_threads == 1
+    policy = threads.apply_thread_policy(None)
+    assert policy.num_threads == 1 and torch.get_num_threads() == 1
+    assert policy.num_kernel_threads == 2 and cpu.get_num_threads() == 2
 
 
 def test_one_thread_by_import_order_is_said_once(monkeypatch, restore_threads, caplog):
@@ -49,6 +53,7 @@ def test_one_thread_by_import_order_is_said_once(monkeypatch, restore_threads, c
         threads.apply_thread_policy(None)
     said = [r.getMessage() for r in caplog.records if r.name == "engine.models.threads"]
     assert len(said) == 1 and "imported before engine" in said[0] and "num_threads" in said[0]
+    assert "kernels' pool keeps 2" in said[0]
     caplog.clear()
     monkeypatch.setattr(threads, "_warned_one_thread", False)
     monkeypatch.setenv("OMP_WAIT_POLICY", "active")

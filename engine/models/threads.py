@@ -3,9 +3,11 @@ kernels' pool use, and how idle threads wait.
 
 torch's OpenMP team ends every parallel region in a barrier, so a spinning team collapses
 when another process takes one of its cores; a passive (sleeping) team does not. So: with
-``OMP_WAIT_POLICY=PASSIVE`` in effect, one thread per available CPU (up to
-``MAX_DEFAULT_THREADS``, beyond which nothing was measured); without it, one thread. The
-kernels' own pool polls briefly between jobs, then sleeps (cext/csrc/cpu.c).
+``OMP_WAIT_POLICY=PASSIVE`` in effect, one torch thread per available CPU (up to
+``MAX_DEFAULT_THREADS``, beyond which nothing was measured); without it, one torch thread. The
+kernels' own pool polls briefly between jobs, then sleeps (cext/csrc/cpu.c), whatever libgomp
+does, so it takes one thread per available CPU either way: a decode step runs on it (the
+quantized products and the ops between them), torch's team only the BLAS of long prompts.
 The measurements behind this, and the commands that repeat them: docs/performance.md.
 
 libgomp reads OMP_WAIT_POLICY only when it loads (``import torch``), so the package sets it
@@ -55,37 +57,46 @@ def default_num_threads() -> int:
     return max(1, min(available_cpus(), MAX_DEFAULT_THREADS))
 
 
+def default_kernel_threads() -> int:
+    """The kernels' pool: one thread per available CPU (up to MAX_DEFAULT_THREADS), whatever
+    torch's wait policy (the pool does not spin at barriers)."""
+    return max(1, min(available_cpus(), MAX_DEFAULT_THREADS))
+
+
 def apply_thread_policy(num_threads: int | None = None) -> ThreadPolicy:
-    """Sets torch's intra-op threads and the fused kernels' pool to ``num_threads``
-    (None: the measured default). Raises ValueError for a count < 1."""
+    """Sets torch's intra-op threads and the fused kernels' pool to ``num_threads`` (None: the
+    measured defaults, default_num_threads and default_kernel_threads). Raises ValueError for a
+    count < 1."""
     if num_threads is None:
-        num_threads = default_num_threads()
+        num_threads, kernel_threads = default_num_threads(), default_kernel_threads()
         _warn_if_one_thread_by_import_order(num_threads)
     elif isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
         raise ValueError(f"num_threads: must be a positive int or None, got {num_threads!r}")
+    else:
+        kernel_threads = num_threads
     import torch
 
     if torch.get_num_threads() != num_threads:
         torch.set_num_threads(num_threads)
-    kernel_threads = num_threads
     try:
         from cext import cpu
     except ImportError:
         kernel_threads = 0
     else:
-        cpu.set_num_threads(num_threads)
+        cpu.set_num_threads(kernel_threads)
     return ThreadPolicy(num_threads, kernel_threads, os.environ.get("OMP_WAIT_POLICY"))
 
 
 def _warn_if_one_thread_by_import_order(num_threads: int) -> None:
-    """Once per process: the default fell to one thread only because torch was loaded before
-    engine without OMP_WAIT_POLICY (a notebook's `import torch` first): half the speed on two
-    cores, silently, unless said."""
+    """Once per process: torch's default fell to one thread only because torch was loaded before
+    engine without OMP_WAIT_POLICY (a notebook's `import torch` first): prompts' BLAS products
+    at half the speed on two cores, silently, unless said."""
     global _warned_one_thread
     if num_threads == 1 and available_cpus() > 1 and "OMP_WAIT_POLICY" not in os.environ \
             and not _warned_one_thread:
         _warned_one_thread = True
-        log.warning("compute threads: 1 of %d CPUs, because torch was imported before engine with "
-                    "OMP_WAIT_POLICY unset (libgomp's spinning wait collapses on shared cores); import "
-                    "engine first, set OMP_WAIT_POLICY=PASSIVE before torch loads, or pass num_threads",
-                    available_cpus())
+        log.warning("torch threads: 1 of %d CPUs (the kernels' pool keeps %d), because torch was imported "
+                    "before engine with OMP_WAIT_POLICY unset (libgomp's spinning wait collapses on shared "
+                    "cores): long prompts' products run on one thread; import engine first, set "
+                    "OMP_WAIT_POLICY=PASSIVE before torch loads, or pass num_threads",
+                    available_cpus(), default_kernel_threads())
