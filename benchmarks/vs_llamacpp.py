@@ -168,12 +168,9 @@ class OursWorker:
         return on_own_thread(raw_decode_tok_s, self.engine.model, 1, num_tokens, context, BLOCK_SIZE, seed)
 
     def kv_cache_bytes(self) -> int:
-        import torch
-
-        model, sched = self.engine.model, self.engine.config
-        cfg = model.config
-        element_size = torch.empty((), dtype=getattr(model, "kv_cache_dtype", torch.float32)).element_size()
-        return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * element_size * sched.num_blocks * sched.block_size
+        """What our cache keeps resident at most (sliding layers: their windows only)."""
+        config = self.engine.config
+        return self.engine.model.kv_cache_bytes(config.num_blocks * config.block_size, config)
 
 
 class LlamaCppWorker:

@@ -87,7 +87,7 @@ class Engine(EmbeddingMixin):
         self.model = model
         self.config = config.resolve(getattr(model, "max_model_len", None))
         if hasattr(model, "kv_cache_bytes"):  # before the cache is allocated (the weights are resident)
-            check_memory(self.config, model.kv_cache_bytes(self.config.kv_cache_tokens),
+            check_memory(self.config, model.kv_cache_bytes(self.config.kv_cache_tokens, self.config),
                          param=_sizing_option(config))
         self.model_path: str | None = None  # set by from_pretrained
         self._core = EngineCore(model, self.tokenizer, self.config, draft)

@@ -194,13 +194,13 @@ def check_startup(path: str | os.PathLike, config, *, weights_loaded: bool = Fal
     model_config, kv_dtype, weights_bytes = model_footprint(path, config.dtype, config.quantization)
     resolved = config.resolve(model_config.max_position_embeddings)
     param = "kv_cache_tokens" if config.kv_cache_tokens is not None else "max_model_len"
-    kv_bytes = kv_cache_bytes(model_config, resolved.kv_cache_tokens, kv_dtype)
+    kv_bytes = kv_cache_bytes(model_config, resolved.kv_cache_tokens, kv_dtype, resolved)
     weights_bytes = 0 if weights_loaded else weights_bytes
     if config.speculative == "draft" and config.draft_model is not None:  # its files, weights and KV pool too
         check_model_path(config.draft_model)
         draft_config, draft_kv_dtype, draft_weights = model_footprint(config.draft_model, config.dtype,
                                                                       config.quantization)
-        kv_bytes += kv_cache_bytes(draft_config, resolved.kv_cache_tokens, draft_kv_dtype)
+        kv_bytes += kv_cache_bytes(draft_config, resolved.kv_cache_tokens, draft_kv_dtype, resolved)
         if os.path.realpath(config.draft_model) != os.path.realpath(path):  # a model drafting for itself shares
             weights_bytes += draft_weights
     check_memory(resolved, kv_bytes, weights_bytes, param=param)

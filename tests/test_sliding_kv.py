@@ -32,13 +32,43 @@ def test_a_block_is_dropped_once_when_its_last_window_reference_goes():
     bm.release_window(a[0])
     assert bm.drain_dropped() == [a[0]] and bm.is_window_dropped[a[0]]
     bm.free(a[:2], num_window_released=1)  # the second sequence ends, past block 0 only
+    assert bm.drain_dropped() == []  # block 1 is still in the first sequence's window
     bm.free(a, num_window_released=1)
     bm.check_invariants()
-    assert bm.drain_dropped() == []  # ending a sequence drops nothing (its window stays for a match)
+    # ending a sequence drops the windows no prefix match can find (these blocks have no hash)
+    assert sorted(bm.drain_dropped()) == a[1:]
     with pytest.raises(RuntimeError, match="window released more often"):
         bm.release_window(a[3])
     [again] = bm.allocate(1)  # a reused block starts with its K/V wanted again
     assert not bm.is_window_dropped[again] and bm.window_refs[again] == 1
+
+
+def test_finished_windows_kept_for_matches_are_bounded_least_recent_dropped_first():
+    """Many short sequences (each within the window, so none releases anything while running)
+    leave their hashed blocks' sliding K/V for prefix matches: at most max_kept_windows of them,
+    the least recently kept dropped first; the newest sequence's prefix still matches whole."""
+    bm = BlockManager(64, BLOCK, sliding_window=WINDOW, max_kept_windows=6)
+    sequences = []
+    for n in range(5):
+        ids = bm.allocate(3)
+        hashes = [1000 * n + j for j in range(3)]
+        for block_id, h in zip(ids, hashes):
+            bm.register(block_id, h)
+        bm.free(ids)
+        bm.check_invariants()
+        sequences.append((ids, hashes))
+    dropped = bm.drain_dropped()
+    assert len(bm.kept_windows) == 6 and len(dropped) == 15 - 6
+    assert set(dropped) == {b for ids, _ in sequences[:3] for b in ids}  # the oldest three sequences
+    ids, hashes = sequences[-1]
+    assert bm.match_prefix(hashes) == ids
+    assert bm.match_prefix(sequences[0][1]) == []  # its window is gone: no usable match
+    bm.take(ids)  # a match re-references them: no longer kept-and-unreferenced
+    assert not set(ids) & set(bm.kept_windows)
+    bm.free(ids)
+    bm.check_invariants()
+    assert bm.reset_prefix_cache() > 0 and not bm.kept_windows  # forgotten prefixes drop their windows
+    assert len(set(bm.drain_dropped())) == 6
 
 
 def test_a_prefix_match_ends_where_its_window_is_whole():
@@ -164,3 +194,53 @@ def test_a_long_context_keeps_the_full_layers_context_and_the_sliding_layers_win
     print(f"K resident {resident_kb} kB for {context} tokens; every layer's context {every_layer_kb:.0f} kB, "
           f"budget {budget_kb:.0f} kB")
     assert resident_kb <= budget_kb < every_layer_kb / 3
+
+
+def test_many_short_requests_keep_the_sliding_layers_within_their_bound(gemma3_dir):
+    """Requests shorter than the window never release one while they run; before the bound on
+    kept windows their sliding K/V stayed resident for good, so a pool filled by short requests
+    cost every layer's memory. Now the sliding layers hold at most the running windows and
+    max_num_seqs finished ones (what kv_cache_bytes counts), while the full layer holds them all."""
+    from engine.core.scheduler import window_blocks
+    from engine.models.llama import kv_cache_bytes
+
+    rng = random.Random(7)
+    prompts = [[rng.randrange(100, 40000) for _ in range(40)] for _ in range(24)]  # 40 + 8 < WINDOW
+    params = engine.SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    with engine.Engine.from_pretrained(str(gemma3_dir), quantization="float32", kv_cache_tokens=2048,
+                                       max_num_seqs=2, max_num_batched_tokens=64) as eng:
+        for k in range(0, len(prompts), 2):
+            eng.generate(prompts[k:k + 2], params)
+        cache, config, model = eng.kv_cache, eng.config, eng.model
+        token_kb = cache.block_bytes / BLOCK / 1024
+        full_kb = _resident_kb(cache.k[5])  # the full-attention layer
+        sliding_kb = max(_resident_kb(cache.k[i]) for i in cache.sliding_layers)
+        bound = kv_cache_bytes(model.config, config.kv_cache_tokens, model.kv_cache_dtype, config)
+        every = kv_cache_bytes(model.config, config.kv_cache_tokens, model.kv_cache_dtype)
+    kept_blocks = config.max_num_seqs * window_blocks(WINDOW, BLOCK)
+    print(f"K resident: full layer {full_kb} kB, a sliding layer {sliding_kb} kB (kept bound {kept_blocks} blocks)")
+    assert full_kb >= 24 * 48 * token_kb  # every request's K stayed in the full layer (prefix cache)
+    running_blocks = kept_blocks + 64 // BLOCK  # the running windows and a tick's prefill rows
+    assert sliding_kb <= (kept_blocks + running_blocks) * BLOCK * token_kb + 64  # not 24 requests'
+    assert bound < every
+
+
+def test_the_memory_check_counts_sliding_layers_by_their_bound():
+    """A Gemma-3-shaped config: 5 of 6 layers slide over 512 tokens; with 256k slots and 4
+    sequences the bound counts the full layer's slots and the sliding layers' windows."""
+    from engine.config import EngineConfig
+    from engine.models.config import ModelConfig
+    from engine.models.llama import kv_cache_bytes
+
+    model = ModelConfig(architecture="gemma3", vocab_size=1000, hidden_size=64, intermediate_size=128,
+                        num_layers=6, num_heads=4, num_kv_heads=1, head_dim=256,
+                        max_position_embeddings=131072, sliding_window=512,
+                        layer_types=("sliding",) * 5 + ("full",))
+    config = EngineConfig(max_num_seqs=4, kv_cache_tokens=262144).resolve(131072)
+    every = kv_cache_bytes(model, 262144, torch.float16)
+    bound = kv_cache_bytes(model, 262144, torch.float16, config)
+    token = 2 * 256 * 2  # K and V of one token in one layer
+    assert every == 6 * 262144 * token
+    per_seq = 512 // 16 + 1 + 1  # the window's blocks, one where it starts mid-block, the speculative slack
+    assert bound == 262144 * token + 5 * (2 * 4 * per_seq + 256 // 16) * 16 * token
+    assert bound < every / 5

@@ -13,7 +13,11 @@ some sequence holding it can still attend to it. ``window_refs`` counts the sequ
 query is past the block's window); at zero the block's sliding K/V is dropped (its pages go
 back to the OS, engine.models.attention) and the block is marked ``is_window_dropped`` until it
 is allocated again. Its other layers stay, so a prefix-cache match must end where the window
-before it is intact (``match_prefix``).
+before it is intact (``match_prefix``). A finished sequence's last window keeps its sliding K/V
+for such a match, but only while it is among the ``max_kept_windows`` most recent such blocks
+(least recently kept dropped first); a freed block no match can find (no hash) drops it at
+once. So the sliding layers hold at most the running sequences' windows plus that many blocks,
+whatever the traffic: engine.models.llama.kv_cache_bytes counts them so.
 """
 from __future__ import annotations
 
@@ -44,11 +48,14 @@ def prefix_block_hashes(token_ids: np.ndarray, num_blocks: int, block_size: int)
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None, max_kept_windows: int | None = None) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.sliding_window = sliding_window
+        self.max_kept_windows = max_kept_windows  # None: every finished window is kept
+        # unreferenced windows (window_refs 0, sliding K/V still there), least recently kept first
+        self.kept_windows: OrderedDict[int, None] = OrderedDict()
         self.ref_counts = [0] * num_blocks
         self.window_refs = [0] * num_blocks  # references that may still read the sliding layers' K/V
         self.is_window_dropped = [False] * num_blocks
@@ -92,14 +99,16 @@ class BlockManager:
             self.ref_counts[block_id] = 1
             self.window_refs[block_id] = 1
             self.is_window_dropped[block_id] = False
+            self.kept_windows.pop(block_id, None)
             ids.append(block_id)
         return ids
 
     def free(self, block_ids: list[int], num_window_released: int = 0) -> None:
         """Drop one reference from each block (and its window reference, unless it is among the
         first ``num_window_released``, given up before). Freed in reverse so a prefix's tail is
-        evicted first. A window reference given up here drops nothing: a finished sequence's
-        last blocks keep their sliding K/V for a prefix-cache match."""
+        evicted first. A window reference given up here keeps the block's sliding K/V for a
+        prefix-cache match when the block has a hash (up to max_kept_windows such blocks), and
+        drops it otherwise."""
         for k in range(len(block_ids) - 1, -1, -1):
             block_id = block_ids[k]
             ref = self.ref_counts[block_id] - 1
@@ -108,11 +117,31 @@ class BlockManager:
             self.ref_counts[block_id] = ref
             if k >= num_window_released:
                 self.window_refs[block_id] -= 1
+                if self.window_refs[block_id] == 0 and self.sliding_window is not None:
+                    self._keep_window(block_id)
             if ref == 0:
                 if self.block_hashes[block_id] is not None:
                     self.cached_ids[block_id] = None
                 else:
                     self.free_ids.append(block_id)
+
+    def _keep_window(self, block_id: int) -> None:
+        """A block's last window reference went with a finished sequence: keep its sliding K/V
+        for a match (a hash), dropping the least recently kept beyond max_kept_windows."""
+        if self.block_hashes[block_id] is None:
+            self._drop_window(block_id)
+            return
+        self.kept_windows[block_id] = None
+        if self.max_kept_windows is not None:
+            while len(self.kept_windows) > self.max_kept_windows:
+                oldest, _ = self.kept_windows.popitem(last=False)
+                self._drop_window(oldest)
+
+    def _drop_window(self, block_id: int) -> None:
+        self.kept_windows.pop(block_id, None)
+        if not self.is_window_dropped[block_id]:
+            self.is_window_dropped[block_id] = True
+            self.dropped_ids.append(block_id)
 
     def release_window(self, block_id: int) -> None:
         """A sequence's next query is past this block's window: give up its window reference;
@@ -121,9 +150,8 @@ class BlockManager:
         if refs < 0:
             raise RuntimeError(f"block {block_id}: window released more often than taken")
         self.window_refs[block_id] = refs
-        if refs == 0 and not self.is_window_dropped[block_id]:
-            self.is_window_dropped[block_id] = True
-            self.dropped_ids.append(block_id)
+        if refs == 0:
+            self._drop_window(block_id)
 
     def drain_dropped(self) -> list[int]:
         """Blocks whose sliding K/V became unneeded since the last call (for the cache to drop)."""
@@ -169,6 +197,7 @@ class BlockManager:
                 del self.cached_ids[block_id]
             self.ref_counts[block_id] += 1
             self.window_refs[block_id] += 1
+            self.kept_windows.pop(block_id, None)
 
     def register(self, block_id: int, block_hash: int) -> bool:
         """Publish a fully computed block under its prefix hash (first writer wins); True if published."""
@@ -187,6 +216,8 @@ class BlockManager:
             del self.hash_to_block[self.block_hashes[block_id]]
             self.block_hashes[block_id] = None
             self.free_ids.append(block_id)
+            if block_id in self.kept_windows:  # no match can find it now
+                self._drop_window(block_id)
         self.cached_ids.clear()
         return num
 
@@ -207,6 +238,12 @@ class BlockManager:
                 raise RuntimeError(f"free block {block_id} still has a hash")
             if not 0 <= self.window_refs[block_id] <= ref:
                 raise RuntimeError(f"block {block_id}: {self.window_refs[block_id]} window refs, ref {ref}")
+        for block_id in self.kept_windows:
+            if self.window_refs[block_id] or self.is_window_dropped[block_id] or self.block_hashes[block_id] is None:
+                raise RuntimeError(f"kept window {block_id}: window refs {self.window_refs[block_id]}, dropped "
+                                   f"{self.is_window_dropped[block_id]}, hash {self.block_hashes[block_id]}")
+        if self.max_kept_windows is not None and len(self.kept_windows) > self.max_kept_windows:
+            raise RuntimeError(f"{len(self.kept_windows)} kept windows, more than {self.max_kept_windows}")
         for h, block_id in self.hash_to_block.items():
             if self.block_hashes[block_id] != h:
                 raise RuntimeError(f"hash table points at block {block_id} with another hash")

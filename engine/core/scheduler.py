@@ -80,13 +80,26 @@ class SchedulerOutput:
     is_decode_only: bool = False
 
 
+def window_blocks(sliding_window: int, block_size: int) -> int:
+    """Blocks one sequence's window can touch: the window's, one more where it starts mid-block."""
+    return -(-sliding_window // block_size) + 1
+
+
+def kept_windows_bound(config: SchedulerConfig) -> int | None:
+    """Finished windows whose sliding K/V the block manager keeps for prefix matches: the last
+    window of each of max_num_seqs sequences (None: no sliding layers)."""
+    if config.sliding_window is None:
+        return None
+    return config.max_num_seqs * window_blocks(config.sliding_window, config.block_size)
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, clock=time.perf_counter) -> None:
         self.config = config
         self.cost = TickCostModel(config.target_tick_seconds, config.max_num_batched_tokens, clock)
         self.block_size = config.block_size
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching,
-                                          config.sliding_window)
+                                          config.sliding_window, kept_windows_bound(config))
         # Per slot: leading blocks whose window reference the running sequence gave up.
         self._window_released = np.zeros(config.max_num_seqs, dtype=np.int64)
         self.on_window_dropped = None  # callable(list of block ids) (the KV cache's), or None
@@ -493,6 +506,10 @@ class Scheduler:
         nb = int(state.num_blocks[slot])
         self.block_manager.free(state.block_tables[slot, :nb].tolist(), int(self._window_released[slot]))
         self._window_released[slot] = 0
+        if self.config.sliding_window is not None and self.on_window_dropped is not None:
+            dropped = self.block_manager.drain_dropped()  # its unhashed blocks, kept windows past the bound
+            if dropped:
+                self.on_window_dropped(dropped)
         state.block_tables[slot, :nb] = -1
         state.num_blocks[slot] = 0
         state.epochs[slot] += 1

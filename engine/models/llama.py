@@ -16,6 +16,7 @@ Weights come in as a state dict with Hugging Face names (``model.layers.0.self_a
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 from dataclasses import replace
 
@@ -57,10 +58,30 @@ def _resolve_kv_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return _resolve(dtype, KV_CACHE_DTYPES, "kv_cache_dtype")
 
 
-def kv_cache_bytes(config: ModelConfig, num_tokens: int, dtype: torch.dtype) -> int:
-    """K and V of every layer: 2 x [L, num_tokens, KH, D] in dtype."""
+def kv_cache_bytes(config: ModelConfig, num_tokens: int, dtype: torch.dtype, engine_config=None) -> int:
+    """The K and V the cache of num_tokens slots keeps resident at most: 2 x [num_tokens, KH, D]
+    in dtype per full-attention layer, and per sliding-window layer (engine_config given: its
+    max_num_seqs, max_num_batched_tokens, block_size and num_speculative_tokens) only what the
+    block manager lets it hold: each running sequence's window, the tick's prefill rows, and the
+    finished windows kept for prefix matches (engine.core.block_manager), capped at num_tokens.
+    Without engine_config, or with blocks smaller than a page (their pages are not given back),
+    every layer counts num_tokens."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return 2 * config.num_layers * num_tokens * config.num_kv_heads * config.head_dim * itemsize
+    token_bytes = 2 * config.num_kv_heads * config.head_dim * itemsize
+    windows = [config.layer_window(i) for i in range(config.num_layers)]
+    total = 0
+    for window in windows:
+        tokens = num_tokens
+        if window is not None and engine_config is not None:
+            bs = engine_config.block_size
+            if bs * token_bytes // 2 >= mmap.PAGESIZE:
+                from engine.core.scheduler import window_blocks
+
+                per_seq = window_blocks(window, bs) + -(-engine_config.num_speculative_tokens // bs)
+                blocks = 2 * engine_config.max_num_seqs * per_seq + -(-engine_config.max_num_batched_tokens // bs)
+                tokens = min(num_tokens, blocks * bs)
+        total += tokens * token_bytes
+    return total
 
 
 class DecoderLayer(nn.Module):
@@ -290,9 +311,10 @@ class LlamaModel(nn.Module):
             return self.head_int8.rows(ids, torch.float32)
         return self.lm_head[ids].float()
 
-    def kv_cache_bytes(self, num_tokens: int) -> int:
-        """Bytes of the K and V make_kv_cache allocates for num_tokens slots (checked before it does)."""
-        return kv_cache_bytes(self.config, num_tokens, self.kv_cache_dtype)
+    def kv_cache_bytes(self, num_tokens: int, engine_config=None) -> int:
+        """Bytes of K and V the cache of num_tokens slots keeps resident at most (checked before it is
+        allocated; see kv_cache_bytes)."""
+        return kv_cache_bytes(self.config, num_tokens, self.kv_cache_dtype, engine_config)
 
     def make_kv_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
         c = self.config
