@@ -112,8 +112,14 @@ def test_a_bad_file_falls_back_to_prefill_and_is_replaced(tmp_path, cold, how, c
     # The bad file was removed and the block written again from the prefill: a third engine reads it all.
     assert bad.stat().st_size == files[0].stat().st_size
     with Engine.from_pretrained(prefix_cache_dir=str(tmp_path), **ALIGNED) as eng:
-        assert run(eng, SYSTEM + QUESTION) == expected
+        got = run(eng, SYSTEM + QUESTION)
         stats = eng.stats()
+    # The K/V came from other processes, whose product routes were timed by themselves (a table
+    # timed on a busy machine is timed again by a quiet load, engine.models.routes): the same
+    # tokens, and logprobs up to that rounding, not bit for bit (a wrong block moves them by far more).
+    assert got[0] == expected[0]
+    for (token, logprob, top), (token_e, logprob_e, top_e) in zip(got[1], expected[1], strict=True):
+        assert token == token_e and top == top_e and abs(logprob - logprob_e) <= 1e-4
     assert stats["num_prefix_cache_disk_bad_files"] == 0
     assert stats["num_prefix_cache_disk_hit_tokens"] == (num_prompt - 1) // BLOCK * BLOCK
 
@@ -178,8 +184,14 @@ def test_two_processes_writing_one_directory_leave_it_readable(tmp_path, cold):
         assert proc.returncode == 0 and "done" in out, err[-2000:]
     assert not list(Path(tmp_path).glob("*/*.tmp"))
     with Engine.from_pretrained(prefix_cache_dir=str(tmp_path), **ALIGNED) as eng:
-        assert run(eng, SYSTEM + QUESTION) == expected
+        got = run(eng, SYSTEM + QUESTION)
         stats = eng.stats()
+    # The K/V came from other processes, whose product routes were timed by themselves (a table
+    # timed on a busy machine is timed again by a quiet load, engine.models.routes): the same
+    # tokens, and logprobs up to that rounding, not bit for bit (a wrong block moves them by far more).
+    assert got[0] == expected[0]
+    for (token, logprob, top), (token_e, logprob_e, top_e) in zip(got[1], expected[1], strict=True):
+        assert token == token_e and top == top_e and abs(logprob - logprob_e) <= 1e-4
     assert stats["num_prefix_cache_disk_bad_files"] == 0
     assert stats["num_prefix_cache_disk_hit_tokens"] == (num_prompt - 1) // BLOCK * BLOCK
 
