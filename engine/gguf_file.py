@@ -54,6 +54,9 @@ class HeaderReader:
         decode=False only walks past them."""
         from cext.gguf_strings import read_strings
 
+        if num_items > (len(self.buffer) - self.offset) // 8:  # each string takes >= 8 bytes (its length)
+            raise ModelFileError(f"{self.path}: GGUF header is truncated at byte {self.offset}: an array of "
+                                 f"{num_items} strings does not fit in the file", self.path)
         out, offset = read_strings(self.buffer, self.offset, num_items, decode)
         if offset < 0:
             raise ModelFileError(f"{self.path}: GGUF header is truncated at byte {-1 - offset}", self.path)

@@ -162,6 +162,17 @@ def test_metadata_reader_rejects_non_gguf_and_truncated(tmp_path):
     truncated.write_bytes(whole[:5000])
     with pytest.raises(ValueError, match="truncated"):
         read_gguf_metadata(truncated)
+    # a string array whose count does not fit in a C ssize_t (found by the fuzz test): a clean
+    # refusal naming the count, not an OverflowError from the C loop
+    import struct
+
+    key = b"tokenizer.ggml.tokens"
+    huge = (b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", len(key)) + key
+            + struct.pack("<IIQ", 9, 8, 2 ** 63 + 5) + b"\0" * 64)
+    bad = tmp_path / "huge_array.gguf"
+    bad.write_bytes(huge)
+    with pytest.raises(ValueError, match=r"truncated at byte \d+: an array of 9223372036854775813 strings"):
+        read_gguf_metadata(bad)
 
 
 # ------------------------------------------------------------------ synthetic vocabularies
