@@ -119,3 +119,9 @@ def single_sequence_batch(
         num_decode_seqs=1 if n == 1 else 0,
         block_size=block_size,
     )
+
+
+def window_blocks(sliding_window: int, block_size: int) -> int:
+    """Blocks one sequence's sliding window can touch: the window's, one more where it starts
+    mid-block (the scheduler's bound on kept windows, the KV memory check's on sliding layers)."""
+    return -(-sliding_window // block_size) + 1

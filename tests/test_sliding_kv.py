@@ -201,7 +201,7 @@ def test_many_short_requests_keep_the_sliding_layers_within_their_bound(gemma3_d
     kept windows their sliding K/V stayed resident for good, so a pool filled by short requests
     cost every layer's memory. Now the sliding layers hold at most the running windows and
     max_num_seqs finished ones (what kv_cache_bytes counts), while the full layer holds them all."""
-    from engine.core.scheduler import window_blocks
+    from engine.batch import window_blocks
     from engine.models.llama import kv_cache_bytes
 
     rng = random.Random(7)

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from cext.tick import TickState
-from engine.batch import ForwardBatch
+from engine.batch import ForwardBatch, window_blocks
 from engine.core.block_manager import BlockManager, prefix_block_hashes
 from engine.core.sequence import Sequence, SequenceStatus
 from engine.core.tick_cost import DEFAULT_TARGET_TICK_SECONDS, TickCostModel
@@ -78,11 +78,6 @@ class SchedulerOutput:
     # A decode-only steady-state tick (Scheduler._schedule_decodes): reused while the running set
     # stays; its TickState.finish_codes hold each entry's verdict after update().
     is_decode_only: bool = False
-
-
-def window_blocks(sliding_window: int, block_size: int) -> int:
-    """Blocks one sequence's window can touch: the window's, one more where it starts mid-block."""
-    return -(-sliding_window // block_size) + 1
 
 
 def kept_windows_bound(config: SchedulerConfig) -> int | None:

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.batch import ForwardBatch
+from engine.batch import ForwardBatch, window_blocks
 from engine.models import fused, routes
 from engine.models.attention import AttentionPlan, PagedKVCache, paged_attention, plan_attention
 from engine.models.config import ModelConfig
@@ -75,8 +75,6 @@ def kv_cache_bytes(config: ModelConfig, num_tokens: int, dtype: torch.dtype, eng
         if window is not None and engine_config is not None:
             bs = engine_config.block_size
             if bs * token_bytes // 2 >= mmap.PAGESIZE:
-                from engine.core.scheduler import window_blocks
-
                 per_seq = window_blocks(window, bs) + -(-engine_config.num_speculative_tokens // bs)
                 blocks = 2 * engine_config.max_num_seqs * per_seq + -(-engine_config.max_num_batched_tokens // bs)
                 tokens = min(num_tokens, blocks * bs)
