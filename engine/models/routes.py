@@ -66,9 +66,7 @@ def _machine_key(num_threads: int) -> str:
     except OSError:
         pass
     features = ",".join(cpu.features())
-    # both pools: torch's (blas, amx) and the kernels' (int16, float) may differ (engine.models.threads)
-    return (f"{model}|{features}|isa={cpu.get_isa()}|threads={num_threads}/{cpu.get_num_threads()}"
-            f"|torch={torch.__version__}")
+    return f"{model}|{features}|isa={cpu.get_isa()}|threads={num_threads}|torch={torch.__version__}"
 
 
 def _cache_path() -> Path:
