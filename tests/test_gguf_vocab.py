@@ -251,26 +251,41 @@ def test_tiny_spm_without_space_prefix(tmp_path):
     assert tok.decode(tok.encode(" ab")) == " ab"
 
 
-def test_spm_splits_in_c_and_in_python_agree(monkeypatch):
-    """The C loop (cext.gguf_strings.two_token_splits) and its Python fallback give the same
-    merges, in the same order, on a real SentencePiece vocabulary (ties included: its scores)."""
+def _two_token_splits(tokens: list[str], vocab: set[str], skip) -> tuple[list, list, list, list]:
+    """The definition cext.gguf_strings.two_token_splits implements, in Python."""
+    lefts, rights, ids, splits = [], [], [], []
+    for token_id, text in enumerate(tokens):
+        if skip[token_id]:
+            continue
+        for split in range(1, len(text)):
+            left, right = text[:split], text[split:]
+            if left in vocab and right in vocab:
+                lefts.append(left)
+                rights.append(right)
+                ids.append(token_id)
+                splits.append(split)
+    return lefts, rights, ids, splits
+
+
+def test_spm_splits_in_c_and_in_python_agree():
+    """The C loop (cext.gguf_strings.two_token_splits) and its definition in Python give the same
+    splits, in the same order, on a real SentencePiece vocabulary."""
     import numpy as np
+    from cext.gguf_strings import two_token_splits
 
     from engine.gguf_file import read_gguf_metadata as read_metadata
-    from engine.tokenizer import gguf_spm
     from engine.tokenizer.gguf import llamacpp_special_tokens, token_types, unique_token_texts
 
     md = read_metadata(vocab_data_file("ggml-vocab-llama-spm.gguf"))
     tokens = unique_token_texts(md["tokenizer.ggml.tokens"])
     types, _ = llamacpp_special_tokens(md, tokens, token_types(md, len(tokens)))
-    scores = md["tokenizer.ggml.scores"]
-    assert gguf_spm.two_token_splits is not None  # built: make build
-    in_c = spm_merges(tokens, scores, types)
-    monkeypatch.setattr(gguf_spm, "two_token_splits", None)
-    assert spm_merges(tokens, scores, types) == in_c and len(in_c) > 50_000
+    skip = np.array([t == TokenType.BYTE or len(text) < 2 for t, text in zip(types, tokens)], dtype=np.uint8)
+    in_c = two_token_splits(tokens, set(tokens), skip)
+    assert in_c == _two_token_splits(tokens, set(tokens), skip) and len(in_c[0]) > 50_000
+    assert len(spm_merges(tokens, md["tokenizer.ggml.scores"], types)) == len(in_c[0])
     skip = np.zeros(3, dtype=np.uint8)
     skip[2] = 1
-    assert gguf_spm._two_token_splits(["ab", "a", "b"], {"ab", "a", "b"}, skip) == (["a"], ["b"], [0], [1])
+    assert two_token_splits(["ab", "a", "b"], {"ab", "a", "b"}, skip) == (["a"], ["b"], [0], [1])
 
 
 def test_spm_merges_ranked_by_merged_score():

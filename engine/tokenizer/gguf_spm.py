@@ -13,15 +13,11 @@ decoders that undo both.
 from __future__ import annotations
 
 import numpy as np
+from cext.gguf_strings import two_token_splits  # the GGUF reader needs cext built anyway
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, normalizers
 
 from .gguf_special import TokenType
-
-try:
-    from cext.gguf_strings import two_token_splits
-except ImportError:  # not built: the same loop in Python
-    two_token_splits = None
 
 SPACE_MARKER = "\u2581"
 
@@ -30,38 +26,17 @@ def spm_merges(tokens: list[str], scores: list[float], types: list[int]) -> list
     """Every split of a token into two tokens, ordered by the merged token's score, best first.
 
     Ties keep the lower token id first, then the earlier split. Byte tokens `<0xNN>` are never
-    merge results. The splits come from one C loop (cext.gguf_strings) where it is built.
+    merge results. The splits come from one C loop (cext.gguf_strings).
     """
     skip = np.fromiter((t == TokenType.BYTE for t in types), dtype=np.uint8, count=len(tokens))
     skip |= np.fromiter((len(text) < 2 for text in tokens), dtype=np.uint8, count=len(tokens))
-    if two_token_splits is not None:
-        lefts, rights, ids, splits = two_token_splits(tokens, set(tokens), skip)
-    else:
-        lefts, rights, ids, splits = _two_token_splits(tokens, set(tokens), skip)
+    lefts, rights, ids, splits = two_token_splits(tokens, set(tokens), skip)
     if not ids:
         return []
     merged = np.asarray(ids, dtype=np.int64)
     order = np.lexsort((np.asarray(splits, dtype=np.int64), merged,
                         -np.asarray(scores, dtype=np.float64)[merged]))  # last key first: -score, id, split
     return [(lefts[i], rights[i]) for i in order.tolist()]
-
-
-def _two_token_splits(tokens: list[str], vocab: set[str], skip: np.ndarray):
-    """cext.gguf_strings.two_token_splits in Python (the module not built)."""
-    lefts, rights, ids, splits = [], [], [], []
-    for token_id, text in enumerate(tokens):
-        if skip[token_id]:
-            continue
-        for split in range(1, len(text)):
-            left = text[:split]
-            if left in vocab:
-                right = text[split:]
-                if right in vocab:
-                    lefts.append(left)
-                    rights.append(right)
-                    ids.append(token_id)
-                    splits.append(split)
-    return lefts, rights, ids, splits
 
 
 def build_spm_backend(metadata: dict, tokens: list[str], types: list[int]) -> HFTokenizer:
