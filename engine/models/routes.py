@@ -198,11 +198,21 @@ def calibrate(layers, allow_approximate: bool, num_threads: int) -> dict[str, li
             else:
                 table[shape] = measure(layer, routes)
                 measured += 1
-        layer.set_routes(ROW_GRID, table[shape])
+        layer.set_routes(ROW_GRID, same_route_for_verify_rows(table[shape]))
     if measured:
         _store_cache(key, {**cached, **table}, busy)
         log.info("product routes measured for %d shape(s) in %.2f s", measured, time.perf_counter() - start)
     return table
+
+
+VERIFY_ROWS = 16  # up to here every row count takes the one-row route (see same_route_for_verify_rows)
+
+
+def same_route_for_verify_rows(best: list[str]) -> list[str]:
+    """The one-row route for every grid entry up to VERIFY_ROWS: a speculative step verifies
+    1 + k rows of one sequence, and plain decoding computes each of them as one row; int16 and
+    float round differently, so only one route for both keeps speculation token-exact."""
+    return [best[0] if limit <= VERIFY_ROWS else route for limit, route in zip(ROW_GRID, best)]
 
 
 def summary(table: dict[str, list[str]]) -> dict[str, str]:
