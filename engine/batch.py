@@ -46,7 +46,7 @@ class ForwardBatch:
     so a tick pays only for the tensors its model uses; ``array(name)`` reads one as numpy."""
 
     __slots__ = tuple("_" + name for name in _ARRAYS) + (
-        "query_starts_list", "context_lens_list", "num_decode_seqs", "block_size")
+        "query_starts_list", "context_lens_list", "num_decode_seqs", "block_size", "gen_rows", "gen_seqs")
 
     input_ids = _tensor_field("input_ids", "[T] int64")
     positions = _tensor_field("positions", "[T] int64, position of each row within its sequence")
@@ -59,7 +59,8 @@ class ForwardBatch:
 
     def __init__(self, input_ids, positions, slot_mapping, query_starts, context_lens, block_tables,
                  logit_rows, prompt_lens, query_starts_list: list[int], context_lens_list: list[int],
-                 num_decode_seqs: int = 0, block_size: int = 16):
+                 num_decode_seqs: int = 0, block_size: int = 16, gen_rows: int | None = None,
+                 gen_seqs: int | None = None):
         self._input_ids = input_ids
         self._positions = positions
         self._slot_mapping = slot_mapping
@@ -73,6 +74,12 @@ class ForwardBatch:
         self.context_lens_list = context_lens_list
         self.num_decode_seqs = num_decode_seqs  # sequences 0..num_decode_seqs-1 have exactly one row each
         self.block_size = block_size
+        # Rows 0..gen_rows-1 belong to the gen_seqs sequences that decode in this tick (one row
+        # each, or 1 + k rows verifying a speculative proposal); the rest prefill prompts or
+        # embedding texts. The quantized products take the route plain decoding of gen_seqs
+        # sequences takes for the generation rows (engine.models.linear.generation_rows).
+        self.gen_rows = num_decode_seqs if gen_rows is None else gen_rows
+        self.gen_seqs = num_decode_seqs if gen_seqs is None else gen_seqs
 
     def array(self, name: str) -> np.ndarray:
         """One of the int64 arrays as numpy (a view, no copy)."""
@@ -118,6 +125,33 @@ def single_sequence_batch(
         context_lens_list=[start_pos + n],
         num_decode_seqs=1 if n == 1 else 0,
         block_size=block_size,
+    )
+
+
+def verify_rows_as_decodes(batch: ForwardBatch) -> ForwardBatch:
+    """The attention's view of a tick whose generation rows verify speculative proposals: each of
+    the first ``gen_rows`` rows a one-row sequence of its own (its sequence's block table, the
+    context up to its position), the sequences after them as they are. Plain decoding computes
+    each of those rows as a decode row; the decode and prefill attention kernels sum in other
+    orders (SmolLM2's logits moved by 0.008 between them), so verification attends as decoding
+    does, at the price of reading a sequence's context once per verified row."""
+    num_rows = batch.gen_rows
+    starts = batch.query_starts_list
+    num_seqs = next(b for b in range(batch.num_seqs + 1) if starts[b] >= num_rows)  # sequences in the rows
+    seq_of_row = np.repeat(np.arange(num_seqs), np.diff(starts[: num_seqs + 1]))  # [G]
+    positions = batch.array("positions")
+    context_lens = np.concatenate([positions[:num_rows] + 1, batch.array("context_lens")[num_seqs:]])
+    tables = batch.array("block_tables")
+    query_starts = np.concatenate([np.arange(num_rows), np.asarray(starts[num_seqs:], dtype=np.int64)])
+    prompt_lens = batch.array("prompt_lens")
+    return ForwardBatch(
+        input_ids=batch.input_ids, positions=batch.positions, slot_mapping=batch.slot_mapping,
+        query_starts=query_starts, context_lens=context_lens,
+        block_tables=np.concatenate([tables[seq_of_row], tables[num_seqs:]]),
+        logit_rows=batch.logit_rows,
+        prompt_lens=np.concatenate([prompt_lens[seq_of_row], prompt_lens[num_seqs:]]),
+        query_starts_list=query_starts.tolist(), context_lens_list=context_lens.tolist(),
+        num_decode_seqs=num_rows, block_size=batch.block_size, gen_rows=num_rows, gen_seqs=batch.gen_seqs,
     )
 
 

@@ -110,3 +110,68 @@ def test_prefix_cache_hit_gives_the_cold_ids(model_and_tokenizer, solo):
     assert_same_greedy(solo[7], first.token_ids, "system prompt")
     for i, (c, w) in enumerate(zip(cold, warm)):
         assert_same_greedy(c, w.token_ids, f"prefix hit {i}")
+
+
+def _batch(seqs, gen_rows: int | None = None, gen_seqs: int | None = None):
+    """A ForwardBatch of sequences (token ids, first position, block table), every row a logit
+    row; the leading one-row sequences are its decodes."""
+    import torch
+
+    from engine.batch import ForwardBatch
+
+    bs = 16
+    ids, positions, slots, starts, ctx, tables = [], [], [], [0], [], []
+    for tokens, start, table in seqs:
+        for i, token in enumerate(tokens):
+            pos = start + i
+            ids.append(token)
+            positions.append(pos)
+            slots.append(table[pos // bs] * bs + pos % bs)
+        starts.append(starts[-1] + len(tokens))
+        ctx.append(start + len(tokens))
+        tables.append(table)
+    num_decodes = next((i for i, (tokens, _, _) in enumerate(seqs) if len(tokens) != 1), len(seqs))
+    t = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
+    return ForwardBatch(t(ids), t(positions), t(slots), t(starts), t(ctx), t(tables), t(list(range(len(ids)))),
+                        t(ctx), starts, ctx, num_decode_seqs=num_decodes, block_size=bs, gen_rows=gen_rows,
+                        gen_seqs=gen_seqs)
+
+
+@pytest.fixture(scope="module")
+def quantized_model():
+    return load_model(default_model_path())  # its file's Q8_0 products: the C kernels' routes
+
+
+def test_decode_rows_bit_equal_beside_prompts_and_as_verification(quantized_model):
+    """The numbers of a decoding sequence depend on no other row of its tick: the default model's
+    logits of two decode rows are bit-equal alone, with a 40-row prompt chunk after them (other
+    product routes for those rows), and as rows of speculative verification chunks (each row then
+    attends as a decode row and takes the route of the two-sequence decode step)."""
+    import torch
+
+    model = quantized_model
+    prompts = [list(range(1000, 1030)), list(range(2000, 2030))]
+    tables = [[0, 1, 2], [3, 4, 5]]
+    follow = [list(range(1030, 1034)), list(range(2030, 2034))]
+
+    def prefilled():
+        cache = model.make_kv_cache(16, 16)
+        model.forward(_batch([(p, 0, t) for p, t in zip(prompts, tables)]), cache)
+        return cache
+
+    cache = prefilled()
+    steps = [model.forward(_batch([([f[i]], 30 + i, t) for f, t in zip(follow, tables)]), cache) for i in range(4)]
+    cache = prefilled()
+    beside = []
+    for i in range(4):  # the same steps, each beside a chunk of another prompt (blocks 6-8)
+        logits = model.forward(_batch([([f[i]], 30 + i, t) for f, t in zip(follow, tables)]
+                                      + [(list(range(3000 + 10 * i, 3010 + 10 * i)) * 4, 0, [6, 7, 8])]), cache)
+        beside.append(logits[:2])
+    assert all(torch.equal(a, b) for a, b in zip(steps, beside))
+    cache = prefilled()
+    verified = model.forward(_batch([(f, 30, t) for f, t in zip(follow, tables)], gen_rows=8, gen_seqs=2), cache)
+    for i in range(4):
+        assert torch.equal(verified[[i, 4 + i]], steps[i])
+    cache = prefilled()
+    plain = model.forward(_batch([(f, 30, t) for f, t in zip(follow, tables)]), cache)  # as prompt chunks
+    assert not torch.equal(plain, verified)  # the prefill kernel and routes round otherwise (the control)

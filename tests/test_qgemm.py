@@ -407,16 +407,19 @@ def test_route_table_picks_by_row_count_and_is_cached(tmp_path, monkeypatch):
     w = torch.randn(64, 128, generator=torch.Generator().manual_seed(1)) * 0.05
     layers = [Linear(Int4Weight.from_dense(w)), Linear(Int4Weight.from_dense(w)), Linear(Int8Weight.from_dense(w))]
     calls = []
-    best = ["int16"] * 3 + ["blas"] * (len(routes.ROW_GRID) - 3)
+    assert routes.ROW_GRID[4:6] == (16, 32) and routes.SAME_ROUTE_ROWS == 16
+    best = ["int16"] + ["float"] * 5 + ["blas"] * (len(routes.ROW_GRID) - 6)
     monkeypatch.setattr(routes, "measure", lambda layer, available: calls.append(layer) or list(best))
     table = routes.calibrate(layers, allow_approximate=False, num_threads=1)
     assert len(calls) == 2 and len(table) == 2  # one measurement per distinct (layout, N, K)
-    assert [layers[0].route(m) for m in (1, 4, 5, 600)] == ["int16", "int16", "blas", "blas"]
-    assert set(routes.summary(table).values()) == {"1-4 int16, 5+ blas"}
+    # up to 16 rows the one-row route (routes.same_route_up_to), then the measured ones
+    assert [layers[0].route(m) for m in (1, 2, 16, 17, 32, 33, 600)] == ["int16"] * 3 + ["float"] * 2 + ["blas"] * 2
+    assert set(routes.summary(table).values()) == {"1-16 int16, 17-32 float, 33+ blas"}
     calls.clear()
     fresh = [Linear(Int4Weight.from_dense(w))]
-    assert routes.calibrate(fresh, allow_approximate=False, num_threads=1) == {list(table)[0]: best}
+    assert routes.calibrate(fresh, allow_approximate=False, num_threads=1) == {list(table)[0]: table[list(table)[0]]}
     assert not calls and fresh[0].route(600) == "blas"  # read from the per-machine cache
+    assert fresh[0].route(20) == "float"
     exact = Linear(Int4Weight.from_dense(w), exact=True)
     routes.calibrate([exact], allow_approximate=False, num_threads=1)
     assert exact.route(1) == "blas"  # exact products never take a table's route
@@ -466,3 +469,28 @@ def test_measured_routes_are_ones_this_cpu_runs():
     part = layer.row_slice(40)
     x = torch.randn(3, 128)
     torch.testing.assert_close(part(x), layer(x)[:, :40], atol=0, rtol=0)
+
+
+def test_generation_rows_take_the_route_of_their_own_sequences():
+    """Inside generation_rows(rows, route_rows) a product's first rows are computed by the route
+    of route_rows rows and the rest by their own: the decode rows of a tick come out bit-equal to
+    a plain decode step of the same sequences, whatever rows follow them."""
+    from engine.models import routes
+    from engine.models.linear import generation_rows
+
+    w = torch.randn(96, 128, generator=torch.Generator().manual_seed(3)) * 0.05
+    layer = Linear(Int8Weight.from_dense(w))
+    layer.set_routes(routes.ROW_GRID, ["int16"] * 2 + ["float"] * 4 + ["blas"] * (len(routes.ROW_GRID) - 6))
+    x = torch.randn(40, 128, generator=torch.Generator().manual_seed(4))
+    decode_step = layer(x[:3])  # three sequences decoding alone: the route of 3 rows (float)
+    assert layer.route(3) == "float" and layer.route(40) == "blas"
+    with generation_rows(3, 3):  # the same three rows, 37 prompt rows after them
+        mixed = layer(x)
+    assert torch.equal(mixed[:3], decode_step)
+    assert torch.equal(mixed[3:], layer.run(x[3:], layer.route(37)))
+    assert not torch.equal(layer(x)[:3], decode_step)  # outside: all 40 rows take the blas route
+    with generation_rows(7, 2):  # two sequences verifying 1 + 2 and 1 + 3 rows: the 2-row route
+        verify = layer(x[:7])
+    assert torch.equal(verify, layer.run(x[:7], "int16"))
+    with generation_rows(40, 40):  # all rows decode: one product
+        assert torch.equal(layer(x), layer.run(x, "blas"))

@@ -428,6 +428,8 @@ class Scheduler:
         if self.spec is not None and self.spec.entries:
             logit_rows, sample_logit_index, spec_entries = self.spec.logit_rows(layout, sample_entries, slots)
         batch = self._layout_batch(layout, logit_rows, layout.query_starts.tolist(), num_decodes)
+        if spec_entries:  # speculation runs only when every sequence decodes: all rows verify
+            batch.gen_rows, batch.gen_seqs = batch.num_tokens, B
         return SchedulerOutput(
             batch=batch,
             seqs=seqs,

@@ -226,7 +226,8 @@ class TickRows:
             block_tables=np.concatenate([old_tables, grid]), logit_rows=batch.array("logit_rows"),
             query_starts_list=batch.query_starts_list + starts,
             context_lens_list=batch.context_lens_list + ctx,
-            num_decode_seqs=batch.num_decode_seqs, block_size=bs, **joined,
+            num_decode_seqs=batch.num_decode_seqs, block_size=bs, gen_rows=batch.gen_rows,
+            gen_seqs=batch.gen_seqs, **joined,
         )
 
     def put(self, part: TickPart, hidden: torch.Tensor, block_manager) -> None:

@@ -37,6 +37,46 @@ try:
 except ImportError:  # not built: quantized products dequantize the weight per call
     cpu = qgemm = None
 
+class _GenerationRows(threading.local):
+    """The running forward's generation rows, per thread (``generation_rows``)."""
+
+    rows = 0  # the first this many rows of each product belong to sequences that decode
+    route_rows = 0  # and take the route of a product of this many rows
+
+
+_GENERATION = _GenerationRows()
+
+
+class generation_rows:
+    """``with generation_rows(rows, route_rows):`` the products inside compute their first
+    ``rows`` rows (a tick's decode and verification rows, ForwardBatch.gen_rows) by the route a
+    product of ``route_rows`` rows takes: the route plain decoding of those sequences takes
+    (ForwardBatch.gen_seqs), whatever shares the tick. The routes round differently (int16
+    activation codes or float32) but each row's numbers depend only on its route, so a stream's
+    tokens do not change when prompt or embedding rows join its tick, and a speculative step's
+    verification rows equal plain decoding. When the rest of the rows take another route the
+    product runs as two; ``rows`` 0 (the default) routes every product by its own row count.
+    Nested uses restore the outer values on exit (MoE experts and the head set their own)."""
+
+    __slots__ = ("rows", "route_rows", "_outer")
+
+    def __init__(self, rows: int, route_rows: int):
+        self.rows, self.route_rows = rows, route_rows
+
+    def __enter__(self) -> generation_rows:
+        self._outer = (_GENERATION.rows, _GENERATION.route_rows)
+        _GENERATION.rows, _GENERATION.route_rows = self.rows, self.route_rows
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _GENERATION.rows, _GENERATION.route_rows = self._outer
+
+
+def current_generation_rows() -> tuple[int, int]:
+    """(rows, route_rows) of the innermost ``generation_rows`` of this thread, (0, 0) outside."""
+    return _GENERATION.rows, _GENERATION.route_rows
+
+
 # Rows up to which the C kernels beat dequantize + BLAS without a measured route table (the
 # scheduler's default tick budget is 256; docs/performance.md, "Quantized product routes").
 KERNEL_MAX_ROWS = 256
@@ -343,15 +383,31 @@ class Linear:
         return y.to(x.dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, in] -> [T, out]."""
+        """x [T, in] -> [T, out]; the first rows by the generation route (``generation_rows``)."""
         if self.format == "dense":
             return self.dense(x)
         num_rows = x.shape[0]
+        gen_rows = _GENERATION.rows
+        if gen_rows <= 0:
+            return self._product(x, self._way(num_rows))
+        way = self._way(_GENERATION.route_rows)
+        if gen_rows >= num_rows or way == self._way(num_rows):
+            return self._product(x, way)
+        rest = x[gen_rows:]
+        return torch.cat([self._product(x[:gen_rows], way), self._product(rest, self._way(rest.shape[0]))])
+
+    def _way(self, num_rows: int) -> str:
+        """How a product of num_rows rows runs: "dense" (the dense copy), "exact" or a route."""
         if self.dense is not None and num_rows > self.dense_above_rows:
+            return "dense"
+        return "exact" if self.exact else self.route(num_rows)
+
+    def _product(self, x: torch.Tensor, way: str) -> torch.Tensor:
+        if way == "dense":
             return self.dense(x.float()).to(x.dtype)
-        if self.exact:  # the exact product with the whole dequantized weight
+        if way == "exact":  # the exact product with the whole dequantized weight
             return F.linear(x.float(), self.dequantize(), self.bias).to(x.dtype)
-        return self.run(x, self.route(num_rows))
+        return self.run(x, way)
 
 
 def _layout(fmt: int, half: bool, no_mins: bool = False) -> int:

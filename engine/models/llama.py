@@ -24,12 +24,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.batch import ForwardBatch, window_blocks
+from engine.batch import ForwardBatch, verify_rows_as_decodes, window_blocks
 from engine.models import fused, routes
 from engine.models.attention import AttentionPlan, PagedKVCache, paged_attention, plan_attention
 from engine.models.config import ModelConfig
 from engine.models.families import hf_layer_name
-from engine.models.linear import Linear
+from engine.models.linear import Linear, generation_rows
 from engine.models.moe import MixtureOfExperts
 from engine.models.quant import Int8Weight, Weight, cat_rows
 from engine.models.rope import RotaryTable, apply_rope
@@ -323,7 +323,13 @@ class LlamaModel(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_cache: PagedKVCache) -> torch.Tensor:
         """-> logits [len(batch.logit_rows), vocab_size] float32."""
-        return self.finish_logits(self.compute_logits(self.forward_hidden(batch, kv_cache)))
+        return self._logits(batch, self.forward_hidden(batch, kv_cache))
+
+    def _logits(self, batch: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:
+        """The head over hidden [S, E] of the logit rows, whose first rows are the generation
+        rows' (each decode row has one logit row, a verifying step all of its rows)."""
+        with generation_rows(min(batch.gen_rows, hidden.shape[0]), batch.gen_seqs):
+            return self.finish_logits(self.compute_logits(hidden))
 
     @torch.inference_mode()
     def forward_with_hidden(self, batch: ForwardBatch, kv_cache: PagedKVCache,
@@ -338,7 +344,7 @@ class LlamaModel(nn.Module):
         finally:
             batch.logit_rows = logit_rows
         if num_logits:
-            logits = self.finish_logits(self.compute_logits(hidden[:num_logits]))
+            logits = self._logits(batch, hidden[:num_logits])
         else:
             logits = torch.empty((0, self.vocab_size), dtype=torch.float32)
         return logits, hidden[num_logits:]
@@ -349,8 +355,12 @@ class LlamaModel(nn.Module):
         pooled embeddings read them, engine/embedding)."""
         for rope in self.ropes:
             rope.ensure(max(batch.context_lens_list))
-        if self.use_fused:
-            return self._forward_fused(batch, kv_cache)
+        with generation_rows(batch.gen_rows, batch.gen_seqs):
+            if self.use_fused:
+                return self._forward_fused(batch, kv_cache)
+            return self._forward_plain(batch, kv_cache)
+
+    def _forward_plain(self, batch: ForwardBatch, kv_cache: PagedKVCache) -> torch.Tensor:
         plans = self._plans(batch, is_fused=False)
         ropes = [rope.lookup(batch.positions) for rope in self.ropes]  # cos, sin [T, 1, D]
         x = self.embed_tokens(batch.input_ids)  # [T, E]
@@ -360,7 +370,10 @@ class LlamaModel(nn.Module):
         return F.rms_norm(x, (self.config.hidden_size,), self.norm, self.config.rms_norm_eps)
 
     def _plans(self, batch: ForwardBatch, is_fused: bool) -> tuple[AttentionPlan, AttentionPlan]:
-        """(full-attention plan, sliding-window plan): one plan when every layer is one kind."""
+        """(full-attention plan, sliding-window plan): one plan when every layer is one kind.
+        Verification rows attend as decode rows (engine.batch.verify_rows_as_decodes)."""
+        if batch.gen_rows > batch.num_decode_seqs:
+            batch = verify_rows_as_decodes(batch)
         has_full = any(layer.window is None for layer in self.layers)
         full = plan_attention(batch, None, self.dtype, is_fused) if has_full else None
         if self.window is None:

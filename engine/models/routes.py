@@ -184,7 +184,8 @@ def calibrate(layers, allow_approximate: bool, num_threads: int) -> dict[str, li
         return {}
     key = f"{_machine_key(num_threads)}|routes={','.join(routes)}"
     cached = {} if mode == "recalibrate" else _load_cache(key)
-    table: dict[str, list[str]] = {}
+    table: dict[str, list[str]] = {}  # measured (and cached)
+    used: dict[str, list[str]] = {}  # what the layers take (same_route_up_to)
     start = time.perf_counter()
     busy = is_busy()
     measured = 0
@@ -198,21 +199,26 @@ def calibrate(layers, allow_approximate: bool, num_threads: int) -> dict[str, li
             else:
                 table[shape] = measure(layer, routes)
                 measured += 1
-        layer.set_routes(ROW_GRID, same_route_for_verify_rows(table[shape]))
+        used[shape] = same_route_up_to(table[shape])
+        layer.set_routes(ROW_GRID, used[shape])
     if measured:
         _store_cache(key, {**cached, **table}, busy)
         log.info("product routes measured for %d shape(s) in %.2f s", measured, time.perf_counter() - start)
-    return table
+    return used
 
 
-VERIFY_ROWS = 16  # up to here every row count takes the one-row route (see same_route_for_verify_rows)
+SAME_ROUTE_ROWS = 16  # products of up to this many rows take the one-row route (same_route_up_to)
 
 
-def same_route_for_verify_rows(best: list[str]) -> list[str]:
-    """The one-row route for every grid entry up to VERIFY_ROWS: a speculative step verifies
-    1 + k rows of one sequence, and plain decoding computes each of them as one row; int16 and
-    float round differently, so only one route for both keeps speculation token-exact."""
-    return [best[0] if limit <= VERIFY_ROWS else route for limit, route in zip(ROW_GRID, best)]
+def same_route_up_to(best: list[str]) -> list[str]:
+    """The one-row route for every grid entry up to SAME_ROUTE_ROWS. int16 and float round
+    differently, so a stream whose decode rows changed route as streams joined or left its tick
+    would change its tokens (greedy ones included) with the load; up to 16 decoding sequences
+    one route keeps every stream's numbers those of its solo run. The generation rows of a tick
+    take the route of its number of decoding sequences (engine.models.linear.generation_rows),
+    so prompt or embedding rows beside them and a speculative step's verification rows do not
+    move them either. Costs the float route's edge at 2-16 rows where it measured faster."""
+    return [best[0] if limit <= SAME_ROUTE_ROWS else route for limit, route in zip(ROW_GRID, best)]
 
 
 def summary(table: dict[str, list[str]]) -> dict[str, str]:
