@@ -57,10 +57,10 @@ lint: $(STAMP)
 
 # The suite in TEST_WORKERS processes, each test file whole on one worker (its module fixtures
 # load a model once): much of it waits on subprocesses, servers and loads, so two workers on two
-# cores took 10 min where one took 17 (README). Default 0 (one process): with 2 workers the load
-# makes route tables be timed busy and again quiet, and tests whose outputs depend on a row
-# count's route (speculation, embeddings beside generation) failed in 2 of 4 fresh clones.
-TEST_WORKERS ?= 0
+# cores took 14 min where one took 18-27 (README). TEST_WORKERS=0: one process. (Two workers make
+# route tables be timed busy and again quiet; a decoding sequence's numbers no longer depend on
+# the rows beside it, and one process keeps the table it first used: engine/models/routes.py.)
+TEST_WORKERS ?= 2
 
 test: install testdata $(BROWSER)
 	$(VENV)/bin/ruff check .

@@ -404,6 +404,7 @@ def test_route_table_picks_by_row_count_and_is_cached(tmp_path, monkeypatch):
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.delenv("ENGINE_ROUTES", raising=False)
+    monkeypatch.setattr(routes, "_PROCESS_TABLES", {})  # a process that has read no table yet
     w = torch.randn(64, 128, generator=torch.Generator().manual_seed(1)) * 0.05
     layers = [Linear(Int4Weight.from_dense(w)), Linear(Int4Weight.from_dense(w)), Linear(Int8Weight.from_dense(w))]
     calls = []
@@ -416,6 +417,7 @@ def test_route_table_picks_by_row_count_and_is_cached(tmp_path, monkeypatch):
     assert [layers[0].route(m) for m in (1, 2, 16, 17, 32, 33, 600)] == ["int16"] * 3 + ["float"] * 2 + ["blas"] * 2
     assert set(routes.summary(table).values()) == {"1-16 int16, 17-32 float, 33+ blas"}
     calls.clear()
+    monkeypatch.setattr(routes, "_PROCESS_TABLES", {})  # another process
     fresh = [Linear(Int4Weight.from_dense(w))]
     assert routes.calibrate(fresh, allow_approximate=False, num_threads=1) == {list(table)[0]: table[list(table)[0]]}
     assert not calls and fresh[0].route(600) == "blas"  # read from the per-machine cache
@@ -432,18 +434,26 @@ def test_a_table_measured_on_a_busy_machine_is_measured_again_when_quiet(tmp_pat
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.delenv("ENGINE_ROUTES", raising=False)
+    monkeypatch.setattr(routes, "_PROCESS_TABLES", {})  # a process that has read no table yet
     w = torch.randn(64, 128, generator=torch.Generator().manual_seed(2)) * 0.05
     calls = []
     table = ["int16"] * len(routes.ROW_GRID)
     monkeypatch.setattr(routes, "measure", lambda layer, available: calls.append(layer) or list(table))
     busy = [True]
     monkeypatch.setattr(routes, "is_busy", lambda: busy[0])
-    routes.calibrate([Linear(Int4Weight.from_dense(w))], allow_approximate=False, num_threads=1)
-    routes.calibrate([Linear(Int4Weight.from_dense(w))], allow_approximate=False, num_threads=1)
+
+    def load_in_a_new_process():
+        monkeypatch.setattr(routes, "_PROCESS_TABLES", {})
+        routes.calibrate([Linear(Int4Weight.from_dense(w))], allow_approximate=False, num_threads=1)
+
+    load_in_a_new_process()
+    load_in_a_new_process()
     assert len(calls) == 1  # still busy: the busy table serves
     busy[0] = False
     routes.calibrate([Linear(Int4Weight.from_dense(w))], allow_approximate=False, num_threads=1)
-    routes.calibrate([Linear(Int4Weight.from_dense(w))], allow_approximate=False, num_threads=1)
+    assert len(calls) == 1  # quiet now, but this process used the busy table: it keeps it
+    load_in_a_new_process()
+    load_in_a_new_process()
     assert len(calls) == 2  # measured again once, quiet, then cached
 
 

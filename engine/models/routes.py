@@ -82,9 +82,17 @@ def is_busy() -> bool:
         return False
 
 
+# Tables this process measured or read, by machine key: every later load in the process takes
+# the same routes (a table re-measured between two loads would give two engines of one process
+# other prompt numbers).
+_PROCESS_TABLES: dict[str, dict] = {}
+
+
 def _load_cache(key: str) -> dict:
     """The cached table of this machine; a table measured on a busy machine counts only while the
-    machine is still busy (a quiet load measures it again)."""
+    machine is still busy (a quiet load measures it again), or when this process used it."""
+    if key in _PROCESS_TABLES:
+        return _PROCESS_TABLES[key]
     try:
         data = json.loads(_cache_path().read_text())
     except (OSError, ValueError):
@@ -201,6 +209,7 @@ def calibrate(layers, allow_approximate: bool, num_threads: int) -> dict[str, li
                 measured += 1
         used[shape] = same_route_up_to(table[shape])
         layer.set_routes(ROW_GRID, used[shape])
+    _PROCESS_TABLES[key] = {**cached, **table}
     if measured:
         _store_cache(key, {**cached, **table}, busy)
         log.info("product routes measured for %d shape(s) in %.2f s", measured, time.perf_counter() - start)
