@@ -46,7 +46,8 @@ class ForwardBatch:
     so a tick pays only for the tensors its model uses; ``array(name)`` reads one as numpy."""
 
     __slots__ = tuple("_" + name for name in _ARRAYS) + (
-        "query_starts_list", "context_lens_list", "num_decode_seqs", "block_size", "gen_rows", "gen_seqs")
+        "query_starts_list", "context_lens_list", "num_decode_seqs", "block_size", "gen_rows", "gen_seqs",
+        "generation_end")
 
     input_ids = _tensor_field("input_ids", "[T] int64")
     positions = _tensor_field("positions", "[T] int64, position of each row within its sequence")
@@ -60,7 +61,7 @@ class ForwardBatch:
     def __init__(self, input_ids, positions, slot_mapping, query_starts, context_lens, block_tables,
                  logit_rows, prompt_lens, query_starts_list: list[int], context_lens_list: list[int],
                  num_decode_seqs: int = 0, block_size: int = 16, gen_rows: int | None = None,
-                 gen_seqs: int | None = None):
+                 gen_seqs: int | None = None, generation_end: int | None = None):
         self._input_ids = input_ids
         self._positions = positions
         self._slot_mapping = slot_mapping
@@ -75,11 +76,24 @@ class ForwardBatch:
         self.num_decode_seqs = num_decode_seqs  # sequences 0..num_decode_seqs-1 have exactly one row each
         self.block_size = block_size
         # Rows 0..gen_rows-1 belong to the gen_seqs sequences that decode in this tick (one row
-        # each, or 1 + k rows verifying a speculative proposal); the rest prefill prompts or
-        # embedding texts. The quantized products take the route plain decoding of gen_seqs
-        # sequences takes for the generation rows (engine.models.linear.generation_rows).
+        # each, or 1 + k rows verifying a speculative proposal); then the generation requests'
+        # prompt rows up to generation_end (None: every other row); then embedding texts' rows.
+        # Each class takes its own products' route (route_spans).
         self.gen_rows = num_decode_seqs if gen_rows is None else gen_rows
         self.gen_seqs = num_decode_seqs if gen_seqs is None else gen_seqs
+        self.generation_end = generation_end
+
+    def route_spans(self) -> tuple[tuple[int, int], ...]:
+        """(rows, route_rows) per class of rows, for engine.models.linear.row_routes: the decode
+        and verification rows take the route of plain decoding's batch (gen_seqs rows), the
+        prompt rows that of their count; the rows after (embedding texts) that of theirs."""
+        end = self.num_tokens if self.generation_end is None else self.generation_end
+        prompt_rows = end - self.gen_rows
+        if self.gen_rows and prompt_rows > 0:
+            return (self.gen_rows, self.gen_seqs), (prompt_rows, prompt_rows)
+        if self.gen_rows:
+            return ((self.gen_rows, self.gen_seqs),)
+        return ((prompt_rows, prompt_rows),) if prompt_rows > 0 else ()
 
     def array(self, name: str) -> np.ndarray:
         """One of the int64 arrays as numpy (a view, no copy)."""

@@ -112,7 +112,7 @@ def test_prefix_cache_hit_gives_the_cold_ids(model_and_tokenizer, solo):
         assert_same_greedy(c, w.token_ids, f"prefix hit {i}")
 
 
-def _batch(seqs, gen_rows: int | None = None, gen_seqs: int | None = None):
+def _batch(seqs, gen_rows: int | None = None, gen_seqs: int | None = None, generation_end: int | None = None):
     """A ForwardBatch of sequences (token ids, first position, block table), every row a logit
     row; the leading one-row sequences are its decodes."""
     import torch
@@ -130,11 +130,13 @@ def _batch(seqs, gen_rows: int | None = None, gen_seqs: int | None = None):
         starts.append(starts[-1] + len(tokens))
         ctx.append(start + len(tokens))
         tables.append(table)
+    width = max(len(table) for table in tables)
+    tables = [table + [-1] * (width - len(table)) for table in tables]
     num_decodes = next((i for i, (tokens, _, _) in enumerate(seqs) if len(tokens) != 1), len(seqs))
     t = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
     return ForwardBatch(t(ids), t(positions), t(slots), t(starts), t(ctx), t(tables), t(list(range(len(ids)))),
                         t(ctx), starts, ctx, num_decode_seqs=num_decodes, block_size=bs, gen_rows=gen_rows,
-                        gen_seqs=gen_seqs)
+                        gen_seqs=gen_seqs, generation_end=generation_end)
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +148,8 @@ def test_decode_rows_bit_equal_beside_prompts_and_as_verification(quantized_mode
     """The numbers of a decoding sequence depend on no other row of its tick: the default model's
     logits of two decode rows are bit-equal alone, with a 40-row prompt chunk after them (other
     product routes for those rows), and as rows of speculative verification chunks (each row then
-    attends as a decode row and takes the route of the two-sequence decode step)."""
+    attends as a decode row and takes the route of the two-sequence decode step); nor do a
+    prompt's rows depend on embedding rows after them."""
     import torch
 
     model = quantized_model
@@ -168,6 +171,19 @@ def test_decode_rows_bit_equal_beside_prompts_and_as_verification(quantized_mode
                                       + [(list(range(3000 + 10 * i, 3010 + 10 * i)) * 4, 0, [6, 7, 8])]), cache)
         beside.append(logits[:2])
     assert all(torch.equal(a, b) for a, b in zip(steps, beside))
+    # A prompt chunk's rows beside the decodes, then with 60 rows of an embedding text after them
+    # (generation_end: rows after it are embedding rows): the decode and prompt rows are unmoved.
+    chunk = [(list(range(3000, 3010)) * 4, 0, [6, 7, 8])]
+    decodes = [([f[0]], 30, t) for f, t in zip(follow, tables)]
+    cache = prefilled()
+    without = model.forward(_batch(decodes + chunk), cache)
+    cache = prefilled()
+    embedding = [(list(range(4000, 4060)), 0, [9, 10, 11, 12])]
+    with_text = model.forward(_batch(decodes + chunk + embedding, generation_end=42), cache)
+    assert torch.equal(with_text[:42], without)
+    cache = prefilled()
+    merged = model.forward(_batch(decodes + chunk + embedding), cache)  # all one class of prompt rows
+    assert not torch.equal(merged[2:42], without[2:])  # the control: 100 prompt rows take another route
     cache = prefilled()
     verified = model.forward(_batch([(f, 30, t) for f, t in zip(follow, tables)], gen_rows=8, gen_seqs=2), cache)
     for i in range(4):

@@ -481,26 +481,34 @@ def test_measured_routes_are_ones_this_cpu_runs():
     torch.testing.assert_close(part(x), layer(x)[:, :40], atol=0, rtol=0)
 
 
-def test_generation_rows_take_the_route_of_their_own_sequences():
-    """Inside generation_rows(rows, route_rows) a product's first rows are computed by the route
-    of route_rows rows and the rest by their own: the decode rows of a tick come out bit-equal to
-    a plain decode step of the same sequences, whatever rows follow them."""
+def test_row_spans_take_the_route_of_their_own_class():
+    """Inside row_routes(spans) a product's rows split into spans, each computed by the route of
+    its route_rows rows, the rest by their own count: the decode rows of a tick come out bit-equal
+    to a plain decode step of the same sequences, and prompt rows to the prompt alone, whatever
+    rows follow them."""
     from engine.models import routes
-    from engine.models.linear import generation_rows
+    from engine.models.linear import row_routes
 
     w = torch.randn(96, 128, generator=torch.Generator().manual_seed(3)) * 0.05
     layer = Linear(Int8Weight.from_dense(w))
     layer.set_routes(routes.ROW_GRID, ["int16"] * 2 + ["float"] * 4 + ["blas"] * (len(routes.ROW_GRID) - 6))
-    x = torch.randn(40, 128, generator=torch.Generator().manual_seed(4))
+    x = torch.randn(80, 128, generator=torch.Generator().manual_seed(4))
     decode_step = layer(x[:3])  # three sequences decoding alone: the route of 3 rows (float)
     assert layer.route(3) == "float" and layer.route(40) == "blas"
-    with generation_rows(3, 3):  # the same three rows, 37 prompt rows after them
-        mixed = layer(x)
+    with row_routes(((3, 3),)):  # the same three rows, 37 prompt rows after them
+        mixed = layer(x[:40])
     assert torch.equal(mixed[:3], decode_step)
-    assert torch.equal(mixed[3:], layer.run(x[3:], layer.route(37)))
-    assert not torch.equal(layer(x)[:3], decode_step)  # outside: all 40 rows take the blas route
-    with generation_rows(7, 2):  # two sequences verifying 1 + 2 and 1 + 3 rows: the 2-row route
+    assert torch.equal(mixed[3:], layer.run(x[3:40], layer.route(37)))
+    assert not torch.equal(layer(x[:40])[:3], decode_step)  # outside: all 40 rows take the blas route
+    with row_routes(((7, 2),)):  # two sequences verifying 1 + 2 and 1 + 3 rows: the 2-row route
         verify = layer(x[:7])
     assert torch.equal(verify, layer.run(x[:7], "int16"))
-    with generation_rows(40, 40):  # all rows decode: one product
-        assert torch.equal(layer(x), layer.run(x, "blas"))
+    with row_routes(((40, 40),)):  # all rows decode: one product
+        assert torch.equal(layer(x[:40]), layer.run(x[:40], "blas"))
+    prompt = layer(x[3:40])  # a 37-row prompt chunk alone (blas)
+    with row_routes(((3, 3), (37, 37))):  # decodes, the prompt chunk, then 40 embedding rows
+        three = layer(x)
+    assert torch.equal(three[:3], decode_step) and torch.equal(three[3:40], prompt)
+    assert torch.equal(three[40:], layer.run(x[40:], "blas"))
+    with row_routes(((3, 3), (3, 3))):  # two classes on one row-independent route: one call
+        assert torch.equal(layer(x[:6]), layer.run(x[:6], "float"))

@@ -214,7 +214,8 @@ class TickRows:
         if batch is None:
             return ForwardBatch(
                 query_starts=np.asarray([0, *starts], dtype=np.int64), logit_rows=np.empty(0, dtype=np.int64),
-                query_starts_list=[0, *starts], context_lens_list=ctx, num_decode_seqs=0, block_size=bs, **new,
+                query_starts_list=[0, *starts], context_lens_list=ctx, num_decode_seqs=0, block_size=bs,
+                generation_end=0, **new,
             )
         old_tables = batch.array("block_tables")
         if old_tables.shape[1] < width:
@@ -227,7 +228,7 @@ class TickRows:
             query_starts_list=batch.query_starts_list + starts,
             context_lens_list=batch.context_lens_list + ctx,
             num_decode_seqs=batch.num_decode_seqs, block_size=bs, gen_rows=batch.gen_rows,
-            gen_seqs=batch.gen_seqs, **joined,
+            gen_seqs=batch.gen_seqs, generation_end=batch.num_tokens, **joined,
         )
 
     def put(self, part: TickPart, hidden: torch.Tensor, block_manager) -> None:

@@ -37,44 +37,49 @@ try:
 except ImportError:  # not built: quantized products dequantize the weight per call
     cpu = qgemm = None
 
-class _GenerationRows(threading.local):
-    """The running forward's generation rows, per thread (``generation_rows``)."""
+class _RowRoutes(threading.local):
+    """The running forward's row spans, per thread (``row_routes``)."""
 
-    rows = 0  # the first this many rows of each product belong to sequences that decode
-    route_rows = 0  # and take the route of a product of this many rows
-
-
-_GENERATION = _GenerationRows()
+    spans: tuple[tuple[int, int], ...] = ()
 
 
-class generation_rows:
-    """``with generation_rows(rows, route_rows):`` the products inside compute their first
-    ``rows`` rows (a tick's decode and verification rows, ForwardBatch.gen_rows) by the route a
-    product of ``route_rows`` rows takes: the route plain decoding of those sequences takes
-    (ForwardBatch.gen_seqs), whatever shares the tick. The routes round differently (int16
-    activation codes or float32) but each row's numbers depend only on its route, so a stream's
-    tokens do not change when prompt or embedding rows join its tick, and a speculative step's
-    verification rows equal plain decoding. When the rest of the rows take another route the
-    product runs as two; ``rows`` 0 (the default) routes every product by its own row count.
-    Nested uses restore the outer values on exit (MoE experts and the head set their own)."""
+_ROW_ROUTES = _RowRoutes()
+# Routes whose rows are computed independently of each other (the C kernels: int16 codes and
+# float32 sums per row): spans that take one of them may share a call. A BLAS may block a product
+# by its row count, so spans on the others run as products of their own.
+ROW_INDEPENDENT = ("int16", "float")
 
-    __slots__ = ("rows", "route_rows", "_outer")
 
-    def __init__(self, rows: int, route_rows: int):
-        self.rows, self.route_rows = rows, route_rows
+class row_routes:
+    """``with row_routes(((rows, route_rows), ...)):`` the products inside split their rows into
+    consecutive spans, each computed by the route a product of its ``route_rows`` rows takes;
+    rows after the last span take the route of their own count. The model passes its tick's
+    classes of rows (ForwardBatch.route_spans): decode and verification rows by the number of
+    decoding sequences (the route plain decoding of them takes), the generation requests' prompt
+    rows by their count, embedding texts' rows by theirs. The routes round differently (int16
+    activation codes or float32) but a row's numbers depend only on its route, so a stream's
+    tokens do not change when prompt or embedding rows join its tick, a speculative step's
+    verification rows equal plain decoding, and a prompt's rows are not moved by embedding rows.
+    Spans on different routes run as separate products (one more pass over the weights).
+    Nested uses restore the outer spans on exit (MoE experts and the head set their own)."""
 
-    def __enter__(self) -> generation_rows:
-        self._outer = (_GENERATION.rows, _GENERATION.route_rows)
-        _GENERATION.rows, _GENERATION.route_rows = self.rows, self.route_rows
+    __slots__ = ("spans", "_outer")
+
+    def __init__(self, spans: tuple[tuple[int, int], ...]):
+        self.spans = spans
+
+    def __enter__(self) -> row_routes:
+        self._outer = _ROW_ROUTES.spans
+        _ROW_ROUTES.spans = self.spans
         return self
 
     def __exit__(self, *exc) -> None:
-        _GENERATION.rows, _GENERATION.route_rows = self._outer
+        _ROW_ROUTES.spans = self._outer
 
 
-def current_generation_rows() -> tuple[int, int]:
-    """(rows, route_rows) of the innermost ``generation_rows`` of this thread, (0, 0) outside."""
-    return _GENERATION.rows, _GENERATION.route_rows
+def current_row_routes() -> tuple[tuple[int, int], ...]:
+    """The spans of the innermost ``row_routes`` of this thread, () outside."""
+    return _ROW_ROUTES.spans
 
 
 # Rows up to which the C kernels beat dequantize + BLAS without a measured route table (the
@@ -383,18 +388,38 @@ class Linear:
         return y.to(x.dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, in] -> [T, out]; the first rows by the generation route (``generation_rows``)."""
+        """x [T, in] -> [T, out], its rows split by the current ``row_routes``."""
         if self.format == "dense":
             return self.dense(x)
         num_rows = x.shape[0]
-        gen_rows = _GENERATION.rows
-        if gen_rows <= 0:
+        spans = _ROW_ROUTES.spans
+        if not spans:
             return self._product(x, self._way(num_rows))
-        way = self._way(_GENERATION.route_rows)
-        if gen_rows >= num_rows or way == self._way(num_rows):
-            return self._product(x, way)
-        rest = x[gen_rows:]
-        return torch.cat([self._product(x[:gen_rows], way), self._product(rest, self._way(rest.shape[0]))])
+        if spans[0][0] >= num_rows:  # one class of rows (a decode step): one product
+            return self._product(x, self._way(spans[0][1]))
+        pieces = []  # [first row, end row, way]
+        first = 0
+        for rows, route_rows in spans:
+            if rows <= 0:
+                continue
+            end = min(first + rows, num_rows)
+            way = self._way(route_rows)
+            if pieces and pieces[-1][2] == way and way in ROW_INDEPENDENT:
+                pieces[-1][1] = end
+            else:
+                pieces.append([first, end, way])
+            first = end
+            if first >= num_rows:
+                break
+        if first < num_rows:
+            way = self._way(num_rows - first)
+            if pieces and pieces[-1][2] == way and way in ROW_INDEPENDENT:
+                pieces[-1][1] = num_rows
+            else:
+                pieces.append([first, num_rows, way])
+        if len(pieces) == 1:
+            return self._product(x, pieces[0][2])
+        return torch.cat([self._product(x[first:end], way) for first, end, way in pieces])
 
     def _way(self, num_rows: int) -> str:
         """How a product of num_rows rows runs: "dense" (the dense copy), "exact" or a route."""

@@ -29,7 +29,7 @@ from engine.models import fused, routes
 from engine.models.attention import AttentionPlan, PagedKVCache, paged_attention, plan_attention
 from engine.models.config import ModelConfig
 from engine.models.families import hf_layer_name
-from engine.models.linear import Linear, generation_rows
+from engine.models.linear import Linear, row_routes
 from engine.models.moe import MixtureOfExperts
 from engine.models.quant import Int8Weight, Weight, cat_rows
 from engine.models.rope import RotaryTable, apply_rope
@@ -326,9 +326,15 @@ class LlamaModel(nn.Module):
         return self._logits(batch, self.forward_hidden(batch, kv_cache))
 
     def _logits(self, batch: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:
-        """The head over hidden [S, E] of the logit rows, whose first rows are the generation
-        rows' (each decode row has one logit row, a verifying step all of its rows)."""
-        with generation_rows(min(batch.gen_rows, hidden.shape[0]), batch.gen_seqs):
+        """The head over hidden [S, E] of the logit rows (in row order), each class of rows by
+        its route (batch.route_spans: a decode row has one logit row, a verifying step all)."""
+        spans = batch.route_spans()
+        if len(spans) > 1:
+            rows = batch.logit_rows[: hidden.shape[0]]
+            num_decode = int((rows < batch.gen_rows).sum())
+            num_prompt = int((rows < batch.gen_rows + spans[1][0]).sum()) - num_decode
+            spans = ((num_decode, batch.gen_seqs), (num_prompt, num_prompt))
+        with row_routes(spans):
             return self.finish_logits(self.compute_logits(hidden))
 
     @torch.inference_mode()
@@ -355,7 +361,7 @@ class LlamaModel(nn.Module):
         pooled embeddings read them, engine/embedding)."""
         for rope in self.ropes:
             rope.ensure(max(batch.context_lens_list))
-        with generation_rows(batch.gen_rows, batch.gen_seqs):
+        with row_routes(batch.route_spans()):
             if self.use_fused:
                 return self._forward_fused(batch, kv_cache)
             return self._forward_plain(batch, kv_cache)

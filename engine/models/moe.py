@@ -10,7 +10,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from engine.models.linear import Linear, current_generation_rows, generation_rows
+from engine.models.linear import Linear, current_row_routes, row_routes
 from engine.models.quant import Weight
 
 
@@ -49,18 +49,25 @@ class MixtureOfExperts:
         rows = order // self.top_k  # [T k] row of each pair, grouped by expert
         pair_weights = weights.flatten()[order]  # [T k]
         out = torch.zeros(h.shape, dtype=torch.float32)  # [T, E]
-        # Each expert's rows keep the tick's order, so the generation rows among them come first.
-        gen_rows, route_rows = current_generation_rows()
-        gen_counts = counts
-        if 0 < gen_rows < h.shape[0]:
-            gen_counts = torch.bincount(ids[:gen_rows].flatten(), minlength=len(self.experts)).tolist()
+        # Each expert's rows keep the tick's order, so its rows of each class of rows
+        # (engine.models.linear.row_routes) are consecutive: the classes' counts per expert.
+        spans = current_row_routes()
+        span_counts = []  # [(rows per expert, route_rows)] when the tick has several classes
+        if spans and spans[0][0] < h.shape[0]:
+            first = 0
+            for num_rows, route_rows in spans:
+                end = min(first + num_rows, h.shape[0])
+                span_counts.append((torch.bincount(ids[first:end].flatten(), minlength=len(self.experts)).tolist(),
+                                    route_rows))
+                first = end
         start = 0
         for expert, count in enumerate(counts):
             if count == 0:
                 continue
             gate_up, down = self.experts[expert]
             sel = rows[start:start + count]  # [n]
-            with generation_rows(min(gen_counts[expert], count) if gen_rows > 0 else 0, route_rows):
+            expert_spans = tuple((c[expert], r) for c, r in span_counts) if span_counts else spans
+            with row_routes(expert_spans):
                 y = down(self.act_mul(gate_up(h.index_select(0, sel))))  # [n, E]
             out.index_add_(0, sel, y.float() * pair_weights[start:start + count, None])
             start += count

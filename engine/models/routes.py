@@ -224,7 +224,7 @@ def same_route_up_to(best: list[str]) -> list[str]:
     differently, so a stream whose decode rows changed route as streams joined or left its tick
     would change its tokens (greedy ones included) with the load; up to 16 decoding sequences
     one route keeps every stream's numbers those of its solo run. The generation rows of a tick
-    take the route of its number of decoding sequences (engine.models.linear.generation_rows),
+    take the route of its number of decoding sequences (engine.models.linear.row_routes),
     so prompt or embedding rows beside them and a speculative step's verification rows do not
     move them either. Costs the float route's edge at 2-16 rows where it measured faster."""
     return [best[0] if limit <= SAME_ROUTE_ROWS else route for limit, route in zip(ROW_GRID, best)]
