@@ -422,6 +422,11 @@ def test_route_table_picks_by_row_count_and_is_cached(tmp_path, monkeypatch):
     assert routes.calibrate(fresh, allow_approximate=False, num_threads=1) == {list(table)[0]: table[list(table)[0]]}
     assert not calls and fresh[0].route(600) == "blas"  # read from the per-machine cache
     assert fresh[0].route(20) == "float"
+    monkeypatch.setenv("ENGINE_ROUTES", "fastest")  # the measured table at every row count
+    fastest = [Linear(Int4Weight.from_dense(w))]
+    routes.calibrate(fastest, allow_approximate=False, num_threads=1)
+    assert [fastest[0].route(m) for m in (1, 2, 16, 33)] == ["int16", "float", "float", "blas"]
+    monkeypatch.delenv("ENGINE_ROUTES")
     exact = Linear(Int4Weight.from_dense(w), exact=True)
     routes.calibrate([exact], allow_approximate=False, num_threads=1)
     assert exact.route(1) == "blas"  # exact products never take a table's route

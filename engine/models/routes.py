@@ -17,8 +17,9 @@ on the quiet 2-vCPU Xeon) and keeps the fastest per row count; the table is cach
 (CPU model, features, threads, torch) in the user cache dir, so later loads skip the timing;
 a table measured while the load average exceeded the cores is measured again by the first
 load on a quieter machine.
-``ENGINE_ROUTES=fixed`` keeps the fixed thresholds (engine.models.linear), and
-``ENGINE_ROUTES=recalibrate`` measures again.
+``ENGINE_ROUTES=fixed`` keeps the fixed thresholds (engine.models.linear),
+``ENGINE_ROUTES=recalibrate`` measures again, and ``ENGINE_ROUTES=fastest`` takes the measured
+route at every row count, 2-16 included (see ``same_route_up_to`` for what that gives up).
 """
 from __future__ import annotations
 
@@ -207,7 +208,7 @@ def calibrate(layers, allow_approximate: bool, num_threads: int) -> dict[str, li
             else:
                 table[shape] = measure(layer, routes)
                 measured += 1
-        used[shape] = same_route_up_to(table[shape])
+        used[shape] = table[shape] if mode == "fastest" else same_route_up_to(table[shape])
         layer.set_routes(ROW_GRID, used[shape])
     _PROCESS_TABLES[key] = {**cached, **table}
     if measured:
@@ -226,7 +227,11 @@ def same_route_up_to(best: list[str]) -> list[str]:
     one route keeps every stream's numbers those of its solo run. The generation rows of a tick
     take the route of its number of decoding sequences (engine.models.linear.row_routes),
     so prompt or embedding rows beside them and a speculative step's verification rows do not
-    move them either. Costs the float route's edge at 2-16 rows where it measured faster."""
+    move them either. Costs the float route's edge at 2-16 rows where it measured faster:
+    SmolLM2's decode steps of 8 and 16 sequences took 1.22x and 1.25x the measured table's
+    (Qwen2.5-0.5B 0.95-1.03x; /tmp probe, 2026-12-02). ``ENGINE_ROUTES=fastest`` skips this
+    rule: faster batches, but a stream's tokens may then change with the number of streams
+    beside it, and speculation equals plain decoding only while the batch keeps its size."""
     return [best[0] if limit <= SAME_ROUTE_ROWS else route for limit, route in zip(ROW_GRID, best)]
 
 
