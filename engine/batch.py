@@ -78,22 +78,22 @@ class ForwardBatch:
         # Rows 0..gen_rows-1 belong to the gen_seqs sequences that decode in this tick (one row
         # each, or 1 + k rows verifying a speculative proposal); then the generation requests'
         # prompt rows up to generation_end (None: every other row); then embedding texts' rows.
-        # Each class takes its own products' route (route_spans).
+        # The products' route per class of rows: route_spans.
         self.gen_rows = num_decode_seqs if gen_rows is None else gen_rows
         self.gen_seqs = num_decode_seqs if gen_seqs is None else gen_seqs
         self.generation_end = generation_end
 
     def route_spans(self) -> tuple[tuple[int, int], ...]:
         """(rows, route_rows) per class of rows, for engine.models.linear.row_routes: the decode
-        and verification rows take the route of plain decoding's batch (gen_seqs rows), the
-        prompt rows that of their count; the rows after (embedding texts) that of theirs."""
+        and verification rows take the route of plain decoding's batch (gen_seqs rows); the rows
+        after the generation requests' (embedding texts) that of their count. Decode rows beside
+        prompt rows take the prompt's route with them: on a route of their own a 256-row chunk's
+        tick beside 4 SmolLM2 streams took 1.14x (a second pass over the weights), so a stream's
+        numbers may move when a prompt shares its tick (a greedy token only at a near tie)."""
         end = self.num_tokens if self.generation_end is None else self.generation_end
-        prompt_rows = end - self.gen_rows
-        if self.gen_rows and prompt_rows > 0:
-            return (self.gen_rows, self.gen_seqs), (prompt_rows, prompt_rows)
-        if self.gen_rows:
-            return ((self.gen_rows, self.gen_seqs),)
-        return ((prompt_rows, prompt_rows),) if prompt_rows > 0 else ()
+        if end > self.gen_rows:  # prompt rows (with any decode rows)
+            return ((end, end),)
+        return ((self.gen_rows, self.gen_seqs),) if self.gen_rows else ()
 
     def array(self, name: str) -> np.ndarray:
         """One of the int64 arrays as numpy (a view, no copy)."""

@@ -55,12 +55,12 @@ class row_routes:
     consecutive spans, each computed by the route a product of its ``route_rows`` rows takes;
     rows after the last span take the route of their own count. The model passes its tick's
     classes of rows (ForwardBatch.route_spans): decode and verification rows by the number of
-    decoding sequences (the route plain decoding of them takes), the generation requests' prompt
-    rows by their count, embedding texts' rows by theirs. The routes round differently (int16
-    activation codes or float32) but a row's numbers depend only on its route, so a stream's
-    tokens do not change when prompt or embedding rows join its tick, a speculative step's
-    verification rows equal plain decoding, and a prompt's rows are not moved by embedding rows.
-    Spans on different routes run as separate products (one more pass over the weights).
+    decoding sequences (the route plain decoding of them takes), or, with a prompt chunk among
+    them, the generation requests' rows by their count; embedding texts' rows by theirs. The
+    routes round differently (int16 activation codes or float32) but a row's numbers depend only
+    on its route, so a speculative step's verification rows equal plain decoding and embedding
+    rows move no stream's or prompt's numbers. Spans on different routes run as separate
+    products (one more pass over the weights).
     Nested uses restore the outer spans on exit (MoE experts and the head set their own)."""
 
     __slots__ = ("spans", "_outer")

@@ -326,15 +326,11 @@ class LlamaModel(nn.Module):
         return self._logits(batch, self.forward_hidden(batch, kv_cache))
 
     def _logits(self, batch: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:
-        """The head over hidden [S, E] of the logit rows (in row order), each class of rows by
-        its route (batch.route_spans: a decode row has one logit row, a verifying step all)."""
+        """The head over hidden [S, E] of the logit rows: a tick of decode and verification rows
+        only (batch.route_spans) by the route of plain decoding's batch, else by S."""
         spans = batch.route_spans()
-        if len(spans) > 1:
-            rows = batch.logit_rows[: hidden.shape[0]]
-            num_decode = int((rows < batch.gen_rows).sum())
-            num_prompt = int((rows < batch.gen_rows + spans[1][0]).sum()) - num_decode
-            spans = ((num_decode, batch.gen_seqs), (num_prompt, num_prompt))
-        with row_routes(spans):
+        decoding = batch.gen_rows > 0 and spans[:1] == ((batch.gen_rows, batch.gen_seqs),)
+        with row_routes(((hidden.shape[0], batch.gen_seqs),) if decoding else ()):
             return self.finish_logits(self.compute_logits(hidden))
 
     @torch.inference_mode()

@@ -224,10 +224,10 @@ def same_route_up_to(best: list[str]) -> list[str]:
     """The one-row route for every grid entry up to SAME_ROUTE_ROWS. int16 and float round
     differently, so a stream whose decode rows changed route as streams joined or left its tick
     would change its tokens (greedy ones included) with the load; up to 16 decoding sequences
-    one route keeps every stream's numbers those of its solo run. The generation rows of a tick
-    take the route of its number of decoding sequences (engine.models.linear.row_routes),
-    so prompt or embedding rows beside them and a speculative step's verification rows do not
-    move them either. Costs the float route's edge at 2-16 rows where it measured faster:
+    one route keeps every stream's numbers those of its solo run. A speculative step's
+    verification rows take the route of its number of decoding sequences and embedding rows
+    one of their own (engine.models.linear.row_routes), so neither moves them either. Costs
+    the float route's edge at 2-16 rows where it measured faster:
     SmolLM2's decode steps of 8 and 16 sequences took 1.22x and 1.25x the measured table's
     (Qwen2.5-0.5B 0.95-1.03x; /tmp probe, 2026-12-02). ``ENGINE_ROUTES=fastest`` skips this
     rule: faster batches, but a stream's tokens may then change with the number of streams
