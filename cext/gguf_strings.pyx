@@ -2,7 +2,7 @@
 """GGUF string arrays (a vocabulary: 50-150k entries, each a little-endian u64 length and its
 bytes) read in one C loop: the Python loop took ~0.1 s per 50k strings at every model load."""
 from cpython.unicode cimport PyUnicode_DecodeUTF8
-from libc.stdint cimport uint64_t, uint8_t
+from libc.stdint cimport int64_t, uint64_t, uint8_t
 from libc.string cimport memcpy
 
 
@@ -49,3 +49,16 @@ def two_token_splits(list tokens, set vocab, const uint8_t[::1] skip):
                     ids.append(token_id)
                     splits.append(split)
     return lefts, rights, ids, splits
+
+
+def pairs_in_order(list lefts, list rights, const int64_t[::1] order):
+    """-> [(lefts[i], rights[i]) for i in order] (the merges list, ~0.2 s as a Python loop over
+    Gemma 3's 515k splits)."""
+    cdef Py_ssize_t i, j, n = order.shape[0], size = len(lefts)
+    cdef list out = [None] * n
+    for i in range(n):
+        j = order[i]
+        if j < 0 or j >= size:
+            raise IndexError(f"order[{i}] = {j}: not an index of {size} splits")
+        out[i] = (lefts[j], rights[j])
+    return out

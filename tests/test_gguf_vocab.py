@@ -282,7 +282,14 @@ def test_spm_splits_in_c_and_in_python_agree():
     skip = np.array([t == TokenType.BYTE or len(text) < 2 for t, text in zip(types, tokens)], dtype=np.uint8)
     in_c = two_token_splits(tokens, set(tokens), skip)
     assert in_c == _two_token_splits(tokens, set(tokens), skip) and len(in_c[0]) > 50_000
-    assert len(spm_merges(tokens, md["tokenizer.ggml.scores"], types)) == len(in_c[0])
+    lefts, rights, ids, splits = in_c
+    scores = np.asarray(md["tokenizer.ggml.scores"], dtype=np.float64)
+    by_definition = np.lexsort((np.asarray(splits), np.asarray(ids), -scores[np.asarray(ids)]))  # -score, id, split
+    assert spm_merges(tokens, md["tokenizer.ggml.scores"], types) == [(lefts[i], rights[i]) for i in by_definition]
+    from cext.gguf_strings import pairs_in_order
+
+    with pytest.raises(IndexError, match="order\\[1\\] = 5"):
+        pairs_in_order(["a"], ["b"], np.array([0, 5], dtype=np.int64))
     skip = np.zeros(3, dtype=np.uint8)
     skip[2] = 1
     assert two_token_splits(["ab", "a", "b"], {"ab", "a", "b"}, skip) == (["a"], ["b"], [0], [1])

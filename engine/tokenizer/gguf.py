@@ -27,7 +27,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from ..errors import ModelFileError
 from ..gguf_file import read_gguf_metadata
-from .gguf_special import TokenType, fim_token_ids, header_id, llamacpp_special_tokens
+from .gguf_special import TokenType, fim_token_ids, header_id, llamacpp_special_tokens, text_ids
 from .tokenizer import Tokenizer
 
 __all__ = ["GGUFVocab", "TokenType", "load_gguf_tokenizer", "load_gguf_vocab", "vocab_from_metadata"]
@@ -61,13 +61,14 @@ def unique_token_texts(tokens: list[str]) -> list[str]:
     return [text if text else f"[EMPTY_{i}]" for i, text in enumerate(tokens)]
 
 
-def strip_attributes(metadata: dict, tokens: list[str], types: list[int]) -> tuple[set[int], set[int]]:
+def strip_attributes(metadata: dict, tokens: list[str], types: list[int],
+                     ids: dict[str, int] | None = None) -> tuple[set[int], set[int]]:
     """(lstrip ids, rstrip ids): llama.cpp sets these per model name, not from the file
     (llama-vocab.cpp, "set attributes by model/tokenizer/architecture name")."""
     name = str(metadata.get("general.name") or "").lower()
     pre = str(metadata.get("tokenizer.ggml.pre") or "")
     arch = str(metadata.get("general.architecture") or "")
-    ids = {text: token_id for token_id, text in enumerate(tokens)}
+    ids = text_ids(tokens) if ids is None else ids
     lstrip_ids: set[int] = set()
     rstrip_ids: set[int] = set()
     if any(p in pre for p in ("jina-v2-de", "jina-v2-es", "jina-v2-code")) or \
@@ -186,7 +187,8 @@ def vocab_from_metadata(metadata: dict) -> GGUFVocab:
         raise ValueError("tokenizer.ggml.tokens is missing or empty")
     tokens = unique_token_texts(tokens)
     check_special_ids(metadata, len(tokens))
-    types, eos_ids = llamacpp_special_tokens(metadata, tokens, token_types(metadata, len(tokens)))
+    ids = text_ids(tokens)
+    types, eos_ids = llamacpp_special_tokens(metadata, tokens, token_types(metadata, len(tokens)), ids)
     missing_byte_id = None
     added_texts = tokens  # the texts add_typed_tokens registers
     if model_type == "bert":
@@ -205,7 +207,7 @@ def vocab_from_metadata(metadata: dict) -> GGUFVocab:
         add_bos_default = True
     elif model_type == "llama":
         from .gguf_spm import build_spm_backend
-        backend = build_spm_backend(metadata, tokens, types)
+        backend = build_spm_backend(metadata, tokens, types, ids)
         add_bos_default = True
     else:
         raise ValueError(
@@ -213,7 +215,7 @@ def vocab_from_metadata(metadata: dict) -> GGUFVocab:
             "'llama' SentencePiece BPE, 'gemma4' SentencePiece-style BPE, 'bert' WordPiece)"
         )
     add_typed_tokens(backend, added_texts, types)
-    lstrip_ids, rstrip_ids = strip_attributes(metadata, tokens, types)
+    lstrip_ids, rstrip_ids = strip_attributes(metadata, tokens, types, ids)
     bos_id, add_bos = bos_settings(metadata, len(tokens), add_bos_default)
     if model_type == "gemma4" and bos_id is not None:
         add_bos = True  # llama.cpp overrides the file's flag for Gemma 4
@@ -228,5 +230,5 @@ def vocab_from_metadata(metadata: dict) -> GGUFVocab:
         strip=AsciiStrip([tokens[i] for i in lstrip_ids], [tokens[i] for i in rstrip_ids])
         if lstrip_ids or rstrip_ids else None,
         missing_byte_id=missing_byte_id,
-        fim_token_ids=fim_token_ids(metadata, tokens),
+        fim_token_ids=fim_token_ids(metadata, tokens, ids),
     )

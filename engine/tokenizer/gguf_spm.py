@@ -13,11 +13,11 @@ decoders that undo both.
 from __future__ import annotations
 
 import numpy as np
-from cext.gguf_strings import two_token_splits  # the GGUF reader needs cext built anyway
+from cext.gguf_strings import pairs_in_order, two_token_splits  # the GGUF reader needs cext built anyway
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, normalizers
 
-from .gguf_special import TokenType
+from .gguf_special import TokenType, text_ids
 
 SPACE_MARKER = "\u2581"
 
@@ -34,12 +34,14 @@ def spm_merges(tokens: list[str], scores: list[float], types: list[int]) -> list
     if not ids:
         return []
     merged = np.asarray(ids, dtype=np.int64)
-    order = np.lexsort((np.asarray(splits, dtype=np.int64), merged,
-                        -np.asarray(scores, dtype=np.float64)[merged]))  # last key first: -score, id, split
-    return [(lefts[i], rights[i]) for i in order.tolist()]
+    # The splits come in (id, split) order, so a stable sort by score alone keeps that order for ties.
+    order = np.argsort(-np.asarray(scores, dtype=np.float64)[merged], kind="stable")
+    return pairs_in_order(lefts, rights, order.astype(np.int64, copy=False))
 
 
-def build_spm_backend(metadata: dict, tokens: list[str], types: list[int]) -> HFTokenizer:
+def build_spm_backend(metadata: dict, tokens: list[str], types: list[int],
+                      ids: dict[str, int] | None = None) -> HFTokenizer:
+    """``ids``: text_ids(tokens), when the caller has it (the BPE model's vocabulary)."""
     scores = metadata.get("tokenizer.ggml.scores")
     if scores is None:
         scores = [0.0] * len(tokens)
@@ -50,7 +52,7 @@ def build_spm_backend(metadata: dict, tokens: list[str], types: list[int]) -> HF
     unk_id = metadata.get("tokenizer.ggml.unknown_token_id")
     unk_token = tokens[int(unk_id)] if unk_id is not None and 0 <= int(unk_id) < len(tokens) else None
 
-    vocab = {text: token_id for token_id, text in enumerate(tokens)}
+    vocab = text_ids(tokens) if ids is None else ids
     model = models.BPE(vocab=vocab, merges=spm_merges(tokens, scores, types), unk_token=unk_token,
                        fuse_unk=False, byte_fallback=True)
     backend = HFTokenizer(model)
