@@ -399,8 +399,9 @@ class Linear:
             return self._product(x, self._way(spans[0][1]))
         pieces = []  # [first row, end row, way]
         first = 0
-        for rows, route_rows in spans:
-            if rows <= 0:
+        rest = num_rows - sum(rows for rows, _ in spans)
+        for rows, route_rows in (*spans, (rest, rest)):  # the rows after the spans: their own count
+            if rows <= 0 or first >= num_rows:
                 continue
             end = min(first + rows, num_rows)
             way = self._way(route_rows)
@@ -409,14 +410,6 @@ class Linear:
             else:
                 pieces.append([first, end, way])
             first = end
-            if first >= num_rows:
-                break
-        if first < num_rows:
-            way = self._way(num_rows - first)
-            if pieces and pieces[-1][2] == way and way in ROW_INDEPENDENT:
-                pieces[-1][1] = num_rows
-            else:
-                pieces.append([first, num_rows, way])
         if len(pieces) == 1:
             return self._product(x, pieces[0][2])
         return torch.cat([self._product(x[first:end], way) for first, end, way in pieces])
