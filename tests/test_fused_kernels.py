@@ -302,3 +302,29 @@ def test_long_context_splits_keys_across_threads(pooled, dtype, lens, sliding_wi
                 groups=3, head_dim=64, sliding_window=sliding_window, num_blocks=sum(-(-n // 16) for n in lens) + 3,
                 q_extra_cols=0, is_half_cache=dtype == torch.float32, dtype=dtype, seed=len(lens))
     _check_attention(case)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_decode_attention_row_same_bits_alone_in_any_batch_on_any_threads(pooled, data):
+    """A row's keys are cut into ranges by its own context alone (FK_SPLIT_KEYS): its output is the
+    same bits alone or beside rows of other lengths, on one pool thread or two. (The cut once
+    depended on the batch's size and the thread count: a stream's numbers changed with its neighbours.)"""
+    lens = data.draw(st.lists(st.integers(1, 900), min_size=2, max_size=5))
+    block_size = data.draw(st.sampled_from([1, 16]))
+    case = dict(num_seqs=len(lens), block_size=block_size, context_lens=lens,
+                max_blocks=max(-(-n // block_size) for n in lens), num_kv_heads=data.draw(st.sampled_from([1, 3])),
+                groups=data.draw(st.sampled_from([1, 3])), head_dim=64,
+                sliding_window=data.draw(st.one_of(st.none(), st.integers(100, 600))),
+                num_blocks=sum(-(-n // block_size) for n in lens) + 2, q_extra_cols=0,
+                is_half_cache=data.draw(st.booleans()), dtype=data.draw(st.sampled_from(DTYPES)),
+                seed=data.draw(st.integers(0, 2 ** 16)))
+    q, k_cache, v_cache, tables, lens_t = _attention_inputs(case)
+    window = case["sliding_window"]
+    batched = fused.decode_attention(q, k_cache, v_cache, tables, lens_t, block_size, window)
+    for threads in (1, 2):
+        cpu.set_num_threads(threads)
+        for b in range(len(lens)):
+            alone = fused.decode_attention(q[b:b + 1], k_cache, v_cache, tables[b:b + 1], lens_t[b:b + 1],
+                                           block_size, window)
+            assert torch.equal(alone[0], batched[b]), (threads, b, lens)

@@ -327,7 +327,9 @@ static void FK_FN(attend_span8)(const AttnArgs *a, const int64_t *table, int kvh
 }
 #endif
 
-/* Item i = sequence i / KH, kv head i % KH: its G = H / KH query heads walk the block
+/* Item i = (sequence, kv head) pair i / S (S = a->num_splits), key range i % S of that pair's
+ * fk_attention_splits ranges (none past them); pair p = sequence p / KH, kv head p % KH: its
+ * G = H / KH query heads walk the block
  * table together, one key row at a time, with an online softmax per block. */
 static void FK_FN(attention_items)(const AttnArgs *a, int64_t begin, int64_t end, float *scratch) {
     const int dim = a->head_dim, num_kv = a->num_kv_heads;
@@ -342,14 +344,16 @@ static void FK_FN(attention_items)(const AttnArgs *a, int64_t begin, int64_t end
     float *scores = vrow + dim;              /* [G, FK_SPAN] (FK_SPAN >= FK_CHUNK) */
     float *run_max = scores + groups * FK_SPAN; /* [G] */
     float *run_sum = run_max + groups;       /* [G] */
-    const int num_splits = a->num_splits;
+    const int stride = a->num_splits;
     for (int64_t item = begin; item < end; item++) {
-        const int split = (int)(item % num_splits);
-        const int64_t b = item / num_splits / num_kv;
-        const int kvh = (int)(item / num_splits % num_kv);
+        const int split = (int)(item % stride);
+        const int64_t b = item / stride / num_kv;
+        const int kvh = (int)(item / stride % num_kv);
         int64_t len = a->context_lens[b];
         int64_t first = 0;
         if (a->sliding_window > 0 && len > a->sliding_window) first = len - a->sliding_window;
+        const int num_splits = fk_attention_splits(len - first);
+        if (split >= num_splits) continue;  /* a shorter row than the batch's longest */
         if (num_splits > 1) {
             /* Keys [first, len) cut in num_splits near-equal ranges; this item takes one. */
             const int64_t total = len - first;

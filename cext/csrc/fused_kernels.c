@@ -12,6 +12,11 @@
 #define FK_CHUNK 32         /* keys scored per step of the online softmax */
 #define FK_SPAN 256         /* keys per online-softmax step of the 8-lane path (>= FK_CHUNK) */
 #define FK_PREFETCH_KEYS 128 /* how far ahead the 8-lane path prefetches keys and values */
+/* A decode row's keys are cut in ceil(keys / FK_SPLIT_KEYS) ranges (at most FK_MAX_SPLITS), merged
+ * after (flash-decoding): a function of the row's own context alone, so a sequence's numbers are
+ * the same whatever the batch beside it and however many threads run (fk_attention_splits). */
+#define FK_SPLIT_KEYS 128
+#define FK_MAX_SPLITS 32
 
 
 #define FK_CHUNK_COLS 512   /* columns of silu_mul converted per step */
@@ -31,9 +36,22 @@ typedef struct {
     const void *q; int64_t q_row_stride; const void *k_cache, *v_cache; int block_size;
     const int64_t *block_tables; int64_t table_stride; const int64_t *context_lens;
     int num_heads, num_kv_heads, head_dim; int64_t sliding_window; float scale; void *out; int dtype, cache_dtype;
-    int num_splits;   /* key ranges per (sequence, kv head); > 1: partials merged after */
+    int num_splits;   /* the most key ranges of any sequence (item = pair * num_splits + range) */
     float *partials;  /* [B * KH * num_splits, G * (D + 2)] when num_splits > 1 */
 } AttnArgs;
+
+/* The keys row b attends: its context, or the sliding window's end of it. */
+static inline int64_t fk_row_keys(const AttnArgs *a, int64_t b) {
+    int64_t len = a->context_lens[b];
+    return a->sliding_window > 0 && len > a->sliding_window ? a->sliding_window : len;
+}
+
+/* Key ranges of a row attending ``keys`` keys (FK_SPLIT_KEYS). */
+static inline int fk_attention_splits(int64_t keys) {
+    int64_t n = (keys + FK_SPLIT_KEYS - 1) / FK_SPLIT_KEYS;
+    return n < 1 ? 1 : n > FK_MAX_SPLITS ? FK_MAX_SPLITS : (int)n;
+}
+
 
 typedef struct {
     const void *gate_up; void *out; int64_t inter; int dtype; int act;
@@ -120,9 +138,9 @@ int fk_rope_kv_write(void *qkv, int64_t num_rows, int64_t row_stride, int num_he
     return cpu_parallel_for(rope_kv_range, &args, num_rows, work, (size_t)head_dim * 2);
 }
 
-/* Combines the num_splits partial softmaxes of each (sequence, kv head) into out. */
+/* Combines the partial softmaxes of each (sequence, kv head) cut in more than one range into out. */
 static int merge_partials(const AttnArgs *a, int64_t num_pairs) {
-    const int groups = a->num_heads / a->num_kv_heads, dim = a->head_dim, splits = a->num_splits;
+    const int groups = a->num_heads / a->num_kv_heads, dim = a->head_dim, stride = a->num_splits;
     const size_t part_len = (size_t)groups * (dim + 2);
     const size_t esize = a->dtype == FK_FLOAT32 ? 4 : 2;
     float *row = cpu_scratch((size_t)dim);
@@ -130,7 +148,9 @@ static int merge_partials(const AttnArgs *a, int64_t num_pairs) {
     for (int64_t pair = 0; pair < num_pairs; pair++) {
         const int64_t b = pair / a->num_kv_heads;
         const int kvh = (int)(pair % a->num_kv_heads);
-        const float *parts = a->partials + (size_t)pair * splits * part_len;
+        const int splits = fk_attention_splits(fk_row_keys(a, b));
+        if (splits == 1) continue;  /* written by its item */
+        const float *parts = a->partials + (size_t)pair * stride * part_len;
         for (int g = 0; g < groups; g++) {
             float m = -1e30f;
             for (int s = 0; s < splits; s++) {
@@ -161,6 +181,7 @@ int fk_decode_attention(const void *q, int64_t q_row_stride, const void *k_cache
                         int head_dim, int64_t sliding_window, float scale, void *out, int dtype,
                         int cache_dtype) {
     int64_t total_keys = 0;
+    int max_splits = 1;
     for (int b = 0; b < num_seqs; b++) {
         int64_t len = context_lens[b];
         if (len < 1 || (len + block_size - 1) / block_size > table_stride) return FK_BAD_LENGTH;
@@ -170,36 +191,23 @@ int fk_decode_attention(const void *q, int64_t q_row_stride, const void *k_cache
             if (table[j] < 0 || table[j] >= num_blocks) return FK_BAD_BLOCK;
         }
         total_keys += len - first;
+        int splits = fk_attention_splits(len - first);
+        if (splits > max_splits) max_splits = splits;
     }
     int groups = num_heads / num_kv_heads;
     int64_t work = total_keys * num_heads * head_dim * 2;
     int64_t num_pairs = (int64_t)num_seqs * num_kv_heads;
-    /* Few (sequence, kv head) pairs for the threads (batch 1, long context): split each
-     * pair's keys too, so every thread gets a near-equal share (flash-decoding). */
-    int num_threads = cpu_num_threads();
-    int num_splits = 1;
-    if (num_threads > 1 && work >= cpu_parallel_threshold() && num_pairs < 2 * num_threads) {
-        num_splits = (int)((4 * num_threads + num_pairs - 1) / num_pairs);
-        int64_t min_len = INT64_MAX;
-        for (int b = 0; b < num_seqs; b++) {
-            int64_t len = context_lens[b];
-            if (sliding_window > 0 && len > sliding_window) len = sliding_window;
-            if (len < min_len) min_len = len;
-        }
-        if (num_splits > min_len / FK_CHUNK) num_splits = (int)(min_len / FK_CHUNK);
-        if (num_splits < 1) num_splits = 1;
-    }
     float *partials = NULL;
-    if (num_splits > 1) {
-        partials = (float *)malloc(sizeof(float) * (size_t)num_pairs * num_splits * groups * (head_dim + 2));
+    if (max_splits > 1) {
+        partials = (float *)malloc(sizeof(float) * (size_t)num_pairs * max_splits * groups * (head_dim + 2));
         if (partials == NULL) return FK_NO_MEMORY;
     }
     AttnArgs args = {q, q_row_stride, k_cache, v_cache, block_size, block_tables, table_stride, context_lens,
-                     num_heads, num_kv_heads, head_dim, sliding_window, scale, out, dtype, cache_dtype, num_splits,
+                     num_heads, num_kv_heads, head_dim, sliding_window, scale, out, dtype, cache_dtype, max_splits,
                      partials};
     size_t floats = (size_t)groups * head_dim * 2 + (size_t)head_dim * 2 + (size_t)groups * FK_SPAN + 2 * (size_t)groups
                     + (size_t)groups * 64;  /* the 8-lane path's lane partials */
-    int rc = cpu_parallel_for(attention_range, &args, num_pairs * num_splits, work, floats);
+    int rc = cpu_parallel_for(attention_range, &args, num_pairs * max_splits, work, floats);
     if (rc == FK_OK && partials != NULL) rc = merge_partials(&args, num_pairs);
     free(partials);
     return rc;

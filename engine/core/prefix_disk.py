@@ -3,7 +3,7 @@
 One file per full prompt block, named by its place in the prompt and its chained hash
 (engine/core/block_manager.py: a hash names the whole prefix up to that block), under a
 directory named by the model's fingerprint (file identity, load options, KV dtype and shape,
-block size, product routes). Blocks go to disk off the engine thread: the engine thread
+block size, and whether a product route rounds to bfloat16). Blocks go to disk off the engine thread: the engine thread
 copies a newly computed block out of the cache (``save``) and a writer thread writes it
 (temporary file + ``os.replace``, so a reader, or another engine sharing the directory,
 never sees half a file) and evicts the least recently used files beyond ``max_bytes``.
@@ -76,10 +76,17 @@ def file_identity(path: str) -> list:
 
 
 def model_fingerprint(identity, kv_cache, block_size: int, routes: dict | None) -> bytes:
-    """16 bytes naming everything a block's K/V depend on besides its tokens."""
+    """16 bytes naming everything a block's K/V depend on besides its tokens. Of the product
+    routes only whether one is approximate (bfloat16, engine.models.routes.APPROXIMATE): the exact
+    ones differ by float32 rounding, as a block computed in another chunk would, and the table is
+    timed per process (a table timed on a busy machine is timed again by a quiet one), so two
+    engines sharing a directory would otherwise not meet each other's blocks."""
+    from engine.models.routes import APPROXIMATE
+
     k = kv_cache.k  # [L, S, KH, D]
+    approximate = any(route in APPROXIMATE for table in (routes or {}).values() for route in table)
     doc = {"version": VERSION, "model": identity, "kv_dtype": str(k.dtype), "block_size": block_size,
-           "layers": k.shape[0], "kv_heads": k.shape[2], "head_dim": k.shape[3], "routes": routes or {}}
+           "layers": k.shape[0], "kv_heads": k.shape[2], "head_dim": k.shape[3], "approximate": approximate}
     return hashlib.blake2b(json.dumps(doc, sort_keys=True, default=str).encode(), digest_size=16).digest()
 
 
