@@ -274,3 +274,21 @@ def test_command_line_defaults(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert default_prefix_cache_dir() == str(tmp_path / "xdg" / "llm-engine" / "prefix")
     assert options()["prefix_cache_dir"] == str(tmp_path / "xdg" / "llm-engine" / "prefix")
+
+
+def test_fingerprint_names_approximate_routes_not_the_timed_table():
+    """Two processes time their route tables apart (a busy machine's table is timed again by a quiet
+    one): exact tables that differ still meet each other's blocks; an approximate (bfloat16) route does not."""
+    import torch
+
+    from engine.core.prefix_disk import model_fingerprint
+
+    class KV:
+        k = torch.zeros(2, 32, 3, 64)
+
+    one = {"q4_1 576x576": ["int16"] * 5 + ["float"] * 5}
+    other = {"q4_1 576x576": ["int16"] * 4 + ["blas"] * 6}
+    amx = {"q4_1 576x576": ["int16"] * 4 + ["amx"] * 6}
+    assert model_fingerprint("m", KV, 16, one) == model_fingerprint("m", KV, 16, other) == model_fingerprint("m", KV, 16, None)
+    assert model_fingerprint("m", KV, 16, amx) != model_fingerprint("m", KV, 16, one)
+    assert model_fingerprint("m", KV, 32, one) != model_fingerprint("m", KV, 16, one)
