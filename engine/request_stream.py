@@ -91,6 +91,18 @@ class BaseRequestStream:
                 events.append(item if self._filter is None else self._filter(item))
         return events
 
+    @property
+    def is_drained(self) -> bool:
+        """Every item is taken: the end (FINISHED) or an error was met (take_error() hands the error out)."""
+        return self._done or self._pending_error is not None
+
+    def take_error(self) -> BaseException | None:
+        """The error ready_events() met, once (the stream is then done), else None."""
+        err, self._pending_error = self._pending_error, None
+        if err is not None:
+            self._done = True
+        return err
+
     def close(self) -> None:
         if not self._done:
             self._done = True

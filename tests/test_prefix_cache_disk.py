@@ -289,6 +289,7 @@ def test_fingerprint_names_approximate_routes_not_the_timed_table():
     one = {"q4_1 576x576": ["int16"] * 5 + ["float"] * 5}
     other = {"q4_1 576x576": ["int16"] * 4 + ["blas"] * 6}
     amx = {"q4_1 576x576": ["int16"] * 4 + ["amx"] * 6}
-    assert model_fingerprint("m", KV, 16, one) == model_fingerprint("m", KV, 16, other) == model_fingerprint("m", KV, 16, None)
+    fingerprint = model_fingerprint("m", KV, 16, one)
+    assert fingerprint == model_fingerprint("m", KV, 16, other) == model_fingerprint("m", KV, 16, None)
     assert model_fingerprint("m", KV, 16, amx) != model_fingerprint("m", KV, 16, one)
     assert model_fingerprint("m", KV, 32, one) != model_fingerprint("m", KV, 16, one)

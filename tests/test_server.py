@@ -485,3 +485,79 @@ def test_events_queued_behind_a_slow_handler_go_out_in_one_write():
         assert text == eng.tokenizer.decode(script_ids()[:7])
     finally:
         eng.close()
+
+
+def test_concurrent_streams_written_by_one_pump_thread_are_exact():
+    """Past its first chunk a waitress stream is written by the engine's one pump thread
+    (webapp.sse_pump): every stream still gets exactly its own text, usage and [DONE]."""
+    eng = scripted_engine(max_num_seqs=8)
+    want = eng.tokenizer.decode(script_ids()[:20])
+    try:
+        with LiveServer(eng, threads=24) as live:
+            results = [None] * 8
+
+            def run(i):
+                results[i] = live.stream_events(CHAT, chat_body(stream=True, max_tokens=20,
+                                                                stream_options={"include_usage": True}))
+
+            threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+            assert eng._sse_pump.num_handed_off == 8  # each stream went on in the pump after its first chunk
+            for status, events in results:
+                assert status == 200 and events[-1] == "[DONE]"
+                assert events[-2]["usage"]["completion_tokens"] == 20
+                text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events[:-2] if e["choices"])
+                assert text == want
+            metrics = live.request("GET", "/metrics")[2].decode()
+            assert 'llm:http_requests_total{endpoint="chat",model_name="default",status="ok"} 8.0' in metrics
+    finally:
+        eng.close()
+
+
+def test_pump_skips_a_backed_up_connection_and_keeps_its_events():
+    """A connection whose socket holds more than BACKLOG_BYTES unsent is skipped (its events wait
+    on their queue and go out together once it drains): the pump never blocks on one reader."""
+    from cext.chunk import ChunkWriter
+    from webapp import sse_pump
+    from webapp.metrics import RequestRecord
+
+    eng = scripted_engine(gated=True)
+    try:
+        stream = _queued_stream(eng, 5, max_tokens=7)
+        sent, backlog = [], [sse_pump.BACKLOG_BYTES + 1]
+        handoff = sse_pump.Handoff(stream, ChunkWriter("cmpl-1", "m", 1, False), RequestRecord("completions", 1),
+                                   True, None, sent.append, lambda: backlog[0], lambda: False)
+        assert handoff.pump() is False and sent == []  # backed up: nothing taken from the queue
+        backlog[0] = 0
+        assert handoff.pump() is False and len(parse_sse(sent[0])) == 5  # the five queued events, one write
+        eng.model.open()
+        assert wait_until(lambda: handoff.pump())
+        events = [e for chunk in sent for e in parse_sse(chunk)]
+        assert handoff.status == "ok" and handoff.done.is_set()
+        assert events[-1] == "[DONE]" and events[-2]["usage"]["completion_tokens"] == 7
+        assert "".join(e["choices"][0]["text"] for e in events[:-2]) == eng.tokenizer.decode(script_ids()[:7])
+    finally:
+        eng.close()
+
+
+def test_pump_ends_a_stream_whose_client_left_and_keeps_the_others():
+    from cext.chunk import ChunkWriter
+    from webapp import sse_pump
+    from webapp.metrics import RequestRecord
+
+    eng = scripted_engine(gated=True)
+    try:
+        stream = _queued_stream(eng, 3, max_tokens=50)
+
+        def gone(data):
+            raise OSError("connection reset")
+
+        handoff = sse_pump.Handoff(stream, ChunkWriter("cmpl-1", "m", 1, False), RequestRecord("completions", 1),
+                                   False, None, gone, lambda: 0, lambda: True)
+        assert handoff.pump() is True and handoff.status == "abort" and handoff.done.is_set()
+    finally:
+        eng.model.open()
+        eng.close()

@@ -30,6 +30,7 @@ from . import (
     response_objects,
     responses,
     sse,
+    sse_pump,
 )
 from . import infill as infill_api
 from .errors import APIError
@@ -100,6 +101,7 @@ def create_app(engine, model_name: str | None = None, api_key: str | None = None
     app.config["MAX_CONTENT_LENGTH"] = max_body_bytes
     model_name = model_name or getattr(engine, "model_name", None) or "default"
     metrics = ServerMetrics(engine, model_name)
+    pump = sse_pump.SSEPump.for_engine(engine)  # the streams' writer thread (waitress only)
     app.extensions["llm_engine"] = engine
     app.extensions["llm_metrics"] = metrics
     store = app.extensions["llm_responses"] = ResponseStore()  # POST /v1/responses with store
@@ -241,7 +243,7 @@ def create_app(engine, model_name: str | None = None, api_key: str | None = None
                 opening = prompt_echo.OpeningChunks(req, stream, writer, tokenizer, echo_texts)
                 echo_texts = None
             body = sse.stream_chunks(stream, writer, record, metrics, req.include_usage, is_disconnected,
-                                     echo_texts, opening)
+                                     echo_texts, opening, sse_pump.hand_off_for(pump, request.environ, is_disconnected))
             return _SSEResponse(body, mimetype="text/event-stream", headers=sse.STREAM_HEADERS)
         done = sse.collect(stream, record, metrics, is_disconnected)
         if done is None:

@@ -5,7 +5,10 @@ get) -> ``ChunkWriter.event`` (escape into the request's reused buffer) -> ``yie
 the WSGI server, which writes it to the socket at once (waitress: its default send_bytes=1 flushes every write).
 Events that queued up while the handler was busy (``stream.ready_events()``, no lock) are
 written with it in one chunk: a handler that falls behind catches up with one send.
-No lock is taken here; metrics are folded in once, when the request ends.
+No lock is taken here; metrics are folded in once, when the request ends. Under waitress
+(webapp.wsgi) only the first chunk is written so: the rest of the stream goes to the engine's
+one writer thread (webapp.sse_pump), which writes every stream's chunks of a tick in one
+wake-up, with these same functions.
 
 Disconnects: the WSGI server raises inside its write, then closes this generator; the
 ``finally`` closes the engine stream, which aborts the request and frees its KV blocks.
@@ -95,9 +98,12 @@ def stream_chunks(
     is_disconnected: Callable[[], bool] = _never,
     echo_texts: list[str] | None = None,
     opening=None,
+    hand_off: Callable | None = None,
 ) -> Iterator[bytes]:
     """``echo_texts``: per choice, the prompt text sent as its first chunk (completions' echo).
-    ``opening``: see ``events_chunk``."""
+    ``opening``: see ``events_chunk``. ``hand_off(stream, writer, record, include_usage, opening)``:
+    after the first chunk went out, gives the rest of the stream to the server's writer thread
+    (webapp.sse_pump) and returns its Handoff, whose end this generator then waits for."""
     status = "abort"
     try:
         if echo_texts:
@@ -107,6 +113,15 @@ def stream_chunks(
             yield events_chunk(writer, [event, *later] if later else (event,), record, opening)
             if (later[-1] if later else event).finish_reason is None and is_disconnected():
                 return
+            if hand_off is not None and not stream.is_drained:
+                handoff = hand_off(stream, writer, record, include_usage, opening)
+                while not handoff.done.wait(1.0):
+                    if not handoff.is_pumped():  # the writer thread died: this thread goes on
+                        hand_off = None
+                        break
+                else:
+                    status = handoff.status
+                    return
         yield end_chunk(writer, record, include_usage)
         status = "ok"
     except Exception as exc:  # the engine failed mid-stream: tell the client in-band, then end

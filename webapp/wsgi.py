@@ -10,6 +10,7 @@ import logging
 from . import errors
 from .app import JSON_MIMETYPE, create_app
 from .shared import DEFAULT_MAX_BODY_BYTES, DEFAULT_THREADS, RESERVED_THREADS
+from .sse_pump import SSE_TASK_KEY
 
 log = logging.getLogger("webapp")
 
@@ -54,6 +55,16 @@ def _json_error_channel():
                 self.channel.write_soon(b"%X\r\n%b\r\n" % (len(data), data))
             else:
                 super().write(data)
+
+        def get_environment(self):
+            """With the task itself in it, for webapp.sse_pump (``SSE_TASK_KEY``)."""
+            environ = super().get_environment()
+            environ[SSE_TASK_KEY] = self
+            return environ
+
+        def backlog(self) -> int:
+            """Bytes of this connection not yet taken by its socket."""
+            return self.channel.total_outbufs_len
 
     class _JSONErrorChannel(HTTPChannel):
         error_task_class = _JSONErrorTask

@@ -112,6 +112,7 @@ class EngineCore:
         self.num_generated_tokens = 0
         self.num_ticks = 0
         self._tick_requests: _TickRequests | None = None
+        self._tick_listeners: tuple = ()  # called on the engine thread after each tick (add_tick_listener)
         self._thread = threading.Thread(target=self._run, name="engine-core", daemon=True)
         self._thread.start()
 
@@ -231,6 +232,17 @@ class EngineCore:
         running; ``rows.fail(exc)`` when the engine stops."""
         self._tick_rows = rows
 
+    def add_tick_listener(self, fn) -> None:
+        """Call ``fn()`` (no arguments, quick, never raising) on the engine thread after every tick
+        and when the engine stops: the tick's events are on their queues by then. One consumer that
+        serves many streams (webapp.sse_pump) wakes once a tick this way, not once per stream."""
+        with self._submit_lock:
+            self._tick_listeners = (*self._tick_listeners, fn)
+
+    def _notify(self) -> None:
+        for fn in self._tick_listeners:
+            fn()
+
     def wake(self) -> None:
         """New work for the engine thread (a caller that queued it elsewhere, e.g. TickRows)."""
         self._wake.set()
@@ -267,12 +279,15 @@ class EngineCore:
                         self._wake.clear()
                     continue
                 self._tick()
+                if self._tick_listeners:
+                    self._notify()
         except BaseException as exc:  # the thread itself failed: nobody may hang
             self.error = exc
             log.error("engine thread died:\n%s", traceback.format_exc())
         finally:
             self._stopping = True
             self._fail_all(EngineDead(self.dead_message))
+            self._notify()
 
     def _drain_inputs(self) -> None:
         while self._new:
