@@ -490,7 +490,8 @@ def test_events_queued_behind_a_slow_handler_go_out_in_one_write():
 def test_concurrent_streams_written_by_one_pump_thread_are_exact():
     """Past its first chunk a waitress stream is written by the engine's one pump thread
     (webapp.sse_pump): every stream still gets exactly its own text, usage and [DONE]."""
-    eng = scripted_engine(max_num_seqs=8)
+    eng = scripted_engine(gated=True, max_num_seqs=8)
+    eng.model.hold(0)  # all eight wait, then start in one tick: each finds the others running
     want = eng.tokenizer.decode(script_ids()[:20])
     try:
         with LiveServer(eng, threads=24) as live:
@@ -503,6 +504,8 @@ def test_concurrent_streams_written_by_one_pump_thread_are_exact():
             threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
             for t in threads:
                 t.start()
+            assert wait_until(lambda: eng.stats()["num_running"] + eng.stats()["num_waiting"] == 8)
+            eng.model.open()
             for t in threads:
                 t.join(60)
             assert eng._sse_pump.num_handed_off == 8  # each stream went on in the pump after its first chunk
@@ -560,4 +563,16 @@ def test_pump_ends_a_stream_whose_client_left_and_keeps_the_others():
         assert handoff.pump() is True and handoff.status == "abort" and handoff.done.is_set()
     finally:
         eng.model.open()
+        eng.close()
+
+
+def test_a_lone_stream_stays_on_its_handler_thread():
+    """One stream alone gains nothing from the pump (one wake-up per token either way): it is not handed off."""
+    eng = scripted_engine()
+    try:
+        with LiveServer(eng) as live:
+            status, events = live.stream_events(CHAT, chat_body(stream=True, max_tokens=12))
+            assert status == 200 and events[-1] == "[DONE]"
+            assert eng._sse_pump.num_handed_off == 0
+    finally:
         eng.close()

@@ -102,8 +102,9 @@ def stream_chunks(
 ) -> Iterator[bytes]:
     """``echo_texts``: per choice, the prompt text sent as its first chunk (completions' echo).
     ``opening``: see ``events_chunk``. ``hand_off(stream, writer, record, include_usage, opening)``:
-    after the first chunk went out, gives the rest of the stream to the server's writer thread
-    (webapp.sse_pump) and returns its Handoff, whose end this generator then waits for."""
+    after a chunk went out, gives the rest of the stream to the server's writer thread
+    (webapp.sse_pump) and returns its Handoff, whose end this generator then waits for, or None
+    (asked again after the next chunk)."""
     status = "abort"
     try:
         if echo_texts:
@@ -115,6 +116,8 @@ def stream_chunks(
                 return
             if hand_off is not None and not stream.is_drained:
                 handoff = hand_off(stream, writer, record, include_usage, opening)
+                if handoff is None:  # declined (one stream alone): this thread writes on
+                    continue
                 while not handoff.done.wait(1.0):
                     if not handoff.is_pumped():  # the writer thread died: this thread goes on
                         hand_off = None

@@ -92,7 +92,9 @@ def _is_disconnect(exc: BaseException) -> bool:
 class SSEPump:
     """The writer thread of one engine's streams (``for_engine``)."""
 
-    def __init__(self):
+    def __init__(self, num_running=lambda: 2):
+        self._num_running = num_running  # () -> sequences the engine runs (read without a lock)
+        self.num_streams = 0  # streams attached (written by the pump thread, read by any)
         self._wake = threading.Event()
         self._lock = threading.Lock()  # guards _new (handlers append, the pump takes)
         self._new: list[Handoff] = []
@@ -108,7 +110,7 @@ class SSEPump:
             core = getattr(engine, "_core", None)
             if core is None or not hasattr(core, "add_tick_listener"):
                 return None
-            pump = cls()
+            pump = cls(lambda: len(core.scheduler.running))
             core.add_tick_listener(pump._wake.set)
             engine._sse_pump = pump
         return pump
@@ -124,6 +126,12 @@ class SSEPump:
         self._wake.set()
         return handoff
 
+    def is_worth_it(self) -> bool:
+        """Whether a stream should go to the pump: it already writes others, or the engine runs
+        more than one sequence. A lone stream stays on its handler thread: one wake-up per token
+        either way, and the hand-off's extra work then only adds to it."""
+        return self.num_streams > 0 or self._num_running() > 1
+
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
@@ -137,12 +145,15 @@ class SSEPump:
                     self._new.clear()
                 elif not streams:  # idle: the next hand_off starts a new thread
                     self._thread = None
+                    self.num_streams = 0
                     return
             wake.wait(IDLE_WAIT_S)
             wake.clear()
+            self.num_streams = len(streams)
             ended = [h for h in streams if h.pump()]  # every stream, each time
             if ended:
                 streams = [h for h in streams if not h.done.is_set()]
+                self.num_streams = len(streams)
 
 
 def hand_off_for(pump: SSEPump | None, environ, is_disconnected):
@@ -151,7 +162,9 @@ def hand_off_for(pump: SSEPump | None, environ, is_disconnected):
     if pump is None or task is None:
         return None
 
-    def hand_off(stream, writer, record, include_usage, opening) -> Handoff:
+    def hand_off(stream, writer, record, include_usage, opening) -> Handoff | None:
+        if not pump.is_worth_it():
+            return None
         return pump.hand_off(Handoff(stream, writer, record, include_usage, opening, task.write, task.backlog,
                                      is_disconnected))
 
