@@ -517,3 +517,25 @@ def test_row_spans_take_the_route_of_their_own_class():
     assert torch.equal(three[40:], layer.run(x[40:], "blas"))
     with row_routes(((3, 3), (3, 3))):  # two classes on one row-independent route: one call
         assert torch.equal(layer(x[:6]), layer.run(x[:6], "float"))
+
+
+@pytest.mark.parametrize("kind", ["q4", "q5_0", "q5_1", "int8"])
+def test_a_row_takes_the_same_bits_in_a_product_of_any_row_count(variant, kind):
+    """The integer route sums each (weight row, activation row) in the same steps whatever the
+    product's row count (tiles of 1 or 2 rows, weights decoded per pass or kept in registers): a
+    decoding stream's numbers do not change with the streams beside it (engine.models.routes)."""
+    gen = torch.Generator().manual_seed(11)
+    num_out, num_cols = 13, 256
+    if kind == "int8":
+        weight = Int8Weight.from_dense(torch.randn(num_out, num_cols, generator=gen) * 0.05)
+    elif kind.startswith("q5"):
+        weight = random_int5(gen, num_out, num_cols, half=True, is_q5_0=kind == "q5_0")
+    else:
+        weight = Int4Weight.from_dense(torch.randn(num_out, num_cols, generator=gen) * 0.05)
+    linear = Linear(weight)
+    x = torch.randn(17, num_cols, generator=gen)
+    if not linear.can_run("int16", 17):
+        pytest.skip("no integer route on this ISA")
+    alone = torch.cat([linear.run(x[i:i + 1], "int16") for i in range(17)])
+    for num_rows in (2, 3, 4, 5, 8, 16, 17):
+        assert torch.equal(linear.run(x[:num_rows], "int16"), alone[:num_rows]), num_rows
