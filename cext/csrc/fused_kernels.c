@@ -15,7 +15,7 @@
 /* A decode row's keys are cut in ceil(keys / FK_SPLIT_KEYS) ranges (at most FK_MAX_SPLITS), merged
  * after (flash-decoding): a function of the row's own context alone, so a sequence's numbers are
  * the same whatever the batch beside it and however many threads run (fk_attention_splits). */
-#define FK_SPLIT_KEYS 128
+#define FK_SPLIT_KEYS 512
 #define FK_MAX_SPLITS 32
 
 
