@@ -464,6 +464,23 @@ def test_ready_events_takes_the_queued_events_and_keeps_errors_in_order():
         eng.close()
 
 
+def _check_scripted_completion(eng, events, num_tokens: int) -> None:
+    """A completions stream of the scripted text's first num_tokens tokens: text, usage, [DONE]."""
+    assert events[-1] == "[DONE]" and events[-2]["usage"]["completion_tokens"] == num_tokens
+    text = "".join(e["choices"][0]["text"] for e in events[:-2])
+    assert text == eng.tokenizer.decode(script_ids()[:num_tokens])
+
+
+def _handoff(stream, send, backlog, is_disconnected):
+    """A completions stream (usage on) for the pump, writing through ``send``."""
+    from cext.chunk import ChunkWriter
+    from webapp import sse_pump
+    from webapp.metrics import RequestRecord
+
+    return sse_pump.Handoff(stream, ChunkWriter("cmpl-1", "m", 1, False), RequestRecord("completions", 1), True,
+                            None, send, backlog, is_disconnected)
+
+
 def test_events_queued_behind_a_slow_handler_go_out_in_one_write():
     from cext.chunk import ChunkWriter
     from webapp.metrics import RequestRecord, ServerMetrics
@@ -480,9 +497,8 @@ def test_events_queued_behind_a_slow_handler_go_out_in_one_write():
         assert len(frames) == 5  # the five queued events, one write
         eng.model.open()
         events = frames + [e for c in chunks for e in parse_sse(c)]
-        assert events[-1] == "[DONE]" and events[-2]["usage"]["completion_tokens"] == 7 == record.num_generated
-        text = "".join(e["choices"][0]["text"] for e in events[:-2])
-        assert text == eng.tokenizer.decode(script_ids()[:7])
+        _check_scripted_completion(eng, events, 7)
+        assert record.num_generated == 7
     finally:
         eng.close()
 
@@ -523,33 +539,25 @@ def test_concurrent_streams_written_by_one_pump_thread_are_exact():
 def test_pump_skips_a_backed_up_connection_and_keeps_its_events():
     """A connection whose socket holds more than BACKLOG_BYTES unsent is skipped (its events wait
     on their queue and go out together once it drains): the pump never blocks on one reader."""
-    from cext.chunk import ChunkWriter
     from webapp import sse_pump
-    from webapp.metrics import RequestRecord
 
     eng = scripted_engine(gated=True)
     try:
         stream = _queued_stream(eng, 5, max_tokens=7)
         sent, backlog = [], [sse_pump.BACKLOG_BYTES + 1]
-        handoff = sse_pump.Handoff(stream, ChunkWriter("cmpl-1", "m", 1, False), RequestRecord("completions", 1),
-                                   True, None, sent.append, lambda: backlog[0], lambda: False)
+        handoff = _handoff(stream, sent.append, lambda: backlog[0], lambda: False)
         assert handoff.pump() is False and sent == []  # backed up: nothing taken from the queue
         backlog[0] = 0
         assert handoff.pump() is False and len(parse_sse(sent[0])) == 5  # the five queued events, one write
         eng.model.open()
         assert wait_until(lambda: handoff.pump())
-        events = [e for chunk in sent for e in parse_sse(chunk)]
         assert handoff.status == "ok" and handoff.done.is_set()
-        assert events[-1] == "[DONE]" and events[-2]["usage"]["completion_tokens"] == 7
-        assert "".join(e["choices"][0]["text"] for e in events[:-2]) == eng.tokenizer.decode(script_ids()[:7])
+        _check_scripted_completion(eng, [e for chunk in sent for e in parse_sse(chunk)], 7)
     finally:
         eng.close()
 
 
 def test_pump_ends_a_stream_whose_client_left_and_keeps_the_others():
-    from cext.chunk import ChunkWriter
-    from webapp import sse_pump
-    from webapp.metrics import RequestRecord
 
     eng = scripted_engine(gated=True)
     try:
@@ -558,8 +566,7 @@ def test_pump_ends_a_stream_whose_client_left_and_keeps_the_others():
         def gone(data):
             raise OSError("connection reset")
 
-        handoff = sse_pump.Handoff(stream, ChunkWriter("cmpl-1", "m", 1, False), RequestRecord("completions", 1),
-                                   False, None, gone, lambda: 0, lambda: True)
+        handoff = _handoff(stream, gone, lambda: 0, lambda: True)
         assert handoff.pump() is True and handoff.status == "abort" and handoff.done.is_set()
     finally:
         eng.model.open()
