@@ -15,7 +15,7 @@ Sections (every tree's numbers measured in one run, interleaved round by round):
   fast     ScriptedModel(step_seconds=1/650): a 650 tok/s model. One 4,096-token HTTP stream and
            32 concurrent 512-token HTTP streams; decode tok/s (first token of the last stream to
            start .. last token) against 650 per stream, and against the double's own measured rate
-           (a loop of its forwards alone: the sleep overshoots a little).
+           (a loop of its forwards alone: a spin that ends within ~10-30 us of its 1/650 s).
 Targets (issue 28): batch-1 tick <= 35 us and <= 6 us per token at batch 64 in-process; HTTP
 per token within 10 us of in-process; fast >= 0.95x (one stream) and >= 0.9x (32 streams).
 

@@ -1,29 +1,16 @@
 """ScriptedModel: the engine's model interface with no compute, for tests and host-cost benchmarks."""
 from __future__ import annotations
 
-import ctypes
-import sys
-import threading
 import time
 
 import numpy as np
 import torch
 
+from cext.cpu import busy_wait
+
 from .batch import ForwardBatch
 
 _MAX_REUSED_ROWS = 256  # rows of the reused logits buffer (50 MB at a 49k vocabulary)
-_PR_SET_TIMERSLACK = 29  # linux/prctl.h
-
-
-def _tighten_timer_slack() -> None:
-    """Linux wakes a sleeping thread up to its timer slack (50 us by default) late; 1 ns for this
-    thread makes a 1.5 ms sleep ~40 us shorter on the shared machine (measured: mean overshoot
-    88 -> 41 us), so a paced forward lasts what it is asked to. Elsewhere a no-op."""
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL(None).prctl(_PR_SET_TIMERSLACK, 1, 0, 0, 0)
-        except (OSError, AttributeError):
-            pass
 
 
 class ScriptedModel:
@@ -35,9 +22,13 @@ class ScriptedModel:
     next id in the script (so top-2 logprobs are distinct and deterministic). The logits
     returned are valid until the next forward (one buffer, reused).
 
-    ``step_seconds``: a forward lasts at least this long: it sleeps what its own work left
+    ``step_seconds``: a forward lasts at least this long: it waits what its own work left
     of it, with the GIL released (as the real kernels run), so the double stands in for a
-    model of a given speed at any batch size (1/650: 650 tok/s per stream).
+    model of a given speed at any batch size (1/650: 650 tok/s per stream). The wait spins on
+    its core, as a kernel computes: a sleep lets the virtual CPU halt, wakes ~0.1 ms late (at
+    times milliseconds) and leaves the engine thread's caches cold (its tick took 2-3x as long
+    after a 1.5 ms sleep as after a 1.5 ms spin; measured on this VM, a 650 tok/s double ran at
+    ~600 sleeping, ~640 spinning).
     """
 
     def __init__(self, token_ids: list[int], vocab_size: int, peak: float = 20.0, step_seconds: float = 0.0):
@@ -51,7 +42,6 @@ class ScriptedModel:
         if not step_seconds >= 0:
             raise ValueError(f"step_seconds must be >= 0, got {step_seconds!r}")
         self.step_seconds = float(step_seconds)
-        self._paced_threads: set[int] = set()  # threads whose timer slack is tightened
         self.vocab_size = vocab_size
         self.max_model_len = None
         self._script = np.array(list(token_ids) + [token_ids[-1]], dtype=np.int64)
@@ -87,10 +77,7 @@ class ScriptedModel:
             logits[arange, self._script[index + 1]] = peak / 2
             logits[arange, self._script[index]] = peak
         if self.step_seconds:
-            if threading.get_ident() not in self._paced_threads:
-                self._paced_threads.add(threading.get_ident())
-                _tighten_timer_slack()
             left = self.step_seconds - (time.perf_counter() - start)
             if left > 0:
-                time.sleep(left)  # releases the GIL
+                busy_wait(left)  # holds the core, the GIL released: as a kernel runs
         return torch.from_numpy(logits)

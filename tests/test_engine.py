@@ -4,6 +4,7 @@ Invariants 2-4 of docs/architecture.md (streaming equals one-shot, stop strings,
 concurrency, and failure isolation. No model compute: ScriptedModel emits a script.
 """
 import threading
+import time
 
 import pytest
 
@@ -295,6 +296,37 @@ def test_scripted_model_step_seconds(tok):
     for bad in (-0.001, float("nan")):
         with pytest.raises(ValueError, match="step_seconds"):
             ScriptedModel(script, tok.vocab_size, step_seconds=bad)
+
+
+def test_busy_wait_lasts_its_time_with_the_gil_released():
+    """The paced double's spin (cext.cpu.busy_wait) ends no earlier than asked and lets other
+    threads run Python meanwhile; a bad duration is refused."""
+    from cext.cpu import busy_wait
+
+    counted = []
+    started = threading.Event()
+
+    def count():
+        started.set()
+        while len(counted) < 10_000_000 and not stop.is_set():
+            counted.append(1)
+
+    stop = threading.Event()
+    worker = threading.Thread(target=count)
+    worker.start()
+    started.wait()
+    before = len(counted)
+    start = time.perf_counter()
+    busy_wait(0.05)
+    elapsed = time.perf_counter() - start
+    during = len(counted) - before
+    stop.set()
+    worker.join()
+    assert elapsed >= 0.05
+    assert during > 0  # the other thread held the GIL while this one spun
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(ValueError, match="seconds"):
+            busy_wait(bad)
 
 
 def test_forward_batch_makes_tensors_of_numpy_arrays_without_copying():
