@@ -421,7 +421,10 @@ class LlamaModel(nn.Module):
         is negligible). A Q8_0 head in the C kernels needs none of this: its codes are the
         file's, and the kernels' int16 activation codes err by less than 2^-15 per element.
         """
-        logits = self.head_proj(x).float()  # [S, V]
+        # A quantized head takes float32 in, so gives float32 out: a bfloat16 model's logits keep
+        # their float32 sums (bfloat16 ones tie at a step of 0.06 near 15: on a Zen 4 that put a
+        # wrong top-1 against llama.cpp's). A dense head multiplies in its own dtype (refined below).
+        logits = self.head_proj(x if self.head_proj.format == "dense" else x.float()).float()  # [S, V]
         is_exact_int8 = (self.head_int8 is not None and self.head_int8.is_exact
                          and not self.head_proj.exact)
         if self.head_proj.is_exact or is_exact_int8 or logits.shape[0] == 0:
