@@ -13,6 +13,9 @@ waits) has its own three calls, one per tick each: ``decode_plan`` (the same ent
 ``plan``, or -1 when the state is not steady), ``decode_build`` (``build`` into one layout
 reused across ticks) and ``decode_commit`` (``commit`` plus each entry's finish verdict from
 its slot's rule: stop ids past min_tokens, max_tokens, max_model_len).
+
+The loops keep the GIL: they last microseconds, and a release would hand it to a thread waiting
+for it (the engine's output worker, a consumer), which the engine thread would then wait on.
 """
 cimport cython
 from libc.stdint cimport int8_t, int32_t, int64_t
@@ -121,42 +124,41 @@ cdef class TickState:
         cdef int i, s, rem, k, need, n = 0, num_decodes, left, total_need = 0, num_tokens = 0
         if num_running > self.max_num_seqs or num_running > running.shape[0]:
             raise ValueError("num_running exceeds the slots")
-        with nogil:
-            for i in range(num_running):
-                s = running[i]
-                if self._num_tokens[s] - self._num_computed[s] == 1:
-                    need = self._blocks_for(self._num_tokens[s]) - self._num_blocks[s]
-                    if need < 0:
-                        need = 0
-                    self._entry_slots[n] = s
-                    self._entry_num_new[n] = 1
-                    self._entry_num_new_blocks[n] = need
-                    total_need += need
-                    n += 1
-            num_decodes = n
-            num_tokens = n
-            left = budget - n
-            if left > max_prefill_tokens:
-                left = max_prefill_tokens
-            for i in range(num_running):
-                if left <= 0:
-                    break
-                s = running[i]
-                rem = self._num_tokens[s] - self._num_computed[s]
-                if rem > 1:
-                    k = rem if rem < left else left
-                    if k > max_chunk:
-                        k = max_chunk
-                    need = self._blocks_for(self._num_computed[s] + k) - self._num_blocks[s]
-                    if need < 0:
-                        need = 0
-                    self._entry_slots[n] = s
-                    self._entry_num_new[n] = k
-                    self._entry_num_new_blocks[n] = need
-                    total_need += need
-                    left -= k
-                    num_tokens += k
-                    n += 1
+        for i in range(num_running):
+            s = running[i]
+            if self._num_tokens[s] - self._num_computed[s] == 1:
+                need = self._blocks_for(self._num_tokens[s]) - self._num_blocks[s]
+                if need < 0:
+                    need = 0
+                self._entry_slots[n] = s
+                self._entry_num_new[n] = 1
+                self._entry_num_new_blocks[n] = need
+                total_need += need
+                n += 1
+        num_decodes = n
+        num_tokens = n
+        left = budget - n
+        if left > max_prefill_tokens:
+            left = max_prefill_tokens
+        for i in range(num_running):
+            if left <= 0:
+                break
+            s = running[i]
+            rem = self._num_tokens[s] - self._num_computed[s]
+            if rem > 1:
+                k = rem if rem < left else left
+                if k > max_chunk:
+                    k = max_chunk
+                need = self._blocks_for(self._num_computed[s] + k) - self._num_blocks[s]
+                if need < 0:
+                    need = 0
+                self._entry_slots[n] = s
+                self._entry_num_new[n] = k
+                self._entry_num_new_blocks[n] = need
+                total_need += need
+                left -= k
+                num_tokens += k
+                n += 1
         self.num_entries = n
         self.num_batch_tokens = num_tokens
         cdef TickPlan result = TickPlan.__new__(TickPlan)
@@ -245,46 +247,45 @@ cdef class TickState:
         cdef int64_t o_logits = o_bt + <int64_t> B * width
         flat = np.empty(o_logits + T, dtype=np.int64)
         cdef int64_t[::1] out = flat
-        with nogil:
-            for i in range(B):
-                s = self._entry_slots[i]
-                n = self._entry_num_new[i]
-                c = self._num_computed[s]
-                out[o_qs + i] = t
-                for j in range(n):
-                    pos = c + j
-                    out[t] = self._tokens[s, pos]
-                    out[o_pos + t] = pos
-                    out[o_slot + t] = <int64_t> self._block_tables[s, pos // bs] * bs + pos % bs
-                    t += 1
-                ctx = c + n
-                out[o_ctx + i] = ctx
-                out[o_plen + i] = self._num_prompt_tokens[s]
-                nb = self._blocks_for(ctx)
-                for k in range(nb):
-                    out[o_bt + <int64_t> i * width + k] = self._block_tables[s, k]
-                for k in range(nb, width):
-                    out[o_bt + <int64_t> i * width + k] = -1
-                p = self._next_logprob_pos[s]
-                if p >= 0:
-                    lo = c if c > p else p
-                    hi = ctx if ctx < self._num_prompt_tokens[s] - 1 else self._num_prompt_tokens[s] - 1
-                    if lo < hi:
-                        self._span_entries[nsp] = i
-                        self._span_firsts[nsp] = nl
-                        self._span_counts[nsp] = hi - lo
-                        self._span_positions[nsp] = lo
-                        nsp += 1
-                        for q in range(lo, hi):
-                            out[o_logits + nl] = out[o_qs + i] + (q - c)
-                            nl += 1
-                if ctx == self._num_tokens[s]:
-                    self._sample_entries[ns] = i
-                    self._sample_logit_idx[ns] = nl
-                    ns += 1
-                    out[o_logits + nl] = t - 1
-                    nl += 1
-            out[o_qs + B] = t
+        for i in range(B):
+            s = self._entry_slots[i]
+            n = self._entry_num_new[i]
+            c = self._num_computed[s]
+            out[o_qs + i] = t
+            for j in range(n):
+                pos = c + j
+                out[t] = self._tokens[s, pos]
+                out[o_pos + t] = pos
+                out[o_slot + t] = <int64_t> self._block_tables[s, pos // bs] * bs + pos % bs
+                t += 1
+            ctx = c + n
+            out[o_ctx + i] = ctx
+            out[o_plen + i] = self._num_prompt_tokens[s]
+            nb = self._blocks_for(ctx)
+            for k in range(nb):
+                out[o_bt + <int64_t> i * width + k] = self._block_tables[s, k]
+            for k in range(nb, width):
+                out[o_bt + <int64_t> i * width + k] = -1
+            p = self._next_logprob_pos[s]
+            if p >= 0:
+                lo = c if c > p else p
+                hi = ctx if ctx < self._num_prompt_tokens[s] - 1 else self._num_prompt_tokens[s] - 1
+                if lo < hi:
+                    self._span_entries[nsp] = i
+                    self._span_firsts[nsp] = nl
+                    self._span_counts[nsp] = hi - lo
+                    self._span_positions[nsp] = lo
+                    nsp += 1
+                    for q in range(lo, hi):
+                        out[o_logits + nl] = out[o_qs + i] + (q - c)
+                        nl += 1
+            if ctx == self._num_tokens[s]:
+                self._sample_entries[ns] = i
+                self._sample_logit_idx[ns] = nl
+                ns += 1
+                out[o_logits + nl] = t - 1
+                nl += 1
+        out[o_qs + B] = t
         cdef BatchLayout layout = BatchLayout.__new__(BatchLayout)
         layout.flat = flat
         layout.num_seqs = B
@@ -320,19 +321,18 @@ cdef class TickState:
             s = slots[i]
             if self._epochs[s] == epochs[i] and self._num_tokens[s] >= self.max_model_len:
                 raise ValueError(f"slot {s} is full (max_model_len={self.max_model_len})")
-        with nogil:
-            for i in range(B):
-                s = slots[i]
-                if self._epochs[s] == epochs[i]:
-                    self._num_computed[s] += num_new[i]
-            for k in range(S):
-                i = sample_entries[k]
-                s = slots[i]
-                if self._epochs[s] == epochs[i]:
-                    n = self._num_tokens[s]
-                    self._tokens[s, n] = <int32_t> sampled_ids[k]
-                    self._num_tokens[s] = n + 1
-                    num_appended += 1
+        for i in range(B):
+            s = slots[i]
+            if self._epochs[s] == epochs[i]:
+                self._num_computed[s] += num_new[i]
+        for k in range(S):
+            i = sample_entries[k]
+            s = slots[i]
+            if self._epochs[s] == epochs[i]:
+                n = self._num_tokens[s]
+                self._tokens[s, n] = <int32_t> sampled_ids[k]
+                self._num_tokens[s] = n + 1
+                num_appended += 1
         return num_appended
 
     # ---- the decode-only steady state ----
@@ -362,20 +362,19 @@ cdef class TickState:
         cdef int i, s, need, total_need = 0
         if num_running > self.max_num_seqs or num_running > running.shape[0]:
             raise ValueError("num_running exceeds the slots")
-        with nogil:
-            for i in range(num_running):
-                s = running[i]
-                if self._num_tokens[s] - self._num_computed[s] != 1 or self._next_logprob_pos[s] >= 0:
-                    return -1
-            for i in range(num_running):
-                s = running[i]
-                need = self._blocks_for(self._num_tokens[s]) - self._num_blocks[s]
-                if need < 0:
-                    need = 0
-                self._entry_slots[i] = s
-                self._entry_num_new[i] = 1
-                self._entry_num_new_blocks[i] = need
-                total_need += need
+        for i in range(num_running):
+            s = running[i]
+            if self._num_tokens[s] - self._num_computed[s] != 1 or self._next_logprob_pos[s] >= 0:
+                return -1
+        for i in range(num_running):
+            s = running[i]
+            need = self._blocks_for(self._num_tokens[s]) - self._num_blocks[s]
+            if need < 0:
+                need = 0
+            self._entry_slots[i] = s
+            self._entry_num_new[i] = 1
+            self._entry_num_new_blocks[i] = need
+            total_need += need
         self.num_entries = num_running
         self.num_batch_tokens = num_running
         return total_need
@@ -402,25 +401,24 @@ cdef class TickState:
         cdef int64_t o_pos = B, o_slot = 2 * B, o_qs = 3 * B
         cdef int64_t o_ctx = o_qs + B + 1, o_plen = o_ctx + B, o_bt = o_plen + B
         cdef int64_t o_logits = o_bt + <int64_t> B * width
-        with nogil:
-            for i in range(B):
-                s = self._entry_slots[i]
-                c = self._num_computed[s]
-                out[i] = self._tokens[s, c]
-                out[o_pos + i] = c
-                out[o_slot + i] = <int64_t> self._block_tables[s, c // bs] * bs + c % bs
-                out[o_qs + i] = i
-                out[o_ctx + i] = c + 1
-                out[o_plen + i] = self._num_prompt_tokens[s]
-                nb = self._blocks_for(c + 1)
-                for k in range(nb):
-                    out[o_bt + <int64_t> i * width + k] = self._block_tables[s, k]
-                for k in range(nb, width):
-                    out[o_bt + <int64_t> i * width + k] = -1
-                out[o_logits + i] = i
-                self._sample_entries[i] = i
-                self._sample_logit_idx[i] = i
-            out[o_qs + B] = B
+        for i in range(B):
+            s = self._entry_slots[i]
+            c = self._num_computed[s]
+            out[i] = self._tokens[s, c]
+            out[o_pos + i] = c
+            out[o_slot + i] = <int64_t> self._block_tables[s, c // bs] * bs + c % bs
+            out[o_qs + i] = i
+            out[o_ctx + i] = c + 1
+            out[o_plen + i] = self._num_prompt_tokens[s]
+            nb = self._blocks_for(c + 1)
+            for k in range(nb):
+                out[o_bt + <int64_t> i * width + k] = self._block_tables[s, k]
+            for k in range(nb, width):
+                out[o_bt + <int64_t> i * width + k] = -1
+            out[o_logits + i] = i
+            self._sample_entries[i] = i
+            self._sample_logit_idx[i] = i
+        out[o_qs + B] = B
         return layout
 
     cdef BatchLayout _new_layout(self, int B, int width):
@@ -449,34 +447,35 @@ cdef class TickState:
     cpdef int decode_commit(self, const int64_t[::1] sampled_ids) except -1:
         """``commit`` for the decode plan just built (entry i sampled ``sampled_ids[i]``): every entry
         computed its token and appends the new one; ``finish_codes[i]`` gets entry i's FINISH_*
-        verdict from its slot's finish rule. Returns the number of entries."""
-        cdef int B = self.num_entries, i, k, s, n, num_generated, code
+        verdict from its slot's finish rule. Returns the number of entries whose verdict is not
+        FINISH_NONE (0: every entry keeps running by the tick's own rules)."""
+        cdef int B = self.num_entries, i, k, s, n, num_generated, code, num_ending = 0
         cdef int32_t token_id
         if sampled_ids.shape[0] != B:
             raise ValueError(f"expected {B} sampled ids, got {sampled_ids.shape[0]}")
         for i in range(B):
             if self._num_tokens[self._entry_slots[i]] >= self.max_model_len:
                 raise ValueError(f"slot {self._entry_slots[i]} is full (max_model_len={self.max_model_len})")
-        with nogil:
-            for i in range(B):
-                s = self._entry_slots[i]
-                token_id = <int32_t> sampled_ids[i]
-                n = self._num_tokens[s]
-                self._num_computed[s] = n
-                self._tokens[s, n] = token_id
-                n += 1
-                self._num_tokens[s] = n
-                num_generated = n - self._num_prompt_tokens[s]
-                code = FINISH_NONE
-                if num_generated > self._min_generated[s]:
-                    if self._num_stop_ids[s] < 0:
-                        code = FINISH_UNKNOWN
-                    else:
-                        for k in range(self._num_stop_ids[s]):
-                            if self._stop_ids[s, k] == token_id:
-                                code = FINISH_STOP_ID
-                                break
-                if code == FINISH_NONE and (num_generated >= self._max_generated[s] or n >= self.max_model_len):
-                    code = FINISH_LENGTH
-                self._finish_codes[i] = code
-        return B
+        for i in range(B):
+            s = self._entry_slots[i]
+            token_id = <int32_t> sampled_ids[i]
+            n = self._num_tokens[s]
+            self._num_computed[s] = n
+            self._tokens[s, n] = token_id
+            n += 1
+            self._num_tokens[s] = n
+            num_generated = n - self._num_prompt_tokens[s]
+            code = FINISH_NONE
+            if num_generated > self._min_generated[s]:
+                if self._num_stop_ids[s] < 0:
+                    code = FINISH_UNKNOWN
+                else:
+                    for k in range(self._num_stop_ids[s]):
+                        if self._stop_ids[s, k] == token_id:
+                            code = FINISH_STOP_ID
+                            break
+            if code == FINISH_NONE and (num_generated >= self._max_generated[s] or n >= self.max_model_len):
+                code = FINISH_LENGTH
+            self._finish_codes[i] = code
+            num_ending += code != FINISH_NONE
+        return num_ending

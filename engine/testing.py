@@ -24,7 +24,8 @@ class ScriptedModel:
 
     ``step_seconds``: a forward lasts at least this long: it waits what its own work left
     of it, with the GIL released (as the real kernels run), so the double stands in for a
-    model of a given speed at any batch size (1/650: 650 tok/s per stream). The wait spins on
+    model of a given speed at any batch size (1/650: 650 tok/s per stream); it writes its logits after the wait,
+    as a model's last product does. The wait spins on
     its core, as a kernel computes: a sleep lets the virtual CPU halt, wakes ~0.1 ms late (at
     times milliseconds) and leaves the engine thread's caches cold (its tick took 2-3x as long
     after a 1.5 ms sleep as after a 1.5 ms spin; measured on this VM, a 650 tok/s double ran at
@@ -42,6 +43,7 @@ class ScriptedModel:
         if not step_seconds >= 0:
             raise ValueError(f"step_seconds must be >= 0, got {step_seconds!r}")
         self.step_seconds = float(step_seconds)
+        self._work_seconds = 0.0  # the last forward's own work: the next one waits the rest of its step
         self.vocab_size = vocab_size
         self.max_model_len = None
         self._script = np.array(list(token_ids) + [token_ids[-1]], dtype=np.int64)
@@ -55,6 +57,10 @@ class ScriptedModel:
         return None
 
     def forward(self, batch: ForwardBatch, kv_cache: object) -> torch.Tensor:
+        if self.step_seconds:  # the wait first: a model's logits are its last product, hot when it returns
+            left = self.step_seconds - self._work_seconds
+            if left > 0:
+                busy_wait(left)  # holds the core, the GIL released: as a kernel runs
         start = time.perf_counter()
         # numpy throughout: tiny arrays cost ~1 us an op there (and never wake torch's thread
         # pool), so the host-cost benchmarks measure the engine rather than this double.
@@ -76,8 +82,5 @@ class ScriptedModel:
             arange = np.arange(num_rows)
             logits[arange, self._script[index + 1]] = peak / 2
             logits[arange, self._script[index]] = peak
-        if self.step_seconds:
-            left = self.step_seconds - (time.perf_counter() - start)
-            if left > 0:
-                busy_wait(left)  # holds the core, the GIL released: as a kernel runs
+        self._work_seconds = time.perf_counter() - start
         return torch.from_numpy(logits)

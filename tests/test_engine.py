@@ -28,6 +28,16 @@ def tok():
     return engine.load_tokenizer(default_model_path())
 
 
+@pytest.fixture(autouse=True, params=["inline", "deferred"])
+def output_loop(request, monkeypatch):
+    """Every test twice: the steady ticks' output loop on the engine thread (ScriptedModel's forwards
+    are too short to defer it) and on the output worker beside the next forward, as for a real model
+    (engine/core/output_worker.py)."""
+    if request.param == "deferred":
+        monkeypatch.setattr("engine.core.runtime.DEFER_MIN_FORWARD_S", 0.0)
+    return request.param
+
+
 def make_engine(tok, script, **options):
     options.setdefault("max_model_len", 4096)
     options.setdefault("kv_cache_tokens", 8192)

@@ -503,10 +503,13 @@ def test_events_queued_behind_a_slow_handler_go_out_in_one_write():
         eng.close()
 
 
-def test_concurrent_streams_written_by_one_pump_thread_are_exact():
+@pytest.mark.parametrize("defer", [False, True])
+def test_concurrent_streams_written_by_one_pump_thread_are_exact(defer):
     """Past its first chunk a waitress stream is written by the engine's one pump thread
-    (webapp.sse_pump): every stream still gets exactly its own text, usage and [DONE]."""
+    (webapp.sse_pump): every stream still gets exactly its own text, usage and [DONE]; also when
+    the ticks' events are queued by the engine's output worker, which then wakes the pump."""
     eng = scripted_engine(gated=True, max_num_seqs=8)
+    eng._core.defer_min_forward_s = 0.0 if defer else float("inf")
     eng.model.hold(0)  # all eight wait, then start in one tick: each finds the others running
     want = eng.tokenizer.decode(script_ids()[:20])
     try:
@@ -525,6 +528,7 @@ def test_concurrent_streams_written_by_one_pump_thread_are_exact():
             for t in threads:
                 t.join(60)
             assert eng._sse_pump.num_handed_off == 8  # each stream went on in the pump after its first chunk
+            assert (eng._core._output.num_handed_off > 10) == defer
             for status, events in results:
                 assert status == 200 and events[-1] == "[DONE]"
                 assert events[-2]["usage"]["completion_tokens"] == 20

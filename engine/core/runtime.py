@@ -15,6 +15,7 @@ import itertools
 import logging
 import secrets
 import threading
+import time
 import traceback
 
 import numpy as np
@@ -31,6 +32,7 @@ from ..structured import mask_rows
 from ..tokenizer.token_bytes import TokenPieces
 from .block_manager import prefix_block_hashes
 from .draft import DraftModel
+from .output_worker import DEFER_MIN_FORWARD_S, Deferred, OutputWorker
 from .prefix_disk import make_prefix_disk_cache
 from .request import Request, RequestGroup
 from .scheduler import Scheduler, SchedulerConfig
@@ -112,7 +114,12 @@ class EngineCore:
         self.num_generated_tokens = 0
         self.num_ticks = 0
         self._tick_requests: _TickRequests | None = None
-        self._tick_listeners: tuple = ()  # called on the engine thread after each tick (add_tick_listener)
+        self._tick_listeners: list = []  # called after each tick (add_tick_listener), shared with the worker
+        # A steady tick's output loop runs beside the next forward (engine/core/output_worker.py)
+        # once forwards last this long; tests set 0 to defer every steady tick, inf to defer none.
+        self.defer_min_forward_s = DEFER_MIN_FORWARD_S
+        self._last_forward_s = 0.0
+        self._output = OutputWorker(self._tick_listeners)  # not the core: a dropped engine is collected
         self._thread = threading.Thread(target=self._run, name="engine-core", daemon=True)
         self._thread.start()
 
@@ -233,11 +240,12 @@ class EngineCore:
         self._tick_rows = rows
 
     def add_tick_listener(self, fn) -> None:
-        """Call ``fn()`` (no arguments, quick, never raising) on the engine thread after every tick
-        and when the engine stops: the tick's events are on their queues by then. One consumer that
+        """Call ``fn()`` (no arguments, quick, never raising, thread-safe) after every tick and when
+        the engine stops: the tick's events are on their queues by then (on the engine thread, or on
+        its output worker for a tick whose output loop ran beside the next forward). One consumer that
         serves many streams (webapp.sse_pump) wakes once a tick this way, not once per stream."""
         with self._submit_lock:
-            self._tick_listeners = (*self._tick_listeners, fn)
+            self._tick_listeners.append(fn)
 
     def _notify(self) -> None:
         for fn in self._tick_listeners:
@@ -269,23 +277,33 @@ class EngineCore:
         try:
             torch.set_grad_enabled(False)
             while not self._stopping:
+                if self._aborts and self._output.is_pending:  # an abort's last event follows the tick's
+                    self._settle_output()
                 self._drain_inputs()
                 if self._jobs:
                     self._step_job()
                 rows = self._tick_rows
                 if not self.scheduler.has_work() and (rows is None or not rows.has_work()):
+                    if self._output.is_pending:
+                        self._settle_output()
+                        continue
                     if not self._jobs:
                         self._wake.wait()
                         self._wake.clear()
                     continue
                 self._tick()
-                if self._tick_listeners:
+                if self._tick_listeners and not self._output.is_pending:  # else the worker wakes them
                     self._notify()
         except BaseException as exc:  # the thread itself failed: nobody may hang
             self.error = exc
             log.error("engine thread died:\n%s", traceback.format_exc())
         finally:
             self._stopping = True
+            try:
+                self._settle_output()
+            except BaseException:  # the engine is going down: every request fails below
+                log.exception("output worker failed")
+            self._output.close()
             self._fail_all(EngineDead(self.dead_message))
             self._notify()
 
@@ -343,20 +361,24 @@ class EngineCore:
                 return
         else:
             self.num_ticks += 1
+            start = time.perf_counter()
             try:
                 logits = self.model.forward(out.batch, self.kv_cache)  # [S, V]
             except Exception as exc:  # a failed forward fails the requests in it, not the engine
                 log.exception("forward failed")
                 self._fail_tick(out, exc)
                 return
+            self._last_forward_s = time.perf_counter() - start
             self._after_forward(out, logits)
 
     def _tick_with_rows(self, out, part) -> None:
         """A forward with embedding rows after the generation rows (if any): pooled, never sampled."""
         rows, bm = self._tick_rows, self.scheduler.block_manager
         batch = rows.merge(out.batch if out is not None else None, part)
+        start = time.perf_counter()
         try:
             logits, hidden = self.model.forward_with_hidden(batch, self.kv_cache, part.hidden_rows)
+            self._last_forward_s = time.perf_counter() - start
             rows.put(part, hidden, bm)
         except Exception as exc:
             log.exception("forward with embedding rows failed")
@@ -371,10 +393,12 @@ class EngineCore:
             self._after_forward(out, logits)
 
     def _fail_tick(self, out, exc: BaseException) -> None:
+        self._settle_output()
         for seq in out.seqs:
             self._fail(seq.request_id, exc)
 
     def _after_forward(self, out, logits: torch.Tensor) -> None:
+        deferred = self._output.join() if self._output.is_pending else None  # the last tick's output loop
         sample_seqs = out.sample_seqs
         tick_reqs = self._tick_requests
         if tick_reqs is None or tick_reqs.out is not out:
@@ -398,15 +422,24 @@ class EngineCore:
                 if out.spec_entries else None)
         self.scheduler.update(out, token_ids)
         if not token_ids:
+            if deferred is not None:
+                self._apply_deferred(deferred, out)
             return
         self.num_generated_tokens += len(token_ids)
+        if deferred is not None:  # its late stops end before this tick's output (their new ids dropped)
+            self._apply_deferred(deferred, out)
         if out.is_decode_only and tick_reqs.is_plain:
-            self._emit_decodes(reqs, token_ids)
+            if self._last_forward_s >= self.defer_min_forward_s and self.scheduler.num_ending == 0:
+                self._output.hand_off(Deferred(reqs, token_ids, self.scheduler.state.finish_codes[:len(token_ids)]))
+            else:
+                self._emit_decodes(reqs, token_ids)
             return
         # Every sampled sequence's length, with its new token, in one read of the tick state.
         slots = out.slots if len(token_ids) == len(out.slots) else out.slots[out.sample_entries]
         lengths = self.scheduler.state.num_tokens[slots].tolist()
         for k, (req, token_id, lp, num_tokens) in enumerate(zip(reqs, token_ids, row_logprobs, lengths)):
+            if req.is_finished:  # a stop string the last tick's deferred output found, or a failed group
+                continue
             try:
                 if runs and k in runs:
                     self._process_run(req, runs[k])
@@ -427,17 +460,41 @@ class EngineCore:
             if finish_reason is None:  # more stop ids than the tick's table holds
                 self._process_token(req, token_ids[k], None, req.seq.num_tokens)
                 return
-            group = req.group
-            self.scheduler.finish(req.seq)
-            self.requests.pop(req.request_id, None)
-            group.outputs.put(StreamEvent(group.request_id, text, [token_ids[k]], None, finish_reason, req.index))
-            self._mark_finished(req)
+            self._end(req, text, token_ids[k], finish_reason)
 
         def fail_row(k: int, exc: BaseException) -> None:
             log.error("output processing failed for %s", reqs[k].request_id, exc_info=exc)
             self._fail(reqs[k].request_id, exc)
 
         emit_rows(reqs, token_ids, self.scheduler.state.finish_codes, StreamEvent, end_row, fail_row)
+
+    def _end(self, req: Request, text: str, token_id: int, finish_reason: str) -> None:
+        """A running choice's last event: it leaves the scheduler, then its queue gets the event."""
+        group = req.group
+        self.scheduler.finish(req.seq)
+        self.requests.pop(req.request_id, None)
+        group.outputs.put(StreamEvent(group.request_id, text, [token_id], None, finish_reason, req.index))
+        self._mark_finished(req)
+
+    def _settle_output(self) -> None:
+        """Wait for a deferred output loop and apply what it found (no tick in flight)."""
+        deferred = self._output.join()
+        if deferred is not None:
+            self._apply_deferred(deferred, None)
+
+    def _apply_deferred(self, deferred: Deferred, out) -> None:
+        """The rows a deferred output loop ended by a stop string finish now, with the event they
+        would have had a tick earlier; ``out``: the tick since scheduled (its id for them is dropped
+        and not counted). Rows whose processing raised fail their requests."""
+        for req, exc in deferred.failures:
+            log.error("output processing failed for %s", req.request_id, exc_info=exc)
+            self._fail(req.request_id, exc)
+        for req, token_id, text in deferred.late_stops:
+            if req.is_finished:
+                continue
+            if out is not None and any(seq is req.seq for seq in out.sample_seqs):
+                self.num_generated_tokens -= 1
+            self._end(req, text, token_id, "stop")
 
     def _process_run(self, req: Request, run) -> None:
         """The ids a verified proposal emits, one event each, as if decoded one by one (the

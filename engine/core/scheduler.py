@@ -107,6 +107,7 @@ class Scheduler:
         self._seqs: dict[str, Sequence] = {}
         self._unpublished: list[Sequence] = []  # running seqs with prompt blocks not yet in the prefix cache
         self.num_preemptions = 0
+        self.num_ending = 0  # entries of the last decode-only update whose verdict ends them
         self.num_prefix_cache_hit_tokens = 0  # prompt tokens taken from the prefix cache at admission
         self.num_prefix_cache_query_tokens = 0  # tokens looked up in the prefix cache at admission
         self.num_prefix_cache_disk_hit_tokens = 0  # of the hits, tokens read from the disk tier
@@ -245,7 +246,7 @@ class Scheduler:
     def update(self, out: SchedulerOutput, sampled_token_ids) -> None:
         if out.is_decode_only:
             self.cost.observe(0)
-            self.state.decode_commit(np.asarray(sampled_token_ids, dtype=np.int64))
+            self.num_ending = self.state.decode_commit(np.asarray(sampled_token_ids, dtype=np.int64))
             if self._unpublished:
                 self._publish_blocks()
             if self.config.sliding_window is not None and self.running:
