@@ -31,6 +31,7 @@ def run_batch(tok, script, params_list, general: bool, defer: bool = False, stat
     with engine.Engine(model, tok, max_model_len=512, kv_cache_tokens=8192, max_num_seqs=10) as eng:
         core = eng._core
         core.defer_min_forward_s = 0.0 if defer else float("inf")
+        core.defer_min_rows = 1
         streams = []
         for i, params in enumerate(params_list):
             if general:
@@ -138,6 +139,7 @@ def test_a_failing_output_row_fails_its_request_only(tok, monkeypatch, defer):
     script = tok.encode(TEXT, add_special_tokens=False)
     with engine.Engine(ScriptedModel(script, tok.vocab_size), tok, max_model_len=512, kv_cache_tokens=8192) as eng:
         eng._core.defer_min_forward_s = 0.0 if defer else float("inf")
+        eng._core.defer_min_rows = 1
         params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
         streams = [eng.stream(f"p{i}", dataclasses.replace(params, stop=[marker]) if i == 1 else params)
                    for i in range(3)]

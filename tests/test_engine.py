@@ -35,6 +35,7 @@ def output_loop(request, monkeypatch):
     (engine/core/output_worker.py)."""
     if request.param == "deferred":
         monkeypatch.setattr("engine.core.runtime.DEFER_MIN_FORWARD_S", 0.0)
+        monkeypatch.setattr("engine.core.runtime.DEFER_MIN_ROWS", 1)
     return request.param
 
 

@@ -510,6 +510,7 @@ def test_concurrent_streams_written_by_one_pump_thread_are_exact(defer):
     the ticks' events are queued by the engine's output worker, which then wakes the pump."""
     eng = scripted_engine(gated=True, max_num_seqs=8)
     eng._core.defer_min_forward_s = 0.0 if defer else float("inf")
+    eng._core.defer_min_rows = 1
     eng.model.hold(0)  # all eight wait, then start in one tick: each finds the others running
     want = eng.tokenizer.decode(script_ids()[:20])
     try:

@@ -32,7 +32,7 @@ from ..structured import mask_rows
 from ..tokenizer.token_bytes import TokenPieces
 from .block_manager import prefix_block_hashes
 from .draft import DraftModel
-from .output_worker import DEFER_MIN_FORWARD_S, Deferred, OutputWorker
+from .output_worker import DEFER_MIN_FORWARD_S, DEFER_MIN_ROWS, Deferred, OutputWorker
 from .prefix_disk import make_prefix_disk_cache
 from .request import Request, RequestGroup
 from .scheduler import Scheduler, SchedulerConfig
@@ -116,8 +116,10 @@ class EngineCore:
         self._tick_requests: _TickRequests | None = None
         self._tick_listeners: list = []  # called after each tick (add_tick_listener), shared with the worker
         # A steady tick's output loop runs beside the next forward (engine/core/output_worker.py)
-        # once forwards last this long; tests set 0 to defer every steady tick, inf to defer none.
+        # once forwards last this long, for this many rows; tests set 0 and 1 to defer every steady
+        # tick, an infinite time to defer none.
         self.defer_min_forward_s = DEFER_MIN_FORWARD_S
+        self.defer_min_rows = DEFER_MIN_ROWS
         self._last_forward_s = 0.0
         self._output = OutputWorker(self._tick_listeners)  # not the core: a dropped engine is collected
         self._thread = threading.Thread(target=self._run, name="engine-core", daemon=True)
@@ -429,7 +431,8 @@ class EngineCore:
         if deferred is not None:  # its late stops end before this tick's output (their new ids dropped)
             self._apply_deferred(deferred, out)
         if out.is_decode_only and tick_reqs.is_plain:
-            if self._last_forward_s >= self.defer_min_forward_s and self.scheduler.num_ending == 0:
+            if (self._last_forward_s >= self.defer_min_forward_s and len(token_ids) >= self.defer_min_rows
+                    and self.scheduler.num_ending == 0):
                 self._output.hand_off(Deferred(reqs, token_ids, self.scheduler.state.finish_codes[:len(token_ids)]))
             else:
                 self._emit_decodes(reqs, token_ids)
