@@ -126,6 +126,11 @@ def child_main(max_batch: int, max_tokens: int) -> None:
         server = make_server(eng, "127.0.0.1", 0, threads=max_batch + 16)
         threading.Thread(target=server.run, daemon=True).start()
         engines[name], ports[name] = (eng, model), server.effective_port
+    try:  # as python -m webapp does before it serves
+        from engine.startup import freeze_startup_heap
+        freeze_startup_heap()
+    except ImportError:
+        pass
     print(json.dumps(ports), flush=True)
     prompt_ids = tok.encode(PROMPT, add_special_tokens=False)
     for line in sys.stdin:

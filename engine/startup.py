@@ -323,3 +323,17 @@ class LoadProgress:
             self._bar.close()
         elif self.enabled and exc_type is None:
             log.info("loaded %s in %.1f s", self.what, now - self._start)
+
+
+def freeze_startup_heap() -> int:
+    """Move every object alive now (imports, the model's and tokenizer's objects, the server) to
+    the garbage collector's permanent generation, for a process that has finished starting and
+    only serves: a full collection then scans what serving allocated, not the ~190k start-up
+    objects it took 160 ms to traverse here with the GIL held (every stream stalled meanwhile).
+    What is frozen is never collected, so a process of its own only (``python -m webapp``);
+    never for an engine inside a user's process. Returns the number of objects frozen."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()

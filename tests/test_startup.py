@@ -182,6 +182,35 @@ def test_server_serves_on_the_socket_bound_first():
             server.close()
 
 
+def test_python_m_webapp_freezes_its_start_up_heap_before_serving():
+    """The server process moves its start-up objects out of the collector's scans (a full
+    collection of them held the GIL for ~160 ms), then serves."""
+    import re
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "webapp", "--port", "0"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    lines = []
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            line = proc.stderr.readline()
+            if not line:
+                break
+            lines.append(line)
+            if "serving on http" in line:
+                break
+        log = "".join(lines)
+        froze = re.search(r"froze (\d+) start-up objects", log)
+        assert froze is not None and "serving on http" in log, log
+        assert int(froze.group(1)) > 10_000  # the imports and the model's objects
+        assert log.index("froze") < log.index("serving on http")
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        proc.stderr.close()
+
+
 # ---------------------------------------------------------------- progress
 
 def test_load_progress_logs_stages_when_not_a_terminal(caplog, monkeypatch):

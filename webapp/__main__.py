@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m webapp") -> None:
     from engine.config import EngineConfig
     from engine.errors import ModelFileError
     from engine.loader import default_model_path
-    from engine.startup import PortInUseError, bind_listen_socket, check_model_path, check_startup
+    from engine.startup import PortInUseError, bind_listen_socket, check_model_path, check_startup, freeze_startup_heap
 
     from .cors import parse_origins
     from .shared import RESERVED_THREADS
@@ -98,6 +98,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m webapp") -> None:
     except (ValueError, OSError, MemoryError) as exc:  # passed the checks and still would not load
         sock.close()
         parser.exit(2, f"{parser.prog}: error: {_one_line(exc)}\n")
+    logging.getLogger("webapp").info("froze %d start-up objects out of the collector's scans", freeze_startup_heap())
     try:
         serve(eng, sock=sock, api_key=args.api_key, model_name=name, threads=args.threads,
               max_concurrent_requests=args.max_concurrent_requests, allowed_origins=allowed_origins)
