@@ -6,6 +6,7 @@ import threading
 import pytest
 
 from tests.server_fixtures import SCRIPT_TEXT, LiveServer, parse_sse, script_ids, scripted_engine, wait_until
+from webapp.sse_pump import SSEPump
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -528,7 +529,7 @@ def test_concurrent_streams_written_by_one_pump_thread_are_exact(defer):
             eng.model.open()
             for t in threads:
                 t.join(60)
-            assert eng._sse_pump.num_handed_off == 8  # each stream went on in the pump after its first chunk
+            assert SSEPump.for_engine(eng).num_handed_off == 8  # each stream went on in the pump after its first chunk
             assert (eng._core._output.num_handed_off > 10) == defer
             for status, events in results:
                 assert status == 200 and events[-1] == "[DONE]"
@@ -539,6 +540,41 @@ def test_concurrent_streams_written_by_one_pump_thread_are_exact(defer):
             assert 'llm:http_requests_total{endpoint="chat",model_name="default",status="ok"} 8.0' in metrics
     finally:
         eng.close()
+
+
+def _pumps_asked_at_once(eng, num_threads: int) -> list:
+    barrier = threading.Barrier(num_threads)
+    pumps = []
+
+    def ask():
+        barrier.wait()
+        pumps.append(SSEPump.for_engine(eng))
+
+    threads = [threading.Thread(target=ask) for _ in range(num_threads)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return pumps
+
+
+def test_an_engine_has_one_pump_whoever_asks_first():
+    """Handlers that ask for the pump at once get the same one, made once and woken by one tick
+    listener; a dropped engine does not keep it."""
+    import gc
+    import weakref
+
+    eng = scripted_engine()
+    try:
+        pumps = _pumps_asked_at_once(eng, 8)
+        assert len(pumps) == 8 and all(p is pumps[0] for p in pumps)
+        assert len(eng._core._tick_listeners) == 1
+        pump_ref = weakref.ref(pumps[0])
+    finally:
+        eng.close()
+    del eng, pumps
+    gc.collect()
+    assert pump_ref() is None
 
 
 def test_pump_skips_a_backed_up_connection_and_keeps_its_events():
@@ -585,6 +621,6 @@ def test_a_lone_stream_stays_on_its_handler_thread():
         with LiveServer(eng) as live:
             status, events = live.stream_events(CHAT, chat_body(stream=True, max_tokens=12))
             assert status == 200 and events[-1] == "[DONE]"
-            assert eng._sse_pump.num_handed_off == 0
+            assert SSEPump.for_engine(eng).num_handed_off == 0
     finally:
         eng.close()

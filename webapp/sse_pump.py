@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 
 from .sse import end_chunk, error_end, events_chunk
 
@@ -29,6 +30,9 @@ log = logging.getLogger("webapp")
 SSE_TASK_KEY = "webapp.sse_task"  # a waitress request's task in its WSGI environ (webapp.wsgi)
 BACKLOG_BYTES = 1 << 20  # bytes a connection may hold unsent before the pump skips it
 IDLE_WAIT_S = 0.05  # the pump's longest sleep with streams attached (ends seen outside ticks)
+
+_PUMPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # engine -> its pump (SSEPump.for_engine)
+_PUMPS_LOCK = threading.Lock()  # two handlers' first streams make one pump
 
 
 class Handoff:
@@ -105,14 +109,18 @@ class SSEPump:
     def for_engine(cls, engine) -> SSEPump | None:
         """The engine's pump (made once, woken after each of its ticks); None for an engine without
         tick listeners."""
-        pump = getattr(engine, "_sse_pump", None)
-        if pump is None:
-            core = getattr(engine, "_core", None)
-            if core is None or not hasattr(core, "add_tick_listener"):
-                return None
-            pump = cls(lambda: len(core.scheduler.running))
-            core.add_tick_listener(pump._wake.set)
-            engine._sse_pump = pump
+        pump = _PUMPS.get(engine)
+        if pump is not None:
+            return pump
+        core = getattr(engine, "_core", None)
+        if core is None or not hasattr(core, "add_tick_listener"):
+            return None
+        with _PUMPS_LOCK:
+            pump = _PUMPS.get(engine)
+            if pump is None:
+                pump = cls(lambda: len(core.scheduler.running))
+                core.add_tick_listener(pump._wake.set)
+                _PUMPS[engine] = pump
         return pump
 
     def hand_off(self, handoff: Handoff) -> Handoff:
