@@ -62,11 +62,13 @@ class SwappableScript:
 
 
 class Harness:
-    def __init__(self, name: str):
+    def __init__(self, name: str, output_loop: str = "inline"):
         self.name = name
         self.tok = engine.load_tokenizer(VOCABS[name]())
         self.model = SwappableScript(self.tok.vocab_size)
         self.eng = engine.Engine(self.model, self.tok, max_model_len=1024, kv_cache_tokens=4096, max_num_seqs=8)
+        if output_loop == "deferred":  # every steady tick's output on the engine's output worker
+            self.eng._core.defer_min_forward_s, self.eng._core.defer_min_rows = 0.0, 1
         self.last_prompt_logprobs = None
         self.added = {i: t.content for i, t in self.tok.backend.get_added_tokens_decoder().items()}
 
@@ -98,11 +100,16 @@ class Harness:
         return fragments, specials, text_ids, _char_byte_runs(self.tok)
 
 
-@pytest.fixture(scope="module", params=list(VOCABS))
+@pytest.fixture(scope="module", params=[(name, loop) for name in VOCABS for loop in ("inline", "deferred")],
+                ids=lambda p: "-".join(p))
 def harness(request):
-    h = Harness(request.param)
+    """Per vocabulary, with the steady ticks' output loop on the engine thread and on its output
+    worker beside the next forward (a stop string found there ends the row a tick late)."""
+    h = Harness(*request.param)
     yield h
+    num_deferred = h.eng._core._output.num_handed_off
     h.eng.close()
+    assert (num_deferred > 0) == (request.param[1] == "deferred")
 
 
 # ------------------------------------------------------------------ reference rules
