@@ -598,17 +598,30 @@ def test_pump_skips_a_backed_up_connection_and_keeps_its_events():
         eng.close()
 
 
-def test_pump_ends_a_stream_whose_client_left_and_keeps_the_others():
+def _waitress_disconnect():
+    from waitress.channel import ClientDisconnected
 
+    return ClientDisconnected("client left")
+
+
+@pytest.mark.parametrize("error, seen_gone, status", [
+    (lambda: OSError("connection reset"), True, "abort"),
+    (lambda: OSError("connection reset"), False, "abort"),  # the write's own error says it
+    (_waitress_disconnect, False, "abort"),
+    (lambda: RuntimeError("a bug in the write"), False, "error"),
+])
+def test_pump_ends_a_stream_whose_client_left_and_keeps_the_others(error, seen_gone, status):
+    """A write that fails ends its stream: an abort when the client left (the channel says so, or
+    the error is a socket's or waitress's ClientDisconnected), an error otherwise."""
     eng = scripted_engine(gated=True)
     try:
         stream = _queued_stream(eng, 3, max_tokens=50)
 
         def gone(data):
-            raise OSError("connection reset")
+            raise error()
 
-        handoff = _handoff(stream, gone, lambda: 0, lambda: True)
-        assert handoff.pump() is True and handoff.status == "abort" and handoff.done.is_set()
+        handoff = _handoff(stream, gone, lambda: 0, lambda: seen_gone)
+        assert handoff.pump() is True and handoff.status == status and handoff.done.is_set()
     finally:
         eng.model.open()
         eng.close()

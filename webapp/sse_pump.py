@@ -89,8 +89,14 @@ def _never() -> bool:
     return False
 
 
+try:  # what waitress raises from a write to a connection its client closed
+    from waitress.channel import ClientDisconnected as _ClientDisconnected
+except ImportError:  # the pump then only sees OSError from sockets
+    _ClientDisconnected = OSError
+
+
 def _is_disconnect(exc: BaseException) -> bool:
-    return type(exc).__name__ == "ClientDisconnected" or isinstance(exc, OSError)
+    return isinstance(exc, (_ClientDisconnected, OSError))
 
 
 class SSEPump:
