@@ -89,14 +89,16 @@ def _never() -> bool:
     return False
 
 
-try:  # what waitress raises from a write to a connection its client closed
-    from waitress.channel import ClientDisconnected as _ClientDisconnected
-except ImportError:  # the pump then only sees OSError from sockets
-    _ClientDisconnected = OSError
-
-
 def _is_disconnect(exc: BaseException) -> bool:
-    return isinstance(exc, (_ClientDisconnected, OSError))
+    """A socket's error, or what waitress raises from a write to a connection its client closed
+    (imported here, on a failed write: ``import webapp`` loads no server until it serves)."""
+    if isinstance(exc, OSError):
+        return True
+    try:
+        from waitress.channel import ClientDisconnected
+    except ImportError:
+        return False
+    return isinstance(exc, ClientDisconnected)
 
 
 class SSEPump:
