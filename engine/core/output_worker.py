@@ -9,11 +9,11 @@ tick's forward runs with it released (as every kernel does), so the loop costs t
 a hand-off instead of its run.
 
 The one thing a deferred loop finds that the tick did not know is a stop string. Such a row ends
-one tick late: the worker records its final text, the engine thread (``take``, after the next
-tick's update) finishes the sequence, puts that final event (the text it would have put a tick
-earlier) and drops the token the late tick computed for it, so the output is the same event for
-event. vLLM's async scheduling makes the same trade. A row's exception is recorded likewise and
-fails its request on the engine thread.
+one tick late: the worker records its final text; the engine thread (``join``, then
+EngineCore._apply_deferred after the next tick's update) finishes the sequence, puts that final
+event (the text it would have put a tick earlier) and drops the token the late tick computed for
+it, so the output is the same event for event. vLLM's async scheduling makes the same trade. A
+row's exception is recorded likewise and fails its request on the engine thread.
 
 Invariant: the engine thread ``join``s before anything else touches a request's text pipeline or
 queue (the next tick's output, an abort, a failure, shutdown), so a request's events keep their

@@ -423,13 +423,11 @@ class EngineCore:
         runs = (self.spec.verify(out.spec_entries, logits, reqs, token_ids, row_logprobs)
                 if out.spec_entries else None)
         self.scheduler.update(out, token_ids)
-        if not token_ids:
-            if deferred is not None:
-                self._apply_deferred(deferred, out)
-            return
-        self.num_generated_tokens += len(token_ids)
         if deferred is not None:  # its late stops end before this tick's output (their new ids dropped)
             self._apply_deferred(deferred, out)
+        if not token_ids:
+            return
+        self.num_generated_tokens += len(token_ids)
         if out.is_decode_only and tick_reqs.is_plain:
             if (self._last_forward_s >= self.defer_min_forward_s and len(token_ids) >= self.defer_min_rows
                     and self.scheduler.num_ending == 0):
