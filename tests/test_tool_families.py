@@ -33,6 +33,7 @@ def family_tokenizer(vocab: str, template_file: str, special: tuple[str, ...] = 
 
 def reply(tok: Tokenizer, text: str, tools, **params):
     ids = tok.encode(text, add_special_tokens=False) + [tok.eos_token_ids[0]]
+    params.setdefault("temperature", 0)  # the script itself: an unseeded draw left it ~1e-4 a token
     with engine.Engine(ScriptedModel(ids, tok.vocab_size), tok, max_model_len=2048) as eng:
         done = eng.chat(ASK, SamplingParams(max_tokens=len(ids) + 2, **params), tools=tools)
         events = list(eng.stream_chat(ASK, SamplingParams(max_tokens=len(ids) + 2, **params), tools=tools))
