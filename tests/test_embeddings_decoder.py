@@ -70,10 +70,13 @@ def test_embedding_beside_generation(engines):
     assert text == alone.text
     assert eng.stats()["num_mixed_ticks"] > num_mixed  # the rows went into the stream's ticks
     # The same rows in a forward of another row count take other product routes (engine/models/routes.py)
-    # and other attention chunks, which round differently in float32: measured up to ~3e-5 per element.
+    # and other attention chunks, which round differently: measured up to ~3e-5 per element on a Zen 4,
+    # 1.1e-4 on an AMX Xeon (its table: 1-16 rows int16, which rounds the activations to 16 bits,
+    # 17-32 the float kernel, more oneDNN's float32). A real mix-up of rows moves the cosine by
+    # far more than the 1e-5 below.
     for k in range(4):
         got = vectors[k * len(TEXTS) : (k + 1) * len(TEXTS)]
-        np.testing.assert_allclose(got, alone_vectors, atol=1e-4, rtol=0)
+        np.testing.assert_allclose(got, alone_vectors, atol=5e-4, rtol=0)
         assert (np.sum(got * alone_vectors, axis=1) >= 0.99999).all()
 
 

@@ -264,3 +264,36 @@ def test_a_batch_shared_with_the_thread_pool_equals_its_rows_sampled_one_by_one(
         assert (rows[i] is None) == (one_rows[0] is None)
         if rows[i] is not None:
             assert rows[i] == one_rows[0]
+
+
+@pytest.mark.parametrize("layout", ["runs", "interleaved"])
+@pytest.mark.parametrize("num_threads", [2, 3])
+def test_rows_sharing_a_stream_draw_in_row_order_on_any_number_of_threads(layout, num_threads):
+    # A speculative proposal's verification rows draw from their request's one stream in row order
+    # (engine/core/speculative.py): those rows must not be split between threads, where the order of
+    # the draws (and the stream's state) would depend on which thread runs first. "runs": each stream's
+    # rows consecutive, as verification lays them out; "interleaved": a stream reappears after another.
+    from cext import cpu
+    rng = np.random.default_rng(7)
+    owners = [0, 0, 0, 0, 1, 1, 1, 2, 3, 3, 3, 3, 3, 4, 4] if layout == "runs" else [0, 1, 0, 1, 2, 0, 2, 1] * 2
+    vocab = 4000
+    logits = (rng.standard_normal((len(owners), vocab)) * 2).astype(np.float32)
+    params = [SamplingParams(temperature=1.0, seed=o) for o in owners]
+
+    def serial():
+        streams = {o: RandomStream(o) for o in set(owners)}
+        return [sample(torch.from_numpy(logits[i:i + 1].copy()), [params[i]], [streams[o]])[0][0]
+                for i, o in enumerate(owners)]
+
+    want = serial()
+    before, threshold = cpu.get_num_threads(), cpu.get_parallel_threshold()
+    try:
+        cpu.set_num_threads(num_threads)
+        cpu.set_parallel_threshold(0)  # every batch goes to the pool
+        for _ in range(30):  # a race shows in some repeats, not all
+            streams = {o: RandomStream(o) for o in set(owners)}
+            ids, _ = sample(torch.from_numpy(logits.copy()), params, [streams[o] for o in owners])
+            assert ids == want
+    finally:
+        cpu.set_num_threads(before)
+        cpu.set_parallel_threshold(threshold)

@@ -448,14 +448,19 @@ typedef struct {
     sk_result *results;
     int process_only;
     int rc;  /* the first error any thread met (SK_OK: none) */
+    const int64_t *run_starts;  /* items are runs of rows [run_starts[i], run_starts[i + 1]); NULL: rows */
 } SampleJob;
 
-/* Rows [begin, end) on this thread, with this thread's scratch (cpu_parallel_for's range function). */
+/* Items [begin, end) on this thread, with this thread's scratch (cpu_parallel_for's range function). */
 static void sample_range(const void *args, int64_t begin, int64_t end, float *unused) {
     (void)unused;
     SampleJob *job = (SampleJob *)args;
     Scratch *s = scratch_for(job->vocab);
     int rc = s == NULL ? SK_NO_MEMORY : SK_OK;
+    if (job->run_starts != NULL) {
+        begin = job->run_starts[begin];
+        end = job->run_starts[end];
+    }
     for (int64_t i = begin; i < end && rc == SK_OK; i++)
         rc = sample_row(job->logits + i * job->vocab, job->vocab, &job->rows[i], &job->results[i], s,
                         job->process_only);
@@ -466,19 +471,61 @@ static void sample_range(const void *args, int64_t begin, int64_t end, float *un
 }
 
 /* A batch of at least this many rows is shared with the thread pool: a row is an O(vocab) read of
- * memory (196 KB at a 49k vocabulary, ~15 us from L3 at batch 64), and rows are independent (each
- * draws from its own request's stream), so the result is the same on any number of threads. */
+ * memory (196 KB at a 49k vocabulary, ~15 us from L3 at batch 64). Rows of different streams are
+ * independent; rows drawing from one stream (a speculative proposal's verification rows) must
+ * draw in row order on one thread: the pool's items are then runs of consecutive rows of one
+ * stream, so the result is the same on any number of threads. */
 #define SK_PARALLEL_ROWS 4
+
+static int by_pointer(const void *a, const void *b) {
+    uintptr_t x = (uintptr_t)*(void *const *)a, y = (uintptr_t)*(void *const *)b;
+    return (x > y) - (x < y);
+}
+
+/* Runs of consecutive rows with one stream (a row without a stream is a run of its own) into
+ * starts[0..R] (R + 1 entries); -1 when a stream reappears after another (the rows run serially
+ * then), -2 when out of memory. */
+static int64_t stream_runs(const sk_row *rows, int64_t num_rows, int64_t *starts) {
+    int64_t num_runs = 0;
+    for (int64_t i = 0; i < num_rows; i++)
+        if (i == 0 || rows[i].rng == NULL || rows[i].rng != rows[i - 1].rng) starts[num_runs++] = i;
+    starts[num_runs] = num_rows;
+    void **seen = malloc((size_t)num_runs * sizeof(void *));
+    if (seen == NULL) return -2;
+    int64_t n = 0;
+    for (int64_t r = 0; r < num_runs; r++)
+        if (rows[starts[r]].rng != NULL) seen[n++] = rows[starts[r]].rng;
+    qsort(seen, (size_t)n, sizeof(void *), by_pointer);
+    int64_t result = num_runs;
+    for (int64_t j = 1; j < n; j++)
+        if (seen[j] == seen[j - 1]) result = -1;
+    free(seen);
+    return result;
+}
 
 int sk_sample_rows(float *logits, int64_t num_rows, int64_t vocab, const sk_row *rows, sk_result *results,
                    int process_only) {
-    SampleJob job = {logits, vocab, rows, results, process_only, SK_OK};
-    if (num_rows >= SK_PARALLEL_ROWS) {
-        if (cpu_parallel_for(sample_range, &job, num_rows, num_rows * vocab, 0) != CPU_OK) return SK_NO_MEMORY;
-    } else {
+    SampleJob job = {logits, vocab, rows, results, process_only, SK_OK, NULL};
+    if (num_rows < SK_PARALLEL_ROWS) {
         sample_range(&job, 0, num_rows, NULL);
+        return job.rc;
     }
-    return job.rc;
+    int64_t *starts = malloc((size_t)(num_rows + 1) * sizeof(int64_t));
+    if (starts == NULL) return SK_NO_MEMORY;
+    int64_t num_runs = stream_runs(rows, num_rows, starts);
+    int rc = CPU_OK;
+    if (num_runs == -2) {
+        rc = CPU_NO_MEMORY;
+    } else if (num_runs < 0) {
+        sample_range(&job, 0, num_rows, NULL);
+    } else if (num_runs == num_rows) {
+        rc = cpu_parallel_for(sample_range, &job, num_rows, num_rows * vocab, 0);
+    } else {
+        job.run_starts = starts;
+        rc = cpu_parallel_for(sample_range, &job, num_runs, num_rows * vocab, 0);
+    }
+    free(starts);
+    return rc != CPU_OK ? SK_NO_MEMORY : job.rc;
 }
 
 int sk_logprob_rows(const float *logits, int64_t num_rows, int64_t vocab, const int64_t *target_ids,
