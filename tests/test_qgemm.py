@@ -318,6 +318,9 @@ ROUTE_NEEDS = {"float": ("avx2", "AVX2"), "amx": ("amx_bf16", "AMX bf16")}
 def _weights(kind: str, w: torch.Tensor):
     if kind == "int4":
         return Int4Weight.from_dense(w)
+    if kind == "int4_half":  # fp16 scales and mins, as Q4_0/Q4_1 files give
+        weight = Int4Weight.from_dense(w)
+        return Int4Weight(weight.packed, weight.scales.half().float(), weight.mins.half().float())
     if kind == "q4_k":  # K a multiple of 256: the super-block layout
         return q4_k_weight(torch.Generator().manual_seed(6), w.shape[0], w.shape[1])
     if kind == "int8":
@@ -386,7 +389,7 @@ def test_blas_route_in_weight_slices_through_one_scratch(slice_floats, monkeypat
             torch.testing.assert_close(layer.run(x, "blas").double(), expected, atol=1e-4, rtol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["int4", "int5", "int8", "q4_k"])
+@pytest.mark.parametrize("kind", ["int4", "int4_half", "int5", "int8", "q4_k"])
 def test_dequantize_to_bfloat16_rounds_like_torch(variant, kind):
     w = torch.randn(37, 256, generator=torch.Generator().manual_seed(2)) * 0.05
     linear = Linear(_weights(kind, w))

@@ -42,12 +42,18 @@ static inline __m256 QG_FN(q4_load8)(const uint8_t *p, int64_t b, int half) {
     return _mm256_loadu_ps((const float *)p + b);
 }
 
+/* block_scale with the F16C conversion. */
 static inline float QG_FN(block_scale_f16c)(const uint8_t *row, int64_t nb, int64_t b,
                                                                           int half, int which) {
+    uint16_t h;
     if (half == QG_SCALES_F16) {
-        uint16_t h;
         memcpy(&h, row + (which * nb + b) * 2, 2);
         return _cvtsh_ss(h);
+    }
+    if (half == QG_SCALES_SUPER) {
+        const uint8_t *group = row + which * q4_scale_bytes(nb, half) + b / 8 * 10;
+        memcpy(&h, group, 2);
+        return _cvtsh_ss(h) * (float)group[2 + b % 8];
     }
     return block_scale(row, nb, b, half, which);
 }
@@ -400,6 +406,44 @@ QG_ALWAYS_INLINE static inline void QG_FN(store16)(__m256i c, __m256 d, __m256 m
     _mm256_storeu_si256((__m256i *)((uint16_t *)out + at), packed);
 }
 
+#if QG_FLANES == 16
+/* 16 values c * d + m (multiply, then add: the definition's rounding) -> out at `at`, float32 or
+ * bfloat16 rounded to nearest even as store16 does. */
+QG_ALWAYS_INLINE static inline void QG_FN(store16_wide)(__m512i c, __m512 d, __m512 m, void *out, int64_t at,
+                                                        int out_dtype) {
+    const __m512 v = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(c), d), m);
+    if (out_dtype == DT_FLOAT32) {
+        _mm512_storeu_ps((float *)out + at, v);
+        return;
+    }
+    __m512i u = _mm512_castps_si512(v);
+    const __m512i r = _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                                       _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)));
+    u = _mm512_srli_epi32(_mm512_add_epi32(u, r), 16);
+    _mm256_storeu_si256((__m256i *)((uint16_t *)out + at), _mm512_cvtepi32_epi16(u));
+}
+
+/* One Q4 row (no high bits): each pair's 16 words widened to 16 int32 lanes once, its four runs of
+ * 16 codes shifted out of them, each block's scale and min read once. */
+static void QG_FN(dequantize_q4_row)(const DqArgs *a, const uint8_t *row, int64_t nb, int64_t at) {
+    const uint8_t *codes = row + q4_codes_offset(nb, a->half, a->has_mins);
+    const __m512i nibble = _mm512_set1_epi32(0x0F);
+    for (int64_t pair = 0; pair < nb / 2; pair++) {
+        const __m512i z = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(codes + pair * 32)));
+        const int64_t b = 2 * pair, o = at + pair * 2 * QK_BLOCK;
+        const __m512 d0 = _mm512_set1_ps(QG_FN(block_scale_f16c)(row, nb, b, a->half, 0));
+        const __m512 d1 = _mm512_set1_ps(QG_FN(block_scale_f16c)(row, nb, b + 1, a->half, 0));
+        const __m512 m0 = a->has_mins ? _mm512_set1_ps(QG_FN(block_scale_f16c)(row, nb, b, a->half, 1)) : _mm512_setzero_ps();
+        const __m512 m1 = a->has_mins ? _mm512_set1_ps(QG_FN(block_scale_f16c)(row, nb, b + 1, a->half, 1))
+                                      : _mm512_setzero_ps();
+        QG_FN(store16_wide)(_mm512_and_si512(z, nibble), d0, m0, a->out, o, a->out_dtype);
+        QG_FN(store16_wide)(_mm512_and_si512(_mm512_srli_epi32(z, 4), nibble), d0, m0, a->out, o + 16, a->out_dtype);
+        QG_FN(store16_wide)(_mm512_and_si512(_mm512_srli_epi32(z, 8), nibble), d1, m1, a->out, o + 32, a->out_dtype);
+        QG_FN(store16_wide)(_mm512_srli_epi32(z, 12), d1, m1, a->out, o + 48, a->out_dtype);
+    }
+}
+#endif
+
 /* Output rows first + [i0, i1) of a dequantize call (DqArgs) -> out rows [i0, i1), elements in order. */
 static void QG_FN(dequantize_range)(const void *p, int64_t i0, int64_t i1, float *scratch) {
     (void)scratch;
@@ -407,6 +451,12 @@ static void QG_FN(dequantize_range)(const void *p, int64_t i0, int64_t i1, float
     const int64_t K = a->num_cols, nb = K / QK_BLOCK;
     for (int64_t i = i0; i < i1; i++) {
         const int64_t n = a->first + i, at = i * K;
+#if QG_FLANES == 16
+        if (a->format == QG_Q4) {
+            QG_FN(dequantize_q4_row)(a, a->w + n * q4_row_bytes(nb, a->half, 0, a->has_mins), nb, at);
+            continue;
+        }
+#endif
         if (a->format == QG_Q8) {
             const int8_t *row = a->w8 + n * K;
             const uint8_t *sc = a->scales + n * nb * (a->half ? 2 : 4);
