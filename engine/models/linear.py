@@ -92,15 +92,12 @@ KERNEL_BLOCK_ROWS = 256
 INT_KERNEL_MAX_ROWS = 16  # without AVX2 there is no float path: the scalar kernels up to here
 # The kernels' layout codes (cext/csrc/qgemm.h's QG_*; tests/test_qgemm.py checks they agree).
 Q4, Q5, Q8, HALF, NO_MINS, ROUTE_INT, ROUTE_FLOAT, SUPER = 0, 1, 2, 4, 8, 16, 32, 64
+AMX_ROWS = 1024  # output rows dequantized to bfloat16 at once on the amx route (1.8 MB at K = 896)
 # float32 elements of a weight dequantized at once on the blas route (16 MB: all of a SmolLM2
 # layer's weight in one product, Qwen2.5-0.5B's gate/up in 3), into a per-thread scratch reused
 # by every call: a fresh tensor per call cost more than the dequantization (page faults; 256 rows
 # at 2 threads, load ~15: qkv 47 ms per call against 23 ms, docs/performance.md)
 DEQUANT_FLOATS = 1 << 22
-# The amx route dequantizes to bfloat16 into the same scratch: 2 * DEQUANT_FLOATS weights at once
-# (SmolLM2's every layer, Qwen2.5-0.5B's gate/up in 2), one oneDNN product per piece. Pieces of
-# 1,024 rows written into a float32 output cost SmolLM2's gate_up at 256 rows 5.7 ms against 2.2
-# in one piece (the strided bfloat16 -> float32 copies; AMX Xeon, 1 thread, docs/performance.md).
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 
@@ -372,22 +369,20 @@ class Linear:
         return y.to(x.dtype)
 
     def _bf16_product(self, x: torch.Tensor) -> torch.Tensor:
-        """The weights dequantized to bfloat16 (this thread's scratch, 2 * DEQUANT_FLOATS at a
-        time) and oneDNN's bfloat16 matmul (AMX tiles): x, W and y rounded to bfloat16, float32 sums."""
+        """The weights dequantized to bfloat16 AMX_ROWS output rows at a time and oneDNN's
+        bfloat16 matmul (AMX tiles): x, W and y rounded to bfloat16, float32 sums."""
+        num_rows = x.shape[0]
         xb = x.to(torch.bfloat16)
-        K, N = self.in_features, self.out_features
-        chunk = min(N, max(1, 2 * DEQUANT_FLOATS // K))
-        scratch = _scratch_floats(-(-chunk * K // 2)).view(torch.bfloat16)
+        y = torch.empty(num_rows, self.out_features, dtype=torch.float32)  # [T, N]
+        chunk = min(AMX_ROWS, self.out_features)
+        w = torch.empty(chunk, self.in_features, dtype=torch.bfloat16)  # [chunk, K]
         scales = 0 if self._scales is None else self._scales.data_ptr()
-        parts = []
-        for first in range(0, N, chunk):
-            count = min(chunk, N - first)
-            w = scratch[: count * K].view(count, K)
-            qgemm.dequantize(self.layout, self._rows.data_ptr(), scales, first, count, K, w.data_ptr(),
-                             qgemm.BFLOAT16)
+        for first in range(0, self.out_features, chunk):
+            count = min(chunk, self.out_features - first)
+            qgemm.dequantize(self.layout, self._rows.data_ptr(), scales, first, count, self.in_features,
+                             w.data_ptr(), qgemm.BFLOAT16)
             # bfloat16 out: torch's CPU mm has no float32 output for bfloat16 inputs
-            parts.append(torch.mm(xb, w.t()))
-        y = (parts[0] if len(parts) == 1 else torch.cat(parts, 1)).float()  # [T, N]
+            y[:, first:first + count] = torch.mm(xb, w[:count].t())
         if self.bias is not None:
             y += self.bias
         return y.to(x.dtype)
