@@ -19,6 +19,7 @@ void sk_mt_seed(sk_mt19937 *mt, uint64_t seed) {
     for (int j = 1; j < 624; j++)
         mt->state[j] = 1812433253u * (mt->state[j - 1] ^ (mt->state[j - 1] >> 30)) + (uint32_t)j;
     mt->index = 624;
+    mt->claim = 0;
 }
 
 static uint32_t mt_next(sk_mt19937 *mt) {
@@ -477,30 +478,25 @@ static void sample_range(const void *args, int64_t begin, int64_t end, float *un
  * stream, so the result is the same on any number of threads. */
 #define SK_PARALLEL_ROWS 4
 
-static int by_pointer(const void *a, const void *b) {
-    uintptr_t x = (uintptr_t)*(void *const *)a, y = (uintptr_t)*(void *const *)b;
-    return (x > y) - (x < y);
-}
-
 /* Runs of consecutive rows with one stream (a row without a stream is a run of its own) into
- * starts[0..R] (R + 1 entries); -1 when a stream reappears after another (the rows run serially
- * then), -2 when out of memory. */
+ * starts[0..R] (R + 1 entries) -> R; -1 when a stream reappears after another (the rows run
+ * serially then). Each run stamps its stream with this call's number, so a reappearance shows in
+ * one pass. */
 static int64_t stream_runs(const sk_row *rows, int64_t num_rows, int64_t *starts) {
-    int64_t num_runs = 0;
-    for (int64_t i = 0; i < num_rows; i++)
-        if (i == 0 || rows[i].rng == NULL || rows[i].rng != rows[i - 1].rng) starts[num_runs++] = i;
+    static uint64_t calls;
+    const uint64_t call = __atomic_add_fetch(&calls, 1, __ATOMIC_RELAXED);
+    int64_t num_runs = 0, result = 0;
+    for (int64_t i = 0; i < num_rows; i++) {
+        sk_mt19937 *rng = rows[i].rng;
+        if (i > 0 && rng != NULL && rng == rows[i - 1].rng) continue;
+        starts[num_runs++] = i;
+        if (rng != NULL) {
+            if (rng->claim == call) result = -1;
+            rng->claim = call;
+        }
+    }
     starts[num_runs] = num_rows;
-    void **seen = malloc((size_t)num_runs * sizeof(void *));
-    if (seen == NULL) return -2;
-    int64_t n = 0;
-    for (int64_t r = 0; r < num_runs; r++)
-        if (rows[starts[r]].rng != NULL) seen[n++] = rows[starts[r]].rng;
-    qsort(seen, (size_t)n, sizeof(void *), by_pointer);
-    int64_t result = num_runs;
-    for (int64_t j = 1; j < n; j++)
-        if (seen[j] == seen[j - 1]) result = -1;
-    free(seen);
-    return result;
+    return result < 0 ? result : num_runs;
 }
 
 int sk_sample_rows(float *logits, int64_t num_rows, int64_t vocab, const sk_row *rows, sk_result *results,
@@ -514,9 +510,7 @@ int sk_sample_rows(float *logits, int64_t num_rows, int64_t vocab, const sk_row 
     if (starts == NULL) return SK_NO_MEMORY;
     int64_t num_runs = stream_runs(rows, num_rows, starts);
     int rc = CPU_OK;
-    if (num_runs == -2) {
-        rc = CPU_NO_MEMORY;
-    } else if (num_runs < 0) {
+    if (num_runs < 0) {
         sample_range(&job, 0, num_rows, NULL);
     } else if (num_runs == num_rows) {
         rc = cpu_parallel_for(sample_range, &job, num_rows, num_rows * vocab, 0);

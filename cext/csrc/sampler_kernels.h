@@ -22,6 +22,7 @@ enum {
 typedef struct {
     uint32_t state[624];
     int index;
+    uint64_t claim;  /* the sk_sample_rows call that last met this stream (0: none) */
 } sk_mt19937;
 
 void sk_mt_seed(sk_mt19937 *mt, uint64_t seed);
