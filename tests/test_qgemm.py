@@ -290,7 +290,7 @@ def test_exact_mode_and_rows_beyond_the_kernels_use_the_dequantized_weight():
 
 
 def test_layout_codes_agree_with_the_kernels():
-    names = ("Q4", "Q5", "Q8", "HALF", "NO_MINS", "ROUTE_INT", "ROUTE_FLOAT", "SUPER")
+    names = ("Q4", "Q5", "Q8", "HALF", "NO_MINS", "ROUTE_INT", "ROUTE_FLOAT", "SUPER", "ROUTE_AMX")
     assert [getattr(linear_module, n) for n in names] == [getattr(qgemm, n) for n in names]
     with pytest.raises(ValueError, match="unknown layout"):
         qgemm.matmul(3, 0, 0, 1, 64, 0, 0, 1, 0, 0, 1, qgemm.FLOAT32)
@@ -312,7 +312,7 @@ def test_bad_width_is_an_error_not_a_read_past_the_row():
 
 # ----- routes (engine.models.routes): every route this CPU has, against float64 -----
 
-ROUTE_NEEDS = {"float": ("avx2", "AVX2"), "amx": ("amx_bf16", "AMX bf16")}
+ROUTE_NEEDS = {"float": ("avx2", "AVX2"), "amx": ("amx_bf16", "AMX bf16"), "amx_int": ("amx_int8", "AMX int8")}
 
 
 def _weights(kind: str, w: torch.Tensor):
@@ -328,22 +328,23 @@ def _weights(kind: str, w: torch.Tensor):
     return random_int5(torch.Generator().manual_seed(5), w.shape[0], w.shape[1], half=True, is_q5_0=False)
 
 
-@pytest.mark.parametrize("route", ["int16", "float", "amx", "blas"])
+@pytest.mark.parametrize("route", ["int16", "float", "amx_int", "amx", "blas"])
 @pytest.mark.parametrize("kind", ["int4", "int5", "int8", "q4_k"])
 @pytest.mark.parametrize("num_rows", [1, 7, 33])
 def test_every_route_matches_the_float64_product(route, kind, num_rows):
-    """int16: the emulated integer definition; float and blas: the exact float32 product;
+    """int16 and amx_int: the emulated integer definition; float and blas: the exact float32 product;
     amx: bfloat16 x, W and y with float32 sums, so |err| <= 2^-8 (|x| @ |W|.T) + 2^-8 |y|."""
     if route in ROUTE_NEEDS and ROUTE_NEEDS[route][0] not in cpu.features():
         pytest.skip(f"CPU lacks {ROUTE_NEEDS[route][1]}")
-    w, x, bias = _inputs(num_rows, num_rows, 45, 256 if kind == "q4_k" else 192, torch.float32)
+    num_out = 48 if route == "amx_int" else 45  # amx_int: outputs in strips of 16
+    w, x, bias = _inputs(num_rows, num_rows, num_out, 256 if kind == "q4_k" else 192, torch.float32)
     weight = _weights(kind, w)
     linear = Linear(weight, bias)
     assert linear.can_run(route, num_rows)
     y = linear.run(x, route)
     dense = weight.dequantize().double()
     exact = x.double() @ dense.T + bias.double()
-    if route == "int16":
+    if route in ("int16", "amx_int"):
         emulated = emulate_int8(x, weight) if kind == "int8" else emulate_int4(x, weight, linear.half)
         torch.testing.assert_close(y.double(), emulated + bias.double(), atol=1e-4, rtol=1e-5)
     elif route == "amx":
@@ -354,7 +355,42 @@ def test_every_route_matches_the_float64_product(route, kind, num_rows):
         torch.testing.assert_close(y.double(), exact, atol=1e-4, rtol=1e-5)
 
 
-@pytest.mark.parametrize("route", ["int16", "float"])
+@pytest.fixture(params=[1, 2], ids=lambda t: f"{t}t")
+def amx_int(request):
+    """The amx_int route on one thread or split across two (every call split)."""
+    if "amx_int8" not in cpu.features():
+        pytest.skip("CPU lacks AMX int8 (the route's definition is the int16 route's: emulate_int4/int8)")
+    old_threads, old_threshold = cpu.get_num_threads(), cpu.get_parallel_threshold()
+    cpu.set_num_threads(request.param)
+    cpu.set_parallel_threshold(0)
+    yield request.param
+    cpu.set_num_threads(old_threads)
+    cpu.set_parallel_threshold(old_threshold)
+
+
+@SETTINGS
+@given(num_rows=st.integers(1, 70), strips=st.integers(1, 5),
+       kind=st.sampled_from(["int4", "int4_half", "int5", "int8", "q4_k"]),
+       blocks=st.sampled_from([2, 8, 28]), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       seed=st.integers(0, 2 ** 16))
+def test_amx_int_route_is_the_integer_routes_definition(amx_int, num_rows, strips, kind, blocks, dtype, seed):
+    """amx_int (cext/csrc/qgemm_amx.h) sums the int16 route's integers: the emulated definition
+    for every layout, row counts that leave a partial 16-row tile, odd and even numbers of
+    16-output strips (pairs and a lone strip), bfloat16 in and out; and it equals the int16
+    route to float32 rounding (the two add the blocks' scaled sums in other orders)."""
+    num_cols = 256 if kind == "q4_k" else GROUP_SIZE * blocks
+    w, x, bias = _inputs(seed, num_rows, 16 * strips, num_cols, dtype)
+    weight = _weights(kind, w)
+    linear = Linear(weight, bias)
+    y = linear.run(x, "amx_int")
+    assert y.dtype == dtype and y.shape == (num_rows, 16 * strips)
+    emulated = emulate_int8(x, weight) if kind == "int8" else emulate_int4(x, weight, linear.half)
+    _check(y, emulated + bias.double(), dtype)
+    _check(y, linear.run(x, "int16").double(), dtype)
+    assert not linear.row_slice(16 * strips - 8).can_run("amx_int", num_rows)  # outputs not in strips of 16
+
+
+@pytest.mark.parametrize("route", ["int16", "float", "amx_int"])
 @pytest.mark.parametrize("kind", ["int4", "int8"])
 def test_products_beyond_one_kernel_block_are_run_in_row_blocks(route, kind, monkeypatch):
     """More rows than KERNEL_BLOCK_ROWS (made 16 here): the C routes run block after block of
@@ -362,12 +398,12 @@ def test_products_beyond_one_kernel_block_are_run_in_row_blocks(route, kind, mon
     if route in ROUTE_NEEDS and ROUTE_NEEDS[route][0] not in cpu.features():
         pytest.skip(f"CPU lacks {ROUTE_NEEDS[route][1]}")
     monkeypatch.setattr(linear_module, "KERNEL_BLOCK_ROWS", 16)
-    w, x, bias = _inputs(53, 53, 45, 192, torch.float32)
+    w, x, bias = _inputs(53, 53, 48, 192, torch.float32)
     x = torch.cat([x, torch.randn(53, 5)], dim=1)[:, :192]  # strided rows
     weight = _weights(kind, w)
     layer = Linear(weight, bias)
     y = layer.run(x, route)
-    if route == "int16":
+    if route in ("int16", "amx_int"):
         expected = emulate_int8(x, weight) if kind == "int8" else emulate_int4(x, weight, layer.half)
     else:
         expected = x.double() @ weight.dequantize().double().T
@@ -484,6 +520,7 @@ def test_measured_routes_are_ones_this_cpu_runs():
     best = routes.measure(layer, available, grid=(1, 64), rounds=1)
     assert len(best) == 2 and set(best) <= set(available)
     assert ("amx" in available) == ("amx_bf16" in cpu.features())
+    assert ("amx_int" in available) == ("amx_int8" in cpu.features())
     part = layer.row_slice(40)
     x = torch.randn(3, 128)
     torch.testing.assert_close(part(x), layer(x)[:, :40], atol=0, rtol=0)

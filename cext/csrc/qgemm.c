@@ -236,6 +236,14 @@ typedef struct {
 #define QG_FHSUM(v) _mm512_reduce_add_ps(v)
 #include "qgemm_x86.h"
 #pragma GCC pop_options
+
+#if defined(__GNUC__) && (__GNUC__ >= 11 || defined(__clang__))
+#define QG_HAVE_AMX 1
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16,avx2,fma,f16c,amx-tile,amx-int8")
+#include "qgemm_amx.h"
+#pragma GCC pop_options
+#endif
 #endif
 
 /* ---- entry points ---- */
@@ -250,6 +258,13 @@ static int run(QArgs *a, const void *x, int64_t x_stride, int is_q4, int route) 
     const int64_t M = a->num_rows, K = a->num_cols, nb = K / QK_BLOCK;
     if (K <= 0 || K % (is_q4 ? 2 * QK_BLOCK : QK_BLOCK) != 0) return QG_BAD_LENGTH;
     if (M <= 0 || a->num_out <= 0) return QG_OK;
+    if (route == QG_ROUTE_AMX) {
+#ifdef QG_HAVE_AMX
+        return run_amx(a, x, x_stride, is_q4);
+#else
+        return QG_BAD_LAYOUT;
+#endif
+    }
     CpuRangeFn fn = is_q4 ? q4_range_scalar : q8_range_scalar;
     int use_float = 0;
 #ifdef QG_HAVE_X86
@@ -293,12 +308,12 @@ int qg_matmul(int layout, const void *x, int64_t x_stride, int64_t num_rows, int
     if (format == QG_Q8) {
         QArgs a = {NULL, NULL, NULL, NULL, num_rows, num_cols, NULL, half, 0, 0, (const int8_t *)w,
                    (const uint8_t *)scales, bias, y, y_stride, dtype, num_out};
-        return run(&a, x, x_stride, 0, layout & (QG_ROUTE_INT | QG_ROUTE_FLOAT));
+        return run(&a, x, x_stride, 0, layout & QG_ROUTE_MASK);
     }
     if (format != QG_Q4 && format != QG_Q5) return QG_BAD_LAYOUT;
     QArgs a = {NULL, NULL, NULL, NULL, num_rows, num_cols, (const uint8_t *)w, half, format == QG_Q5,
                !(layout & QG_NO_MINS), NULL, NULL, bias, y, y_stride, dtype, num_out};
-    return run(&a, x, x_stride, 1, layout & (QG_ROUTE_INT | QG_ROUTE_FLOAT));
+    return run(&a, x, x_stride, 1, layout & QG_ROUTE_MASK);
 }
 
 int qg_dequantize(int layout, const void *w, const void *scales, int64_t first, int64_t count,

@@ -58,6 +58,10 @@ enum { QG_Q4 = 0, QG_Q5 = 1, QG_Q8 = 2 };
  * float route from there (the float route needs AVX2: without it the integer route runs). */
 #define QG_ROUTE_INT 16
 #define QG_ROUTE_FLOAT 32
+/* The integer route's sums on AMX-INT8 tiles (qgemm_amx.h): needs AMX-INT8 and N a multiple of
+ * 16, else QG_BAD_LAYOUT. */
+#define QG_ROUTE_AMX 128
+#define QG_ROUTE_MASK (QG_ROUTE_INT | QG_ROUTE_FLOAT | QG_ROUTE_AMX)
 
 /* Error codes (as cext.ops'): K not a multiple of the layout's block, a layout unknown, no memory. */
 enum { QG_OK = 0, QG_BAD_LENGTH = 4, QG_NO_MEMORY = 5, QG_BAD_LAYOUT = 6 };

@@ -5,6 +5,10 @@ A quantized layer's product of M rows can run as:
   32, integer dot products: vpdpwssd on AVX-512 VNNI, madd on AVX2);
 - ``float``: the C kernels' float route (each pass's weight rows decoded once to float32,
   FMAs 16 or 8 lanes wide): the exact float32 product of the dequantized weights;
+- ``amx_int``: the int16 route's integer sums on AMX-INT8 tiles (cext/csrc/qgemm_amx.h: each
+  activation code split into a signed high and an unsigned low byte, one tile pass per block
+  of 32, the block's scale applied in float32 after it): exact as int16 is, where the CPU has
+  AMX-INT8 and the layer's outputs are a multiple of 16;
 - ``amx``: the weights dequantized to bfloat16 a slice of rows at a time (C, all threads)
   and oneDNN's bfloat16 matmul through torch, which runs on AMX tiles where the CPU has them:
   bfloat16 weights, activations and outputs, float32 sums (not exact: see ``APPROXIMATE``;
@@ -17,6 +21,7 @@ on the quiet 2-vCPU Xeon) and keeps the fastest per row count; the table is cach
 (CPU model, features, threads, torch) in the user cache dir, so later loads skip the timing;
 a table measured while the load average exceeded the cores is measured again by the first
 load on a quieter machine.
+``ENGINE_AMX_INT=0`` leaves the amx_int route out of the table.
 ``ENGINE_ROUTES=fixed`` keeps the fixed thresholds (engine.models.linear),
 ``ENGINE_ROUTES=recalibrate`` measures again, and ``ENGINE_ROUTES=fastest`` takes the measured
 route at every row count, 2-16 included (see ``same_route_up_to`` for what that gives up).
@@ -36,21 +41,25 @@ import torch
 log = logging.getLogger("engine")
 
 ROW_GRID = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-EXACT_ROUTES = ("int16", "float", "blas")  # int16: activations within 2^-15 per element
+# int16 and amx_int: activations within 2^-15 per element
+EXACT_ROUTES = ("int16", "float", "amx_int", "blas")
 APPROXIMATE = ("amx",)  # bfloat16 weights and activations: 8 mantissa bits
-CACHE_VERSION = 5  # 5: proxies sized by work (4 ran decode-sized products on 256 rows)
+CACHE_VERSION = 6  # 6: the amx_int route (5: proxies sized by work)
 PROXY_ROWS = 256  # fewest output rows a shape is timed on
 PROXY_MACS = 1 << 23  # and enough rows for this many multiply-adds (a decode row: whole layers)
 MIN_TIMED_SECONDS = 0.002  # a timing repeats its call until it lasts this long
 
 
 def available_routes(allow_approximate: bool) -> tuple[str, ...]:
-    """The routes this CPU and build can run (amx: the CPU has AMX bf16 and torch's oneDNN)."""
+    """The routes this CPU and build can run (amx_int: the CPU has AMX-INT8; amx: AMX bf16 and
+    torch's oneDNN)."""
     try:
         from cext import cpu
     except ImportError:
         return ("blas",)
     routes = ["int16"] + (["float"] if cpu.get_isa() != "baseline" else []) + ["blas"]
+    if cpu.allows("amx_int8") and os.environ.get("ENGINE_AMX_INT", "1") != "0":
+        routes.append("amx_int")
     if allow_approximate and cpu.allows("amx_bf16") and torch.backends.mkldnn.is_available():
         routes.append("amx")
     return tuple(routes)
