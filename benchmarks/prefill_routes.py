@@ -4,7 +4,9 @@ measured route table, interleaved in one process (no llama.cpp needed).
 - before: ``cext.cpu.set_isa("avx2")`` (the AVX2 kernels) and the fixed row thresholds
   (engine.models.linear: the kernels up to 256 rows, then dequantize + float32 BLAS);
 - exact: the best ISA this CPU has (AVX-512 VNNI variants) and the exact routes measured at
-  load (engine.models.routes: int16 / float / blas per row count, the default);
+  load without AMX (engine.models.routes: int16 / float / blas per row count; ``ENGINE_AMX_INT=0``);
+- amx_int: the same with the amx_int route (int16's integer sums on AMX-INT8 tiles, exact as
+  int16 is) where the CPU has AMX-INT8: the default;
 - amx: the same with the amx route allowed (``ENGINE_AMX=1``: bfloat16 weights on AMX tiles).
 
 Each prompt is prefilled as the engine does by default, in chunks of ``--chunk`` tokens (the
@@ -17,6 +19,7 @@ average is printed beside the figures.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -41,7 +44,7 @@ def products(model):
             for p in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj) if p is not None]
 
 
-VARIANTS = ("before", "exact", "amx")
+VARIANTS = ("before", "exact", "amx_int", "amx")
 
 
 def set_variant(model, variant: str, tables: dict) -> None:
@@ -84,11 +87,16 @@ def main() -> None:
             continue
         model = load_model(path)
         layers = products(model) + [model.head_proj]
-        tables = {"exact": {id(p): list(p._route_best) for p in layers if p._route_best}}
+        tables = {"amx_int": {id(p): list(p._route_best) for p in layers if p._route_best}}
+        os.environ["ENGINE_AMX_INT"] = "0"
+        exact = routes.calibrate(products(model), False, args.threads)
+        del os.environ["ENGINE_AMX_INT"]
+        tables["exact"] = {id(p): list(p._route_best) for p in layers if p._route_best}
         amx = routes.calibrate(products(model), True, args.threads)
         tables["amx"] = {id(p): list(p._route_best) for p in layers if p._route_best}
         models[name] = (model, tables)
-        print(f"{name} exact routes: {routes.describe(model.product_routes)}")
+        print(f"{name} amx_int routes (the default): {routes.describe(model.product_routes)}")
+        print(f"{name} exact routes: {routes.describe(exact)}")
         print(f"{name} amx routes: {routes.describe(amx)}")
     gen = torch.Generator().manual_seed(0)
     prompts = {(name, n): torch.randint(100, models[name][0].vocab_size - 100, (n,), generator=gen).tolist()
@@ -109,7 +117,7 @@ def main() -> None:
                      *(f"{ratios[v]:.2f}x" for v in VARIANTS[1:])])
         results.append({"model": name, "tokens": n, "tok_s": stats, "ratios": ratios})
     env = environment()
-    columns = ["model", "prompt", "before tok/s", "exact tok/s", "amx tok/s", "exact/before", "amx/before"]
+    columns = ["model", "prompt", *(f"{v} tok/s" for v in VARIANTS), *(f"{v}/before" for v in VARIANTS[1:])]
     print_table(columns, rows,
                 title=f"prefill in {args.chunk}-token chunks, {args.threads} thread(s), medians (min-max) of "
                       f"{args.repeats}, CPU {', '.join(cpu.features())}")
