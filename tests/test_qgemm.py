@@ -559,23 +559,30 @@ def test_row_spans_take_the_route_of_their_own_class():
         assert torch.equal(layer(x[:6]), layer.run(x[:6], "float"))
 
 
-@pytest.mark.parametrize("kind", ["q4", "q5_0", "q5_1", "int8"])
-def test_a_row_takes_the_same_bits_in_a_product_of_any_row_count(variant, kind):
+@pytest.mark.parametrize("kind", ["q4", "q4_half", "q4_k", "q5_0", "q5_1", "int8"])
+@pytest.mark.parametrize("num_cols", [256, 896])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_takes_the_same_bits_in_a_product_of_any_row_count(variant, kind, num_cols, dtype):
     """The integer route sums each (weight row, activation row) in the same steps whatever the
-    product's row count (tiles of 1 or 2 rows, weights decoded per pass or kept in registers): a
-    decoding stream's numbers do not change with the streams beside it (engine.models.routes)."""
+    product's row count (tiles of 1 or 2 rows, weights decoded per pass or kept in registers,
+    AVX-512's two rows per 512-bit vector in groups of 4 and 2 rows): a decoding stream's numbers
+    do not change with the streams beside it (engine.models.routes). 896 inputs: 28 blocks, a
+    tail past the scales' 8-block vectors; a bias; bfloat16 in and out."""
+    if kind == "q4_k" and num_cols % 256:
+        num_cols = 768
     gen = torch.Generator().manual_seed(11)
-    num_out, num_cols = 13, 256
+    num_out = 13
+    w = torch.randn(num_out, num_cols, generator=gen) * 0.05
     if kind == "int8":
-        weight = Int8Weight.from_dense(torch.randn(num_out, num_cols, generator=gen) * 0.05)
+        weight = Int8Weight.from_dense(w)
     elif kind.startswith("q5"):
         weight = random_int5(gen, num_out, num_cols, half=True, is_q5_0=kind == "q5_0")
     else:
-        weight = Int4Weight.from_dense(torch.randn(num_out, num_cols, generator=gen) * 0.05)
-    linear = Linear(weight)
-    x = torch.randn(17, num_cols, generator=gen)
+        weight = _weights({"q4": "int4", "q4_half": "int4_half", "q4_k": "q4_k"}[kind], w)
+    linear = Linear(weight, torch.randn(num_out, generator=gen))
+    x = torch.randn(17, num_cols, generator=gen).to(dtype)
     if not linear.can_run("int16", 17):
         pytest.skip("no integer route on this ISA")
     alone = torch.cat([linear.run(x[i:i + 1], "int16") for i in range(17)])
-    for num_rows in (2, 3, 4, 5, 8, 16, 17):
+    for num_rows in (2, 3, 4, 5, 6, 7, 8, 16, 17):
         assert torch.equal(linear.run(x[:num_rows], "int16"), alone[:num_rows]), num_rows

@@ -291,9 +291,9 @@ static int run(QArgs *a, const void *x, int64_t x_stride, int is_q4, int route) 
         quantize_rows(x, x_stride, M, K, a->dtype, qx, dx, sx);
         a->qx = qx; a->dx = dx; a->sx = sx;
     }
-    /* scratch per worker: the pass's scales, then (Q4/Q5) its rows' decoded codes, QG_NR x K int16 */
-    const size_t floats = (size_t)(use_float ? QG_NR * K + 2 * nb
-                                             : QG_NR * QG_TR * nb + (is_q4 ? QG_NR * K / 2 : 0));
+    /* scratch per worker: the pass's weight scales and mins (QG_NR x nb each), its tiles' scales
+     * (QG_NR x QG_TR x nb), then its rows' decoded codes (QG_NR x K int16) */
+    const size_t floats = (size_t)(use_float ? QG_NR * K + 2 * nb : QG_NR * (QG_TR + 2) * nb + QG_NR * K / 2);
     int rc = cpu_parallel_for(fn, a, a->num_out, M * a->num_out * K, floats);
     free(buf);
     return rc;

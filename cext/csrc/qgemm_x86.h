@@ -79,13 +79,69 @@ QG_ALWAYS_INLINE static inline void QG_FN(q45_decode_pair)(
     }
 }
 
+/* A pass's QG_NR Q4 weight rows: their blocks' scales into wd [QG_NR][nb] and (with mins) their
+ * mins into wm [QG_NR][nb] as float32, once per pass (exact: fp16 values, or a fp16 group scale
+ * times a 6-bit integer). */
+static void QG_FN(q4_pass_scales)(const QArgs *a, const uint8_t *const *rows, float *wd, float *wm) {
+    const int64_t nb = a->num_cols / QK_BLOCK;
+    const int half = a->half;
+    for (int k = 0; k < QG_NR; k++) {
+        const uint8_t *d = rows[k], *m = rows[k] + q4_scale_bytes(nb, half);
+        int64_t b = 0;
+        for (; b + 8 <= nb; b += 8) {
+            _mm256_storeu_ps(wd + k * nb + b, QG_FN(q4_load8)(d, b, half));
+            if (a->has_mins) _mm256_storeu_ps(wm + k * nb + b, QG_FN(q4_load8)(m, b, half));
+        }
+        for (; b < nb; b++) { /* the tail (K = 896: 4 of 28 blocks) with F16C, not the portable conversion */
+            wd[k * nb + b] = QG_FN(block_scale_f16c)(rows[k], nb, b, half, 0);
+            if (a->has_mins) wm[k * nb + b] = QG_FN(block_scale_f16c)(rows[k], nb, b, half, 1);
+        }
+    }
+}
+
+/* The min term sum_b m_b * sx_b of a weight row (its mins wm [nb]) and an activation row (its
+ * block sums sx [nb]), in the one order every Q4 pass uses: 8 lanes over the 8-block groups,
+ * their sum, then the tail's FMAs. */
+QG_ALWAYS_INLINE static inline float QG_FN(min_term)(const float *wm, const float *sx, int64_t nb) {
+    __m256 mv = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 8 <= nb; b += 8) mv = _mm256_fmadd_ps(_mm256_loadu_ps(wm + b), _mm256_loadu_ps(sx + b), mv);
+    float mm = QG_FN(hsum)(mv);
+    for (; b < nb; b++) mm = _mm_cvtss_f32(_mm_fmadd_ss(_mm_set_ss(wm[b]), _mm_set_ss(sx[b]), _mm_set_ss(mm)));
+    return mm;
+}
+
+/* Activation row i against one Q4 weight row read straight from its bytes (a pass without
+ * q4_pass_scales: one or two activation rows): its blocks' scales d * dx into sc [nb] and
+ * the min term, with min_term's operations on the same values. */
+QG_ALWAYS_INLINE static inline float QG_FN(q4_row_scales)(const QArgs *a, const uint8_t *row, int64_t i, float *sc) {
+    const int64_t nb = a->num_cols / QK_BLOCK;
+    const int half = a->half;
+    const float *dx = a->dx + i * nb, *sx = a->sx + i * nb;
+    const uint8_t *d = row, *m = row + q4_scale_bytes(nb, half);
+    __m256 mv = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 8 <= nb; b += 8) {
+        _mm256_storeu_ps(sc + b, _mm256_mul_ps(QG_FN(q4_load8)(d, b, half), _mm256_loadu_ps(dx + b)));
+        if (a->has_mins) mv = _mm256_fmadd_ps(QG_FN(q4_load8)(m, b, half), _mm256_loadu_ps(sx + b), mv);
+    }
+    float mm = QG_FN(hsum)(mv);
+    for (; b < nb; b++) { /* the tail (K = 896: 4 of 28 blocks) with F16C, not the portable conversion */
+        sc[b] = QG_FN(block_scale_f16c)(row, nb, b, half, 0) * dx[b];
+        if (a->has_mins)
+            mm = _mm_cvtss_f32(_mm_fmadd_ss(_mm_set_ss(QG_FN(block_scale_f16c)(row, nb, b, half, 1)),
+                                            _mm_set_ss(sx[b]), _mm_set_ss(mm)));
+    }
+    return a->has_mins ? mm : 0.0f;
+}
+
 /* One pass: QG_NR weight rows x TR activation rows. The weights come decoded from `decoded`
  * ([QG_NR][K] int16, filled once per pass when there are more than QG_TR activation rows, so
  * the decode is not repeated for every pair of them) or, when it is NULL, straight from the
  * codes. */
 QG_ALWAYS_INLINE static inline void QG_FN(q4_tile)(
         const QArgs *a, int64_t n, int nr, int64_t i0, const int TR, const int HIGH, const uint8_t *const *rows,
-        float *scales, const int16_t *decoded) {
+        const float *wd, const float *wm, float *scales, const int16_t *decoded) {
     const int64_t K = a->num_cols, nb = K / QK_BLOCK;
     const int half = a->half;
     const int64_t pair_bytes = q4_pair_bytes(HIGH);
@@ -96,22 +152,18 @@ QG_ALWAYS_INLINE static inline void QG_FN(q4_tile)(
     for (int k = 0; k < QG_NR; k++) codes[k] = rows[k] + q4_codes_offset(nb, half, a->has_mins);
     for (int r = 0; r < TR; r++) {
         xrow[r] = a->qx + (i0 + r) * K;
-        const float *dx = a->dx + (i0 + r) * nb, *sx = a->sx + (i0 + r) * nb;
+        const float *dx = a->dx + (i0 + r) * nb;
         for (int k = 0; k < QG_NR; k++) {
-            const uint8_t *d = rows[k], *m = rows[k] + q4_scale_bytes(nb, half);
             float *sc = scales + (k * QG_TR + r) * nb;
-            __m256 mv = _mm256_setzero_ps();
-            int64_t b = 0;
-            for (; b + 8 <= nb; b += 8) {
-                _mm256_storeu_ps(sc + b, _mm256_mul_ps(QG_FN(q4_load8)(d, b, half), _mm256_loadu_ps(dx + b)));
-                if (a->has_mins) mv = _mm256_fmadd_ps(QG_FN(q4_load8)(m, b, half), _mm256_loadu_ps(sx + b), mv);
+            if (wd == NULL) {
+                macc[k][r] = QG_FN(q4_row_scales)(a, rows[k], i0 + r, sc);
+            } else {
+                int64_t b = 0;
+                for (; b + 8 <= nb; b += 8)
+                    _mm256_storeu_ps(sc + b, _mm256_mul_ps(_mm256_loadu_ps(wd + k * nb + b), _mm256_loadu_ps(dx + b)));
+                for (; b < nb; b++) sc[b] = wd[k * nb + b] * dx[b];
+                macc[k][r] = a->has_mins ? QG_FN(min_term)(wm + k * nb, a->sx + (i0 + r) * nb, nb) : 0.0f;
             }
-            float mm = QG_FN(hsum)(mv);
-            for (; b < nb; b++) { /* the tail (K = 896: 4 of 28 blocks) with F16C, not the portable conversion */
-                sc[b] = QG_FN(block_scale_f16c)(rows[k], nb, b, half, 0) * dx[b];
-                if (a->has_mins) mm += QG_FN(block_scale_f16c)(rows[k], nb, b, half, 1) * sx[b];
-            }
-            macc[k][r] = mm;
             acc[k][r] = _mm256_setzero_ps();
         }
     }
@@ -257,6 +309,81 @@ static void QG_FN(q8_row_to_float)(const QArgs *a, const int8_t *row,
     }
 }
 
+#if QG_FLANES == 16
+/* Rows i0 .. i0 + 2 * RP - 1 against QG_NR weight rows decoded to int16 (`decoded`, [QG_NR][K]
+ * in element order; wd [QG_NR][nb] their blocks' scales as float32), 512 bits wide: a vector
+ * holds two activation rows' 8 lanes (row r in lanes 0-7, r + 1 in 8-15), so one madd +
+ * vpdpwssd, one conversion and one FMA serve both. Lane by lane these are q4_tile's and
+ * q8_tile's operations on the same integers (the int32 partial sums of a block, its scale
+ * d * dx rounded once, one FMA per block in block order, the 8 lanes summed by hsum, then the
+ * min term and the bias), so every row gets the bits of the 256-bit passes: 1.6x fewer
+ * arithmetic instructions per multiply-add for the activation rows of batched products. */
+QG_ALWAYS_INLINE static inline void QG_FN(wide_tile)(
+        const QArgs *a, int64_t n, int nr, int64_t i0, const int RP, const int16_t *decoded,
+        const float *wd, const float macc[QG_NR][4], const int MINS) {
+    const int64_t K = a->num_cols, nb = K / QK_BLOCK;
+    __m512 acc[QG_NR][2];
+    for (int k = 0; k < QG_NR; k++)
+        for (int rp = 0; rp < RP; rp++) acc[k][rp] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m512i x0[2], x1[2];
+        __m512 dxv[2];
+        for (int rp = 0; rp < RP; rp++) {
+            const int64_t i = i0 + 2 * rp;
+            const int16_t *xa = a->qx + i * K + b * QK_BLOCK, *xb = xa + K;
+            x0[rp] = _mm512_inserti64x4(_mm512_castsi256_si512(QG_LOAD16(xa)), QG_LOAD16(xb), 1);
+            x1[rp] = _mm512_inserti64x4(_mm512_castsi256_si512(QG_LOAD16(xa + 16)), QG_LOAD16(xb + 16), 1);
+            dxv[rp] = _mm512_insertf32x8(_mm512_set1_ps(a->dx[i * nb + b]), _mm256_set1_ps(a->dx[(i + 1) * nb + b]), 1);
+        }
+        for (int k = 0; k < QG_NR; k++) {
+            const int16_t *w = decoded + k * K + b * QK_BLOCK;
+            const __m512i w0 = _mm512_broadcast_i64x4(QG_LOAD16(w)), w1 = _mm512_broadcast_i64x4(QG_LOAD16(w + 16));
+            const __m512 d = _mm512_set1_ps(wd[k * nb + b]);
+            for (int rp = 0; rp < RP; rp++) {
+                const __m512i dot = _mm512_dpwssd_epi32(_mm512_madd_epi16(w0, x0[rp]), w1, x1[rp]);
+                acc[k][rp] = _mm512_fmadd_ps(_mm512_mul_ps(d, dxv[rp]), _mm512_cvtepi32_ps(dot), acc[k][rp]);
+            }
+        }
+    }
+    for (int k = 0; k < nr; k++)
+        for (int rp = 0; rp < RP; rp++) {
+            const float bias = a->bias ? a->bias[n + k] : 0.0f;
+            const float lo = QG_FN(hsum)(_mm512_castps512_ps256(acc[k][rp]));
+            const float hi = QG_FN(hsum)(_mm512_extractf32x8_ps(acc[k][rp], 1));
+            if (MINS) {
+                store_out(a, i0 + 2 * rp, n + k, lo + macc[k][2 * rp] + bias);
+                store_out(a, i0 + 2 * rp + 1, n + k, hi + macc[k][2 * rp + 1] + bias);
+            } else {
+                store_out(a, i0 + 2 * rp, n + k, lo + bias);
+                store_out(a, i0 + 2 * rp + 1, n + k, hi + bias);
+            }
+        }
+}
+
+/* Rows i0 .. i1 - 1 through wide_tile, 4 at a time (then 2); returns the first row left (none
+ * or one). wd, wm: the pass's weight scales and (Q4 with mins) mins, q4_pass_scales'. */
+static int64_t QG_FN(wide_rows)(const QArgs *a, int64_t n, int nr, int64_t i0, int64_t i1,
+                                const int16_t *decoded, const float *wd, const float *wm, int is_q4) {
+    const int64_t nb = a->num_cols / QK_BLOCK;
+    float macc[QG_NR][4] = {{0.0f}};
+    for (; i0 + 2 <= i1; ) {
+        const int rp = i0 + 4 <= i1 ? 2 : 1;
+        if (is_q4) {
+            for (int k = 0; k < QG_NR; k++)
+                for (int r = 0; r < 2 * rp; r++)
+                    macc[k][r] = a->has_mins ? QG_FN(min_term)(wm + k * nb, a->sx + (i0 + r) * nb, nb) : 0.0f;
+            if (rp == 2) QG_FN(wide_tile)(a, n, nr, i0, 2, decoded, wd, macc, 1);
+            else QG_FN(wide_tile)(a, n, nr, i0, 1, decoded, wd, macc, 1);
+        } else {
+            if (rp == 2) QG_FN(wide_tile)(a, n, nr, i0, 2, decoded, wd, macc, 0);
+            else QG_FN(wide_tile)(a, n, nr, i0, 1, decoded, wd, macc, 0);
+        }
+        i0 += 2 * rp;
+    }
+    return i0;
+}
+#endif
+
 static void QG_FN(q4_range)(const void *p, int64_t n0, int64_t n1,
                                                                   float *scratch) {
     const QArgs *a = (const QArgs *)p;
@@ -274,9 +401,13 @@ static void QG_FN(q4_range)(const void *p, int64_t n0, int64_t n1,
         }
         int64_t i0 = 0;
         int16_t *decoded = NULL;
+        const int64_t nb = a->num_cols / QK_BLOCK;
+        float *wd = NULL, *wm = scratch + QG_NR * nb, *sc = wm + QG_NR * nb;  /* run()'s scratch layout */
         if (a->num_rows > QG_TR) { /* decode the pass's rows once for all the activation rows */
+            wd = scratch;
+            QG_FN(q4_pass_scales)(a, rows, wd, wm);
             const int64_t K = a->num_cols, pair_bytes = q4_pair_bytes(a->high);
-            decoded = (int16_t *)(scratch + QG_NR * QG_TR * (K / QK_BLOCK));
+            decoded = (int16_t *)(scratch + QG_NR * (QG_TR + 2) * nb);
             for (int k = 0; k < QG_NR; k++) {
                 const uint8_t *codes = rows[k] + q4_codes_offset(K / QK_BLOCK, a->half, a->has_mins);
                 for (int64_t p = 0; p < K / (2 * QK_BLOCK); p++) {
@@ -288,12 +419,25 @@ static void QG_FN(q4_range)(const void *p, int64_t n0, int64_t n1,
                 }
             }
         }
+        if (decoded == NULL) {  /* one or two rows (decode steps): the codes read in place */
+            if (a->high) {
+                if (a->num_rows == QG_TR) QG_FN(q4_tile)(a, n, nr, 0, QG_TR, 1, rows, NULL, NULL, sc, NULL);
+                else QG_FN(q4_tile)(a, n, nr, 0, 1, 1, rows, NULL, NULL, sc, NULL);
+            } else {
+                if (a->num_rows == QG_TR) QG_FN(q4_tile)(a, n, nr, 0, QG_TR, 0, rows, NULL, NULL, sc, NULL);
+                else QG_FN(q4_tile)(a, n, nr, 0, 1, 0, rows, NULL, NULL, sc, NULL);
+            }
+            continue;
+        }
+#if QG_FLANES == 16
+        i0 = QG_FN(wide_rows)(a, n, nr, 0, a->num_rows, decoded, wd, wm, 1);
+#endif
         if (a->high) {
-            for (; i0 + QG_TR <= a->num_rows; i0 += QG_TR) QG_FN(q4_tile)(a, n, nr, i0, QG_TR, 1, rows, scratch, decoded);
-            if (i0 < a->num_rows) QG_FN(q4_tile)(a, n, nr, i0, 1, 1, rows, scratch, decoded);
+            for (; i0 + QG_TR <= a->num_rows; i0 += QG_TR) QG_FN(q4_tile)(a, n, nr, i0, QG_TR, 1, rows, wd, wm, sc, decoded);
+            if (i0 < a->num_rows) QG_FN(q4_tile)(a, n, nr, i0, 1, 1, rows, wd, wm, sc, decoded);
         } else {
-            for (; i0 + QG_TR <= a->num_rows; i0 += QG_TR) QG_FN(q4_tile)(a, n, nr, i0, QG_TR, 0, rows, scratch, decoded);
-            if (i0 < a->num_rows) QG_FN(q4_tile)(a, n, nr, i0, 1, 0, rows, scratch, decoded);
+            for (; i0 + QG_TR <= a->num_rows; i0 += QG_TR) QG_FN(q4_tile)(a, n, nr, i0, QG_TR, 0, rows, wd, wm, sc, decoded);
+            if (i0 < a->num_rows) QG_FN(q4_tile)(a, n, nr, i0, 1, 0, rows, wd, wm, sc, decoded);
         }
     }
 }
@@ -356,6 +500,22 @@ static void QG_FN(q8_range)(const void *p, int64_t n0, int64_t n1,
             continue;
         }
         int64_t i0 = 0;
+#if QG_FLANES == 16
+        if (a->num_rows > QG_TR) {  /* sign-extend the pass's codes once, in element order */
+            const int64_t K = a->num_cols;
+            float *wd = scratch;  /* [QG_NR][nb] */
+            int16_t *decoded = (int16_t *)(scratch + QG_NR * (QG_TR + 2) * nb);
+            for (int k = 0; k < QG_NR; k++) {
+                for (int64_t b = 0; b < nb; b++) {
+                    const __m256i w = _mm256_loadu_si256((const __m256i *)(rows[k] + b * QK_BLOCK));
+                    _mm256_storeu_si256((__m256i *)(decoded + k * K + b * QK_BLOCK), _mm256_srai_epi16(_mm256_slli_epi16(w, 8), 8));
+                    _mm256_storeu_si256((__m256i *)(decoded + k * K + b * QK_BLOCK + 16), _mm256_srai_epi16(w, 8));
+                    wd[k * nb + b] = QG_FN(block_scale_f16c)(wscales[k], nb, b, a->half, 0);
+                }
+            }
+            i0 = QG_FN(wide_rows)(a, n, nr, 0, a->num_rows, decoded, wd, NULL, 0);
+        }
+#endif
         for (; i0 + QG_TR <= a->num_rows; i0 += QG_TR) QG_FN(q8_tile)(a, n, nr, i0, QG_TR, rows, wscales, scratch);
         if (i0 < a->num_rows) QG_FN(q8_tile)(a, n, nr, i0, 1, rows, wscales, scratch);
     }
