@@ -19,8 +19,9 @@ A quantized layer's product of M rows can run as:
 of ``ROW_GRID`` on a slice of its rows sized by the work (``proxy_rows``; 0.2-0.35 s per shape
 on the quiet 2-vCPU Xeon) and keeps the fastest per row count; the table is cached per machine
 (CPU model, features, threads, torch) in the user cache dir, so later loads skip the timing;
-a table measured while the load average exceeded the cores is measured again by the first
-load on a quieter machine.
+a table measured while the load average exceeded the cores, or while other processes used
+more than a quarter of a core (``neighbours_were_busy``), is measured again by the first load on a
+quieter machine.
 ``ENGINE_AMX_INT=0`` leaves the amx_int route out of the table.
 ``ENGINE_ROUTES=fixed`` keeps the fixed thresholds (engine.models.linear),
 ``ENGINE_ROUTES=recalibrate`` measures again, and ``ENGINE_ROUTES=fastest`` takes the measured
@@ -90,6 +91,35 @@ def is_busy() -> bool:
         return os.getloadavg()[0] > (os.cpu_count() or 1)
     except OSError:
         return False
+
+
+NEIGHBOUR_CORES = 0.25  # other processes' mean CPU use during a measurement that marks it busy
+
+
+def cpu_seconds() -> tuple[float, float] | None:
+    """(CPU seconds the whole machine has spent busy, this process's CPU seconds), or None
+    where /proc/stat is unreadable. Steal time counts as busy: the hypervisor gave our vCPU
+    to someone else."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(v) for v in f.readline().split()[1:9]]
+        hz = os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError):
+        return None
+    busy = sum(ticks[:3]) + sum(ticks[5:8])  # user nice system, irq softirq steal (not idle, iowait)
+    own = os.times()
+    return busy / hz, own.user + own.system
+
+
+def neighbours_were_busy(before, after, wall_seconds: float) -> bool:
+    """Did other processes use more than NEIGHBOUR_CORES cores on average between two
+    cpu_seconds() samples? The load average lags by a minute: a compile job that starts with
+    the measurement slows a 2-thread timing as much as a busy machine does, and the 1-row
+    entry it skews decides every decode step up to 16 rows."""
+    if before is None or after is None or wall_seconds < 0.5:  # /proc/stat counts in 10 ms ticks
+        return False
+    others = (after[0] - before[0]) - (after[1] - before[1])
+    return others / wall_seconds > NEIGHBOUR_CORES
 
 
 # Tables this process measured or read, by machine key: every later load in the process takes
@@ -206,6 +236,7 @@ def calibrate(layers, allow_approximate: bool, num_threads: int) -> dict[str, li
     used: dict[str, list[str]] = {}  # what the layers take (same_route_up_to)
     start = time.perf_counter()
     busy = is_busy()
+    sample = cpu_seconds()
     measured = 0
     for layer in layers:
         if layer.layout is None or layer.exact:
@@ -221,8 +252,13 @@ def calibrate(layers, allow_approximate: bool, num_threads: int) -> dict[str, li
         layer.set_routes(ROW_GRID, used[shape])
     _PROCESS_TABLES[key] = {**cached, **table}
     if measured:
+        elapsed = time.perf_counter() - start
+        if not busy and neighbours_were_busy(sample, cpu_seconds(), elapsed):
+            busy = True
+            log.info("other processes used the CPU while product routes were measured: the table "
+                     "is measured again by a later load on a quiet machine")
         _store_cache(key, {**cached, **table}, busy)
-        log.info("product routes measured for %d shape(s) in %.2f s", measured, time.perf_counter() - start)
+        log.info("product routes measured for %d shape(s) in %.2f s", measured, elapsed)
     return used
 
 
