@@ -212,7 +212,7 @@ def test_int4_is_the_exact_product_of_its_dequantized_weights(checkpoints, famil
     logit range after a few layers (measured, qwen3 / olmo2 / gemma3), while the int4 model's
     logits equal a float32 model of its dequantized weights (float16 KV cache, as int4 keeps it)
     within the family bound, whole prompt and decode steps (the int16 activation codes). Positions
-    where a router's k-th and (k+1)-th experts nearly tie are left out of the decode check: there
+    where a router's k-th and (k+1)-th experts nearly tie are left out of both checks: there
     the activation codes' 2^-15 may pick the other expert (Mixtral's position 52: 6e-6 apart), and so
     are the decode steps after the first such tie, which read its K/V (Qwen3-MoE's position 70:
     1.8e-5 apart, then 0.007 of the logit range at position 75)."""
@@ -224,20 +224,28 @@ def test_int4_is_the_exact_product_of_its_dequantized_weights(checkpoints, famil
     reference = prompt_logits(plain, ids)
     decisive = ~_routing_near_ties(plain, ids, monkeypatch)
     ours = load_model(directory, quantization="int4")
-    prompt_error = relative_error(prompt_logits(ours, ids), reference)
+    with _expert_choices(monkeypatch) as prompt_chosen:
+        prompt = prompt_logits(ours, ids)
     with _expert_choices(monkeypatch) as chosen:
         decoded = decode_logits(ours, ids, NUM_PROMPT)
     with _expert_choices(monkeypatch) as planned:
         prompt_logits(plain, ids)
-    # A decode step that took the other expert of a near tie wrote its K/V from that expert's
-    # output, and every later step reads it: the decode check stops at the first such step.
+    # A row that took the other expert of a near tie wrote its K/V from that expert's output,
+    # and every later position reads it: each check stops at its first such position (the
+    # prompt's too: its products take the integer routes' codes where they measure fastest).
+    in_prompt = torch.ones(len(ids), dtype=torch.bool)
+    flipped = [p for p in range(len(ids))
+               if _experts_at(prompt_chosen, p, len(ids)) != _experts_at(planned, p, len(ids))]
+    assert all(not decisive[p] for p in flipped)  # only a near tie may flip
+    in_prompt[min(flipped, default=len(ids)):] = False
+    prompt_error = relative_error(prompt[in_prompt], reference[in_prompt])
     flipped = [p for p in range(len(ids)) if _experts_at(chosen, p, NUM_PROMPT) != _experts_at(planned, p, len(ids))]
     decisive[min(flipped, default=len(ids)):] = False
     assert all(not decisive[p] for p in flipped)  # only a near tie may flip
     decode_error = relative_error(decoded[decisive], reference[decisive])
     print(family, "int4", prompt_error, decode_error, f"{int((~decisive).sum())} positions left out")
     assert prompt_error <= TOLERANCE and decode_error <= TOLERANCE, (prompt_error, decode_error)
-    assert int(decisive.sum()) >= len(ids) // 2
+    assert int(decisive.sum()) >= len(ids) // 2 and int(in_prompt.sum()) >= len(ids) // 2
 
 
 @contextlib.contextmanager

@@ -550,6 +550,23 @@ def test_decode_sized_products_are_timed_on_whole_layers():
     assert all(routes.proxy_rows(layer, m) * m * 576 >= min(routes.PROXY_MACS, 3072 * m * 576) for m in routes.ROW_GRID)
 
 
+def test_a_layer_never_takes_a_route_its_shape_cannot_run():
+    """amx_int needs outputs in strips of 16: a head of 1,000 outputs is timed at 512 rows on
+    its first 256, which could run it, but the layer's table never holds it, and a table given
+    to it from elsewhere falls back to the fixed route there (a fresh clone's families tests hit
+    qgemm's layout error on such heads)."""
+    from engine.models import routes
+
+    layer = Linear(Int8Weight.from_dense(torch.randn(1000, 128, generator=torch.Generator().manual_seed(8)) * 0.05))
+    assert routes.proxy_rows(layer, 512) == 256
+    best = routes.measure(layer, routes.available_routes(allow_approximate=False), grid=(1, 512), rounds=1)
+    assert "amx_int" not in best
+    layer.set_routes((16, 512), ["amx_int", "amx_int"])
+    assert layer.route(8) == layer.fixed_route(16) and layer.route(300) == layer.fixed_route(512)
+    x = torch.randn(300, 128)
+    torch.testing.assert_close(layer(x), layer.run(x, "blas"), atol=1e-4, rtol=1e-4)
+
+
 def test_measured_routes_are_ones_this_cpu_runs():
     from engine.models import routes
 

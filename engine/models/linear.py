@@ -300,8 +300,10 @@ class Linear:
         return part
 
     def set_routes(self, grid: tuple[int, ...], best: list[str]) -> None:
-        """The route for up to grid[i] rows is best[i] (beyond the last entry: the last route)."""
-        self._route_grid, self._route_best = tuple(grid), list(best)
+        """The route for up to grid[i] rows is best[i] (beyond the last entry: the last route);
+        an entry this layer cannot run (a table of another shape's) takes its fixed route."""
+        best = [route if self.can_run(route, limit) else self.fixed_route(limit) for limit, route in zip(grid, best)]
+        self._route_grid, self._route_best = tuple(grid), best
 
     def fixed_route(self, num_rows: int) -> str:
         """The route without a measured table: the kernels up to KERNEL_MAX_ROWS rows (the

@@ -45,7 +45,7 @@ ROW_GRID = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 # int16 and amx_int: activations within 2^-15 per element
 EXACT_ROUTES = ("int16", "float", "amx_int", "blas")
 APPROXIMATE = ("amx",)  # bfloat16 weights and activations: 8 mantissa bits
-CACHE_VERSION = 6  # 6: the amx_int route (5: proxies sized by work)
+CACHE_VERSION = 7  # 7: routes the whole layer can run (6 gave amx_int to outputs not in 16s)
 PROXY_ROWS = 256  # fewest output rows a shape is timed on
 PROXY_MACS = 1 << 23  # and enough rows for this many multiply-adds (a decode row: whole layers)
 MIN_TIMED_SECONDS = 0.002  # a timing repeats its call until it lasts this long
@@ -212,7 +212,9 @@ def measure(layer, routes: tuple[str, ...], grid: tuple[int, ...] = ROW_GRID,
     for num_rows in grid:
         proxy = layer.row_slice(proxy_rows(layer, num_rows))
         x = torch.randn(num_rows, layer.in_features, generator=gen)
-        candidates = [r for r in routes if proxy.can_run(r, num_rows)]
+        # the layer's own test too: the proxy's output count (a multiple of 64) may allow a
+        # route the whole layer cannot take (amx_int needs outputs in strips of 16)
+        candidates = [r for r in routes if proxy.can_run(r, num_rows) and layer.can_run(r, num_rows)]
         times = dict.fromkeys(candidates, float("inf"))
         for route in candidates:
             proxy.run(x, route)
