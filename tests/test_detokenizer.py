@@ -232,6 +232,62 @@ def test_token_pieces_bytes_and_text():
     assert generic.bytes_of(generic.backend.token_to_id("hello")) == b"hello"
 
 
+class TextsTokenizer(WrappedTokenizer):
+    """A wrapper that also hands TokenPieces an id -> text list (Tokenizer.token_texts)."""
+
+    def __init__(self, backend, token_texts):
+        super().__init__(backend)
+        self.token_texts = token_texts
+
+
+def _fresh_pieces(tokenizer) -> TokenPieces:
+    TokenPieces._cache.pop(tokenizer.backend, None)
+    return TokenPieces(tokenizer)
+
+
+def _table_state(pieces: TokenPieces) -> tuple:
+    table = pieces.table
+    return table.blob, table.offsets.tolist(), table.kinds.tolist(), table.texts, pieces._texts
+
+
+@pytest.mark.parametrize("name", ["llama_spm", "qwen2_gguf"])
+def test_table_from_the_loaders_texts_equals_the_backends(name):
+    """The GGUF loader hands its token list to TokenPieces (no id_to_token call per id): the
+    table is the one the backend's own texts give, and a list that disagrees with the backend at
+    a checked id or has the wrong length is not used."""
+    tok = getattr(vocabs, name)()
+    assert tok.token_texts is not None and len(tok.token_texts) == tok.backend.get_vocab_size(True)
+    reference = _table_state(_fresh_pieces(WrappedTokenizer(tok.backend)))
+    assert _table_state(_fresh_pieces(tok)) == reference
+    for wrong in (["x"] + tok.token_texts[1:], tok.token_texts[:-1], ["x"] * len(tok.token_texts)):
+        assert _table_state(_fresh_pieces(TextsTokenizer(tok.backend, wrong))) == reference
+    TokenPieces._cache.pop(tok.backend, None)
+
+
+def test_token_pieces_forms():
+    """cext.utf8.token_pieces: ByteFallback's token forms (as `tokenizers` parses them), unknown
+    ids, replaces in order, and ByteLevel pieces that are not valid UTF-8."""
+    import numpy as np
+
+    from cext.utf8 import TokenKind, token_pieces
+
+    tokens = ["<0x01>", "<0x41>", "<0xfF>", "<0x+A>", "<0xg1>", "<0x0A", "<0x+AB>", None, "\u2581a\u2581"]
+    kinds = np.zeros(len(tokens), dtype=np.uint8)
+    kinds[1] = TokenKind.KIND_SPECIAL
+    pieces, strict, texts = token_pieces(tokens, (("\u2581", " "), ("  ", "!")), True, None, kinds)
+    assert pieces == [b"\x01", b"A", b"\xff", b"\n", b"<0xg1>", b"<0x0A", b"<0x+AB>", b"", b" a "]
+    assert strict == [None, None, None, None, "<0xg1>", "<0x0A", "<0x+AB>", "", " a "]
+    assert texts == ["\x01", "A", "\ufffd", "\n", "<0xg1>", "<0x0A", "<0x+AB>", "", " a "]
+    byte, special, unknown = TokenKind.KIND_BYTE, TokenKind.KIND_SPECIAL, TokenKind.KIND_UNKNOWN
+    assert kinds.tolist() == [byte, byte | special, byte, byte, 0, 0, 0, unknown, 0]
+    kinds = np.zeros(2, dtype=np.uint8)
+    pieces, strict, texts = token_pieces(["<0x41>", "ab"], (), False, lambda t: t.encode()[:1] + b"\xe4", kinds)
+    assert pieces == [b"<\xe4", b"a\xe4"] and strict == [None, None] and texts == ["<\ufffd", "a\ufffd"]
+    assert kinds.tolist() == [0, 0]
+    with pytest.raises(ValueError, match="kinds has 1 entries for 2 tokens"):
+        token_pieces(["a", "b"], (), False, None, kinds[:1])
+
+
 def test_skip_special_tokens_must_be_bool():
     with pytest.raises(ValueError, match="skip_special_tokens"):
         IncrementalDetokenizer(vocabs.smollm2(), skip_special_tokens="yes")

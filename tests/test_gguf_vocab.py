@@ -251,17 +251,20 @@ def test_tiny_spm_without_space_prefix(tmp_path):
     assert tok.decode(tok.encode(" ab")) == " ab"
 
 
-def _two_token_splits(tokens: list[str], vocab: set[str], skip) -> tuple[list, list, list, list]:
+def _two_token_splits(tokens: list[str], skip) -> tuple[list, list, list, list]:
     """The definition cext.gguf_strings.two_token_splits implements, in Python."""
+    first_id = {}
+    for token_id, text in enumerate(tokens):
+        first_id.setdefault(text, token_id)
     lefts, rights, ids, splits = [], [], [], []
     for token_id, text in enumerate(tokens):
         if skip[token_id]:
             continue
         for split in range(1, len(text)):
             left, right = text[:split], text[split:]
-            if left in vocab and right in vocab:
-                lefts.append(left)
-                rights.append(right)
+            if left in first_id and right in first_id:
+                lefts.append(first_id[left])
+                rights.append(first_id[right])
                 ids.append(token_id)
                 splits.append(split)
     return lefts, rights, ids, splits
@@ -279,20 +282,29 @@ def test_spm_splits_in_c_and_in_python_agree():
     md = read_metadata(vocab_data_file("ggml-vocab-llama-spm.gguf"))
     tokens = unique_token_texts(md["tokenizer.ggml.tokens"])
     types, _ = llamacpp_special_tokens(md, tokens, token_types(md, len(tokens)))
-    skip = np.array([t == TokenType.BYTE or len(text) < 2 for t, text in zip(types, tokens)], dtype=np.uint8)
-    in_c = two_token_splits(tokens, set(tokens), skip)
-    assert in_c == _two_token_splits(tokens, set(tokens), skip) and len(in_c[0]) > 50_000
+    skip = np.array([t == TokenType.BYTE for t in types], dtype=np.uint8)
+    in_c = [a.tolist() for a in two_token_splits(tokens, skip)]
+    assert in_c == list(_two_token_splits(tokens, skip)) and len(in_c[0]) > 50_000
     lefts, rights, ids, splits = in_c
     scores = np.asarray(md["tokenizer.ggml.scores"], dtype=np.float64)
     by_definition = np.lexsort((np.asarray(splits), np.asarray(ids), -scores[np.asarray(ids)]))  # -score, id, split
-    assert spm_merges(tokens, md["tokenizer.ggml.scores"], types) == [(lefts[i], rights[i]) for i in by_definition]
+    assert spm_merges(tokens, md["tokenizer.ggml.scores"], types) == [
+        (tokens[lefts[i]], tokens[rights[i]]) for i in by_definition]
     from cext.gguf_strings import pairs_in_order
 
+    ids = np.array([0], dtype=np.int64)
     with pytest.raises(IndexError, match="order\\[1\\] = 5"):
-        pairs_in_order(["a"], ["b"], np.array([0, 5], dtype=np.int64))
-    skip = np.zeros(3, dtype=np.uint8)
+        pairs_in_order(["a"], ids, ids, np.array([0, 5], dtype=np.int64))
+    with pytest.raises(IndexError, match="ids 0, 7"):
+        pairs_in_order(["a"], ids, np.array([7], dtype=np.int64), np.array([0], dtype=np.int64))
+    # Multi-byte characters split only between characters; a repeated text finds its first id.
+    tokens = ["ab", "a", "b", "\u2581\u00e9", "\u2581", "\u00e9", "a", "\u00e9\u2581"]
+    skip = np.zeros(len(tokens), dtype=np.uint8)
     skip[2] = 1
-    assert two_token_splits(["ab", "a", "b"], {"ab", "a", "b"}, skip) == (["a"], ["b"], [0], [1])
+    in_c = [a.tolist() for a in two_token_splits(tokens, skip)]
+    assert in_c == list(_two_token_splits(tokens, skip)) == [[1, 4, 5], [2, 5, 4], [0, 3, 7], [1, 1, 1]]
+    with pytest.raises(ValueError, match="skip has 2 entries for 8 tokens"):
+        two_token_splits(tokens, skip[:2])
 
 
 def test_spm_merges_ranked_by_merged_score():

@@ -63,7 +63,7 @@ def is_encoder_path(path: str | os.PathLike) -> bool:
     if not is_gguf_file(path):
         return False
     try:
-        architecture = read_gguf_metadata(path).get("general.architecture")
+        architecture = read_gguf_metadata(path, with_vocabulary=False).get("general.architecture")
     except ValueError:
         return False  # the start-up check names what is wrong with the file
     return architecture in GGUF_ARCHITECTURES

@@ -45,6 +45,7 @@ class GGUFVocab:
     strip: AsciiStrip | None = None  # text preparation for LSTRIP/RSTRIP tokens, when the model has any
     missing_byte_id: int | None = None  # backend id for bytes the vocabulary lacks; encode drops it
     fim_token_ids: dict[str, int] | None = None  # fill-in-the-middle role -> id (gguf_special.fim_token_ids)
+    token_texts: list[str] | None = None  # id -> text of the vocabulary (Tokenizer.token_texts)
 
 
 def token_types(metadata: dict, num_tokens: int) -> list[int]:
@@ -136,6 +137,7 @@ def load_gguf_tokenizer(path: str | os.PathLike) -> Tokenizer:
         vocab.backend, bos_token_id=vocab.bos_token_id, eos_token_ids=vocab.eos_token_ids,
         add_bos=vocab.add_bos, chat_template=vocab.chat_template, vocab_size=vocab.vocab_size,
         prepare_text=vocab.strip, dropped_token_id=vocab.missing_byte_id, fim_token_ids=vocab.fim_token_ids,
+        token_texts=vocab.token_texts,
     )
 
 
@@ -231,4 +233,6 @@ def vocab_from_metadata(metadata: dict) -> GGUFVocab:
         if lstrip_ids or rstrip_ids else None,
         missing_byte_id=missing_byte_id,
         fim_token_ids=fim_token_ids(metadata, tokens, ids),
+        # The BPE vocabularies are {tokens[i]: i} over unique texts; WordPiece renames its tokens.
+        token_texts=tokens if model_type != "bert" else None,
     )

@@ -28,15 +28,13 @@ def spm_merges(tokens: list[str], scores: list[float], types: list[int]) -> list
     Ties keep the lower token id first, then the earlier split. Byte tokens `<0xNN>` are never
     merge results. The splits come from one C loop (cext.gguf_strings).
     """
-    skip = np.fromiter((t == TokenType.BYTE for t in types), dtype=np.uint8, count=len(tokens))
-    skip |= np.fromiter((len(text) < 2 for text in tokens), dtype=np.uint8, count=len(tokens))
-    lefts, rights, ids, splits = two_token_splits(tokens, set(tokens), skip)
-    if not ids:
+    skip = (np.asarray(types, dtype=np.int64) == TokenType.BYTE).astype(np.uint8)
+    lefts, rights, ids, _ = two_token_splits(tokens, skip)
+    if not len(ids):
         return []
-    merged = np.asarray(ids, dtype=np.int64)
     # The splits come in (id, split) order, so a stable sort by score alone keeps that order for ties.
-    order = np.argsort(-np.asarray(scores, dtype=np.float64)[merged], kind="stable")
-    return pairs_in_order(lefts, rights, order.astype(np.int64, copy=False))
+    order = np.argsort(-np.asarray(scores, dtype=np.float64)[ids], kind="stable")
+    return pairs_in_order(tokens, lefts, rights, order)
 
 
 def build_spm_backend(metadata: dict, tokens: list[str], types: list[int],

@@ -61,6 +61,7 @@ class Tokenizer:
         prepare_text=None,
         dropped_token_id: int | None = None,
         fim_token_ids: dict[str, int] | None = None,
+        token_texts: list[str] | None = None,
     ):
         if not isinstance(backend, HFTokenizer):
             raise ValueError(f"backend must be a tokenizers.Tokenizer, got {type(backend).__name__}")
@@ -81,6 +82,9 @@ class Tokenizer:
         # A backend id that stands for bytes the vocabulary cannot represent (past vocab_size);
         # encode removes it, as llama.cpp drops such bytes.
         self.dropped_token_id = dropped_token_id
+        # The list the vocabulary was built from (id -> text), when the loader has one: the
+        # per-id tables (TokenPieces) read it instead of one backend call per id, after a spot check.
+        self.token_texts = token_texts
         # Exactly what decode(skip_special_tokens=True) drops: the added tokens marked special.
         self.special_token_ids = frozenset(
             token_id for token_id, added in backend.get_added_tokens_decoder().items() if added.special
