@@ -52,11 +52,16 @@ cdef inline Py_ssize_t _find(const uint64_t *table, int bits, uint64_t h, const 
         i = (i + 1) & mask
 
 
+cdef inline uint64_t _step(uint64_t h, unsigned char byte) noexcept nogil:
+    """The polynomial hash of a text extended by one byte (the empty text hashes to 0)."""
+    return h * _BASE + byte + 1
+
+
 cdef inline uint64_t _hash(const unsigned char *text, int64_t n) noexcept nogil:
     cdef uint64_t h = 0
     cdef int64_t k
     for k in range(n):
-        h = h * _BASE + text[k] + 1
+        h = _step(h, text[k])
     return h
 
 
@@ -81,11 +86,11 @@ def two_token_splits(list tokens, const uint8_t[::1] skip):
     cdef const char *data = blob
     cdef const unsigned char *text
     cdef int64_t max_len = int(lengths.max()) if num_tokens else 0
+    if num_tokens >= 0xFFFFFFFF:
+        raise ValueError(f"{num_tokens} tokens: more than a 32-bit id")
     cdef int bits = 4
     while (<Py_ssize_t>1 << bits) < 2 * num_tokens:
         bits += 1
-    if num_tokens >= 0xFFFFFFFF:
-        raise ValueError(f"{num_tokens} tokens: more than a 32-bit id")
     cdef uint64_t[::1] table = np.zeros(<Py_ssize_t>1 << bits, dtype=np.uint64)
     cdef uint64_t[::1] prefix = np.zeros(max_len + 1, dtype=np.uint64)   # prefix[k]: hash of text[:k]
     cdef uint64_t[::1] powers = np.ones(max_len + 1, dtype=np.uint64)    # powers[k]: BASE^k
@@ -113,7 +118,7 @@ def two_token_splits(list tokens, const uint8_t[::1] skip):
             n = offsets[i + 1] - offsets[i]
             text = <const unsigned char *>(data + offsets[i])
             for k in range(n):
-                prefix[k + 1] = prefix[k] * _BASE + text[k] + 1
+                prefix[k + 1] = _step(prefix[k], text[k])
             chars = 0
             for k in range(1, n):
                 if (text[k] & 0xC0) == 0x80:  # inside a character
