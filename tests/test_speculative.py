@@ -10,7 +10,7 @@ import engine
 from engine.config import EngineConfig, add_engine_arguments, engine_options_from_args
 from engine.core.scheduler import Scheduler, SchedulerConfig
 from engine.core.sequence import Sequence
-from engine.core.speculative import NgramProposer, SpecDecoder
+from engine.core.speculative import FIRST_LIMIT, NgramProposer, SpecDecoder, SpecEntry
 from engine.errors import InvalidParameterError
 from engine.loader import default_model_path
 from engine.params import SamplingParams
@@ -145,6 +145,63 @@ def test_rollback_with_preemption_and_full_acceptance():
     assert sched.spec.num_accepted_tokens == sched.spec.num_draft_tokens > 0
 
 
+# -- adaptive k --
+
+class _Seq:
+    def __init__(self, spec):
+        self.spec = spec
+
+
+def _accept(spec: SpecDecoder, state, draft: list[int], target: list[int]) -> list[int]:
+    return spec.accept(SpecEntry(_Seq(state), 0, 0, 10, draft), target)
+
+
+def test_adaptive_k_doubles_on_whole_proposals_and_falls_to_what_was_accepted():
+    spec = SpecDecoder("ngram", 8)
+    state = spec.make_state()
+    assert state.limit == FIRST_LIMIT == 4
+    assert _accept(spec, state, [1, 2, 3, 4], [1, 2, 3, 4, 9]) == [1, 2, 3, 4, 9]
+    assert state.limit == 8  # doubled
+    _accept(spec, state, list(range(8)), list(range(8)) + [9])
+    assert state.limit == 8  # never past k
+    assert _accept(spec, state, list(range(8)), [0, 1, 7]) == [0, 1, 7]
+    assert state.limit == 3  # two accepted: the next proposal may have three
+    _accept(spec, state, [5, 6, 7], [9])
+    assert state.limit == 1 and state.num_failures == 1
+    _accept(spec, state, [5], [5, 6])  # a short proposal accepted whole grows from its length
+    assert state.limit == 2
+    assert SpecDecoder("ngram", 2).make_state().limit == 2  # k below the first limit
+
+
+def test_fixed_k_keeps_every_proposal_at_k():
+    spec = SpecDecoder("ngram", 6, adaptive=False)
+    state = spec.make_state()
+    assert state.limit == 6
+    _accept(spec, state, [1, 2, 3], [4])
+    assert state.limit == 6
+
+
+def test_a_proposal_is_cut_to_its_sequence_limit():
+    """The scheduler asks for at most the sequence's limit: a prompt that repeats itself offers more."""
+    cfg = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, num_blocks=32, max_model_len=128,
+                          block_size=4, target_tick_seconds=None)
+    sched = Scheduler(cfg)
+    spec = sched.spec = SpecDecoder("ngram", 8)
+    seq = Sequence("r0", [1, 2, 3, 4, 5, 6, 7, 8, 9] * 3 + [1, 2, 3], 40)
+    seq.spec = spec.make_state()
+    sched.add(seq)
+    out = sched.schedule()  # the prompt
+    sched.update(out, [4])
+    for limit in (2, 8, 1):
+        seq.spec.limit = limit
+        out = sched.schedule()
+        (entry, _k, _first), = out.spec_entries
+        assert len(entry.draft) == limit
+        emitted = spec.accept(entry, entry.draft + [entry.draft[-1] % 9 + 1])  # the pattern goes on
+        sched.update(out, emitted[:1])
+        assert spec.rollback(sched.state, sched.block_manager, entry, emitted)
+
+
 # -- the engine, with and without speculation --
 
 @pytest.fixture(scope="module")
@@ -195,12 +252,13 @@ PARAMS = [
 ]
 
 
-@pytest.mark.parametrize("k", [1, 4, 7])
-def test_engine_output_equals_plain_decoding(tok, k):
+@pytest.mark.parametrize("k, adaptive", [(1, True), (4, True), (7, True), (16, True), (7, False)])
+def test_engine_output_equals_plain_decoding(tok, k, adaptive):
     script = copying_script(tok)
     prompt = "Rename subtotal to base:\n" + CODE
     with make_engine(tok, script) as plain, make_engine(tok, script, speculative="ngram",
                                                         num_speculative_tokens=k) as fast:
+        fast._core.spec.adaptive = adaptive
         for params in PARAMS:
             assert run(fast, prompt, params) == run(plain, prompt, params), params
         stats = fast.stats()

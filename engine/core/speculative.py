@@ -55,6 +55,12 @@ NGRAM_MAX = 4
 # waits 2**(failures - GATE_FAILURES + 1) decode steps (at most GATE_MAX_WAIT) before proposing again.
 GATE_FAILURES = 2
 GATE_MAX_WAIT = 64
+# Adaptive k: a sequence's proposals are at most its own limit, which starts at FIRST_LIMIT (or k,
+# if smaller), doubles (up to k) when a whole proposal is accepted and falls to one more than the
+# accepted ids when one is not. Each verified row costs a share of a step (the products' work per
+# row; a 5-row verification took 2.0x a one-row step on Qwen2.5-0.5B, AVX-512, benchmarks/row_routes.py),
+# so long proposals pay only inside a run the output copies, short ones everywhere else.
+FIRST_LIMIT = 4
 
 
 class Proposer(abc.ABC):
@@ -78,6 +84,7 @@ class SpecState:
     """One sequence's proposer and adaptive gate."""
 
     proposer: Proposer | None  # None: the engine's draft model proposes
+    limit: int = FIRST_LIMIT  # most ids the next proposal may have (adaptive k, <= the engine's k)
     num_failures: int = 0  # proposals in a row with nothing accepted
     wait: int = 0  # decode steps to skip before the next proposal
 
@@ -126,13 +133,15 @@ class SpecDecoder:
     method: str
     k: int
     draft: DraftModel | None = None  # speculative="draft": the model that proposes
+    adaptive: bool = True  # adaptive k (FIRST_LIMIT); False: every proposal may have k ids (benchmarks)
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_proposals: int = 0
     entries: list[SpecEntry] = field(default_factory=list)  # this tick's proposals
 
     def make_state(self) -> SpecState:
-        return SpecState(NgramProposer(self.k, NGRAM_MIN, NGRAM_MAX) if self.draft is None else None)
+        return SpecState(NgramProposer(self.k, NGRAM_MIN, NGRAM_MAX) if self.draft is None else None,
+                         limit=min(self.k, FIRST_LIMIT) if self.adaptive else self.k)
 
     @property
     def acceptance_rate(self) -> float:
@@ -161,7 +170,7 @@ class SpecDecoder:
                 if spec.wait > 0:
                     spec.wait -= 1
                 else:
-                    room = min(seq.num_prompt_tokens + seq.max_tokens - n - 1, max_model_len - n - 1, self.k)
+                    room = min(seq.num_prompt_tokens + seq.max_tokens - n - 1, max_model_len - n - 1, spec.limit)
                     if room > 0:
                         wants[seq.slot] = room
         if self.draft is not None:
@@ -311,6 +320,12 @@ class SpecDecoder:
         self.num_draft_tokens += len(draft)
         self.num_accepted_tokens += a
         spec = entry.seq.spec
+        if not self.adaptive:
+            pass
+        elif a == len(draft):  # adaptive k: a whole proposal accepted, the next may be twice as long
+            spec.limit = min(self.k, 2 * max(spec.limit, len(draft)))
+        else:
+            spec.limit = a + 1
         if a == 0:
             spec.num_failures += 1
             if spec.num_failures >= GATE_FAILURES:
