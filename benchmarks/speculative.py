@@ -13,7 +13,8 @@ mostly copies the prompt) and open-ended chat. Medians with min-max; ratios agai
 prompt. Per task and variant the acceptance rate and the mean accepted length per proposal
 (accepted / proposals) come from the engine's counters. Our variants' outputs are checked equal
 token for token. ``--fixed-k`` adds the variant ``ngram fixed k``: the same engine with every
-proposal allowed k ids (adaptive k off), to compare the two policies in one run.
+proposal allowed k ids (adaptive k off), to compare the two policies in one run; ``--also-k K2``
+adds ``ngram k=K2``, prompt lookup with another ceiling.
 
 The machine is shared (several engineers, 2 cores): the load average is printed and recorded,
 and the figures are indicative only.
@@ -23,7 +24,7 @@ proposal at an 8k-token context as a decode sees it (one id appended, then propo
 p99 over 2,000 steps, and the cold build of the index over the whole context.
 
 Usage: ``python benchmarks/speculative.py [--model PATH] [--draft-model PATH] [--llama-cpp]
-[--streams 16] [--max-tokens 128] [--repeats 3] [-k 4] [--fixed-k] [--proposer]``. Writes
+[--streams 16] [--max-tokens 128] [--repeats 3] [-k 4] [--also-k 8] [--fixed-k] [--proposer]``. Writes
 benchmarks/results/speculative.json (speculative_proposer.json).
 """
 from __future__ import annotations
@@ -231,6 +232,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("-k", "--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--proposer", action="store_true", help="only the proposer's micro-benchmark")
+    parser.add_argument("--also-k", type=int, default=0,
+                        help="adds the variant 'ngram k=K2': speculative='ngram' with this ceiling too")
     parser.add_argument("--fixed-k", action="store_true",
                         help="adds the variant 'ngram fixed k': every proposal may have k ids (no adaptive k)")
     args = parser.parse_args()
@@ -241,6 +244,9 @@ def main() -> None:
     load_before = os.getloadavg()
     engines = {"plain": Engine.from_pretrained(args.model),
                "ngram": Engine.from_pretrained(args.model, speculative="ngram", num_speculative_tokens=k)}
+    if args.also_k:
+        engines[f"ngram k={args.also_k}"] = Engine.from_pretrained(args.model, speculative="ngram",
+                                                                   num_speculative_tokens=args.also_k)
     if args.fixed_k:
         engines["ngram fixed k"] = Engine.from_pretrained(args.model, speculative="ngram", num_speculative_tokens=k)
         engines["ngram fixed k"]._core.spec.adaptive = False
