@@ -81,7 +81,7 @@ Proposer.register(NgramIndex)
 
 @dataclass(slots=True)
 class SpecState:
-    """One sequence's proposer and adaptive gate."""
+    """One sequence's proposer, its adaptive k (``limit``) and its adaptive gate."""
 
     proposer: Proposer | None  # None: the engine's draft model proposes
     limit: int = FIRST_LIMIT  # most ids the next proposal may have (adaptive k, <= the engine's k)
@@ -320,12 +320,8 @@ class SpecDecoder:
         self.num_draft_tokens += len(draft)
         self.num_accepted_tokens += a
         spec = entry.seq.spec
-        if not self.adaptive:
-            pass
-        elif a == len(draft):  # adaptive k: a whole proposal accepted, the next may be twice as long
-            spec.limit = min(self.k, 2 * max(spec.limit, len(draft)))
-        else:
-            spec.limit = a + 1
+        if self.adaptive:  # a whole proposal accepted: the next may be twice as long; else one past it
+            spec.limit = min(self.k, 2 * max(spec.limit, len(draft))) if a == len(draft) else a + 1
         if a == 0:
             spec.num_failures += 1
             if spec.num_failures >= GATE_FAILURES:
