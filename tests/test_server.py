@@ -526,10 +526,15 @@ def test_concurrent_streams_written_by_one_pump_thread_are_exact(defer):
             for t in threads:
                 t.start()
             assert wait_until(lambda: eng.stats()["num_running"] + eng.stats()["num_waiting"] == 8)
+            pump = SSEPump.for_engine(eng)
+            for _ in range(5):  # a tick at a time until every handler had a first chunk to hand off
+                eng.model.allow(1)
+                if wait_until(lambda: pump.num_handed_off == 8, timeout=5.0):
+                    break
             eng.model.open()
             for t in threads:
                 t.join(60)
-            assert SSEPump.for_engine(eng).num_handed_off == 8  # each stream went on in the pump after its first chunk
+            assert pump.num_handed_off == 8  # each stream went on in the pump after its first chunk
             assert (eng._core._output.num_handed_off > 10) == defer
             for status, events in results:
                 assert status == 200 and events[-1] == "[DONE]"
