@@ -92,3 +92,29 @@ def on_own_thread(fn, *args):
     worker.start()
     worker.join()
     return result[0]
+
+
+def decode_read_bytes(gguf_path: str | os.PathLike) -> int:
+    """The bytes of a GGUF file's tensors that one decode step reads: every tensor, except the
+    token embeddings when the file has an output head of its own (then a step reads one row of
+    them; with a tied head it reads them all, as the head). The yardstick both engines share:
+    their repacked copies of the same weights differ by a few percent at most."""
+    from engine.gguf_file import GGUFFile
+
+    with GGUFFile(gguf_path, with_vocabulary=False) as f:
+        tensors = f.tensors
+        untied = "output.weight" in tensors
+        return sum(info.num_bytes for name, info in tensors.items() if not (untied and name == "token_embd.weight"))
+
+
+def read_bandwidth(nbytes: int = 512 << 20, repeats: int = 5) -> list[float]:
+    """GB/s of ``repeats`` reads of an ``nbytes`` buffer (16x a large L3 by default, its pages
+    touched first) on the kernels' pool (cext.cpu.read_bytes), the threads a decode step reads
+    its weights with: the machine's read bandwidth as our kernels can see it."""
+    import numpy as np
+
+    from cext import cpu
+
+    buffer = np.ones(nbytes, dtype=np.uint8)
+    cpu.read_bytes(buffer.ctypes.data, nbytes)  # warm: the pool's threads up
+    return [nbytes / seconds / 1e9 for seconds in measure(lambda: cpu.read_bytes(buffer.ctypes.data, nbytes), repeats)]

@@ -1,5 +1,5 @@
 # The CPU (cext/csrc/cpu.h): the feature probe, the instruction-set switch, the thread pool.
-from libc.stdint cimport int64_t, uint32_t
+from libc.stdint cimport int64_t, uint32_t, uint64_t
 
 
 cdef extern from "csrc/cpu.h" nogil:
@@ -29,4 +29,5 @@ cdef extern from "csrc/cpu.h" nogil:
     int64_t cpu_parallel_threshold()
     void cpu_set_spin_ns(int64_t ns)
     int64_t cpu_get_spin_ns()
+    uint64_t cpu_read_words(const void *p, int64_t nbytes)
     const CpuApi* cpu_api()

@@ -3,7 +3,7 @@ Linux's tile-data permission), one instruction-set switch and one thread pool, s
 kernel module (cext.ops, cext.qgemm, cext.sampler bind to them through ``_api`` at import).
 """
 from cpython.pycapsule cimport PyCapsule_New
-from libc.stdint cimport int64_t
+from libc.stdint cimport int64_t, intptr_t, uint64_t
 
 ISA_NAMES = {CPU_ISA_BASELINE: "baseline", CPU_ISA_AVX2: "avx2", CPU_ISA_AVX512: "avx512"}
 _ISA_CODES = {name: code for code, name in ISA_NAMES.items()}
@@ -75,6 +75,19 @@ def set_spin_us(double us):
 
 def get_spin_us() -> float:
     return cpu_get_spin_ns() / 1000.0
+
+
+def read_bytes(intptr_t address, int64_t nbytes) -> int:
+    """Reads the ``nbytes`` bytes at ``address`` on the kernels' pool, as a decode step reads its
+    weights, with the GIL released, and returns the XOR of their 8-byte words (nbytes rounded
+    down to 8): the probe of the memory's read bandwidth that benchmarks time
+    (benchmarks.common.read_bandwidth)."""
+    if nbytes < 0:
+        raise ValueError(f"nbytes: must be >= 0, got {nbytes}")
+    cdef uint64_t x
+    with nogil:
+        x = cpu_read_words(<const void*>address, nbytes)
+    return x
 
 
 cdef extern from "<time.h>" nogil:

@@ -98,3 +98,27 @@ def test_pool_results_do_not_depend_on_how_workers_wait(spin_us, restore_threads
 def test_bad_spin_is_a_value_error(bad):
     with pytest.raises(ValueError, match="spin_us"):
         cpu.set_spin_us(bad)
+
+
+@pytest.mark.parametrize("num_threads", [1, 2])
+@pytest.mark.parametrize("nbytes", [0, 7, 8, 13, 65536, 65536 * 3 + 40, 1 << 20])
+def test_read_probe_reads_every_word_once(num_threads, nbytes, restore_threads):
+    """cext.cpu.read_bytes (the read-bandwidth probe) returns the XOR of the buffer's 8-byte words,
+    however the pool splits it: a word skipped or read twice changes the result."""
+    import numpy as np
+
+    old_threshold = cpu.get_parallel_threshold()
+    words = np.random.default_rng(nbytes).integers(0, 2**63, size=(nbytes + 7) // 8 + 1, dtype=np.uint64)
+    try:
+        cpu.set_num_threads(num_threads)
+        cpu.set_parallel_threshold(0)
+        whole = nbytes // 8
+        want = int(np.bitwise_xor.reduce(words[:whole])) if whole else 0
+        assert cpu.read_bytes(words.ctypes.data, nbytes) == want
+    finally:
+        cpu.set_parallel_threshold(old_threshold)
+
+
+def test_read_probe_rejects_a_negative_size():
+    with pytest.raises(ValueError, match="nbytes"):
+        cpu.read_bytes(0, -1)

@@ -342,6 +342,48 @@ int64_t cpu_parallel_threshold(void) { return __atomic_load_n(&parallel_threshol
 void cpu_set_spin_ns(int64_t ns) { __atomic_store_n(&spin_ns, ns < 0 ? 0 : ns, __ATOMIC_RELAXED); }
 int64_t cpu_get_spin_ns(void) { return __atomic_load_n(&spin_ns, __ATOMIC_RELAXED); }
 
+/* ---- the read-bandwidth probe (cext.cpu.read_bytes) ---- */
+
+#define CPU_READ_CHUNK 65536  /* bytes a pool item reads */
+
+typedef struct {
+    const uint8_t *p;
+    int64_t nbytes;
+    uint64_t sums[256];  /* per item slot % 256: each thread XORs its own items' words in */
+} ReadArgs;
+
+static void read_range(const void *args, int64_t begin, int64_t end, float *scratch) {
+    (void)scratch;
+    ReadArgs *a = (ReadArgs *)args;
+    uint64_t acc[8] = {0};
+    for (int64_t item = begin; item < end; item++) {
+        const int64_t first = item * CPU_READ_CHUNK;
+        const int64_t last = first + CPU_READ_CHUNK < a->nbytes ? first + CPU_READ_CHUNK : a->nbytes;
+        const uint64_t *w = (const uint64_t *)(a->p + first);
+        const int64_t num_words = (last - first) / 8;
+        int64_t i = 0;
+        for (; i + 8 <= num_words; i += 8)  /* eight independent XOR chains: vectorized loads */
+            for (int j = 0; j < 8; j++) acc[j] ^= w[i + j];
+        for (; i < num_words; i++) acc[0] ^= w[i];
+    }
+    uint64_t x = 0;
+    for (int j = 0; j < 8; j++) x ^= acc[j];
+    __atomic_fetch_xor(&a->sums[begin % 256], x, __ATOMIC_RELAXED);
+}
+
+uint64_t cpu_read_words(const void *p, int64_t nbytes) {
+    ReadArgs *a = calloc(1, sizeof(ReadArgs));
+    if (a == NULL) return 0;
+    a->p = (const uint8_t *)p;
+    a->nbytes = nbytes - nbytes % 8;
+    const int64_t num_items = (a->nbytes + CPU_READ_CHUNK - 1) / CPU_READ_CHUNK;
+    cpu_parallel_for(read_range, a, num_items, a->nbytes, 0);
+    uint64_t x = 0;
+    for (int i = 0; i < 256; i++) x ^= a->sums[i];
+    free(a);
+    return x;
+}
+
 /* ---- the table the other modules call through (cpu_client.c) ---- */
 
 static const CpuApi api = {CPU_API_VERSION, cpu_features, cpu_isa, cpu_allows, cpu_parallel_for,

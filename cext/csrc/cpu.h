@@ -59,6 +59,9 @@ int cpu_set_num_threads(int num_threads);
 void cpu_set_parallel_threshold(int64_t work);
 void cpu_set_spin_ns(int64_t ns);
 int64_t cpu_get_spin_ns(void);
+/* The XOR of the 8-byte words of [p, p + nbytes) (nbytes rounded down to 8), read by the pool's
+ * threads in 64 KB pieces: what a probe of the memory's read bandwidth times. */
+uint64_t cpu_read_words(const void *p, int64_t nbytes);
 
 /* The table cext.cpu exports (capsule "cext.cpu._api") and cpu_client.c forwards through. */
 #define CPU_API_VERSION 1
