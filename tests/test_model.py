@@ -309,3 +309,28 @@ def test_bfloat16_top_logits_are_not_rounded_to_bfloat16():
     torch.testing.assert_close(logits.gather(1, top), exact.gather(1, top), atol=1e-4, rtol=1e-5)
     # The tail keeps bf16 rounding: within bf16's relative precision of the exact product.
     assert ((logits - exact).abs() <= exact.abs() * 2 ** -7 + 1e-3).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_table_full_rows_are_made_on_first_lookup_and_after_growth(dtype):
+    """The [P, D] cos/sin of the torch path are made when first looked up (the fused path reads
+    only the half tables), from float64 rounded once to the model dtype, and made again at the
+    new length after ensure() grows the table."""
+    from engine.models.rope import RotaryTable
+
+    table = RotaryTable(tiny_config(max_position_embeddings=64), dtype)
+    assert table.cos is None and table.cos_half.shape == (64, 4)
+
+    def want(num_positions):
+        freqs = torch.outer(torch.arange(num_positions, dtype=torch.float64), table.inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    positions = torch.tensor([0, 5, 63])
+    cos, sin = table.lookup(positions)
+    assert cos.shape == (3, 1, 8) and cos.dtype == dtype
+    assert torch.equal(cos[:, 0], want(64)[0][positions]) and torch.equal(sin[:, 0], want(64)[1][positions])
+    table.ensure(100)
+    assert table.cos is None and table.num_positions == 128
+    cos, sin = table.lookup(torch.tensor([99]))
+    assert torch.equal(cos[:, 0], want(128)[0][[99]]) and torch.equal(sin[:, 0], want(128)[1][[99]])
