@@ -10,9 +10,12 @@ configurations interleaved within each repeat.
 target: >= 0.4 at batch 1). Threads follow engine.models.threads.apply_thread_policy
 (``--threads N`` to override); set OMP_WAIT_POLICY in the environment to compare waits.
 
+``--prefetch l1,l2`` runs each configuration with the quantized products' weight prefetch into
+each cache (cext.qgemm.set_prefetch; default: the CPU's own choice), interleaved as the rest.
+
 Usage: ``python benchmarks/decode.py [--model PATH] [--dtypes float32,bfloat16]
 [--weights packed,dense] [--paths fused,reference] [--batch-sizes 1,8,32] [--steps 32]
-[--repeats 5] [--threads N] [--busy]``. Prints a table and writes
+[--repeats 5] [--threads N] [--busy] [--prefetch auto|l1,l2]``. Prints a table and writes
 benchmarks/results/decode.json. Other benchmarks import ``raw_decode_tok_s`` and
 ``raw_prefill_tok_s`` to run the same loop side by side with the engine.
 """
@@ -120,6 +123,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None,
                         help="engine.models.threads.apply_thread_policy (default: the measured policy)")
+    parser.add_argument("--prefetch", default="auto",
+                        help="comma-separated weight-prefetch levels to compare: auto, l1, l2")
     parser.add_argument("--busy", action="store_true",
                         help="each decode repeat also runs beside a CPU-bound neighbour process; "
                              "reports busy tok/s and busy/quiet")
@@ -163,6 +168,7 @@ def main(argv=None) -> dict:
     results = {"model": str(path), "steps": args.steps, "prompt_len": args.prompt_len,
                "prefill_tokens": args.prefill_tokens, "repeats": args.repeats, "busy": args.busy,
                "thread_policy": asdict(policy), "load_average_start": os.getloadavg(),
+               "prefetch_default": _default_prefetch(),
                "decode": [], "prefill": []}
     rows = []
     for dtype in args.dtypes.split(","):
@@ -171,7 +177,9 @@ def main(argv=None) -> dict:
             models = {}
             for fused_path in paths:
                 # The same weights on both paths: the fused path reads the flag per forward.
-                models[(dtype, weights, fused_path)] = _PathView(model, fused_path == "fused")
+                for prefetch in args.prefetch.split(","):
+                    path_label = fused_path if prefetch == "auto" else f"{fused_path} prefetch {prefetch}"
+                    models[(dtype, weights, path_label)] = _PathView(model, fused_path == "fused", prefetch)
             for view in models.values():
                 raw_decode_tok_s(view, 1, num_steps=4, prompt_len=args.prompt_len)  # warm-up
             for batch_size in batch_sizes:
@@ -211,23 +219,38 @@ def main(argv=None) -> dict:
                 title=f"Raw model loop: {Path(path).name}, {args.steps} decode steps after a "
                       f"{args.prompt_len}-token prompt, {args.repeats} repeats interleaved, "
                       f"{policy.num_threads} threads (OMP_WAIT_POLICY={policy.omp_wait_policy}), "
+                      f"weight prefetch by default into {results['prefetch_default']}, "
                       f"load average {results['load_average_start'][0]:.1f} at start")
     print(f"JSON: {write_json('decode', results)}")
     return results
 
 
-class _PathView:
-    """The model on one forward path (fused kernels or the torch reference), for the loop."""
+def _default_prefetch() -> str | None:
+    """The weight prefetch level this CPU gets by default (None without the C kernels)."""
+    try:
+        from cext import qgemm
+    except ImportError:
+        return None
+    qgemm.set_prefetch("auto")
+    return qgemm.get_prefetch()
 
-    def __init__(self, model, use_fused: bool):
-        self.model, self.use_fused = model, use_fused
+
+class _PathView:
+    """The model on one forward path (fused kernels or the torch reference) with one weight
+    prefetch level, for the loop."""
+
+    def __init__(self, model, use_fused: bool, prefetch: str = "auto"):
+        self.model, self.use_fused, self.prefetch = model, use_fused, prefetch
         self.vocab_size = model.vocab_size
 
     def make_kv_cache(self, num_blocks: int, block_size: int):
         return self.model.make_kv_cache(num_blocks, block_size)
 
     def forward(self, batch, cache):
+        from cext import qgemm
+
         self.model.use_fused = self.use_fused
+        qgemm.set_prefetch(self.prefetch)
         return self.model.forward(batch, cache)
 
 

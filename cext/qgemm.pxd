@@ -26,6 +26,11 @@ cdef extern from "csrc/qgemm.h" nogil:
     int qg_q5_pack(const uint8_t* packed, const uint8_t* high, int64_t num_rows, int64_t num_cols,
                    uint8_t* out, int64_t out_stride)
     void qg_set_float_rows(int64_t rows)
+    enum:
+        QG_PREFETCH_L1
+        QG_PREFETCH_L2
+    int qg_prefetch_level()
+    void qg_set_prefetch_level(int level)
     int64_t qg_get_float_rows()
 
 

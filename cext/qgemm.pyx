@@ -79,6 +79,22 @@ def q5_pack(intptr_t packed, intptr_t high, int64_t num_rows, int64_t num_cols, 
     _check(rc, Q5)
 
 
+_PREFETCH_LEVELS = {"l1": QG_PREFETCH_L1, "l2": QG_PREFETCH_L2}
+
+
+def set_prefetch(str level):
+    """Which cache the products' weight prefetch fills: "l1" (prefetcht0), "l2" (prefetcht1) or
+    "auto" (the CPU's default: "l2" on AMD, "l1" elsewhere). Speed only: results are the same."""
+    if level != "auto" and level not in _PREFETCH_LEVELS:
+        raise ValueError(f"prefetch: unknown {level!r}, expected 'auto', 'l1' or 'l2'")
+    qg_set_prefetch_level(_PREFETCH_LEVELS.get(level, 0))
+
+
+def get_prefetch() -> str:
+    """The level the products prefetch into now ("l1" or "l2")."""
+    return "l2" if qg_prefetch_level() == QG_PREFETCH_L2 else "l1"
+
+
 def set_float_rows(int64_t rows):
     """From how many activation rows the products run in float32 (each pass's weight rows
     decoded once, FMAs against the float32 activations) instead of int16 codes (AVX2 and up)."""

@@ -8,6 +8,9 @@ this CPU runs, one thread and the pool, both paths, float32 and bfloat16 activat
 float32 Q4 scales; and the layout's round trip and the exact (dequantized) product."""
 from __future__ import annotations
 
+import platform
+import sys
+
 import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings
@@ -642,3 +645,41 @@ def test_a_row_takes_the_same_bits_in_a_product_of_any_row_count(variant, kind, 
     alone = torch.cat([linear.run(x[i:i + 1], "int16") for i in range(17)])
     for num_rows in (2, 3, 4, 5, 6, 7, 8, 16, 17):
         assert torch.equal(linear.run(x[:num_rows], "int16"), alone[:num_rows]), num_rows
+
+
+@pytest.mark.parametrize("kind", ["q4_k", "q5_0", "int8"])
+def test_the_weight_prefetch_level_changes_no_result(variant, kind):
+    """qgemm.set_prefetch picks the cache the kernels' weight prefetch fills (speed only): both
+    levels give the same bits on every route this CPU runs, for one row and for many."""
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(300, 512, generator=gen) * 0.05  # 75 passes of 4 rows: the prefetch runs ahead
+    if kind == "int8":
+        weight = Int8Weight.from_dense(w)
+    elif kind == "q5_0":
+        weight = random_int5(gen, 300, 512, half=True, is_q5_0=True)
+    else:
+        weight = _weights("q4_k", w)
+    linear = Linear(weight)
+    x = torch.randn(9, 512, generator=gen)
+    routes = [r for r in ("int16", "float") if linear.can_run(r, 9)]
+    try:
+        results = {}
+        for level in ("l1", "l2"):
+            qgemm.set_prefetch(level)
+            assert qgemm.get_prefetch() == level
+            results[level] = [linear.run(x[:rows], route) for route in routes for rows in (1, 9)]
+        assert all(torch.equal(a, b) for a, b in zip(results["l1"], results["l2"]))
+    finally:
+        qgemm.set_prefetch("auto")
+
+
+def test_the_default_prefetch_level_follows_the_cpu_vendor():
+    """L2 on AMD (measured faster there), L1 elsewhere; a bad level is a ValueError naming it."""
+    cpuinfo = open("/proc/cpuinfo").read() if sys.platform == "linux" else ""
+    is_amd = "AuthenticAMD" in cpuinfo
+    qgemm.set_prefetch("auto")
+    if platform.machine() in ("x86_64", "AMD64"):
+        assert qgemm.get_prefetch() == ("l2" if is_amd else "l1")
+    with pytest.raises(ValueError, match="prefetch"):
+        qgemm.set_prefetch("l3")
+    assert qgemm.get_prefetch() in ("l1", "l2")

@@ -197,6 +197,41 @@ typedef struct {
 /* ---- x86 kernels: one source (qgemm_x86.h), two variants ---- */
 
 #ifdef QG_HAVE_X86
+#include <cpuid.h>
+
+/* Which cache the weight prefetch fills (QG_FN(prefetch_ahead)): QG_PREFETCH_L1 (prefetcht0) or
+ * QG_PREFETCH_L2 (prefetcht1); 0 until the first product asks (qg_prefetch_level). */
+static int qg_prefetch = 0;
+
+/* The CPU's default: L2 on AMD, L1 elsewhere. Measured (docs/performance.md, "The weights'
+ * prefetch"): on a Zen 4 prefetcht0 left a one-row decode step ~1.35x slower than prefetcht1
+ * (Gemma 3 270M 22-28 vs 16-18 ms, Qwen2.5-0.5B 37-39 vs 26-28); prefetcht0 is what the
+ * distance was tuned with on a Sapphire Rapids Xeon, where prefetcht1 is not measured yet. */
+static int qg_default_prefetch(void) {
+    unsigned eax, ebx, ecx, edx;
+    if (__get_cpuid(0, &eax, &ebx, &ecx, &edx) && ebx == 0x68747541u && edx == 0x69746e65u && ecx == 0x444d4163u)
+        return QG_PREFETCH_L2;  /* "AuthenticAMD" */
+    return QG_PREFETCH_L1;
+}
+
+int qg_prefetch_level(void) {
+    int level = __atomic_load_n(&qg_prefetch, __ATOMIC_RELAXED);
+    if (level == 0) {
+        level = qg_default_prefetch();
+        __atomic_store_n(&qg_prefetch, level, __ATOMIC_RELAXED);
+    }
+    return level;
+}
+
+void qg_set_prefetch_level(int level) {
+    __atomic_store_n(&qg_prefetch, level == QG_PREFETCH_L1 || level == QG_PREFETCH_L2 ? level : 0, __ATOMIC_RELAXED);
+}
+#else
+int qg_prefetch_level(void) { return QG_PREFETCH_L1; }
+void qg_set_prefetch_level(int level) { (void)level; }
+#endif
+
+#ifdef QG_HAVE_X86
 #define QG_CAT2(a, b) a##_##b
 #define QG_CAT(a, b) QG_CAT2(a, b)
 #define QG_FN(name) QG_CAT(name, QG_SUFFIX)

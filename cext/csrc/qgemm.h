@@ -82,6 +82,12 @@ int qg_dequantize(int layout, const void *w, const void *scales, int64_t first, 
 int qg_q5_pack(const uint8_t *packed, const uint8_t *high, int64_t num_rows, int64_t num_cols, uint8_t *out,
                int64_t out_stride);
 
+/* Which cache the kernels' weight prefetch fills: L1 (prefetcht0) or L2 (prefetcht1); set 0 for
+ * the CPU's default (L2 on AMD, L1 elsewhere). The level changes speed only, never a result. */
+enum { QG_PREFETCH_L1 = 1, QG_PREFETCH_L2 = 2 };
+int qg_prefetch_level(void);
+void qg_set_prefetch_level(int level);
+
 /* From how many activation rows (M) the products take the float route (AVX2 and up). */
 void qg_set_float_rows(int64_t rows);
 int64_t qg_get_float_rows(void);
