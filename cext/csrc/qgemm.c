@@ -206,7 +206,7 @@ static int qg_prefetch = 0;
 /* The CPU's default: L2 on AMD, L1 elsewhere. Measured (docs/performance.md, "The weights'
  * prefetch"): on a Zen 4 prefetcht0 left a one-row decode step ~1.35x slower than prefetcht1
  * (Gemma 3 270M 22-28 vs 16-18 ms, Qwen2.5-0.5B 37-39 vs 26-28); prefetcht0 is what the
- * distance was tuned with on a Sapphire Rapids Xeon, where prefetcht1 is not measured yet. */
+ * distance was tuned with on an AMX Xeon, where prefetcht1 is not measured yet. */
 static int qg_default_prefetch(void) {
     unsigned eax, ebx, ecx, edx;
     if (__get_cpuid(0, &eax, &ebx, &ecx, &edx) && ebx == 0x68747541u && edx == 0x69746e65u && ecx == 0x444d4163u)
