@@ -11,7 +11,9 @@ target: >= 0.4 at batch 1). Threads follow engine.models.threads.apply_thread_po
 (``--threads N`` to override); set OMP_WAIT_POLICY in the environment to compare waits.
 
 ``--prefetch l1,l2`` runs each configuration with the quantized products' weight prefetch into
-each cache (cext.qgemm.set_prefetch; default: the CPU's own choice), interleaved as the rest.
+each cache (cext.qgemm.set_prefetch; default: the CPU's own choice), interleaved as the rest; a
+level ending in ``-burst`` (``auto-burst``, ``l2-burst``) issues each pass's prefetch in one burst
+at its start instead of spread over its blocks (cext.qgemm.set_prefetch_spread(False)).
 
 Usage: ``python benchmarks/decode.py [--model PATH] [--dtypes float32,bfloat16]
 [--weights packed,dense] [--paths fused,reference] [--batch-sizes 1,8,32] [--steps 32]
@@ -124,7 +126,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=None,
                         help="engine.models.threads.apply_thread_policy (default: the measured policy)")
     parser.add_argument("--prefetch", default="auto",
-                        help="comma-separated weight-prefetch levels to compare: auto, l1, l2")
+                        help="comma-separated weight-prefetch levels to compare: auto, l1, l2 (each also LEVEL-burst)")
     parser.add_argument("--busy", action="store_true",
                         help="each decode repeat also runs beside a CPU-bound neighbour process; "
                              "reports busy tok/s and busy/quiet")
@@ -250,7 +252,9 @@ class _PathView:
         from cext import qgemm
 
         self.model.use_fused = self.use_fused
-        qgemm.set_prefetch(self.prefetch)
+        level, _, burst = self.prefetch.partition("-")
+        qgemm.set_prefetch(level)
+        qgemm.set_prefetch_spread(burst != "burst")
         return self.model.forward(batch, cache)
 
 

@@ -31,6 +31,8 @@ cdef extern from "csrc/qgemm.h" nogil:
         QG_PREFETCH_L2
     int qg_prefetch_level()
     void qg_set_prefetch_level(int level)
+    int qg_prefetch_spread()
+    void qg_set_prefetch_spread(int on)
     int64_t qg_get_float_rows()
 
 

@@ -95,6 +95,17 @@ def get_prefetch() -> str:
     return "l2" if qg_prefetch_level() == QG_PREFETCH_L2 else "l1"
 
 
+def set_prefetch_spread(bint on):
+    """Whether decode steps' products (one or two rows) spread each pass's weight prefetch over
+    its block loop (True, the default) or issue it in one burst at the pass's start. Speed only:
+    results are the same."""
+    qg_set_prefetch_spread(on)
+
+
+def get_prefetch_spread() -> bool:
+    return bool(qg_prefetch_spread())
+
+
 def set_float_rows(int64_t rows):
     """From how many activation rows the products run in float32 (each pass's weight rows
     decoded once, FMAs against the float32 activations) instead of int16 codes (AVX2 and up)."""

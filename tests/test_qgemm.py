@@ -649,8 +649,9 @@ def test_a_row_takes_the_same_bits_in_a_product_of_any_row_count(variant, kind, 
 
 @pytest.mark.parametrize("kind", ["q4_k", "q5_0", "int8"])
 def test_the_weight_prefetch_level_changes_no_result(variant, kind):
-    """qgemm.set_prefetch picks the cache the kernels' weight prefetch fills (speed only): both
-    levels give the same bits on every route this CPU runs, for one row and for many."""
+    """qgemm.set_prefetch picks the cache the kernels' weight prefetch fills and
+    set_prefetch_spread whether decode steps spread it over each pass (speed only): every
+    combination gives the same bits on every route this CPU runs, for one, two and many rows."""
     gen = torch.Generator().manual_seed(5)
     w = torch.randn(300, 512, generator=gen) * 0.05  # 75 passes of 4 rows: the prefetch runs ahead
     if kind == "int8":
@@ -662,15 +663,21 @@ def test_the_weight_prefetch_level_changes_no_result(variant, kind):
     linear = Linear(weight)
     x = torch.randn(9, 512, generator=gen)
     routes = [r for r in ("int16", "float") if linear.can_run(r, 9)]
+    assert qgemm.get_prefetch_spread()  # the default
     try:
         results = {}
         for level in ("l1", "l2"):
-            qgemm.set_prefetch(level)
-            assert qgemm.get_prefetch() == level
-            results[level] = [linear.run(x[:rows], route) for route in routes for rows in (1, 9)]
-        assert all(torch.equal(a, b) for a, b in zip(results["l1"], results["l2"]))
+            for spread in (True, False):
+                qgemm.set_prefetch(level)
+                qgemm.set_prefetch_spread(spread)
+                assert qgemm.get_prefetch() == level and qgemm.get_prefetch_spread() == spread
+                results[level, spread] = [linear.run(x[:rows], route) for route in routes for rows in (1, 2, 9)]
+        first = results["l1", True]
+        for other in results.values():
+            assert all(torch.equal(a, b) for a, b in zip(first, other))
     finally:
         qgemm.set_prefetch("auto")
+        qgemm.set_prefetch_spread(True)
 
 
 def test_the_default_prefetch_level_follows_the_cpu_vendor():

@@ -214,6 +214,16 @@ static int qg_default_prefetch(void) {
     return QG_PREFETCH_L1;
 }
 
+/* Whether one- and two-row products spread their weight prefetch over each pass's block loop
+ * (QG_FN(prefetch_step)) instead of issuing it in one burst at the pass's start. */
+static int qg_spread = 1;
+
+static inline int qg_spread_on(void) { return __atomic_load_n(&qg_spread, __ATOMIC_RELAXED); }
+
+int qg_prefetch_spread(void) { return qg_spread_on(); }
+
+void qg_set_prefetch_spread(int on) { __atomic_store_n(&qg_spread, on != 0, __ATOMIC_RELAXED); }
+
 int qg_prefetch_level(void) {
     int level = __atomic_load_n(&qg_prefetch, __ATOMIC_RELAXED);
     if (level == 0) {
@@ -229,6 +239,8 @@ void qg_set_prefetch_level(int level) {
 #else
 int qg_prefetch_level(void) { return QG_PREFETCH_L1; }
 void qg_set_prefetch_level(int level) { (void)level; }
+int qg_prefetch_spread(void) { return 0; }
+void qg_set_prefetch_spread(int on) { (void)on; }
 #endif
 
 #ifdef QG_HAVE_X86
