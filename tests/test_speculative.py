@@ -10,7 +10,7 @@ import engine
 from engine.config import EngineConfig, add_engine_arguments, engine_options_from_args
 from engine.core.scheduler import Scheduler, SchedulerConfig
 from engine.core.sequence import Sequence
-from engine.core.speculative import FIRST_LIMIT, NgramProposer, SpecDecoder, SpecEntry
+from engine.core.speculative import FIRST_LIMIT, MAX_VERIFY_ROWS, NgramProposer, SpecDecoder, SpecEntry
 from engine.errors import InvalidParameterError
 from engine.loader import default_model_path
 from engine.params import SamplingParams
@@ -200,6 +200,32 @@ def test_a_proposal_is_cut_to_its_sequence_limit():
         emitted = spec.accept(entry, entry.draft + [entry.draft[-1] % 9 + 1])  # the pattern goes on
         sched.update(out, emitted[:1])
         assert spec.rollback(sched.state, sched.block_manager, entry, emitted)
+
+
+@pytest.mark.parametrize("num_seqs", [1, 4, 12, 15, 16, 20])
+def test_a_tick_verifies_at_most_max_verify_rows(num_seqs):
+    """Proposals are cut so that a tick's rows (one per decoding sequence plus every proposed id)
+    stay within MAX_VERIFY_ROWS; from that many sequences on, the tick decodes plainly."""
+    cfg = SchedulerConfig(max_num_seqs=24, max_num_batched_tokens=1024, num_blocks=512, max_model_len=128,
+                          block_size=4, target_tick_seconds=None)
+    sched = Scheduler(cfg)
+    spec = sched.spec = SpecDecoder("ngram", 8)
+    seqs = []
+    for i in range(num_seqs):
+        seq = Sequence(f"r{i}", [1, 2, 3, 4, 5, 6, 7, 8, 9] * 3 + [1, 2, 3], 40)
+        seq.spec = spec.make_state()
+        seq.spec.limit = 8
+        sched.add(seq)
+        seqs.append(seq)
+    out = sched.schedule()  # the prompts, in one tick
+    sched.update(out, [4] * num_seqs)
+    out = sched.schedule()
+    proposed = sum(len(entry.draft) for entry, _k, _first in out.spec_entries)
+    if num_seqs >= MAX_VERIFY_ROWS:
+        assert proposed == 0
+    else:  # every sequence's prompt repeats: the rows left are all used, and no more
+        assert proposed == min(8 * num_seqs, MAX_VERIFY_ROWS - num_seqs)
+        assert num_seqs + proposed <= MAX_VERIFY_ROWS
 
 
 # -- the engine, with and without speculation --

@@ -12,6 +12,7 @@ from scipy.stats import chi2
 
 import engine
 from cext.sampler import RandomStream
+from engine.core import speculative
 from engine.core.speculative import accept_from_draft
 from engine.loader import default_model_path
 from engine.params import SamplingParams
@@ -71,6 +72,14 @@ def test_accept_from_draft_draws_from_the_target(case):
 
 
 # -- the engine, q one-hot (n-gram proposals) --
+
+@pytest.fixture(autouse=True)
+def verify_every_row(monkeypatch):
+    """These tests draw thousands of requests in batches of many sequences; the engine would verify
+    no proposal at 16 and more (MAX_VERIFY_ROWS, a speed policy). Exactness must not depend on the
+    batch, so here every batch speculates."""
+    monkeypatch.setattr(speculative, "MAX_VERIFY_ROWS", 1 << 20)
+
 
 @pytest.fixture(scope="module")
 def tok():

@@ -29,9 +29,10 @@ verified in order as the run is emitted (``SpecRun.rows``), a row sampled only o
 before it are counted, so a proposal the grammar rejects ends the run.
 
 Speculation runs only on ticks where it cannot disturb the plan: no request waits, no
-running sequence is mid-prefill, every proposal fits the tick's token budget and the free
-blocks (proposals are cut to fit). A sequence whose proposals keep failing stops proposing
-for a while (the adaptive gate), so open-ended text costs almost nothing extra.
+running sequence is mid-prefill, fewer than MAX_VERIFY_ROWS sequences decode, and every
+proposal fits the tick's token budget, the free blocks and MAX_VERIFY_ROWS rows in all
+(proposals are cut to fit). A sequence whose proposals keep failing stops proposing for a
+while (the adaptive gate), so open-ended text costs almost nothing extra.
 """
 from __future__ import annotations
 
@@ -61,6 +62,12 @@ GATE_MAX_WAIT = 64
 # row; a 5-row verification took 2.0x a one-row step on Qwen2.5-0.5B, AVX-512, benchmarks/row_routes.py),
 # so long proposals pay only inside a run the output copies, short ones everywhere else.
 FIRST_LIMIT = 4
+# Rows a speculative tick may verify in all (its decoding sequences' own rows and every proposed
+# id). Past a few rows a step's products are bound by arithmetic, so a proposed id costs nearly a
+# row's share of the step while it yields less than one id on average: at 16 streams on
+# Qwen2.5-0.5B, uncapped speculation ran 0.91-0.95x plain decoding (benchmarks/speculative.py
+# --streams 16). 16 is also how far a step keeps the one-row route (routes.same_route_up_to).
+MAX_VERIFY_ROWS = 16
 
 
 class Proposer(abc.ABC):
@@ -159,6 +166,8 @@ class SpecDecoder:
         proposals = []
         num_plain = 0
         need_blocks = 0
+        if len(running) >= MAX_VERIFY_ROWS:
+            return  # no row to spare: the tick decodes plainly
         for seq in running:
             if int(num_tokens[seq.slot]) - int(num_computed[seq.slot]) != 1:
                 return  # a prefill is running: no speculation this tick
@@ -192,17 +201,19 @@ class SpecDecoder:
         if not proposals:
             return
         limit = min(budget - num_plain, prefill_budget if num_plain else budget)
+        extra = MAX_VERIFY_ROWS - len(running)  # proposed ids the tick may add to its decode rows
         free = bm.num_free_blocks - need_blocks
         epochs, tokens = state.epochs, state.tokens
         for seq, draft in proposals:
             s = seq.slot
             n = int(num_tokens[s])
-            k = min(len(draft), limit - 1)
+            k = min(len(draft), limit - 1, extra)
             while k > 0 and max(0, -(-(n + k) // bs) - int(num_blocks[s])) > free:
                 k -= 1
             held = max(0, -(-(n + k) // bs) - int(num_blocks[s]))
             free -= held
             limit -= 1 + k
+            extra -= max(k, 0)
             if k <= 0:
                 continue
             tokens[s, n : n + k] = draft[:k]
