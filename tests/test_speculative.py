@@ -210,13 +210,11 @@ def test_a_tick_verifies_at_most_max_verify_rows(num_seqs):
                           block_size=4, target_tick_seconds=None)
     sched = Scheduler(cfg)
     spec = sched.spec = SpecDecoder("ngram", 8)
-    seqs = []
     for i in range(num_seqs):
         seq = Sequence(f"r{i}", [1, 2, 3, 4, 5, 6, 7, 8, 9] * 3 + [1, 2, 3], 40)
         seq.spec = spec.make_state()
         seq.spec.limit = 8
         sched.add(seq)
-        seqs.append(seq)
     out = sched.schedule()  # the prompts, in one tick
     sched.update(out, [4] * num_seqs)
     out = sched.schedule()

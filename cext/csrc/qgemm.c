@@ -199,7 +199,7 @@ typedef struct {
 #ifdef QG_HAVE_X86
 #include <cpuid.h>
 
-/* Which cache the weight prefetch fills (QG_FN(prefetch_ahead)): QG_PREFETCH_L1 (prefetcht0) or
+/* Which cache the weight prefetch fills (QG_FN(prefetch_spread)): QG_PREFETCH_L1 (prefetcht0) or
  * QG_PREFETCH_L2 (prefetcht1); 0 until the first product asks (qg_prefetch_level). */
 static int qg_prefetch = 0;
 

@@ -16,20 +16,12 @@ static inline float QG_FN(hsum)(__m256 v) {
  * the product from ~5.0 to ~2.0-3.3 ms on a Xeon (the distance: best of 2-24 passes tried),
  * into L1; into L2 (qg_prefetch_level) on AMD, where that made a decode step ~1.35x faster. */
 #define QG_PREFETCH_BYTES 24576
-static inline void QG_FN(prefetch_ahead)(const uint8_t *at, int64_t bytes, const uint8_t *end) {
-    const uint8_t *from = at + QG_PREFETCH_BYTES, *to = from + bytes;
-    if (to > end) to = end;
-    if (qg_prefetch_level() == QG_PREFETCH_L2) {
-        for (const uint8_t *p = from; p < to; p += 64) _mm_prefetch((const char *)p, _MM_HINT_T1);
-    } else {
-        for (const uint8_t *p = from; p < to; p += 64) _mm_prefetch((const char *)p, _MM_HINT_T0);
-    }
-}
 
-/* The same lines as prefetch_ahead, spread over a pass's block loop instead of issued in one
- * burst at its start: `per_step` lines each step (QG_FN(prefetch_step)). A burst of ~50 prefetches
- * fills the core's miss buffers and stalls the pass behind them (on a Zen 4, 14% of a one-row
- * Q8 product's samples sat on one prefetcht1); spread, they wait beside the arithmetic. */
+/* Those lines, `per_step` of them at each step of the pass's block loop (QG_FN(prefetch_step));
+ * with steps = 1 one call issues them all at the pass's start (the burst, what batched passes
+ * do). A burst of ~50 prefetches fills the core's miss buffers and stalls the pass behind them
+ * (on a Zen 4, 14% of a one-row Q8 product's samples sat on one prefetcht1); spread over the
+ * decode steps' block loops, they wait beside the arithmetic. */
 typedef struct {
     const uint8_t *p, *end;
     int per_step, l2;
@@ -431,8 +423,8 @@ static void QG_FN(q4_range)(const void *p, int64_t n0, int64_t n1,
          * faster at 4 and 16 rows. */
         const int spread = qg_spread_on() && a->xf == NULL && a->num_rows <= QG_TR;
         QG_FN(Prefetch) pf = QG_FN(prefetch_spread)(a->blocks + n * row_bytes, QG_NR * row_bytes, a->blocks + n1 * row_bytes,
-                                                    a->num_cols / (2 * QK_BLOCK));
-        if (!spread) QG_FN(prefetch_ahead)(a->blocks + n * row_bytes, QG_NR * row_bytes, a->blocks + n1 * row_bytes);
+                                                    spread ? a->num_cols / (2 * QK_BLOCK) : 1);
+        if (!spread) QG_FN(prefetch_step)(&pf);  /* the burst */
         if (a->xf != NULL) {
             float *sm = scratch + QG_NR * a->num_cols;
             for (int k = 0; k < QG_NR; k++) QG_FN(q45_row_to_float)(a, rows[k], sm, scratch + k * a->num_cols);
@@ -534,10 +526,8 @@ static void QG_FN(q8_range)(const void *p, int64_t n0, int64_t n1,
         }
         const int spread = qg_spread_on() && a->xf == NULL && a->num_rows <= QG_TR;  /* decode steps */
         QG_FN(Prefetch) pf = QG_FN(prefetch_spread)((const uint8_t *)a->q8 + n * a->num_cols, QG_NR * a->num_cols,
-                                                    (const uint8_t *)a->q8 + n1 * a->num_cols, nb);
-        if (!spread)
-            QG_FN(prefetch_ahead)((const uint8_t *)a->q8 + n * a->num_cols, QG_NR * a->num_cols,
-                                  (const uint8_t *)a->q8 + n1 * a->num_cols);
+                                                    (const uint8_t *)a->q8 + n1 * a->num_cols, spread ? nb : 1);
+        if (!spread) QG_FN(prefetch_step)(&pf);  /* the burst */
         if (a->xf != NULL) {
             float *sm = scratch + QG_NR * a->num_cols;
             for (int k = 0; k < QG_NR; k++) QG_FN(q8_row_to_float)(a, rows[k], wscales[k], sm, scratch + k * a->num_cols);
