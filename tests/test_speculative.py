@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 import engine
 from engine.config import EngineConfig, add_engine_arguments, engine_options_from_args
+from engine.core.draft import DraftModel
 from engine.core.scheduler import Scheduler, SchedulerConfig
 from engine.core.sequence import Sequence
 from engine.core.speculative import FIRST_LIMIT, MAX_VERIFY_ROWS, NgramProposer, SpecDecoder, SpecEntry
@@ -224,6 +225,35 @@ def test_a_tick_verifies_at_most_max_verify_rows(num_seqs):
     else:  # every sequence's prompt repeats: the rows left are all used, and no more
         assert proposed == min(8 * num_seqs, MAX_VERIFY_ROWS - num_seqs)
         assert num_seqs + proposed <= MAX_VERIFY_ROWS
+
+
+@pytest.mark.parametrize("num_seqs", [1, 3, 12, 15, 16])
+def test_the_draft_model_is_asked_for_no_more_ids_than_a_tick_verifies(num_seqs):
+    """A draft id costs a row of every draft forward: the draft is asked for at most the rows a
+    tick has left (MAX_VERIFY_ROWS less one per decoding sequence), first come first served, and
+    the tick verifies all it proposed."""
+    cfg = SchedulerConfig(max_num_seqs=24, max_num_batched_tokens=1024, num_blocks=512, max_model_len=128,
+                          block_size=4, target_tick_seconds=None)
+    sched = Scheduler(cfg)
+    draft = DraftModel(ScriptedModel([7, 8, 9], 64), 512, 4, 24, 128)
+    asked = []
+    propose = draft.propose
+    draft.propose = lambda state, wants: asked.append(list(wants)) or propose(state, wants)
+    spec = sched.spec = SpecDecoder("draft", 8, draft=draft)
+    for i in range(num_seqs):
+        seq = Sequence(f"r{i}", [1, 2, 3, 4, 5], 40)
+        seq.spec = spec.make_state()
+        seq.spec.limit = 8
+        sched.add(seq)
+    out = sched.schedule()  # the prompts, in one tick
+    sched.update(out, [4] * num_seqs)
+    out = sched.schedule()
+    proposed = sum(len(entry.draft) for entry, _k, _first in out.spec_entries)
+    rows_left = max(0, MAX_VERIFY_ROWS - num_seqs)
+    wanted = sum(k for _slot, _n, k, _p in asked[0]) if asked else 0
+    assert wanted == proposed == min(8 * num_seqs, rows_left)
+    assert [k for _slot, _n, k, _p in asked[0]] == [min(8, rows_left - 8 * i) for i in range(len(asked[0]))] \
+        if asked else rows_left == 0
 
 
 # -- the engine, with and without speculation --

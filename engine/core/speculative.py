@@ -183,6 +183,16 @@ class SpecDecoder:
                     if room > 0:
                         wants[seq.slot] = room
         if self.draft is not None:
+            # A draft id costs a draft forward row: ask for no more than the tick can verify (the
+            # same first-come order as the cut below; n-gram proposals are free and often short,
+            # so they are cut after proposing).
+            rows_left = MAX_VERIFY_ROWS - len(running)
+            for seq in running:
+                if seq.slot in wants:
+                    want = wants[seq.slot] = min(wants[seq.slot], rows_left)
+                    rows_left -= want
+                    if want <= 0:
+                        del wants[seq.slot]
             self.draft.sync(state, {seq.slot for seq in running})
             drafts = self.draft.propose(state, [(seq.slot, int(num_tokens[seq.slot]), wants[seq.slot],
                                                  seq.num_prompt_tokens) for seq in running if seq.slot in wants])
