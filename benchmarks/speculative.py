@@ -14,7 +14,9 @@ prompt. Per task and variant the acceptance rate and the mean accepted length pe
 (accepted / proposals) come from the engine's counters. Our variants' outputs are checked equal
 token for token. ``--fixed-k`` adds the variant ``ngram fixed k``: the same engine with every
 proposal allowed k ids (adaptive k off), to compare the two policies in one run; ``--also-k K2``
-adds ``ngram k=K2``, prompt lookup with another ceiling.
+adds ``ngram k=K2``, prompt lookup with another ceiling; ``--no-budget`` adds ``ngram no budget``:
+every proposed id within MAX_VERIFY_ROWS verified (the verify budget off,
+engine.core.speculative.SpecDecoder.verify_budget).
 
 The machine is shared (several engineers, 2 cores): the load average is printed and recorded,
 and the figures are indicative only.
@@ -236,6 +238,8 @@ def main() -> None:
                         help="adds the variant 'ngram k=K2': speculative='ngram' with this ceiling too")
     parser.add_argument("--fixed-k", action="store_true",
                         help="adds the variant 'ngram fixed k': every proposal may have k ids (no adaptive k)")
+    parser.add_argument("--no-budget", action="store_true",
+                        help="adds the variant 'ngram no budget': every proposed id verified (no verify budget)")
     args = parser.parse_args()
     if args.proposer:
         main_proposer(args.num_speculative_tokens)
@@ -250,6 +254,9 @@ def main() -> None:
     if args.fixed_k:
         engines["ngram fixed k"] = Engine.from_pretrained(args.model, speculative="ngram", num_speculative_tokens=k)
         engines["ngram fixed k"]._core.spec.adaptive = False
+    if args.no_budget:
+        engines["ngram no budget"] = Engine.from_pretrained(args.model, speculative="ngram", num_speculative_tokens=k)
+        engines["ngram no budget"]._core.spec.budgeted = False
     if args.draft_model:
         engines["draft"] = Engine.from_pretrained(args.model, speculative="draft", draft_model=args.draft_model,
                                                   num_speculative_tokens=k)

@@ -8,14 +8,34 @@ from hypothesis import strategies as st
 
 import engine
 from engine.config import EngineConfig, add_engine_arguments, engine_options_from_args
+from engine.core import speculative
 from engine.core.draft import DraftModel
 from engine.core.scheduler import Scheduler, SchedulerConfig
 from engine.core.sequence import Sequence
-from engine.core.speculative import FIRST_LIMIT, MAX_VERIFY_ROWS, NgramProposer, SpecDecoder, SpecEntry
+from engine.core.speculative import (
+    FIRST_LIMIT,
+    FIRST_PRIOR,
+    MAX_VERIFY_ROWS,
+    NEXT_PRIOR,
+    STEP_ROWS_PRIOR,
+    NgramProposer,
+    SpecDecoder,
+    SpecEntry,
+    SpecState,
+    StepTimes,
+)
 from engine.errors import InvalidParameterError
 from engine.loader import default_model_path
 from engine.params import SamplingParams
 from engine.testing import ScriptedModel
+
+
+@pytest.fixture(autouse=True)
+def verify_every_proposed_id(monkeypatch):
+    """These tests are about what speculation emits, so every proposed id within MAX_VERIFY_ROWS is
+    verified: the verify budget (a speed policy from the machine's step times) is off here, and on
+    in the tests of it."""
+    monkeypatch.setattr(speculative, "VERIFY_BUDGET", False)
 
 
 def reference_proposal(ids: list[int], k: int, lo: int, hi: int) -> list[int]:
@@ -254,6 +274,125 @@ def test_the_draft_model_is_asked_for_no_more_ids_than_a_tick_verifies(num_seqs)
     assert wanted == proposed == min(8 * num_seqs, rows_left)
     assert [k for _slot, _n, k, _p in asked[0]] == [min(8, rows_left - 8 * i) for i in range(len(asked[0]))] \
         if asked else rows_left == 0
+
+
+# -- the verify budget --
+
+def test_step_times_estimate_timed_interpolated_and_scaled_rows():
+    times = StepTimes(max_rows=32)
+    assert times.estimate(5) / times.estimate(1) == pytest.approx((5 + STEP_ROWS_PRIOR) / (1 + STEP_ROWS_PRIOR))
+    times.observe(2, 0.010)
+    times.observe(6, 0.030)
+    assert times.estimate(2) == 0.010 and times.estimate(4) == pytest.approx(0.020)  # timed; between
+    assert times.estimate(1) == pytest.approx(0.010 * (1 + STEP_ROWS_PRIOR) / (2 + STEP_ROWS_PRIOR))
+    assert times.estimate(10) == pytest.approx(0.030 * (10 + STEP_ROWS_PRIOR) / (6 + STEP_ROWS_PRIOR))
+    times.observe(2, 0.020)  # a running average: the newest tick moves it part of the way
+    assert 0.010 < times.estimate(2) < 0.020
+    times.observe(0, 1.0)
+    times.observe(33, 1.0)
+    times.observe(3, 0.0)  # out of range or not a time: ignored
+    assert times.estimate(3) == pytest.approx((times.estimate(2) + 0.030) / 2, rel=0.5)
+
+
+def budget_reference(num_decodes: int, chances: list[list[float]], seconds) -> list[int]:
+    """Every way to give each sequence a prefix of its offered ids within MAX_VERIFY_ROWS: the one
+    of the highest expected rate (decoding sequences + expected accepted ids) / seconds(rows)."""
+    import itertools
+
+    best, best_take = num_decodes / seconds(num_decodes), [0] * len(chances)
+    for take in itertools.product(*(range(len(c) + 1) for c in chances)):
+        rows = num_decodes + sum(take)
+        if rows > MAX_VERIFY_ROWS:
+            continue
+        value = (num_decodes + sum(sum(c[:k]) for c, k in zip(chances, take))) / seconds(rows)
+        if value > best + 1e-12:
+            best, best_take = value, list(take)
+    return best_take
+
+
+def _running(slot: int, first: float, after: float):
+    seq = type("Running", (), {})()
+    seq.slot = slot
+    seq.spec = SpecState(None, first_ok=first, first_tried=1.0, next_ok=after, next_tried=1.0)
+    return seq
+
+
+@pytest.mark.parametrize("shape", ["flat", "linear", "prior", "concave"])
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.floats(0.05, 0.97), st.floats(0.05, 0.99), st.integers(0, 5)), min_size=1,
+                max_size=5),
+       st.integers(0, 6))
+def test_the_verify_budget_takes_the_ids_that_raise_the_expected_rate(shape, seqs, plain_seqs):
+    """Against every allocation: the budget's rows give the best expected (tokens / step seconds),
+    with the step times flat (every id pays), linear in the rows (no id yielding less than one
+    token pays), the prior's, or a step whose rows cost less as they grow."""
+    seconds = {"flat": lambda r: 1.0, "linear": lambda r: float(r), "prior": lambda r: r + STEP_ROWS_PRIOR,
+               "concave": lambda r: r ** 0.5 + 2}[shape]
+    spec = SpecDecoder("ngram", 8, budgeted=True)
+    for rows in range(1, MAX_VERIFY_ROWS + 1):
+        spec.observe_step(rows, seconds(rows))
+    running = [_running(slot, first, after) for slot, (first, after, _n) in enumerate(seqs)]
+    running += [_running(len(seqs) + i, 0.5, 0.5) for i in range(plain_seqs)]
+    offers = [n for _first, _after, n in seqs] + [0] * plain_seqs
+    chances = [seq.spec.chances(n) for seq, n in zip(running, offers)]
+    got = spec.verify_budget(running, {slot: n for slot, n in enumerate(offers) if n})
+    take = [got.get(slot, 0) for slot in range(len(running))]
+    assert all(0 < k <= n for k, n in zip(take, offers) if k) and len(running) + sum(take) <= MAX_VERIFY_ROWS
+
+    def value(t):
+        return (len(running) + sum(sum(c[:k]) for c, k in zip(chances, t))) / seconds(len(running) + sum(t))
+    assert value(take) == pytest.approx(value(budget_reference(len(running), chances, seconds)))
+    if shape == "flat":
+        assert sum(take) == min(sum(offers), MAX_VERIFY_ROWS - len(running))
+    if shape == "linear":
+        assert not got
+
+
+def test_the_verify_budget_serves_the_likelier_sequence_first_and_recovers_the_refused():
+    spec = SpecDecoder("ngram", 8, budgeted=True)
+    spec.observe_step(4, 1.0)  # untimed rows scale from here as r + STEP_ROWS_PRIOR
+    running = [_running(0, 0.3, 0.3), _running(1, 0.95, 0.95), _running(2, 0.5, 0.5), _running(3, 0.5, 0.5)]
+    got = spec.verify_budget(running, {0: 4, 1: 4})
+    assert got.get(1, 0) >= 2 and 0 not in got  # a row is worth ~0.16 of a step's 4 tokens here
+    refused = running[0].spec
+    before = refused.chances(2)
+    for _ in range(200):
+        spec.verify_budget(running, {0: 4})
+    after = refused.chances(2)
+    first, then = FIRST_PRIOR[0] / FIRST_PRIOR[1], NEXT_PRIOR[0] / NEXT_PRIOR[1]
+    assert before[0] < after[0] <= first + 1e-9 and before[1] < after[1] <= first * then + 1e-9  # tried again
+    assert spec.verify_budget(running, {}) == {}
+
+
+def test_a_sequence_chances_follow_its_proposals():
+    state = SpecDecoder("ngram", 8).make_state()
+    first, after = FIRST_PRIOR[0] / FIRST_PRIOR[1], NEXT_PRIOR[0] / NEXT_PRIOR[1]
+    assert state.chances(3) == pytest.approx([first, first * after, first * after ** 2])
+    for _ in range(20):
+        state.observe(4, 4)  # whole proposals: every id passed
+    assert min(state.chances(4)) > 0.9
+    for _ in range(20):
+        state.observe(1, 4)  # the first id holds, the second fails
+    first, second = state.chances(2)
+    assert first > 0.95 and second < 0.05
+    for _ in range(20):
+        state.observe(0, 4)  # the first id fails every time
+    assert state.chances(1)[0] < 0.05
+
+
+def test_engine_output_equals_plain_decoding_with_the_verify_budget(tok):
+    """The budget only trims proposals: the default engine (budget on, step times of this run)
+    emits plain decoding's ids."""
+    script = copying_script(tok)
+    prompt = "Rename subtotal to base:\n" + CODE
+    with make_engine(tok, script) as plain, make_engine(tok, script, speculative="ngram") as fast:
+        fast._core.spec.budgeted = True
+        for params in PARAMS:
+            assert run(fast, prompt, params) == run(plain, prompt, params), params
+        batch_plain = plain.generate([prompt, "x " + prompt, CODE], PARAMS[1])
+        batch_fast = fast.generate([prompt, "x " + prompt, CODE], PARAMS[1])
+        assert fast._core.spec.step_times.seconds.any()  # the engine timed its steps
+    assert [c.token_ids for c in batch_fast] == [c.token_ids for c in batch_plain]
 
 
 # -- the engine, with and without speculation --

@@ -76,9 +76,11 @@ def test_accept_from_draft_draws_from_the_target(case):
 @pytest.fixture(autouse=True)
 def verify_every_row(monkeypatch):
     """These tests draw thousands of requests in batches of many sequences; the engine would verify
-    no proposal at 16 and more (MAX_VERIFY_ROWS, a speed policy). Exactness must not depend on the
-    batch, so here every batch speculates."""
+    no proposal at 16 and more (MAX_VERIFY_ROWS, a speed policy), and only the proposed ids its
+    step times say pay (the verify budget, another). Exactness must not depend on the batch, so
+    here every batch speculates and verifies every proposed id."""
     monkeypatch.setattr(speculative, "MAX_VERIFY_ROWS", 1 << 20)
+    monkeypatch.setattr(speculative, "VERIFY_BUDGET", False)
 
 
 @pytest.fixture(scope="module")

@@ -371,6 +371,10 @@ class EngineCore:
                 self._fail_tick(out, exc)
                 return
             self._last_forward_s = time.perf_counter() - start
+            if self.spec is not None:  # the step times of decode rows and proposals: the verify budget
+                num_rows = out.batch.num_tokens
+                if num_rows == len(out.seqs) + sum(len(e.draft) for e, _k, _first in out.spec_entries):
+                    self.spec.observe_step(num_rows, self._last_forward_s)
             self._after_forward(out, logits)
 
     def _tick_with_rows(self, out, part) -> None:

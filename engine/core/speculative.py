@@ -68,6 +68,21 @@ FIRST_LIMIT = 4
 # Qwen2.5-0.5B, uncapped speculation ran 0.91-0.95x plain decoding (benchmarks/speculative.py
 # --streams 16). 16 is also how far a step keeps the one-row route (routes.same_route_up_to).
 MAX_VERIFY_ROWS = 16
+# Within that cap a tick verifies the proposed ids that give it the highest expected rate:
+# (decoding sequences + expected accepted ids) / forward seconds of that many rows
+# (SpecDecoder.verify_budget). A sequence's chances come from its own proposals so far (SpecState),
+# the seconds of an r-row step from the engine's own decode ticks (StepTimes). Measured before the
+# budget: at 4 streams of open-ended text (acceptance ~0.55) n-gram speculation ran 0.91-0.93x plain
+# decoding on Qwen2.5-0.5B, a verified row costing more than the ~0.55 of an id it returned.
+STEP_ROWS_PRIOR = 3.0  # an untimed r-row step: seconds ~ r + 3 (a 5-row step ~2x a one-row step)
+FIRST_PRIOR = (1.0, 2.0)  # (accepted, tried) of a proposal's first id before any proposal: 0.5
+# and of the ids after an accepted one: 0.9. Hopeful on purpose: copying goes on once it starts,
+# and a budget that never verifies a long proposal never learns what one returns.
+NEXT_PRIOR = (0.9, 1.0)
+RATE_SMOOTHING = 0.3  # weight of the newest proposal in a sequence's chances
+RATE_RECOVERY = 0.02  # per tick the budget cuts a sequence's offer, its chances move this far back to the priors
+STEP_SMOOTHING = 0.2  # weight of the newest tick in StepTimes
+VERIFY_BUDGET = True  # SpecDecoder.budgeted's default (tests of exactness turn it off: every id verified)
 
 
 class Proposer(abc.ABC):
@@ -88,12 +103,77 @@ Proposer.register(NgramIndex)
 
 @dataclass(slots=True)
 class SpecState:
-    """One sequence's proposer, its adaptive k (``limit``) and its adaptive gate."""
+    """One sequence's proposer, its adaptive k (``limit``), its adaptive gate and how its proposals
+    fare: the chance its first proposed id is accepted, and the chance an id after an accepted one
+    is (running averages of accepted / tried ids). Copied text is accepted in runs: once a
+    proposal's first id holds, the next ones mostly do too."""
 
     proposer: Proposer | None  # None: the engine's draft model proposes
     limit: int = FIRST_LIMIT  # most ids the next proposal may have (adaptive k, <= the engine's k)
     num_failures: int = 0  # proposals in a row with nothing accepted
     wait: int = 0  # decode steps to skip before the next proposal
+    first_ok: float = FIRST_PRIOR[0]
+    first_tried: float = FIRST_PRIOR[1]
+    next_ok: float = NEXT_PRIOR[0]
+    next_tried: float = NEXT_PRIOR[1]
+
+    def chances(self, num_ids: int) -> list[float]:
+        """The chance that each of the first num_ids ids of a proposal is accepted (with all
+        before it)."""
+        chance, first, after = 1.0, self.first_ok / self.first_tried, self.next_ok / self.next_tried
+        out = []
+        for i in range(num_ids):
+            chance *= first if i == 0 else after
+            out.append(chance)
+        return out
+
+    def observe(self, num_accepted: int, num_proposed: int) -> None:
+        """A proposal of num_proposed ids with its first num_accepted accepted."""
+        a = RATE_SMOOTHING
+        self.first_ok += a * ((num_accepted > 0) - self.first_ok)
+        self.first_tried += a * (1 - self.first_tried)
+        if num_accepted > 0:  # the ids after the first: a - 1 passed, one more failed unless all passed
+            self.next_ok += a * (num_accepted - 1 - self.next_ok)
+            self.next_tried += a * (num_accepted - 1 + (num_accepted < num_proposed) - self.next_tried)
+
+    def recover(self) -> None:
+        """A tick the budget cut this sequence's offer: its chances drift back to the priors, so a
+        sequence whose text turns repetitive later is tried again, and at length."""
+        r = RATE_RECOVERY
+        self.first_ok += r * (FIRST_PRIOR[0] - self.first_ok)
+        self.first_tried += r * (FIRST_PRIOR[1] - self.first_tried)
+        self.next_ok += r * (NEXT_PRIOR[0] - self.next_ok)
+        self.next_tried += r * (NEXT_PRIOR[1] - self.next_tried)
+
+
+class StepTimes:
+    """Forward seconds of the engine's ticks without prefill, by their rows (running averages),
+    and an estimate for any row count: the timed value, else linear between the nearest timed
+    counts, else scaled from the nearest timed count as r + STEP_ROWS_PRIOR (relative to
+    1 + STEP_ROWS_PRIOR seconds when none is timed: the budget compares ratios only)."""
+
+    def __init__(self, max_rows: int = 4 * MAX_VERIFY_ROWS):
+        self.seconds = np.zeros(max_rows + 1, dtype=np.float64)  # [rows]; 0: not timed
+
+    def observe(self, num_rows: int, seconds: float) -> None:
+        if not 0 < num_rows < len(self.seconds) or not seconds > 0:
+            return
+        old = self.seconds[num_rows]
+        self.seconds[num_rows] = seconds if old == 0 else old + STEP_SMOOTHING * (seconds - old)
+
+    def estimate(self, num_rows: int) -> float:
+        timed = self.seconds
+        if 0 < num_rows < len(timed) and timed[num_rows] > 0:
+            return float(timed[num_rows])
+        known = np.flatnonzero(timed)
+        below, above = known[known < num_rows], known[known > num_rows]
+        if len(below) and len(above):
+            lo, hi = int(below[-1]), int(above[0])
+            return float(timed[lo] + (timed[hi] - timed[lo]) * (num_rows - lo) / (hi - lo))
+        near = int(below[-1]) if len(below) else int(above[0]) if len(above) else None
+        if near is None:
+            return num_rows + STEP_ROWS_PRIOR
+        return float(timed[near] * (num_rows + STEP_ROWS_PRIOR) / (near + STEP_ROWS_PRIOR))
 
 
 @dataclass(slots=True)
@@ -141,6 +221,9 @@ class SpecDecoder:
     k: int
     draft: DraftModel | None = None  # speculative="draft": the model that proposes
     adaptive: bool = True  # adaptive k (FIRST_LIMIT); False: every proposal may have k ids (benchmarks)
+    budgeted: bool = field(default_factory=lambda: VERIFY_BUDGET)  # verify_budget; False: every id
+    # within MAX_VERIFY_ROWS, first come first served
+    step_times: StepTimes = field(default_factory=StepTimes)
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_proposals: int = 0
@@ -183,22 +266,18 @@ class SpecDecoder:
                     if room > 0:
                         wants[seq.slot] = room
         if self.draft is not None:
-            # A draft id costs a draft forward row: ask for no more than the tick can verify (the
-            # same first-come order as the cut below; n-gram proposals are free and often short,
-            # so they are cut after proposing).
-            rows_left = MAX_VERIFY_ROWS - len(running)
-            for seq in running:
-                if seq.slot in wants:
-                    want = wants[seq.slot] = min(wants[seq.slot], rows_left)
-                    rows_left -= want
-                    if want <= 0:
-                        del wants[seq.slot]
+            # A draft id costs a draft forward row: ask for no more than the tick will verify (n-gram
+            # proposals are free and often short or missing, so they are budgeted once made).
+            wants = self.verify_budget(running, wants)
             self.draft.sync(state, {seq.slot for seq in running})
             drafts = self.draft.propose(state, [(seq.slot, int(num_tokens[seq.slot]), wants[seq.slot],
                                                  seq.num_prompt_tokens) for seq in running if seq.slot in wants])
         else:
             drafts = {seq.slot: seq.spec.proposer.propose(seq.token_array)[: wants[seq.slot]]
                       for seq in running if seq.slot in wants}
+            drafts = {s: d for s, d in drafts.items() if d}
+            verified = self.verify_budget(running, {s: len(d) for s, d in drafts.items()})
+            drafts = {s: d[: verified[s]] for s, d in drafts.items() if s in verified}
         for seq in running:
             s = seq.slot
             n = int(num_tokens[s])
@@ -229,6 +308,51 @@ class SpecDecoder:
             tokens[s, n : n + k] = draft[:k]
             num_tokens[s] = n + k
             self.entries.append(SpecEntry(seq, s, int(epochs[s]), n, draft[:k]))
+
+    def verify_budget(self, running: list, offers: dict) -> dict:
+        """``offers``: {slot: ids it may propose} -> {slot: ids the tick verifies} (none: left
+        out). The likeliest ids (SpecState.chances; ties in running order), as
+        many as give the tick the highest expected rate: (decoding sequences + expected accepted
+        ids) / step seconds of that many rows, within MAX_VERIFY_ROWS rows in all (none when no
+        count beats plain decoding). A sequence given fewer ids than it offered drifts back toward
+        the priors (SpecState.recover)."""
+        num_decodes = len(running)
+        if not self.budgeted:
+            rows_left, out = MAX_VERIFY_ROWS - num_decodes, {}
+            for seq in running:
+                k = min(offers.get(seq.slot, 0), rows_left)
+                if k > 0:
+                    out[seq.slot] = k
+                    rows_left -= k
+            return out
+        ids = []  # (-chance, running order, slot)
+        for order, seq in enumerate(running):
+            k = offers.get(seq.slot, 0)
+            if k > 0:
+                ids.extend((-chance, order, seq.slot) for chance in seq.spec.chances(k))
+        ids.sort()
+        del ids[max(0, MAX_VERIFY_ROWS - num_decodes):]
+        # For e extra rows the best are the e likeliest ids (the step's time depends on its rows
+        # only), and a sequence's likeliest ids are its first ones: the best e over all of them.
+        times = self.step_times
+        expected = float(num_decodes)
+        best, best_e = expected / times.estimate(num_decodes), 0
+        for e, (neg_chance, _order, _slot) in enumerate(ids, 1):
+            expected -= neg_chance
+            value = expected / times.estimate(num_decodes + e)
+            if value > best:
+                best, best_e = value, e
+        out: dict = {}
+        for _neg_chance, _order, slot in ids[:best_e]:
+            out[slot] = out.get(slot, 0) + 1
+        for seq in running:
+            if out.get(seq.slot, 0) < offers.get(seq.slot, 0):
+                seq.spec.recover()
+        return out
+
+    def observe_step(self, num_rows: int, seconds: float) -> None:
+        """A tick without prefill (decode rows and proposals only) ran its forward in ``seconds``."""
+        self.step_times.observe(num_rows, seconds)
 
     def withdraw(self, state) -> None:
         """Take this tick's proposals back out of the token rows."""
@@ -341,6 +465,7 @@ class SpecDecoder:
         self.num_draft_tokens += len(draft)
         self.num_accepted_tokens += a
         spec = entry.seq.spec
+        spec.observe(a, len(draft))
         if self.adaptive:  # a whole proposal accepted: the next may be twice as long; else one past it
             spec.limit = min(self.k, 2 * max(spec.limit, len(draft))) if a == len(draft) else a + 1
         if a == 0:
