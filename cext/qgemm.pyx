@@ -96,7 +96,7 @@ def get_prefetch() -> str:
 
 
 def set_prefetch_spread(bint on):
-    """Whether decode steps' products (one or two rows) spread each pass's weight prefetch over
+    """Whether decode steps' products (up to 5 rows, read in place) spread each pass's weight prefetch over
     its block loop (True, the default) or issue it in one burst at the pass's start. Speed only:
     results are the same."""
     qg_set_prefetch_spread(on)

@@ -214,8 +214,9 @@ static int qg_default_prefetch(void) {
     return QG_PREFETCH_L1;
 }
 
-/* Whether one- and two-row products spread their weight prefetch over each pass's block loop
- * (QG_FN(prefetch_step)) instead of issuing it in one burst at the pass's start. */
+/* Whether products of up to QG_INPLACE_ROWS rows (decode steps) spread their weight prefetch
+ * over each pass's block loop (QG_FN(prefetch_step)) instead of issuing it in one burst at the
+ * pass's start. */
 static int qg_spread = 1;
 
 static inline int qg_spread_on(void) { return __atomic_load_n(&qg_spread, __ATOMIC_RELAXED); }
@@ -223,6 +224,15 @@ static inline int qg_spread_on(void) { return __atomic_load_n(&qg_spread, __ATOM
 int qg_prefetch_spread(void) { return qg_spread_on(); }
 
 void qg_set_prefetch_spread(int on) { __atomic_store_n(&qg_spread, on != 0, __ATOMIC_RELAXED); }
+
+/* Products of up to this many rows read each pass's codes in place, one tile per pair of rows
+ * (the weights decoded again for each pair, from L1); more rows decode each pass's weights once
+ * into scratch first. Same bits either way. Qwen2.5-0.5B's decode step (benchmarks/decode.py,
+ * Zen 4, the two ways in alternate processes): 3 rows 36.7-39.3 ms in place against 47.7-48.2,
+ * 4 rows 39.8-43.1 against 51.4-51.8, 5 rows 53.1-56.3 against 56.5-61.9; 6-9 rows alike. */
+#define QG_INPLACE_ROWS 5
+
+static inline int qg_inplace_rows(void) { return QG_INPLACE_ROWS; }
 
 int qg_prefetch_level(void) {
     int level = __atomic_load_n(&qg_prefetch, __ATOMIC_RELAXED);

@@ -87,7 +87,7 @@ int qg_q5_pack(const uint8_t *packed, const uint8_t *high, int64_t num_rows, int
 enum { QG_PREFETCH_L1 = 1, QG_PREFETCH_L2 = 2 };
 int qg_prefetch_level(void);
 void qg_set_prefetch_level(int level);
-/* On (the default): one- and two-row products (decode steps) issue each pass's prefetch a few lines
+/* On (the default): products of up to 5 rows (decode steps) issue each pass's prefetch a few lines
  * per block step instead of in one burst at the pass's start. Speed only, never a result. */
 int qg_prefetch_spread(void);
 void qg_set_prefetch_spread(int on);

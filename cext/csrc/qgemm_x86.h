@@ -418,10 +418,11 @@ static void QG_FN(q4_range)(const void *p, int64_t n0, int64_t n1,
         const int nr = n1 - n < QG_NR ? (int)(n1 - n) : QG_NR;
         const uint8_t *rows[QG_NR];
         for (int k = 0; k < QG_NR; k++) rows[k] = a->blocks + (n + (k < nr ? k : 0)) * row_bytes;
-        /* decode steps (one or two rows, the codes read in place): over the pass's block pairs.
-         * Batched passes keep the burst: spreading it over their decode of the rows measured no
-         * faster at 4 and 16 rows. */
-        const int spread = qg_spread_on() && a->xf == NULL && a->num_rows <= QG_TR;
+        /* decode steps (up to QG_INPLACE_ROWS rows, the codes read in place): over the pass's block
+         * pairs. Batched passes keep the burst: spreading it over their decode of the rows measured
+         * no faster at 4 and 16 rows. */
+        const int inplace = a->num_rows <= qg_inplace_rows();
+        const int spread = qg_spread_on() && a->xf == NULL && inplace;
         QG_FN(Prefetch) pf = QG_FN(prefetch_spread)(a->blocks + n * row_bytes, QG_NR * row_bytes, a->blocks + n1 * row_bytes,
                                                     spread ? a->num_cols / (2 * QK_BLOCK) : 1);
         if (!spread) QG_FN(prefetch_step)(&pf);  /* the burst */
@@ -435,7 +436,7 @@ static void QG_FN(q4_range)(const void *p, int64_t n0, int64_t n1,
         int16_t *decoded = NULL;
         const int64_t nb = a->num_cols / QK_BLOCK;
         float *wd = NULL, *wm = scratch + QG_NR * nb, *sc = wm + QG_NR * nb;  /* run()'s scratch layout */
-        if (a->num_rows > QG_TR) { /* decode the pass's rows once for all the activation rows */
+        if (!inplace) { /* decode the pass's rows once for all the activation rows */
             wd = scratch;
             QG_FN(q4_pass_scales)(a, rows, wd, wm);
             const int64_t K = a->num_cols, pair_bytes = q4_pair_bytes(a->high);
@@ -451,13 +452,17 @@ static void QG_FN(q4_range)(const void *p, int64_t n0, int64_t n1,
                 }
             }
         }
-        if (decoded == NULL) {  /* one or two rows (decode steps): the codes read in place */
-            if (a->high) {
-                if (a->num_rows == QG_TR) QG_FN(q4_tile)(a, n, nr, 0, QG_TR, 1, rows, NULL, NULL, sc, NULL, spread ? &pf : NULL);
-                else QG_FN(q4_tile)(a, n, nr, 0, 1, 1, rows, NULL, NULL, sc, NULL, spread ? &pf : NULL);
-            } else {
-                if (a->num_rows == QG_TR) QG_FN(q4_tile)(a, n, nr, 0, QG_TR, 0, rows, NULL, NULL, sc, NULL, spread ? &pf : NULL);
-                else QG_FN(q4_tile)(a, n, nr, 0, 1, 0, rows, NULL, NULL, sc, NULL, spread ? &pf : NULL);
+        if (decoded == NULL) {  /* decode steps (few rows): the codes read in place, a pair of rows per tile */
+            QG_FN(Prefetch) *pfp = spread ? &pf : NULL;
+            for (; i0 < a->num_rows; i0 += QG_TR, pfp = NULL) {  /* the first tile issues the prefetch */
+                const int two = i0 + QG_TR <= a->num_rows;
+                if (a->high) {
+                    if (two) QG_FN(q4_tile)(a, n, nr, i0, QG_TR, 1, rows, NULL, NULL, sc, NULL, pfp);
+                    else QG_FN(q4_tile)(a, n, nr, i0, 1, 1, rows, NULL, NULL, sc, NULL, pfp);
+                } else {
+                    if (two) QG_FN(q4_tile)(a, n, nr, i0, QG_TR, 0, rows, NULL, NULL, sc, NULL, pfp);
+                    else QG_FN(q4_tile)(a, n, nr, i0, 1, 0, rows, NULL, NULL, sc, NULL, pfp);
+                }
             }
             continue;
         }
@@ -524,7 +529,8 @@ static void QG_FN(q8_range)(const void *p, int64_t n0, int64_t n1,
             rows[k] = a->q8 + row * a->num_cols;
             wscales[k] = a->scales + row * nb * (a->half ? 2 : 4);
         }
-        const int spread = qg_spread_on() && a->xf == NULL && a->num_rows <= QG_TR;  /* decode steps */
+        const int inplace = a->num_rows <= qg_inplace_rows();
+        const int spread = qg_spread_on() && a->xf == NULL && inplace;  /* decode steps */
         QG_FN(Prefetch) pf = QG_FN(prefetch_spread)((const uint8_t *)a->q8 + n * a->num_cols, QG_NR * a->num_cols,
                                                     (const uint8_t *)a->q8 + n1 * a->num_cols, spread ? nb : 1);
         if (!spread) QG_FN(prefetch_step)(&pf);  /* the burst */
@@ -536,7 +542,7 @@ static void QG_FN(q8_range)(const void *p, int64_t n0, int64_t n1,
         }
         int64_t i0 = 0;
 #if QG_FLANES == 16
-        if (a->num_rows > QG_TR) {  /* sign-extend the pass's codes once, in element order */
+        if (!inplace) {  /* sign-extend the pass's codes once, in element order */
             const int64_t K = a->num_cols;
             float *wd = scratch;  /* [QG_NR][nb] */
             int16_t *decoded = (int16_t *)(scratch + QG_NR * (QG_TR + 2) * nb);

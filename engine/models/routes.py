@@ -45,8 +45,9 @@ ROW_GRID = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 # int16 and amx_int: activations within 2^-15 per element
 EXACT_ROUTES = ("int16", "float", "amx_int", "blas")
 APPROXIMATE = ("amx",)  # bfloat16 weights and activations: 8 mantissa bits
-CACHE_VERSION = 9  # 7: routes the whole layer can run (6 gave amx_int to outputs not in 16s); 8: L2 prefetch
-# on AMD; 9: decode steps spread their weight prefetch over each pass
+CACHE_VERSION = 10  # 7: routes the whole layer can run (6 gave amx_int to outputs not in 16s); 8: L2 prefetch
+# on AMD; 9: decode steps spread their weight prefetch over each pass; 10: int16 products of 3-5 rows
+# read their codes in place
 PROXY_ROWS = 256  # fewest output rows a shape is timed on
 PROXY_MACS = 1 << 23  # and enough rows for this many multiply-adds (a decode row: whole layers)
 MIN_TIMED_SECONDS = 0.002  # a timing repeats its call until it lasts this long
