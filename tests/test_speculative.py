@@ -223,22 +223,28 @@ def test_a_proposal_is_cut_to_its_sequence_limit():
         assert spec.rollback(sched.state, sched.block_manager, entry, emitted)
 
 
-@pytest.mark.parametrize("num_seqs", [1, 4, 12, 15, 16, 20])
-def test_a_tick_verifies_at_most_max_verify_rows(num_seqs):
-    """Proposals are cut so that a tick's rows (one per decoding sequence plus every proposed id)
-    stay within MAX_VERIFY_ROWS; from that many sequences on, the tick decodes plainly."""
+def second_tick(spec: SpecDecoder, prompt: list[int], num_seqs: int):
+    """A scheduler with ``spec`` and num_seqs copies of prompt (each allowed 8 proposed ids):
+    the prompts' tick, then the first decode tick's plan."""
     cfg = SchedulerConfig(max_num_seqs=24, max_num_batched_tokens=1024, num_blocks=512, max_model_len=128,
                           block_size=4, target_tick_seconds=None)
     sched = Scheduler(cfg)
-    spec = sched.spec = SpecDecoder("ngram", 8)
+    sched.spec = spec
     for i in range(num_seqs):
-        seq = Sequence(f"r{i}", [1, 2, 3, 4, 5, 6, 7, 8, 9] * 3 + [1, 2, 3], 40)
+        seq = Sequence(f"r{i}", prompt, 40)
         seq.spec = spec.make_state()
         seq.spec.limit = 8
         sched.add(seq)
     out = sched.schedule()  # the prompts, in one tick
     sched.update(out, [4] * num_seqs)
-    out = sched.schedule()
+    return sched.schedule()
+
+
+@pytest.mark.parametrize("num_seqs", [1, 4, 12, 15, 16, 20])
+def test_a_tick_verifies_at_most_max_verify_rows(num_seqs):
+    """Proposals are cut so that a tick's rows (one per decoding sequence plus every proposed id)
+    stay within MAX_VERIFY_ROWS; from that many sequences on, the tick decodes plainly."""
+    out = second_tick(SpecDecoder("ngram", 8), [1, 2, 3, 4, 5, 6, 7, 8, 9] * 3 + [1, 2, 3], num_seqs)
     proposed = sum(len(entry.draft) for entry, _k, _first in out.spec_entries)
     if num_seqs >= MAX_VERIFY_ROWS:
         assert proposed == 0
@@ -252,22 +258,11 @@ def test_the_draft_model_is_asked_for_no_more_ids_than_a_tick_verifies(num_seqs)
     """A draft id costs a row of every draft forward: the draft is asked for at most the rows a
     tick has left (MAX_VERIFY_ROWS less one per decoding sequence), first come first served, and
     the tick verifies all it proposed."""
-    cfg = SchedulerConfig(max_num_seqs=24, max_num_batched_tokens=1024, num_blocks=512, max_model_len=128,
-                          block_size=4, target_tick_seconds=None)
-    sched = Scheduler(cfg)
     draft = DraftModel(ScriptedModel([7, 8, 9], 64), 512, 4, 24, 128)
     asked = []
     propose = draft.propose
     draft.propose = lambda state, wants: asked.append(list(wants)) or propose(state, wants)
-    spec = sched.spec = SpecDecoder("draft", 8, draft=draft)
-    for i in range(num_seqs):
-        seq = Sequence(f"r{i}", [1, 2, 3, 4, 5], 40)
-        seq.spec = spec.make_state()
-        seq.spec.limit = 8
-        sched.add(seq)
-    out = sched.schedule()  # the prompts, in one tick
-    sched.update(out, [4] * num_seqs)
-    out = sched.schedule()
+    out = second_tick(SpecDecoder("draft", 8, draft=draft), [1, 2, 3, 4, 5], num_seqs)
     proposed = sum(len(entry.draft) for entry, _k, _first in out.spec_entries)
     rows_left = max(0, MAX_VERIFY_ROWS - num_seqs)
     wanted = sum(k for _slot, _n, k, _p in asked[0]) if asked else 0
