@@ -232,8 +232,6 @@ void qg_set_prefetch_spread(int on) { __atomic_store_n(&qg_spread, on != 0, __AT
  * 4 rows 39.8-43.1 against 51.4-51.8, 5 rows 53.1-56.3 against 56.5-61.9; 6-9 rows alike. */
 #define QG_INPLACE_ROWS 5
 
-static inline int qg_inplace_rows(void) { return QG_INPLACE_ROWS; }
-
 int qg_prefetch_level(void) {
     int level = __atomic_load_n(&qg_prefetch, __ATOMIC_RELAXED);
     if (level == 0) {

@@ -421,7 +421,7 @@ static void QG_FN(q4_range)(const void *p, int64_t n0, int64_t n1,
         /* decode steps (up to QG_INPLACE_ROWS rows, the codes read in place): over the pass's block
          * pairs. Batched passes keep the burst: spreading it over their decode of the rows measured
          * no faster at 4 and 16 rows. */
-        const int inplace = a->num_rows <= qg_inplace_rows();
+        const int inplace = a->num_rows <= QG_INPLACE_ROWS;
         const int spread = qg_spread_on() && a->xf == NULL && inplace;
         QG_FN(Prefetch) pf = QG_FN(prefetch_spread)(a->blocks + n * row_bytes, QG_NR * row_bytes, a->blocks + n1 * row_bytes,
                                                     spread ? a->num_cols / (2 * QK_BLOCK) : 1);
@@ -529,7 +529,7 @@ static void QG_FN(q8_range)(const void *p, int64_t n0, int64_t n1,
             rows[k] = a->q8 + row * a->num_cols;
             wscales[k] = a->scales + row * nb * (a->half ? 2 : 4);
         }
-        const int inplace = a->num_rows <= qg_inplace_rows();
+        const int inplace = a->num_rows <= QG_INPLACE_ROWS;
         const int spread = qg_spread_on() && a->xf == NULL && inplace;  /* decode steps */
         QG_FN(Prefetch) pf = QG_FN(prefetch_spread)((const uint8_t *)a->q8 + n * a->num_cols, QG_NR * a->num_cols,
                                                     (const uint8_t *)a->q8 + n1 * a->num_cols, spread ? nb : 1);

@@ -162,18 +162,21 @@ class StepTimes:
         self.seconds[num_rows] = seconds if old == 0 else old + STEP_SMOOTHING * (seconds - old)
 
     def estimate(self, num_rows: int) -> float:
+        return float(self.estimates(num_rows)[num_rows])
+
+    def estimates(self, max_rows: int) -> np.ndarray:
+        """[max_rows + 1] the estimate for 0..max_rows rows, in one pass (the budget reads up to
+        MAX_VERIFY_ROWS of them a tick)."""
+        rows = np.arange(max_rows + 1, dtype=np.float64)
         timed = self.seconds
-        if 0 < num_rows < len(timed) and timed[num_rows] > 0:
-            return float(timed[num_rows])
         known = np.flatnonzero(timed)
-        below, above = known[known < num_rows], known[known > num_rows]
-        if len(below) and len(above):
-            lo, hi = int(below[-1]), int(above[0])
-            return float(timed[lo] + (timed[hi] - timed[lo]) * (num_rows - lo) / (hi - lo))
-        near = int(below[-1]) if len(below) else int(above[0]) if len(above) else None
-        if near is None:
-            return num_rows + STEP_ROWS_PRIOR
-        return float(timed[near] * (num_rows + STEP_ROWS_PRIOR) / (near + STEP_ROWS_PRIOR))
+        if not len(known):
+            return rows + STEP_ROWS_PRIOR
+        lo, hi = int(known[0]), int(known[-1])
+        out = np.interp(rows, known, timed[known])  # the timed values, linear between them
+        out[rows < lo] = timed[lo] * (rows[rows < lo] + STEP_ROWS_PRIOR) / (lo + STEP_ROWS_PRIOR)
+        out[rows > hi] = timed[hi] * (rows[rows > hi] + STEP_ROWS_PRIOR) / (hi + STEP_ROWS_PRIOR)
+        return out
 
 
 @dataclass(slots=True)
@@ -334,12 +337,12 @@ class SpecDecoder:
         del ids[max(0, MAX_VERIFY_ROWS - num_decodes):]
         # For e extra rows the best are the e likeliest ids (the step's time depends on its rows
         # only), and a sequence's likeliest ids are its first ones: the best e over all of them.
-        times = self.step_times
+        seconds = self.step_times.estimates(num_decodes + len(ids)).tolist()
         expected = float(num_decodes)
-        best, best_e = expected / times.estimate(num_decodes), 0
+        best, best_e = expected / seconds[num_decodes], 0
         for e, (neg_chance, _order, _slot) in enumerate(ids, 1):
             expected -= neg_chance
-            value = expected / times.estimate(num_decodes + e)
+            value = expected / seconds[num_decodes + e]
             if value > best:
                 best, best_e = value, e
         out: dict = {}
