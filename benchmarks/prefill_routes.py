@@ -4,7 +4,10 @@ measured route table, interleaved in one process (no llama.cpp needed).
 - before: ``cext.cpu.set_isa("avx2")`` (the AVX2 kernels) and the fixed row thresholds
   (engine.models.linear: the kernels up to 256 rows, then dequantize + float32 BLAS);
 - exact: the best ISA this CPU has (AVX-512 VNNI variants) and the exact routes measured at
-  load without AMX (engine.models.routes: int16 / float / blas per row count; ``ENGINE_AMX_INT=0``);
+  load without AMX and without the strip route (engine.models.routes: int16 / float / blas per
+  row count; ``ENGINE_AMX_INT=0 ENGINE_STRIP=0``);
+- strip: the same with the strip route (int16's integer sums, 16 outputs per AVX-512 VNNI
+  vector) where the CPU has AVX-512 VNNI;
 - amx_int: the same with the amx_int route (int16's integer sums on AMX-INT8 tiles, exact as
   int16 is) where the CPU has AMX-INT8: the default;
 - amx: the same with the amx route allowed (``ENGINE_AMX=1``: bfloat16 weights on AMX tiles).
@@ -44,7 +47,7 @@ def products(model):
             for p in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj) if p is not None]
 
 
-VARIANTS = ("before", "exact", "amx_int", "amx")
+VARIANTS = ("before", "exact", "strip", "amx_int", "amx")
 
 
 def set_variant(model, variant: str, tables: dict) -> None:
@@ -89,14 +92,18 @@ def main() -> None:
         layers = products(model) + [model.head_proj]
         tables = {"amx_int": {id(p): list(p._route_best) for p in layers if p._route_best}}
         os.environ["ENGINE_AMX_INT"] = "0"
+        strip = routes.calibrate(products(model), False, args.threads)
+        tables["strip"] = {id(p): list(p._route_best) for p in layers if p._route_best}
+        os.environ["ENGINE_STRIP"] = "0"
         exact = routes.calibrate(products(model), False, args.threads)
-        del os.environ["ENGINE_AMX_INT"]
+        del os.environ["ENGINE_AMX_INT"], os.environ["ENGINE_STRIP"]
         tables["exact"] = {id(p): list(p._route_best) for p in layers if p._route_best}
         amx = routes.calibrate(products(model), True, args.threads)
         tables["amx"] = {id(p): list(p._route_best) for p in layers if p._route_best}
         models[name] = (model, tables)
         print(f"{name} amx_int routes (the default): {routes.describe(model.product_routes)}")
         print(f"{name} exact routes: {routes.describe(exact)}")
+        print(f"{name} strip routes: {routes.describe(strip)}")
         print(f"{name} amx routes: {routes.describe(amx)}")
     gen = torch.Generator().manual_seed(0)
     prompts = {(name, n): torch.randint(100, models[name][0].vocab_size - 100, (n,), generator=gen).tolist()

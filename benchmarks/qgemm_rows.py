@@ -1,6 +1,7 @@
 """Where the quantized products change route, by row count: the C kernels' integer route (int16
 activation codes: vpdpwssd on AVX-512 VNNI, madd on AVX2), their float route (each pass's weight
-rows decoded once to float32, FMAs 16 or 8 lanes wide), amx (weights dequantized to bfloat16 per
+rows decoded once to float32, FMAs 16 or 8 lanes wide), strip (int16's integer sums with AVX-512
+VNNI, 16 outputs per vector), amx (weights dequantized to bfloat16 per
 slice of rows, oneDNN's bfloat16 matmul on AMX tiles) and blas (dequantize to float32 + the BLAS),
 on the real models' layer shapes, interleaved (every repeat runs every route at every row count),
 medians with min-max of GMAC/s (wall time). Routes the CPU lacks are left out and named.
@@ -32,7 +33,7 @@ from engine.models.routes import available_routes  # noqa: E402
 # (name, out features, in features): SmolLM2-135M's gate/up and down, Qwen2.5-0.5B's gate/up and down
 SHAPES = [("smollm2 gate_up", 3072, 576), ("smollm2 down", 576, 1536),
           ("qwen gate_up", 9728, 896), ("qwen down", 896, 4864)]
-ROUTES = ("int16", "float", "amx", "blas")
+ROUTES = ("int16", "float", "strip", "amx", "blas")
 
 
 def run_route(layer: Linear, x: torch.Tensor, route: str, min_seconds: float = 0.05) -> float:

@@ -13,6 +13,7 @@ cdef extern from "csrc/qgemm.h" nogil:
         QG_ROUTE_INT
         QG_ROUTE_FLOAT
         QG_ROUTE_AMX
+        QG_ROUTE_STRIP
         QG_OK
         QG_BAD_LENGTH
         QG_NO_MEMORY

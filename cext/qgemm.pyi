@@ -8,6 +8,8 @@ NO_MINS: int
 SUPER: int
 ROUTE_INT: int
 ROUTE_FLOAT: int
+ROUTE_AMX: int
+ROUTE_STRIP: int
 FLOAT32: int
 BFLOAT16: int
 

@@ -2,7 +2,8 @@
 instruction set and thread pool; W in one of the layouts of cext/csrc/qgemm.h (built by
 engine.models.quant), named by ``layout`` = Q4, Q5 or Q8, plus HALF (fp16 scales), SUPER (Q4 scales as
 Q4_K stores them: uint8 multiples of an fp16 factor per 256 inputs) and NO_MINS (Q5 rows without mins), and for matmul optionally the route: ROUTE_INT (int16 activation codes)
-or ROUTE_FLOAT (float32 FMAs over decoded weights; AVX2 and up) or ROUTE_AMX (the integer route's sums on AMX-INT8 tiles).
+or ROUTE_FLOAT (float32 FMAs over decoded weights; AVX2 and up) or ROUTE_AMX (the integer route's sums on AMX-INT8 tiles) or ROUTE_STRIP (the integer route's sums with
+AVX-512 VNNI, 16 outputs per vector; N a multiple of 16).
 
 Arguments are raw addresses (``tensor.data_ptr()``) and sizes; the caller
 (``engine.models.linear``) checks dtypes and shapes. The GIL is released while a kernel runs.
@@ -29,6 +30,7 @@ SUPER = QG_SUPER
 ROUTE_INT = QG_ROUTE_INT
 ROUTE_FLOAT = QG_ROUTE_FLOAT
 ROUTE_AMX = QG_ROUTE_AMX
+ROUTE_STRIP = QG_ROUTE_STRIP
 FLOAT32 = DT_FLOAT32
 BFLOAT16 = DT_BFLOAT16
 

@@ -293,7 +293,7 @@ def test_exact_mode_and_rows_beyond_the_kernels_use_the_dequantized_weight():
 
 
 def test_layout_codes_agree_with_the_kernels():
-    names = ("Q4", "Q5", "Q8", "HALF", "NO_MINS", "ROUTE_INT", "ROUTE_FLOAT", "SUPER", "ROUTE_AMX")
+    names = ("Q4", "Q5", "Q8", "HALF", "NO_MINS", "ROUTE_INT", "ROUTE_FLOAT", "SUPER", "ROUTE_AMX", "ROUTE_STRIP")
     assert [getattr(linear_module, n) for n in names] == [getattr(qgemm, n) for n in names]
     with pytest.raises(ValueError, match="unknown layout"):
         qgemm.matmul(3, 0, 0, 1, 64, 0, 0, 1, 0, 0, 1, qgemm.FLOAT32)
@@ -315,7 +315,9 @@ def test_bad_width_is_an_error_not_a_read_past_the_row():
 
 # ----- routes (engine.models.routes): every route this CPU has, against float64 -----
 
-ROUTE_NEEDS = {"float": ("avx2", "AVX2"), "amx": ("amx_bf16", "AMX bf16"), "amx_int": ("amx_int8", "AMX int8")}
+ROUTE_NEEDS = {"float": ("avx2", "AVX2"), "amx": ("amx_bf16", "AMX bf16"), "amx_int": ("amx_int8", "AMX int8"),
+               "strip": ("avx512_vnni", "AVX-512 VNNI")}
+STRIP_ROUTES = ("amx_int", "strip")  # outputs in strips of 16
 
 
 def _weights(kind: str, w: torch.Tensor):
@@ -331,15 +333,15 @@ def _weights(kind: str, w: torch.Tensor):
     return random_int5(torch.Generator().manual_seed(5), w.shape[0], w.shape[1], half=True, is_q5_0=False)
 
 
-@pytest.mark.parametrize("route", ["int16", "float", "amx_int", "amx", "blas"])
+@pytest.mark.parametrize("route", ["int16", "float", "amx_int", "strip", "amx", "blas"])
 @pytest.mark.parametrize("kind", ["int4", "int5", "int8", "q4_k"])
 @pytest.mark.parametrize("num_rows", [1, 7, 33])
 def test_every_route_matches_the_float64_product(route, kind, num_rows):
-    """int16 and amx_int: the emulated integer definition; float and blas: the exact float32 product;
-    amx: bfloat16 x, W and y with float32 sums, so |err| <= 2^-8 (|x| @ |W|.T) + 2^-8 |y|."""
+    """int16, amx_int and strip: the emulated integer definition; float and blas: the exact float32
+    product; amx: bfloat16 x, W and y with float32 sums, so |err| <= 2^-8 (|x| @ |W|.T) + 2^-8 |y|."""
     if route in ROUTE_NEEDS and ROUTE_NEEDS[route][0] not in cpu.features():
         pytest.skip(f"CPU lacks {ROUTE_NEEDS[route][1]}")
-    num_out = 48 if route == "amx_int" else 45  # amx_int: outputs in strips of 16
+    num_out = 48 if route in STRIP_ROUTES else 45
     w, x, bias = _inputs(num_rows, num_rows, num_out, 256 if kind == "q4_k" else 192, torch.float32)
     weight = _weights(kind, w)
     linear = Linear(weight, bias)
@@ -347,7 +349,7 @@ def test_every_route_matches_the_float64_product(route, kind, num_rows):
     y = linear.run(x, route)
     dense = weight.dequantize().double()
     exact = x.double() @ dense.T + bias.double()
-    if route in ("int16", "amx_int"):
+    if route in ("int16", *STRIP_ROUTES):
         emulated = emulate_int8(x, weight) if kind == "int8" else emulate_int4(x, weight, linear.half)
         torch.testing.assert_close(y.double(), emulated + bias.double(), atol=1e-4, rtol=1e-5)
     elif route == "amx":
@@ -358,15 +360,18 @@ def test_every_route_matches_the_float64_product(route, kind, num_rows):
         torch.testing.assert_close(y.double(), exact, atol=1e-4, rtol=1e-5)
 
 
-@pytest.fixture(params=[1, 2], ids=lambda t: f"{t}t")
-def amx_int(request):
-    """The amx_int route on one thread or split across two (every call split)."""
-    if "amx_int8" not in cpu.features():
-        pytest.skip("CPU lacks AMX int8 (the route's definition is the int16 route's: emulate_int4/int8)")
+@pytest.fixture(params=[("amx_int", 1), ("amx_int", 2), ("strip", 1), ("strip", 2)],
+                ids=lambda p: f"{p[0]}-{p[1]}t")
+def strip_route(request):
+    """amx_int or strip on one thread or split across two (every call split) -> the route's name."""
+    route, threads = request.param
+    if ROUTE_NEEDS[route][0] not in cpu.features():
+        pytest.skip(f"CPU lacks {ROUTE_NEEDS[route][1]} "
+                    "(the route's definition is the int16 route's: emulate_int4/int8)")
     old_threads, old_threshold = cpu.get_num_threads(), cpu.get_parallel_threshold()
-    cpu.set_num_threads(request.param)
+    cpu.set_num_threads(threads)
     cpu.set_parallel_threshold(0)
-    yield request.param
+    yield route
     cpu.set_num_threads(old_threads)
     cpu.set_parallel_threshold(old_threshold)
 
@@ -376,24 +381,41 @@ def amx_int(request):
        kind=st.sampled_from(["int4", "int4_half", "int5", "int8", "q4_k"]),
        blocks=st.sampled_from([2, 8, 28]), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
        seed=st.integers(0, 2 ** 16))
-def test_amx_int_route_is_the_integer_routes_definition(amx_int, num_rows, strips, kind, blocks, dtype, seed):
-    """amx_int (cext/csrc/qgemm_amx.h) sums the int16 route's integers: the emulated definition
-    for every layout, row counts that leave a partial 16-row tile, odd and even numbers of
-    16-output strips (pairs and a lone strip), bfloat16 in and out; and it equals the int16
-    route to float32 rounding (the two add the blocks' scaled sums in other orders)."""
+def test_strip_routes_are_the_integer_routes_definition(strip_route, num_rows, strips, kind, blocks, dtype, seed):
+    """amx_int (cext/csrc/qgemm_amx.h) and strip (qgemm_strip.h) sum the int16 route's integers:
+    the emulated definition for every layout, row counts that leave partial tiles of activation
+    rows, odd and even numbers of 16-output strips (amx_int's pairs and a lone strip), bfloat16 in
+    and out; and each equals the int16 route to float32 rounding (they add the blocks' scaled sums
+    in other orders)."""
     num_cols = 256 if kind == "q4_k" else GROUP_SIZE * blocks
     w, x, bias = _inputs(seed, num_rows, 16 * strips, num_cols, dtype)
     weight = _weights(kind, w)
     linear = Linear(weight, bias)
-    y = linear.run(x, "amx_int")
+    y = linear.run(x, strip_route)
     assert y.dtype == dtype and y.shape == (num_rows, 16 * strips)
     emulated = emulate_int8(x, weight) if kind == "int8" else emulate_int4(x, weight, linear.half)
     _check(y, emulated + bias.double(), dtype)
     _check(y, linear.run(x, "int16").double(), dtype)
-    assert not linear.row_slice(16 * strips - 8).can_run("amx_int", num_rows)  # outputs not in strips of 16
+    assert not linear.row_slice(16 * strips - 8).can_run(strip_route, num_rows)  # outputs not in strips of 16
 
 
-@pytest.mark.parametrize("route", ["int16", "float", "amx_int"])
+def test_strip_route_below_avx512_is_the_int16_route():
+    """With the switch below AVX-512 a layer whose table holds strip (measured at full ISA) runs
+    the int16 route's kernels instead, bit for bit, and can_run says strip is not available."""
+    if "avx512_vnni" not in cpu.features():
+        pytest.skip("CPU lacks AVX-512 VNNI")
+    w, x, bias = _inputs(3, 40, 32, 256, torch.float32)
+    linear = Linear(_weights("q4_k", w), bias)
+    try:
+        cpu.set_isa("avx2")
+        assert not linear.can_run("strip", 40)
+        torch.testing.assert_close(linear.run(x, "strip"), linear.run(x, "int16"), atol=0, rtol=0)
+    finally:
+        cpu.set_isa("auto")
+    assert linear.can_run("strip", 40)
+
+
+@pytest.mark.parametrize("route", ["int16", "float", "amx_int", "strip"])
 @pytest.mark.parametrize("kind", ["int4", "int8"])
 def test_products_beyond_one_kernel_block_are_run_in_row_blocks(route, kind, monkeypatch):
     """More rows than KERNEL_BLOCK_ROWS (made 16 here): the C routes run block after block of
@@ -406,7 +428,7 @@ def test_products_beyond_one_kernel_block_are_run_in_row_blocks(route, kind, mon
     weight = _weights(kind, w)
     layer = Linear(weight, bias)
     y = layer.run(x, route)
-    if route in ("int16", "amx_int"):
+    if route in ("int16", *STRIP_ROUTES):
         expected = emulate_int8(x, weight) if kind == "int8" else emulate_int4(x, weight, layer.half)
     else:
         expected = x.double() @ weight.dequantize().double().T
@@ -563,8 +585,10 @@ def test_a_layer_never_takes_a_route_its_shape_cannot_run():
     layer = Linear(Int8Weight.from_dense(torch.randn(1000, 128, generator=torch.Generator().manual_seed(8)) * 0.05))
     assert routes.proxy_rows(layer, 512) == 256
     best = routes.measure(layer, routes.available_routes(allow_approximate=False), grid=(1, 512), rounds=1)
-    assert "amx_int" not in best
+    assert "amx_int" not in best and "strip" not in best
     layer.set_routes((16, 512), ["amx_int", "amx_int"])
+    assert layer.route(8) == layer.fixed_route(16) and layer.route(300) == layer.fixed_route(512)
+    layer.set_routes((16, 512), ["strip", "strip"])
     assert layer.route(8) == layer.fixed_route(16) and layer.route(300) == layer.fixed_route(512)
     x = torch.randn(300, 128)
     torch.testing.assert_close(layer(x), layer.run(x, "blas"), atol=1e-4, rtol=1e-4)
@@ -580,6 +604,7 @@ def test_measured_routes_are_ones_this_cpu_runs():
     assert len(best) == 2 and set(best) <= set(available)
     assert ("amx" in available) == ("amx_bf16" in cpu.features())
     assert ("amx_int" in available) == ("amx_int8" in cpu.features())
+    assert ("strip" in available) == ("avx512_vnni" in cpu.features())
     part = layer.row_slice(40)
     x = torch.randn(3, 128)
     torch.testing.assert_close(part(x), layer(x)[:, :40], atol=0, rtol=0)

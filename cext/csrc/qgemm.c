@@ -290,6 +290,7 @@ void qg_set_prefetch_spread(int on) { (void)on; }
 #define QG_FFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
 #define QG_FHSUM(v) _mm512_reduce_add_ps(v)
 #include "qgemm_x86.h"
+#include "qgemm_strip.h"
 #pragma GCC pop_options
 
 #if defined(__GNUC__) && (__GNUC__ >= 11 || defined(__clang__))
@@ -313,6 +314,13 @@ static int run(QArgs *a, const void *x, int64_t x_stride, int is_q4, int route) 
     const int64_t M = a->num_rows, K = a->num_cols, nb = K / QK_BLOCK;
     if (K <= 0 || K % (is_q4 ? 2 * QK_BLOCK : QK_BLOCK) != 0) return QG_BAD_LENGTH;
     if (M <= 0 || a->num_out <= 0) return QG_OK;
+    if (route == QG_ROUTE_STRIP) {  /* below AVX-512 VNNI (the switch set lower): the int16 route, same integers */
+#ifdef QG_HAVE_X86
+        if (cpu_allows(CPU_HAS_AVX512_VNNI)) return run_strip(a, x, x_stride, is_q4);
+#endif
+        if (a->num_out % 16 != 0) return QG_BAD_LAYOUT;
+        route = QG_ROUTE_INT;
+    }
     if (route == QG_ROUTE_AMX) {
 #ifdef QG_HAVE_AMX
         return run_amx(a, x, x_stride, is_q4);

@@ -10,7 +10,9 @@
  * (AVX2 madd_epi16). From there (bound by arithmetic; AVX2 and up): each pass of 4 weight rows
  * is decoded once to float32 and multiplied by the float32 activations with FMAs, the exact
  * float32 product of the dequantized weights. The instruction set is cpu.h's switch; the work
- * is split over output features on cpu.h's pool.
+ * is split over output features on cpu.h's pool. QG_ROUTE_STRIP (AVX-512 VNNI, qgemm_strip.h)
+ * sums the integer route's integers 16 outputs per vector, for prompt chunks; QG_ROUTE_AMX
+ * (qgemm_amx.h) the same on AMX-INT8 tiles.
  *
  * Layouts (`layout` = QG_Q4, QG_Q5 or QG_Q8, plus QG_HALF and QG_NO_MINS). Blocks b of 32
  * inputs along K; a row's scales d and mins m are float32, or fp16 with QG_HALF.
@@ -61,7 +63,11 @@ enum { QG_Q4 = 0, QG_Q5 = 1, QG_Q8 = 2 };
 /* The integer route's sums on AMX-INT8 tiles (qgemm_amx.h): needs AMX-INT8 and N a multiple of
  * 16, else QG_BAD_LAYOUT. */
 #define QG_ROUTE_AMX 128
-#define QG_ROUTE_MASK (QG_ROUTE_INT | QG_ROUTE_FLOAT | QG_ROUTE_AMX)
+/* The integer route's sums with AVX-512 VNNI in strips of 16 outputs (qgemm_strip.h): needs N a
+ * multiple of 16, else QG_BAD_LAYOUT; without AVX-512 VNNI (or with the switch below AVX-512) the
+ * integer route runs (the same integers). */
+#define QG_ROUTE_STRIP 256
+#define QG_ROUTE_MASK (QG_ROUTE_INT | QG_ROUTE_FLOAT | QG_ROUTE_AMX | QG_ROUTE_STRIP)
 
 /* Error codes (as cext.ops'): K not a multiple of the layout's block, a layout unknown, no memory. */
 enum { QG_OK = 0, QG_BAD_LENGTH = 4, QG_NO_MEMORY = 5, QG_BAD_LAYOUT = 6 };

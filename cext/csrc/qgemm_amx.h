@@ -47,35 +47,19 @@ static void amx_configure(void) {
 }
 
 /* x [M, K] -> hi, lo [Mp, K], dx, sx [Mp, nb] (rows M .. Mp - 1 zero): quantize_rows' codes
- * (the same rounding: round half to even) with AVX-512, split into bytes. */
+ * (strip_quantize_block: the same rounding, round half to even) split into bytes. */
 static void amx_quantize_rows(const void *x, int64_t x_stride, int64_t num_rows, int64_t padded_rows,
                               int64_t num_cols, int dtype, int8_t *hi, uint8_t *lo, float *dx, float *sx) {
     const int64_t nb = num_cols / QK_BLOCK;
-    const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
     for (int64_t i = 0; i < num_rows; i++) {
         for (int64_t b = 0; b < nb; b++) {
-            const int64_t at = i * x_stride + b * QK_BLOCK;
-            __m512 v0, v1;
-            if (dtype == DT_FLOAT32) {
-                v0 = _mm512_loadu_ps((const float *)x + at);
-                v1 = _mm512_loadu_ps((const float *)x + at + 16);
-            } else {
-                const uint16_t *h = (const uint16_t *)x + at;
-                v0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)h)), 16));
-                v1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(h + 16))), 16));
-            }
-            const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(v0, sign), _mm512_and_ps(v1, sign)));
-            const float d = amax / QG_XMAX, inv = amax > 0.0f ? QG_XMAX / amax : 0.0f;
-            const __m512 vinv = _mm512_set1_ps(inv);
-            const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, vinv));  /* MXCSR: round half to even */
-            const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, vinv));
+            __m512i q0, q1;
+            strip_quantize_block(x, i * x_stride + b * QK_BLOCK, dtype, &q0, &q1, dx + i * nb + b, sx + i * nb + b);
             const int64_t o = i * num_cols + b * QK_BLOCK;
             _mm_storeu_si128((__m128i *)(hi + o), _mm512_cvtepi32_epi8(_mm512_srai_epi32(q0, 8)));
             _mm_storeu_si128((__m128i *)(hi + o + 16), _mm512_cvtepi32_epi8(_mm512_srai_epi32(q1, 8)));
             _mm_storeu_si128((__m128i *)(lo + o), _mm512_cvtepi32_epi8(q0));
             _mm_storeu_si128((__m128i *)(lo + o + 16), _mm512_cvtepi32_epi8(q1));
-            dx[i * nb + b] = d;
-            sx[i * nb + b] = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
         }
     }
     const int64_t pad = padded_rows - num_rows;

@@ -47,7 +47,7 @@ _ROW_ROUTES = _RowRoutes()
 # Routes whose rows are computed independently of each other (the C kernels: int16 codes and
 # float32 sums per row): spans that take one of them may share a call. A BLAS may block a product
 # by its row count, so spans on the others run as products of their own.
-ROW_INDEPENDENT = ("int16", "float", "amx_int")
+ROW_INDEPENDENT = ("int16", "float", "amx_int", "strip")
 
 
 class row_routes:
@@ -91,9 +91,10 @@ KERNEL_MAX_ROWS = 256
 KERNEL_BLOCK_ROWS = 256
 INT_KERNEL_MAX_ROWS = 16  # without AVX2 there is no float path: the scalar kernels up to here
 # The kernels' layout codes (cext/csrc/qgemm.h's QG_*; tests/test_qgemm.py checks they agree).
-Q4, Q5, Q8, HALF, NO_MINS, ROUTE_INT, ROUTE_FLOAT, SUPER, ROUTE_AMX = 0, 1, 2, 4, 8, 16, 32, 64, 128
-# The C kernels' routes (cext/csrc/qgemm.h): amx_int is int16's integer sums on AMX-INT8 tiles.
-_KERNEL_ROUTES = {"int16": ROUTE_INT, "float": ROUTE_FLOAT, "amx_int": ROUTE_AMX}
+Q4, Q5, Q8, HALF, NO_MINS, ROUTE_INT, ROUTE_FLOAT, SUPER, ROUTE_AMX, ROUTE_STRIP = 0, 1, 2, 4, 8, 16, 32, 64, 128, 256
+# The C kernels' routes (cext/csrc/qgemm.h): amx_int is int16's integer sums on AMX-INT8 tiles,
+# strip the same sums with AVX-512 VNNI, 16 outputs per vector.
+_KERNEL_ROUTES = {"int16": ROUTE_INT, "float": ROUTE_FLOAT, "amx_int": ROUTE_AMX, "strip": ROUTE_STRIP}
 AMX_ROWS = 1024  # output rows dequantized to bfloat16 at once on the amx route (1.8 MB at K = 896)
 # float32 elements of a weight dequantized at once on the blas route (16 MB: all of a SmolLM2
 # layer's weight in one product, Qwen2.5-0.5B's gate/up in 3), into a per-thread scratch reused
@@ -335,10 +336,12 @@ class Linear:
             return cpu.allows("amx_bf16")
         if route == "amx_int":
             return cpu.allows("amx_int8") and self.out_features % 16 == 0
+        if route == "strip":
+            return cpu.allows("avx512_vnni") and self.out_features % 16 == 0
         return route == "int16"
 
     def run(self, x: torch.Tensor, route: str) -> torch.Tensor:
-        """x [T, in] -> [T, out] through one route ("int16", "float", "amx_int", "amx" or "blas")."""
+        """x [T, in] -> [T, out] through one route ("int16", "float", "amx_int", "strip", "amx" or "blas")."""
         num_rows = x.shape[0]
         if route in _KERNEL_ROUTES:
             code = _DTYPE_CODES.get(x.dtype)

@@ -9,6 +9,11 @@ A quantized layer's product of M rows can run as:
   activation code split into a signed high and an unsigned low byte, one tile pass per block
   of 32, the block's scale applied in float32 after it): exact as int16 is, where the CPU has
   AMX-INT8 and the layer's outputs are a multiple of 16;
+- ``strip``: the int16 route's integer sums with AVX-512 VNNI in strips of 16 outputs
+  (cext/csrc/qgemm_strip.h: per strip the weights decoded once into int16 pairs of 16 rows,
+  vpdpwssd against broadcast activation codes, the block's scale applied in float32 once per
+  block and output): exact as int16 is, where the CPU has AVX-512 VNNI and the layer's outputs
+  are a multiple of 16;
 - ``amx``: the weights dequantized to bfloat16 a slice of rows at a time (C, all threads)
   and oneDNN's bfloat16 matmul through torch, which runs on AMX tiles where the CPU has them:
   bfloat16 weights, activations and outputs, float32 sums (not exact: see ``APPROXIMATE``;
@@ -22,7 +27,7 @@ on the quiet 2-vCPU Xeon) and keeps the fastest per row count; the table is cach
 a table measured while the load average exceeded the cores, or while other processes used
 more than a quarter of a core (``neighbours_were_busy``), is measured again by the first load on a
 quieter machine.
-``ENGINE_AMX_INT=0`` leaves the amx_int route out of the table.
+``ENGINE_AMX_INT=0`` leaves the amx_int route out of the table, ``ENGINE_STRIP=0`` the strip route.
 ``ENGINE_ROUTES=fixed`` keeps the fixed thresholds (engine.models.linear),
 ``ENGINE_ROUTES=recalibrate`` measures again, and ``ENGINE_ROUTES=fastest`` takes the measured
 route at every row count, 2-16 included (see ``same_route_up_to`` for what that gives up).
@@ -42,25 +47,27 @@ import torch
 log = logging.getLogger("engine")
 
 ROW_GRID = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-# int16 and amx_int: activations within 2^-15 per element
-EXACT_ROUTES = ("int16", "float", "amx_int", "blas")
+# int16, amx_int and strip: activations within 2^-15 per element
+EXACT_ROUTES = ("int16", "float", "amx_int", "strip", "blas")
 APPROXIMATE = ("amx",)  # bfloat16 weights and activations: 8 mantissa bits
-CACHE_VERSION = 10  # 7: routes the whole layer can run (6 gave amx_int to outputs not in 16s); 8: L2 prefetch
+CACHE_VERSION = 11  # 7: routes the whole layer can run (6 gave amx_int to outputs not in 16s); 8: L2 prefetch
 # on AMD; 9: decode steps spread their weight prefetch over each pass; 10: int16 products of 3-5 rows
-# read their codes in place
+# read their codes in place; 11: the strip route
 PROXY_ROWS = 256  # fewest output rows a shape is timed on
 PROXY_MACS = 1 << 23  # and enough rows for this many multiply-adds (a decode row: whole layers)
 MIN_TIMED_SECONDS = 0.002  # a timing repeats its call until it lasts this long
 
 
 def available_routes(allow_approximate: bool) -> tuple[str, ...]:
-    """The routes this CPU and build can run (amx_int: the CPU has AMX-INT8; amx: AMX bf16 and
-    torch's oneDNN)."""
+    """The routes this CPU and build can run (strip: the CPU has AVX-512 VNNI and the switch allows
+    it; amx_int: the CPU has AMX-INT8; amx: AMX bf16 and torch's oneDNN)."""
     try:
         from cext import cpu
     except ImportError:
         return ("blas",)
     routes = ["int16"] + (["float"] if cpu.get_isa() != "baseline" else []) + ["blas"]
+    if cpu.allows("avx512_vnni") and os.environ.get("ENGINE_STRIP", "1") != "0":
+        routes.append("strip")
     if cpu.allows("amx_int8") and os.environ.get("ENGINE_AMX_INT", "1") != "0":
         routes.append("amx_int")
     if allow_approximate and cpu.allows("amx_bf16") and torch.backends.mkldnn.is_available():

@@ -1,0 +1,225 @@
+/* The strip route of qgemm.c (included once, inside the avx512 `#pragma GCC target` region, after
+ * qgemm_x86.h): the int16 route's integer sums with AVX-512 VNNI, 16 output rows per vector.
+ *
+ * The activations are quantized exactly as for the int16 route (per row, blocks of 32, codes
+ * q = round(x / dx), |q| <= 32767, dx = max|x| / 32767, round half to even). Per strip of 16
+ * output rows the weights' codes are decoded once per product into a panel of int16 pairs:
+ * 32-bit word (w, n) of the panel holds inputs 2w and 2w + 1 of output row n, so a 64-byte
+ * panel vector is two inputs of all 16 rows. One vpdpwssd of it against an activation row's two
+ * codes (a 32-bit broadcast) adds those two products to each row's lane; 16 of them sum a
+ * block of 32 inputs for 16 outputs, the same integer per output as the int16 route's (|sum| <
+ * 2^27). The block's scale d * dx (and the min term m * sum(x)) is then applied in float32 once
+ * per block and output, where the int16 route applies it per block and 8 lanes of partial sums:
+ * a product differs from the int16 route's only in the order and number of its float32
+ * roundings. Per block and activation row the route issues 16 vpdpwssd over 16 outputs (512
+ * multiply-adds) and ~4 float instructions, where the int16 route's 512-bit tiles issue ~5
+ * instructions per 64 multiply-adds: what a prompt chunk's products are bound by.
+ *
+ * Work: strips of 16 outputs across cpu.h's pool (needs N a multiple of 16); per strip its panel
+ * is built once, then every activation row runs against it, QS_ROWS rows at a time. */
+
+#define QS_TILE 16  /* outputs per strip */
+#define QS_ROWS 8   /* activation rows per pass over a panel */
+
+typedef struct {
+    const QArgs *q;
+    int is_q4;
+} StripArgs;
+
+/* Block b of row i of x (float32 or bfloat16, row stride x_stride) -> its 32 int16 codes as two
+ * vectors of int32, its scale dx and its exact sum (quantize_rows' codes and scale with the same
+ * rounding, round half to even through MXCSR; the sum in another order). The amx_int route's
+ * quantizer too. */
+static inline void strip_quantize_block(const void *x, int64_t at, int dtype, __m512i *q0, __m512i *q1,
+                                        float *dx, float *sx) {
+    const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
+    __m512 v0, v1;
+    if (dtype == DT_FLOAT32) {
+        v0 = _mm512_loadu_ps((const float *)x + at);
+        v1 = _mm512_loadu_ps((const float *)x + at + 16);
+    } else {
+        const uint16_t *h = (const uint16_t *)x + at;
+        v0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)h)), 16));
+        v1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(h + 16))), 16));
+    }
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(v0, sign), _mm512_and_ps(v1, sign)));
+    const __m512 vinv = _mm512_set1_ps(amax > 0.0f ? QG_XMAX / amax : 0.0f);
+    *q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, vinv));
+    *q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, vinv));
+    *dx = amax / QG_XMAX;
+    *sx = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
+}
+
+/* x [M, K] -> qx [M, K] int16, dx, sx [M, nb] (strip_quantize_block per block). */
+static void strip_quantize_rows(const void *x, int64_t x_stride, int64_t num_rows, int64_t num_cols, int dtype,
+                                int16_t *qx, float *dx, float *sx) {
+    const int64_t nb = num_cols / QK_BLOCK;
+    for (int64_t i = 0; i < num_rows; i++) {
+        for (int64_t b = 0; b < nb; b++) {
+            __m512i q0, q1;
+            strip_quantize_block(x, i * x_stride + b * QK_BLOCK, dtype, &q0, &q1, dx + i * nb + b, sx + i * nb + b);
+            int16_t *codes = qx + i * num_cols + b * QK_BLOCK;
+            _mm256_storeu_si256((__m256i *)codes, _mm512_cvtepi32_epi16(q0));
+            _mm256_storeu_si256((__m256i *)(codes + 16), _mm512_cvtepi32_epi16(q1));
+        }
+    }
+}
+
+/* The panel of output rows n0 .. n0 + 15: panel [K / 2][16] 32-bit words (word (w, n): inputs 2w
+ * and 2w + 1 of row n0 + n as int16, low then high), d [nb][16] and (Q4 with mins) m [nb][16] as
+ * float32. dec: [16][K] int16 of scratch (the rows decoded in input order first). */
+static void strip_build_panel(const StripArgs *sa, int64_t n0, int16_t *dec, uint32_t *panel, float *d, float *m) {
+    const QArgs *a = sa->q;
+    const int64_t K = a->num_cols, nb = K / QK_BLOCK;
+    for (int n = 0; n < QS_TILE; n++) {
+        int16_t *out = dec + n * K;
+        if (sa->is_q4) {
+            const uint8_t *row = a->blocks + (n0 + n) * q4_row_bytes(nb, a->half, a->high, a->has_mins);
+            const uint8_t *pairs = row + q4_codes_offset(nb, a->half, a->has_mins);
+            const int64_t pair_bytes = q4_pair_bytes(a->high);
+            for (int64_t p = 0; p < nb / 2; p++) {
+                __m256i w[4];
+                if (a->high) q45_decode_pair_avx512(pairs + p * pair_bytes, 1, w);
+                else q45_decode_pair_avx512(pairs + p * pair_bytes, 0, w);
+                for (int j = 0; j < 4; j++) _mm256_storeu_si256((__m256i *)(out + p * 2 * QK_BLOCK + 16 * j), w[j]);
+            }
+            for (int64_t b = 0; b < nb; b++) {
+                d[b * QS_TILE + n] = block_scale_f16c_avx512(row, nb, b, a->half, 0);
+                if (a->has_mins) m[b * QS_TILE + n] = block_scale_f16c_avx512(row, nb, b, a->half, 1);
+            }
+        } else {  /* Q8: byte 2i = element i, 2i + 1 = element 16 + i */
+            const int8_t *row = a->q8 + (n0 + n) * K;
+            const uint8_t *sc = a->scales + (n0 + n) * nb * (a->half ? 2 : 4);
+            for (int64_t b = 0; b < nb; b++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(row + b * QK_BLOCK));
+                _mm256_storeu_si256((__m256i *)(out + b * QK_BLOCK), _mm256_srai_epi16(_mm256_slli_epi16(v, 8), 8));
+                _mm256_storeu_si256((__m256i *)(out + b * QK_BLOCK + 16), _mm256_srai_epi16(v, 8));
+                d[b * QS_TILE + n] = block_scale_f16c_avx512(sc, nb, b, a->half, 0);
+            }
+        }
+    }
+    /* [16][K / 2] words -> [K / 2][16]: 16 x 16 words at a time through the 512-bit transpose
+     * (K / 2 is a multiple of 16: K is a multiple of 32) */
+    const uint32_t *src = (const uint32_t *)dec;
+    const int64_t words = K / 2;
+    for (int64_t w0 = 0; w0 < words; w0 += 16) {
+        __m512i r[16], t[16];
+        for (int n = 0; n < 16; n++) r[n] = _mm512_loadu_si512((const void *)(src + n * words + w0));
+        /* 4 rounds: words, pairs of words, 128-bit lanes twice */
+        for (int n = 0; n < 16; n += 2) {
+            t[n] = _mm512_unpacklo_epi32(r[n], r[n + 1]);
+            t[n + 1] = _mm512_unpackhi_epi32(r[n], r[n + 1]);
+        }
+        for (int n = 0; n < 16; n += 4) {
+            r[n] = _mm512_unpacklo_epi64(t[n], t[n + 2]);
+            r[n + 1] = _mm512_unpackhi_epi64(t[n], t[n + 2]);
+            r[n + 2] = _mm512_unpacklo_epi64(t[n + 1], t[n + 3]);
+            r[n + 3] = _mm512_unpackhi_epi64(t[n + 1], t[n + 3]);
+        }
+        /* r[4g + j] holds, per 128-bit lane L, word 4L + c of rows 4g .. 4g + 3 where c is j's
+         * column: c = 0, 1, 2, 3 for j = 0, 1, 2, 3 */
+        for (int j = 0; j < 4; j++) {
+            /* lanes L of rows-groups g = 0..3 -> output word 4L + j holds groups 0..3 in order */
+            const __m512i a01lo = _mm512_shuffle_i32x4(r[j], r[4 + j], 0x44);   /* g0 L0 L1, g1 L0 L1 */
+            const __m512i a01hi = _mm512_shuffle_i32x4(r[j], r[4 + j], 0xEE);   /* g0 L2 L3, g1 L2 L3 */
+            const __m512i a23lo = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0x44);
+            const __m512i a23hi = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0xEE);
+            t[0 + j] = _mm512_shuffle_i32x4(a01lo, a23lo, 0x88);   /* L0: g0 g1 g2 g3 */
+            t[4 + j] = _mm512_shuffle_i32x4(a01lo, a23lo, 0xDD);   /* L1 */
+            t[8 + j] = _mm512_shuffle_i32x4(a01hi, a23hi, 0x88);   /* L2 */
+            t[12 + j] = _mm512_shuffle_i32x4(a01hi, a23hi, 0xDD);  /* L3 */
+        }
+        for (int L = 0; L < 4; L++)
+            for (int j = 0; j < 4; j++)
+                _mm512_store_si512((void *)(panel + (w0 + 4 * L + j) * QS_TILE), t[4 * L + j]);
+    }
+}
+
+/* Activation rows i0 .. i0 + TR - 1 against one panel: y [i, n0 .. n0 + 15]. */
+QG_ALWAYS_INLINE static inline void strip_rows(const QArgs *a, int64_t n0, int64_t i0, const int TR,
+                                               const uint32_t *panel, const float *d, const float *m,
+                                               const int MINS) {
+    const int64_t K = a->num_cols, nb = K / QK_BLOCK;
+    __m512 acc[QS_ROWS];
+    const int32_t *x[QS_ROWS];
+    for (int r = 0; r < TR; r++) {
+        acc[r] = _mm512_setzero_ps();
+        x[r] = (const int32_t *)(a->qx + (i0 + r) * K);  /* pairs of codes as words */
+    }
+    for (int64_t b = 0; b < nb; b++) {
+        __m512i s[QS_ROWS];
+        for (int r = 0; r < TR; r++) s[r] = _mm512_setzero_si512();
+        const uint32_t *pb = panel + b * (QK_BLOCK / 2) * QS_TILE;
+#pragma GCC unroll 16
+        for (int st = 0; st < QK_BLOCK / 2; st++) {
+            const __m512i w = _mm512_load_si512((const void *)(pb + st * QS_TILE));
+            for (int r = 0; r < TR; r++)
+                s[r] = _mm512_dpwssd_epi32(s[r], w, _mm512_set1_epi32(x[r][b * (QK_BLOCK / 2) + st]));
+        }
+        const __m512 db = _mm512_load_ps(d + b * QS_TILE);
+        const __m512 mb = MINS ? _mm512_load_ps(m + b * QS_TILE) : _mm512_setzero_ps();
+        for (int r = 0; r < TR; r++) {
+            const __m512 scale = _mm512_mul_ps(db, _mm512_set1_ps(a->dx[(i0 + r) * nb + b]));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r]), scale, acc[r]);
+            if (MINS) acc[r] = _mm512_fmadd_ps(mb, _mm512_set1_ps(a->sx[(i0 + r) * nb + b]), acc[r]);
+        }
+    }
+    const __m512 bias = a->bias ? _mm512_loadu_ps(a->bias + n0) : _mm512_setzero_ps();
+    for (int r = 0; r < TR; r++) {
+        const __m512 out = _mm512_add_ps(acc[r], bias);
+        if (a->dtype == DT_FLOAT32) {
+            _mm512_storeu_ps((float *)a->y + (i0 + r) * a->y_stride + n0, out);
+        } else {
+            float v[QS_TILE];
+            _mm512_storeu_ps(v, out);
+            uint16_t *dst = (uint16_t *)a->y + (i0 + r) * a->y_stride + n0;
+            for (int n = 0; n < QS_TILE; n++) dst[n] = dt_f32_to_bf16(v[n]);
+        }
+    }
+}
+
+static void strip_all_rows(const QArgs *a, int64_t n0, const uint32_t *panel, const float *d, const float *m,
+                           const int MINS) {
+    const int64_t M = a->num_rows;
+    int64_t i0 = 0;
+    for (; i0 + QS_ROWS <= M; i0 += QS_ROWS) strip_rows(a, n0, i0, QS_ROWS, panel, d, m, MINS);
+    if (M - i0 >= 4) { strip_rows(a, n0, i0, 4, panel, d, m, MINS); i0 += 4; }
+    if (M - i0 >= 2) { strip_rows(a, n0, i0, 2, panel, d, m, MINS); i0 += 2; }
+    if (M - i0 >= 1) strip_rows(a, n0, i0, 1, panel, d, m, MINS);
+}
+
+/* Strips s0 .. s1 - 1 (16 output rows each). */
+static void strip_range(const void *p, int64_t s0, int64_t s1, float *scratch) {
+    const StripArgs *sa = (const StripArgs *)p;
+    const QArgs *a = sa->q;
+    const int64_t K = a->num_cols, nb = K / QK_BLOCK;
+    /* scratch, 64-byte aligned: the panel (K / 2 x 16 words), d and m ([nb][16] each), the rows
+     * decoded in input order (16 x K int16) */
+    uint32_t *panel = (uint32_t *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
+    float *d = (float *)(panel + K / 2 * QS_TILE), *m = d + nb * QS_TILE;
+    int16_t *dec = (int16_t *)(m + nb * QS_TILE);
+    const int mins = sa->is_q4 && a->has_mins;
+    for (int64_t s = s0; s < s1; s++) {
+        strip_build_panel(sa, s * QS_TILE, dec, panel, d, m);
+        if (mins) strip_all_rows(a, s * QS_TILE, panel, d, m, 1);
+        else strip_all_rows(a, s * QS_TILE, panel, d, m, 0);
+    }
+}
+
+/* The strip route of qg_matmul (qgemm.h), where cpu_allows(CPU_HAS_AVX512_VNNI): QG_BAD_LAYOUT
+ * when N is not a multiple of 16. */
+static int run_strip(QArgs *a, const void *x, int64_t x_stride, int is_q4) {
+    const int64_t M = a->num_rows, K = a->num_cols, nb = K / QK_BLOCK, N = a->num_out;
+    if (N % QS_TILE != 0) return QG_BAD_LAYOUT;
+    char *buf = (char *)malloc(sizeof(int16_t) * (size_t)(M * K) + sizeof(float) * 2 * (size_t)(M * nb));
+    if (buf == NULL) return QG_NO_MEMORY;
+    float *dx = (float *)buf, *sx = dx + M * nb;
+    int16_t *qx = (int16_t *)(sx + M * nb);
+    strip_quantize_rows(x, x_stride, M, K, a->dtype, qx, dx, sx);
+    a->qx = qx; a->dx = dx; a->sx = sx;
+    StripArgs sa = {a, is_q4};
+    const size_t floats = 16 + (size_t)(K / 2 * QS_TILE) + (size_t)(2 * nb * QS_TILE) + (size_t)(QS_TILE * K / 2);
+    int rc = cpu_parallel_for(strip_range, &sa, N / QS_TILE, M * N * K, floats);
+    free(buf);
+    return rc;
+}
