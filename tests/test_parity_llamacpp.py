@@ -157,17 +157,20 @@ def _max_logprob_diff(entry, logprobs) -> float:
                for i, (token, top5) in enumerate(zip(entry["greedy_ids"], entry["top5"])))
 
 
-@pytest.mark.parametrize("route", ["amx", "float"])
+@pytest.mark.parametrize("route", ["amx", "float", "strip"])
 @pytest.mark.parametrize("name", FULL)
 def test_each_prompt_route_keeps_the_parity_bounds(name, route):
     """Every decoder product forced onto one route at every row count (the default weights):
     amx (bfloat16 weights, activations and outputs on AMX tiles, float32 sums) must keep the
-    same bounds as the exact float route; the head keeps its own routes (never amx)."""
+    same bounds as the exact float route, and so must strip (int16 activation codes, the sums
+    16 outputs per AVX-512 vector); the head keeps its own routes (never amx)."""
     from cext import cpu
     from engine.models import routes
 
     if route == "amx" and "amx_bf16" not in cpu.features():
         pytest.skip("CPU lacks AMX bf16")
+    if route == "strip" and "avx512_vnni" not in cpu.features():
+        pytest.skip("CPU lacks AVX-512 VNNI")
     model = load_model(model_path(name))
     for layer in model.layers:
         for proj in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
