@@ -36,7 +36,8 @@ BFLOAT16 = DT_BFLOAT16
 
 _ERRORS = {
     QG_BAD_LENGTH: "K (num_cols) must be a multiple of 32 (Q8), of 64 (Q4, Q5) or of 256 (SUPER)",
-    QG_BAD_LAYOUT: "unknown layout (or SUPER on a layout other than Q4 without HALF)",
+    QG_BAD_LAYOUT: "unknown layout (or SUPER on a layout other than Q4 without HALF, or ROUTE_AMX / ROUTE_STRIP "
+                   "with num_out not a multiple of 16, or ROUTE_AMX without AMX-INT8)",
 }
 
 
