@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import platform
 import sys
+import time
 
 import pytest
 import torch
@@ -553,6 +554,32 @@ def test_a_table_measured_beside_a_busy_neighbour_counts_as_busy(tmp_path, monke
     load()  # a quiet load measures it again
     load()  # and that table serves
     assert len(calls) == 2
+
+
+def test_a_short_measurement_is_judged_over_the_whole_neighbour_window(tmp_path, monkeypatch):
+    """One shape's measurement takes less than /proc/stat can judge: calibrate waits out the
+    window before the second sample, so a neighbour busy beside a short measurement still marks
+    the table busy (before, such a table was stored as quiet); a cached table waits for nothing."""
+    from engine.models import routes
+
+    if routes.cpu_seconds() is None:
+        pytest.skip("no /proc/stat")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("ENGINE_ROUTES", raising=False)
+    monkeypatch.setattr(routes, "_PROCESS_TABLES", {})
+    monkeypatch.setattr(routes, "is_busy", lambda: False)
+    monkeypatch.setattr(routes, "measure", lambda layer, available: ["int16"] * len(routes.ROW_GRID))
+    windows = []
+    monkeypatch.setattr(routes, "neighbours_were_busy",
+                        lambda before, after, seconds: windows.append(seconds) or True)
+    layer = Linear(Int4Weight.from_dense(torch.randn(64, 128, generator=torch.Generator().manual_seed(2))))
+    routes.calibrate([layer], allow_approximate=False, num_threads=1)
+    assert len(windows) == 1 and windows[0] >= routes.NEIGHBOUR_WINDOW
+    monkeypatch.setattr(routes, "is_busy", lambda: True)  # the stored table was marked busy: served while busy
+    monkeypatch.setattr(routes, "_PROCESS_TABLES", {})
+    start = time.perf_counter()
+    routes.calibrate([layer], allow_approximate=False, num_threads=1)
+    assert len(windows) == 1 and time.perf_counter() - start < routes.NEIGHBOUR_WINDOW
 
 
 def test_neighbours_cpu_time_is_the_machines_minus_ours():
