@@ -478,6 +478,7 @@ def test_route_table_picks_by_row_count_and_is_cached(tmp_path, monkeypatch):
     assert routes.ROW_GRID[4:6] == (16, 32) and routes.SAME_ROUTE_ROWS == 16
     best = ["int16"] + ["float"] * 5 + ["blas"] * (len(routes.ROW_GRID) - 6)
     monkeypatch.setattr(routes, "measure", lambda layer, available: calls.append(layer) or list(best))
+    monkeypatch.setattr(routes, "neighbours_were_busy", lambda *args: False)  # the machine's other work: not here
     table = routes.calibrate(layers, allow_approximate=False, num_threads=1)
     assert len(calls) == 2 and len(table) == 2  # one measurement per distinct (layout, N, K)
     # up to 16 rows the one-row route (routes.same_route_up_to), then the measured ones
@@ -511,6 +512,7 @@ def test_a_table_measured_on_a_busy_machine_is_measured_again_when_quiet(tmp_pat
     calls = []
     table = ["int16"] * len(routes.ROW_GRID)
     monkeypatch.setattr(routes, "measure", lambda layer, available: calls.append(layer) or list(table))
+    monkeypatch.setattr(routes, "neighbours_were_busy", lambda *args: False)  # only is_busy decides here
     busy = [True]
     monkeypatch.setattr(routes, "is_busy", lambda: busy[0])
 
