@@ -315,10 +315,10 @@ static int run(QArgs *a, const void *x, int64_t x_stride, int is_q4, int route) 
     if (K <= 0 || K % (is_q4 ? 2 * QK_BLOCK : QK_BLOCK) != 0) return QG_BAD_LENGTH;
     if (M <= 0 || a->num_out <= 0) return QG_OK;
     if (route == QG_ROUTE_STRIP) {  /* below AVX-512 VNNI (the switch set lower): the int16 route, same integers */
+        if (a->num_out % 16 != 0) return QG_BAD_LAYOUT;
 #ifdef QG_HAVE_X86
         if (cpu_allows(CPU_HAS_AVX512_VNNI)) return run_strip(a, x, x_stride, is_q4);
 #endif
-        if (a->num_out % 16 != 0) return QG_BAD_LAYOUT;
         route = QG_ROUTE_INT;
     }
     if (route == QG_ROUTE_AMX) {

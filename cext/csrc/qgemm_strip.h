@@ -206,11 +206,10 @@ static void strip_range(const void *p, int64_t s0, int64_t s1, float *scratch) {
     }
 }
 
-/* The strip route of qg_matmul (qgemm.h), where cpu_allows(CPU_HAS_AVX512_VNNI): QG_BAD_LAYOUT
- * when N is not a multiple of 16. */
+/* The strip route of qg_matmul (qgemm.h), where cpu_allows(CPU_HAS_AVX512_VNNI) and N is a
+ * multiple of 16 (run() checks both). */
 static int run_strip(QArgs *a, const void *x, int64_t x_stride, int is_q4) {
     const int64_t M = a->num_rows, K = a->num_cols, nb = K / QK_BLOCK, N = a->num_out;
-    if (N % QS_TILE != 0) return QG_BAD_LAYOUT;
     char *buf = (char *)malloc(sizeof(int16_t) * (size_t)(M * K) + sizeof(float) * 2 * (size_t)(M * nb));
     if (buf == NULL) return QG_NO_MEMORY;
     float *dx = (float *)buf, *sx = dx + M * nb;
