@@ -27,6 +27,13 @@ MAX_TEST_ROWS = min(KERNEL_MAX_ROWS, 40)  # both paths' tiles and their ragged t
 SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
+@pytest.fixture(autouse=True)
+def row_layouts(monkeypatch):
+    """Q4 layers keep their row layout (every route runs them) unless a test packs them itself
+    (``packed`` below: QG_PACKED strips, which only the strip route reads)."""
+    monkeypatch.setenv("ENGINE_PACKED", "0")
+
+
 @pytest.fixture(params=[(isa, threads) for isa in ALL_ISAS for threads in (1, 2)],
                 ids=lambda p: f"{p[0]}-{p[1]}t")
 def variant(request):
@@ -746,3 +753,114 @@ def test_the_default_prefetch_level_follows_the_cpu_vendor():
     with pytest.raises(ValueError, match="prefetch"):
         qgemm.set_prefetch("l3")
     assert qgemm.get_prefetch() in ("l1", "l2")
+
+
+# ---- QG_PACKED: Q4 rows in strips of 16 (cext/csrc/qgemm.h), read by the strip route alone ----
+PACKED_KINDS = ["int4", "int4_half", "q4_k"]
+
+
+def packed_pair(kind: str, w: torch.Tensor, bias: torch.Tensor, monkeypatch) -> tuple[Linear, Linear]:
+    """The same Q4 weight as a row-layout layer and as QG_PACKED strips (packed through qgemm.pack
+    whatever the CPU: Linear packs only where AVX-512 VNNI is)."""
+    rows = Linear(_weights(kind, w), bias)
+    packed = Linear(_weights(kind, w), bias)
+    packed._pack()
+    assert packed.is_packed_strips and not rows.is_packed_strips
+    return rows, packed
+
+
+@pytest.mark.parametrize("isa", ALL_ISAS)
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("kind", PACKED_KINDS)
+def test_packed_strips_are_the_strip_routes_numbers(isa, threads, kind, monkeypatch):
+    """A packed layer's product (AVX-512 VNNI in place, or the portable kernel below it) is the strip
+    route's over the row layout bit for bit at every row count (1-8-row passes and their tails),
+    float32 and bfloat16 in and out, and the integer definition to float32 rounding."""
+    old_threads, old_threshold = cpu.get_num_threads(), cpu.get_parallel_threshold()
+    cpu.set_num_threads(threads)
+    cpu.set_parallel_threshold(0)
+    try:
+        for seed, num_rows in enumerate((1, 2, 3, 5, 8, 11, 17)):
+            for dtype in (torch.float32, torch.bfloat16):
+                w, x, bias = _inputs(seed, num_rows, 48, 256 if kind == "q4_k" else 192, dtype)
+                rows, packed = packed_pair(kind, w, bias, monkeypatch)
+                reference = rows.run(x, "strip") if "avx512_vnni" in cpu.features() else None
+                use_isa(isa)
+                y = packed.run(x, "strip")
+                cpu.set_isa("auto")
+                assert y.dtype == dtype and y.shape == (num_rows, 48)
+                _check(y, emulate_int4(x, _weights(kind, w), rows.half) + bias.double(), dtype)
+                if reference is not None:
+                    assert torch.equal(y, reference), (num_rows, dtype)
+    finally:
+        cpu.set_isa("auto")
+        cpu.set_num_threads(old_threads)
+        cpu.set_parallel_threshold(old_threshold)
+
+
+@pytest.mark.parametrize("kind", PACKED_KINDS)
+def test_packed_rows_do_not_depend_on_the_batch(kind, monkeypatch):
+    """Each activation row's outputs are the same alone, in a pass of 2, 4 or 8 rows or a tail: a
+    decode step's numbers do not move with the number of sequences beside it."""
+    w, x, bias = _inputs(4, 21, 32, 256 if kind == "q4_k" else 192, torch.float32)
+    _, packed = packed_pair(kind, w, bias, monkeypatch)
+    whole = packed.run(x, "strip")
+    for first, count in ((0, 1), (3, 2), (5, 4), (9, 8), (20, 1)):
+        assert torch.equal(packed.run(x[first:first + count], "strip"), whole[first:first + count])
+
+
+@pytest.mark.parametrize("kind", PACKED_KINDS)
+def test_packed_strips_dequantize_and_run_blas_like_rows(kind, monkeypatch):
+    """qg_dequantize reads the strips (float32 and bfloat16, any first row) as the row layout's
+    values, so the blas route and the exact product see the same weight."""
+    w = torch.randn(48, 256, generator=torch.Generator().manual_seed(2)) * 0.05
+    rows, packed = packed_pair(kind, w, torch.zeros(48), monkeypatch)
+    assert torch.equal(packed.dequantize(), rows.dequantize())
+    assert torch.equal(packed.dequantize(13, 37), rows.dequantize(13, 37))
+    out = torch.empty(20, 256, dtype=torch.bfloat16)
+    qgemm.dequantize(packed.layout, packed._rows.data_ptr(), 0, 11, 20, 256, out.data_ptr(), qgemm.BFLOAT16)
+    assert torch.equal(out, rows.dequantize(11, 31).bfloat16())
+    x = torch.randn(5, 256)
+    torch.testing.assert_close(packed.run(x, "blas"), rows.run(x, "blas"), atol=0, rtol=0)
+
+
+def test_packed_layers_run_the_strip_route_alone(monkeypatch):
+    """A packed layer offers strip (any ISA), blas and, with AMX, amx; never the row layout's routes.
+    Its slices for route timing are whole strips; the C entry refuses packed layouts it cannot run
+    with the layout named."""
+    w, x, bias = _inputs(1, 3, 64, 128, torch.float32)
+    _, packed = packed_pair("int4", w, bias, monkeypatch)
+    for route in ("int16", "float", "amx_int"):
+        assert not packed.can_run(route, 3)
+    assert packed.can_run("strip", 3) and packed.can_run("blas", 3)
+    assert packed.fixed_route(1) == packed.fixed_route(300) == "strip"
+    part = packed.row_slice(32)
+    assert torch.equal(part.run(x, "strip"), packed.run(x, "strip")[:, :32])
+    with pytest.raises(ValueError, match="strips of 16"):
+        packed.row_slice(40)
+    for layout in (packed.layout | qgemm.ROUTE_INT, linear_module.Q8 | qgemm.PACKED):
+        y = torch.empty(3, 64)
+        with pytest.raises(ValueError, match="PACKED"):
+            qgemm.matmul(layout, x.data_ptr(), 128, 3, 128, packed._rows.data_ptr(), 0, 64, 0, y.data_ptr(), 64, 0)
+    with pytest.raises(ValueError, match="PACKED"):  # 48 outputs are 3 strips; 40 are not
+        qgemm.matmul(packed.layout, x.data_ptr(), 128, 3, 128, packed._rows.data_ptr(), 0, 40, 0, y.data_ptr(), 64, 0)
+    assert qgemm.packed_strip_bytes(linear_module.Q8, 128) == 0
+    with pytest.raises(ValueError):  # rows not in strips of 16
+        qgemm.pack(Linear(_weights("int4", w)).layout, 0, 40, 128, 0)
+
+
+def test_which_layers_are_packed(monkeypatch):
+    """Linear packs a Q4 layer where the CPU has AVX-512 VNNI, unless its outputs are not a multiple
+    of 16, its products are exact, or ENGINE_PACKED=0 / ENGINE_STRIP=0 says not to."""
+    w = torch.randn(48, 128, generator=torch.Generator().manual_seed(3)) * 0.05
+    monkeypatch.setenv("ENGINE_PACKED", "1")
+    vnni = "avx512_vnni" in cpu.features()
+    assert Linear(_weights("int4", w)).is_packed_strips == vnni
+    assert Linear(_weights("q4_k", torch.randn(32, 256))).is_packed_strips == vnni
+    assert not Linear(_weights("int4", w[:40])).is_packed_strips
+    assert not Linear(_weights("int4", w), exact=True).is_packed_strips
+    assert not Linear(_weights("int8", w)).is_packed_strips  # Q4 only
+    for switch in ("ENGINE_PACKED", "ENGINE_STRIP"):
+        monkeypatch.setenv(switch, "0")
+        assert not Linear(_weights("int4", w)).is_packed_strips
+        monkeypatch.setenv(switch, "1")

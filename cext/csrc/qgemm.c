@@ -36,6 +36,7 @@ typedef struct {
     const float *bias;
     void *y; int64_t y_stride; int dtype;
     int64_t num_out;
+    int packed;  /* QG_PACKED: a->blocks holds strips of 16 rows */
 } QArgs;
 
 static inline void store_out(const QArgs *a, int64_t row, int64_t col, float v) {
@@ -111,9 +112,19 @@ static inline int q45_code(const uint8_t *pair, int e, int high) { return high ?
 /* Element j (0..31) of a Q8 block (qgemm.h: byte 2i = element i, 2i + 1 = element 16 + i). */
 static inline int q8_code(const int8_t *block, int j) { return block[2 * (j % 16) + j / 16]; }
 
-/* x [M, K] -> qx, dx, sx (blocks of 32). */
+/* The sum of a block's 32 values in the order of the strip route's quantizer (qgemm_strip.h: the
+ * two halves added lane by lane, then GCC's _mm512_reduce_add_ps: halves of 8, 4, then pairs). */
+static float strip_order_sum(const float *v) {
+    float t[16];
+    for (int i = 0; i < 16; i++) t[i] = v[i] + v[16 + i];
+    for (int i = 0; i < 8; i++) t[i] = t[8 + i] + t[i];
+    for (int i = 0; i < 4; i++) t[i] = t[4 + i] + t[i];
+    return (t[0] + t[2]) + (t[1] + t[3]);
+}
+
+/* x [M, K] -> qx, dx, sx (blocks of 32); strip_order: the sums in strip_order_sum's order. */
 static void quantize_rows(const void *x, int64_t x_stride, int64_t num_rows, int64_t num_cols, int dtype,
-                          int16_t *qx, float *dx, float *sx) {
+                          int16_t *qx, float *dx, float *sx, int strip_order) {
     float v[QK_BLOCK];
     const int64_t nb = num_cols / QK_BLOCK;
     for (int64_t i = 0; i < num_rows; i++) {
@@ -135,7 +146,7 @@ static void quantize_rows(const void *x, int64_t x_stride, int64_t num_rows, int
             int16_t *codes = qx + i * num_cols + b * QK_BLOCK;
             for (int j = 0; j < QK_BLOCK; j++) codes[j] = (int16_t)nearbyintf(v[j] * inv);
             dx[i * nb + b] = d;
-            sx[i * nb + b] = sum;
+            sx[i * nb + b] = strip_order ? strip_order_sum(v) : sum;
         }
     }
 }
@@ -184,6 +195,89 @@ static void q8_range_scalar(const void *p, int64_t n0, int64_t n1, float *scratc
                 acc += block_scale(a->scales + n * nb * (a->half ? 2 : 4), nb, b, a->half, 0) * a->dx[i * nb + b] * (float)dot;
             }
             store_out(a, i, n, acc + bias);
+        }
+    }
+}
+
+/* ---- QG_PACKED: Q4 rows in strips of 16 (qgemm.h) ---- */
+
+/* A strip's bytes of scales (and again of mins). */
+static inline int64_t packed_scale_bytes(int64_t nb, int half) {
+    return half == QG_SCALES_SUPER ? nb / 8 * 160 : nb * 16 * (half ? 2 : 4);
+}
+
+static inline int64_t packed_strip_bytes(int64_t nb, int half) { return nb * 256 + 2 * packed_scale_bytes(nb, half); }
+
+/* Input e (0..31) of block b of row j (0..15) of a strip. */
+static inline int packed_code(const uint8_t *strip, int64_t b, int j, int e) {
+    const int k = e % 8, nibble = k / 2 + 4 * (k % 2);
+    const uint8_t *u = strip + b * 256 + (e / 8) * 64 + 4 * j;
+    return (u[nibble / 2] >> (4 * (nibble % 2))) & 0x0F;
+}
+
+/* Block b's scale (which = 0) or min (which = 1) of row j of a strip. */
+static inline float packed_scale(const uint8_t *strip, int64_t nb, int64_t b, int j, int half, int which) {
+    const uint8_t *sc = strip + nb * 256 + which * packed_scale_bytes(nb, half);
+    uint16_t h;
+    if (half == QG_SCALES_SUPER) {
+        const uint8_t *group = sc + b / 8 * 160;
+        memcpy(&h, group + 2 * j, 2);
+        return dt_f16_to_f32(h) * (float)group[32 + (b % 8) * 16 + j];
+    }
+    if (half) {
+        memcpy(&h, sc + (b * 16 + j) * 2, 2);
+        return dt_f16_to_f32(h);
+    }
+    float f;
+    memcpy(&f, sc + (b * 16 + j) * 4, 4);
+    return f;
+}
+
+/* Strips s0 .. s1 - 1 of a packed product, one output at a time, with the AVX-512 kernel's
+ * operations in its order (an exact integer sum per block, then its float32 FMAs): the same
+ * bits. */
+static void packed_range_scalar(const void *p, int64_t s0, int64_t s1, float *scratch) {
+    (void)scratch;
+    const QArgs *a = (const QArgs *)p;
+    const int64_t K = a->num_cols, nb = K / QK_BLOCK;
+    for (int64_t s = s0; s < s1; s++) {
+        const uint8_t *strip = a->blocks + s * packed_strip_bytes(nb, a->half);
+        for (int j = 0; j < 16; j++) {
+            const int64_t n = s * 16 + j;
+            const float bias = a->bias ? a->bias[n] : 0.0f;
+            for (int64_t i = 0; i < a->num_rows; i++) {
+                float acc = 0.0f;
+                for (int64_t b = 0; b < nb; b++) {
+                    const int16_t *xq = a->qx + i * K + b * QK_BLOCK;
+                    int32_t dot = 0;
+                    for (int e = 0; e < QK_BLOCK; e++) dot += packed_code(strip, b, j, e) * xq[e];
+                    const float scale = packed_scale(strip, nb, b, j, a->half, 0) * a->dx[i * nb + b];
+                    acc = fmaf((float)dot, scale, acc);
+                    if (a->has_mins) acc = fmaf(packed_scale(strip, nb, b, j, a->half, 1), a->sx[i * nb + b], acc);
+                }
+                store_out(a, i, n, acc + bias);
+            }
+        }
+    }
+}
+
+/* Rows first .. first + count - 1 of packed strips -> out [count, K]: w = d * q + m per block (multiply,
+ * then add), as the row layout dequantizes. */
+static void dequantize_packed(const uint8_t *w, int half, int has_mins, int64_t first, int64_t count,
+                              int64_t num_cols, void *out, int out_dtype) {
+    const int64_t nb = num_cols / QK_BLOCK;
+    for (int64_t n = first; n < first + count; n++) {
+        const uint8_t *strip = w + (n / 16) * packed_strip_bytes(nb, half);
+        const int j = (int)(n % 16);
+        for (int64_t b = 0; b < nb; b++) {
+            const float d = packed_scale(strip, nb, b, j, half, 0);
+            const float m = has_mins ? packed_scale(strip, nb, b, j, half, 1) : 0.0f;
+            for (int e = 0; e < QK_BLOCK; e++) {
+                const float v = d * (float)packed_code(strip, b, j, e);
+                const int64_t at = (n - first) * num_cols + b * QK_BLOCK + e;
+                if (out_dtype == DT_FLOAT32) ((float *)out)[at] = v + m;
+                else ((uint16_t *)out)[at] = dt_f32_to_bf16(v + m);
+            }
         }
     }
 }
@@ -310,10 +404,33 @@ void qg_set_float_rows(int64_t rows) { qg_float_rows = rows; }
 
 int64_t qg_get_float_rows(void) { return qg_float_rows; }
 
+/* A QG_PACKED product (the strip route's sums; qg_matmul checked the layout): the activations
+ * quantized as the strip route quantizes them, then strips across the pool. */
+static int run_packed(QArgs *a, const void *x, int64_t x_stride) {
+    const int64_t M = a->num_rows, K = a->num_cols, nb = K / QK_BLOCK;
+    char *buf = (char *)malloc(sizeof(int16_t) * (size_t)(M * K) + sizeof(float) * 2 * (size_t)(M * nb));
+    if (buf == NULL) return QG_NO_MEMORY;
+    float *dx = (float *)buf, *sx = dx + M * nb;
+    int16_t *qx = (int16_t *)(sx + M * nb);
+    CpuRangeFn fn = packed_range_scalar;
+#ifdef QG_HAVE_X86
+    if (cpu_allows(CPU_HAS_AVX512_VNNI)) {
+        strip_quantize_rows(x, x_stride, M, K, a->dtype, qx, dx, sx);
+        fn = packed_range_avx512;
+    } else
+#endif
+        quantize_rows(x, x_stride, M, K, a->dtype, qx, dx, sx, 1);
+    a->qx = qx; a->dx = dx; a->sx = sx;
+    int rc = cpu_parallel_for(fn, a, a->num_out / 16, M * a->num_out * K, 0);
+    free(buf);
+    return rc;
+}
+
 static int run(QArgs *a, const void *x, int64_t x_stride, int is_q4, int route) {
     const int64_t M = a->num_rows, K = a->num_cols, nb = K / QK_BLOCK;
     if (K <= 0 || K % (is_q4 ? 2 * QK_BLOCK : QK_BLOCK) != 0) return QG_BAD_LENGTH;
     if (M <= 0 || a->num_out <= 0) return QG_OK;
+    if (a->packed) return run_packed(a, x, x_stride);
     if (route == QG_ROUTE_STRIP) {  /* below AVX-512 VNNI (the switch set lower): the int16 route, same integers */
         if (a->num_out % 16 != 0) return QG_BAD_LAYOUT;
 #ifdef QG_HAVE_X86
@@ -351,7 +468,7 @@ static int run(QArgs *a, const void *x, int64_t x_stride, int is_q4, int route) 
         if (buf == NULL) return QG_NO_MEMORY;
         float *dx = (float *)buf, *sx = dx + M * nb;
         int16_t *qx = (int16_t *)(sx + M * nb);
-        quantize_rows(x, x_stride, M, K, a->dtype, qx, dx, sx);
+        quantize_rows(x, x_stride, M, K, a->dtype, qx, dx, sx, 0);
         a->qx = qx; a->dx = dx; a->sx = sx;
     }
     /* scratch per worker: the pass's weight scales and mins (QG_NR x nb each), its tiles' scales
@@ -369,13 +486,17 @@ int qg_matmul(int layout, const void *x, int64_t x_stride, int64_t num_rows, int
     if ((layout & QG_SUPER) && (format != QG_Q4 || (layout & QG_HALF))) return QG_BAD_LAYOUT;
     if ((layout & QG_SUPER) && num_cols % (8 * QK_BLOCK) != 0) return QG_BAD_LENGTH;
     if (format == QG_Q8) {
+        if (layout & QG_PACKED) return QG_BAD_LAYOUT;
         QArgs a = {NULL, NULL, NULL, NULL, num_rows, num_cols, NULL, half, 0, 0, (const int8_t *)w,
-                   (const uint8_t *)scales, bias, y, y_stride, dtype, num_out};
+                   (const uint8_t *)scales, bias, y, y_stride, dtype, num_out, 0};
         return run(&a, x, x_stride, 0, layout & QG_ROUTE_MASK);
     }
     if (format != QG_Q4 && format != QG_Q5) return QG_BAD_LAYOUT;
+    const int packed = (layout & QG_PACKED) != 0;
+    if (packed && (format != QG_Q4 || (layout & QG_ROUTE_MASK & ~QG_ROUTE_STRIP) || num_out % 16 != 0))
+        return QG_BAD_LAYOUT;
     QArgs a = {NULL, NULL, NULL, NULL, num_rows, num_cols, (const uint8_t *)w, half, format == QG_Q5,
-               !(layout & QG_NO_MINS), NULL, NULL, bias, y, y_stride, dtype, num_out};
+               !(layout & QG_NO_MINS), NULL, NULL, bias, y, y_stride, dtype, num_out, packed};
     return run(&a, x, x_stride, 1, layout & QG_ROUTE_MASK);
 }
 
@@ -388,6 +509,11 @@ int qg_dequantize(int layout, const void *w, const void *scales, int64_t first, 
     if (num_cols <= 0 || num_cols % ((format == QG_Q8 ? 1 : 2) * QK_BLOCK) != 0) return QG_BAD_LENGTH;
     const int64_t nb = num_cols / QK_BLOCK;
     const int high = format == QG_Q5, has_mins = !(layout & QG_NO_MINS);
+    if (layout & QG_PACKED) {
+        if (format != QG_Q4) return QG_BAD_LAYOUT;
+        dequantize_packed((const uint8_t *)w, half, has_mins, first, count, num_cols, out, out_dtype);
+        return QG_OK;
+    }
 #ifdef QG_HAVE_X86
     if (cpu_isa() >= CPU_ISA_AVX2) {  /* the same values, 16 at a time, rows across the pool */
         DqArgs args = {format, half, has_mins, (const uint8_t *)w, (const int8_t *)w, (const uint8_t *)scales,
@@ -417,6 +543,50 @@ int qg_dequantize(int layout, const void *w, const void *scales, int64_t first, 
             } else {
                 uint16_t *dst = (uint16_t *)out + at + b * QK_BLOCK;
                 for (int j = 0; j < QK_BLOCK; j++) dst[j] = dt_f32_to_bf16(v[j]);
+            }
+        }
+    }
+    return QG_OK;
+}
+
+int64_t qg_packed_strip_bytes(int layout, int64_t num_cols) {
+    if ((layout & QG_FORMAT_MASK) != QG_Q4 || num_cols <= 0 || num_cols % (2 * QK_BLOCK) != 0) return 0;
+    if ((layout & QG_SUPER) && ((layout & QG_HALF) || num_cols % (8 * QK_BLOCK) != 0)) return 0;
+    return packed_strip_bytes(num_cols / QK_BLOCK, layout_scales(layout));
+}
+
+int qg_pack(int layout, const uint8_t *rows, int64_t num_rows, int64_t num_cols, uint8_t *out) {
+    const int half = layout_scales(layout), has_mins = !(layout & QG_NO_MINS);
+    const int64_t strip_bytes = qg_packed_strip_bytes(layout & ~QG_PACKED, num_cols);
+    if (strip_bytes == 0) return num_cols > 0 && num_cols % (2 * QK_BLOCK) == 0 ? QG_BAD_LAYOUT : QG_BAD_LENGTH;
+    if (num_rows % 16 != 0) return QG_BAD_LAYOUT;
+    const int64_t nb = num_cols / QK_BLOCK, row_bytes = q4_row_bytes(nb, half, 0, has_mins);
+    const int64_t scale_bytes = packed_scale_bytes(nb, half);
+    for (int64_t s = 0; s < num_rows / 16; s++) {
+        uint8_t *strip = out + s * strip_bytes;
+        memset(strip, 0, (size_t)strip_bytes);
+        for (int j = 0; j < 16; j++) {
+            const uint8_t *row = rows + (s * 16 + j) * row_bytes;
+            const uint8_t *codes = row + q4_codes_offset(nb, half, has_mins);
+            for (int64_t b = 0; b < nb; b++) {
+                for (int e = 0; e < QK_BLOCK; e++) {
+                    const int code = q4_code(codes + (b / 2) * 32, (int)(b % 2) * QK_BLOCK + e);
+                    const int k = e % 8, nibble = k / 2 + 4 * (k % 2);
+                    strip[b * 256 + (e / 8) * 64 + 4 * j + nibble / 2] |= (uint8_t)(code << (4 * (nibble % 2)));
+                }
+            }
+            for (int which = 0; which <= has_mins; which++) {
+                const uint8_t *src = row + which * q4_scale_bytes(nb, half);
+                uint8_t *dst = strip + nb * 256 + which * scale_bytes;
+                if (half == QG_SCALES_SUPER) {
+                    for (int64_t g = 0; g < nb / 8; g++) {
+                        memcpy(dst + g * 160 + 2 * j, src + g * 10, 2);
+                        for (int k = 0; k < 8; k++) dst[g * 160 + 32 + k * 16 + j] = src[g * 10 + 2 + k];
+                    }
+                } else {
+                    const int size = half ? 2 : 4;
+                    for (int64_t b = 0; b < nb; b++) memcpy(dst + (b * 16 + j) * size, src + b * size, (size_t)size);
+                }
             }
         }
     }

@@ -17,6 +17,7 @@ more than ``dense_above_rows`` rows (whole prompts), where oneDNN's dense float3
 """
 from __future__ import annotations
 
+import os
 import threading
 
 import torch
@@ -92,6 +93,7 @@ KERNEL_BLOCK_ROWS = 256
 INT_KERNEL_MAX_ROWS = 16  # without AVX2 there is no float path: the scalar kernels up to here
 # The kernels' layout codes (cext/csrc/qgemm.h's QG_*; tests/test_qgemm.py checks they agree).
 Q4, Q5, Q8, HALF, NO_MINS, ROUTE_INT, ROUTE_FLOAT, SUPER, ROUTE_AMX, ROUTE_STRIP = 0, 1, 2, 4, 8, 16, 32, 64, 128, 256
+PACKED = 512  # Q4 rows stored in strips of 16 for the strip route (qgemm.h's QG_PACKED)
 # The C kernels' routes (cext/csrc/qgemm.h): amx_int is int16's integer sums on AMX-INT8 tiles,
 # strip the same sums with AVX-512 VNNI, 16 outputs per vector.
 _KERNEL_ROUTES = {"int16": ROUTE_INT, "float": ROUTE_FLOAT, "amx_int": ROUTE_AMX, "strip": ROUTE_STRIP}
@@ -212,6 +214,8 @@ class Linear:
                 else:
                     self._rows = weight.blocks(half)  # [N, K/32 * (20 or 24)]
                     self.layout = _layout(Q4, half)
+                if should_pack(self):
+                    self._pack()
             else:  # no kernel layout: the product dequantizes per call
                 self._int4 = weight
         elif isinstance(weight, Int8Weight):
@@ -226,6 +230,19 @@ class Linear:
             raise TypeError(f"unsupported weight type {type(weight).__name__}")
         if dense_above_rows is not None:
             self.dense = DenseLinear(weight.dequantize(), self.bias, pack)
+
+    def _pack(self) -> None:
+        """The Q4 rows -> strips of 16 rows (qgemm.h's QG_PACKED): every product of this layer then
+        runs the strip route (or dequantizes), whatever its row count."""
+        strip_bytes = qgemm.packed_strip_bytes(self.layout, self.in_features)
+        packed = torch.empty(self.out_features // 16, strip_bytes, dtype=torch.uint8)
+        qgemm.pack(self.layout, self._rows.data_ptr(), self.out_features, self.in_features, packed.data_ptr())
+        self._rows, self.layout = packed, self.layout | PACKED
+
+    @property
+    def is_packed_strips(self) -> bool:
+        """Whether the Q4 rows are stored in strips of 16 (only strip, blas and amx can run them)."""
+        return self.layout is not None and bool(self.layout & PACKED)
 
     @property
     def weight(self) -> torch.Tensor | None:
@@ -290,7 +307,11 @@ class Linear:
         part.out_features = num_out
         part.dense = None
         part._route_grid = part._route_best = None
-        if self._rows is not None:
+        if self.is_packed_strips:  # strips of 16 rows
+            if num_out % 16:
+                raise ValueError(f"num_out: a packed layer is sliced in strips of 16 rows, got {num_out}")
+            part._rows = self._rows[:num_out // 16]
+        elif self._rows is not None:
             part._rows = self._rows[:num_out]
         if self._scales is not None:
             part._scales = self._scales[:num_out]
@@ -311,6 +332,8 @@ class Linear:
         scalar ones up to INT_KERNEL_MAX_ROWS), float from qgemm.get_float_rows(), else blas."""
         if self.exact or self.layout is None or qgemm is None:
             return "blas"
+        if self.is_packed_strips:
+            return "strip"
         if cpu.get_isa() == "baseline":
             return "int16" if num_rows <= INT_KERNEL_MAX_ROWS else "blas"
         if num_rows > KERNEL_MAX_ROWS:
@@ -330,6 +353,8 @@ class Linear:
             return True
         if self.layout is None or qgemm is None:
             return False
+        if self.is_packed_strips:  # strip at any ISA (below AVX-512 VNNI a portable kernel, same bits)
+            return route == "strip" or (route == "amx" and cpu.allows("amx_bf16"))
         if route == "float":
             return cpu.get_isa() != "baseline"
         if route == "amx":
@@ -435,6 +460,17 @@ class Linear:
         if way == "exact":  # the exact product with the whole dequantized weight
             return F.linear(x.float(), self.dequantize(), self.bias).to(x.dtype)
         return self.run(x, way)
+
+
+def should_pack(layer: Linear) -> bool:
+    """Whether a Q4 layer's rows go into strips of 16 (``Linear._pack``): its outputs are a multiple of
+    16, its products are not ``exact``, the CPU has AVX-512 VNNI and neither ``ENGINE_STRIP=0`` nor
+    ``ENGINE_PACKED=0`` is set. The strip route then serves every row count: one activation row at
+    the rate the caches give (1.5-1.9x int16's on Zen 4, benchmarks/qgemm_rows.py), and a decode
+    step's products round alike at any batch size."""
+    return (qgemm is not None and not layer.exact and layer.out_features % 16 == 0
+            and cpu.allows("avx512_vnni") and os.environ.get("ENGINE_STRIP", "1") != "0"
+            and os.environ.get("ENGINE_PACKED", "1") != "0")
 
 
 def _layout(fmt: int, half: bool, no_mins: bool = False) -> int:
