@@ -6,6 +6,8 @@ solo run's top-2 logprobs were within 0.01 of each other (everything after it fo
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from engine import Engine
@@ -142,7 +144,43 @@ def _batch(seqs, gen_rows: int | None = None, gen_seqs: int | None = None, gener
 
 @pytest.fixture(scope="module")
 def quantized_model():
-    return load_model(default_model_path())  # its file's Q8_0 products: the C kernels' routes
+    """The default model with its products in row layouts (ENGINE_PACKED=0), whose routes differ by
+    row count: its file's Q4/Q8_0 products through the C kernels' routes."""
+    old = os.environ.get("ENGINE_PACKED")
+    os.environ["ENGINE_PACKED"] = "0"
+    try:
+        return load_model(default_model_path())
+    finally:
+        if old is None:
+            del os.environ["ENGINE_PACKED"]
+        else:
+            os.environ["ENGINE_PACKED"] = old
+
+
+def test_packed_strips_give_rows_the_same_numbers_in_any_batch():
+    """With the default model's products packed in strips (the strip route at every row count, where
+    the CPU has AVX-512 VNNI), a decode row's logits are bit-equal alone, beside another decode and
+    a prompt chunk, and inside 72 rows of one class, which on row layouts take another route."""
+    import torch
+
+    from cext import cpu
+
+    if "avx512_vnni" not in cpu.features():
+        pytest.skip("CPU lacks AVX-512 VNNI: Q4/Q8 layers keep their row layouts")
+    model = load_model(default_model_path())
+    assert model.head_proj.is_packed_strips and model.layers[0].gate_up_proj.is_packed_strips
+    tables = [[0, 1, 2], [3, 4, 5]]
+
+    def run(extra):
+        cache = model.make_kv_cache(16, 16)
+        model.forward(_batch([(list(range(1000, 1030)), 0, tables[0]), (list(range(2000, 2030)), 0, tables[1])]), cache)
+        return model.forward(_batch([([1030], 30, tables[0])] + extra), cache)
+
+    alone = run([])
+    neighbours = [([2030], 30, tables[1]), (list(range(3000, 3010)), 0, [6])]
+    beside = run(neighbours)
+    merged = run(neighbours + [(list(range(4000, 4060)), 0, [9, 10, 11, 12])])
+    assert torch.equal(beside[:1], alone) and torch.equal(merged[:1], alone)
 
 
 def test_decode_rows_bit_equal_as_verification_and_beside_embedding_rows(quantized_model):

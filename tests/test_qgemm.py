@@ -331,6 +331,9 @@ STRIP_ROUTES = ("amx_int", "strip")  # outputs in strips of 16
 
 
 def _weights(kind: str, w: torch.Tensor):
+    if kind == "int8_half":  # fp16 scales, as a Q8_0 file gives
+        weight = Int8Weight.from_dense(w)
+        return Int8Weight(weight.q, weight.scales.half().float())
     if kind == "int4":
         return Int4Weight.from_dense(w)
     if kind == "int4_half":  # fp16 scales and mins, as Q4_0/Q4_1 files give
@@ -756,7 +759,7 @@ def test_the_default_prefetch_level_follows_the_cpu_vendor():
 
 
 # ---- QG_PACKED: Q4 rows in strips of 16 (cext/csrc/qgemm.h), read by the strip route alone ----
-PACKED_KINDS = ["int4", "int4_half", "q4_k"]
+PACKED_KINDS = ["int4", "int4_half", "q4_k", "int8", "int8_half"]
 
 
 def packed_pair(kind: str, w: torch.Tensor, bias: torch.Tensor, monkeypatch) -> tuple[Linear, Linear]:
@@ -789,7 +792,9 @@ def test_packed_strips_are_the_strip_routes_numbers(isa, threads, kind, monkeypa
                 y = packed.run(x, "strip")
                 cpu.set_isa("auto")
                 assert y.dtype == dtype and y.shape == (num_rows, 48)
-                _check(y, emulate_int4(x, _weights(kind, w), rows.half) + bias.double(), dtype)
+                weight = _weights(kind, w)
+                emulated = emulate_int8(x, weight) if kind.startswith("int8") else emulate_int4(x, weight, rows.half)
+                _check(y, emulated + bias.double(), dtype)
                 if reference is not None:
                     assert torch.equal(y, reference), (num_rows, dtype)
     finally:
@@ -812,7 +817,7 @@ def test_packed_rows_do_not_depend_on_the_batch(kind, monkeypatch):
 @pytest.mark.parametrize("kind", PACKED_KINDS)
 def test_packed_strips_dequantize_and_run_blas_like_rows(kind, monkeypatch):
     """qg_dequantize reads the strips (float32 and bfloat16, any first row) as the row layout's
-    values, so the blas route and the exact product see the same weight."""
+    values, so the blas route, the exact product and a lookup (``Linear.rows``) see the same weight."""
     w = torch.randn(48, 256, generator=torch.Generator().manual_seed(2)) * 0.05
     rows, packed = packed_pair(kind, w, torch.zeros(48), monkeypatch)
     assert torch.equal(packed.dequantize(), rows.dequantize())
@@ -822,6 +827,10 @@ def test_packed_strips_dequantize_and_run_blas_like_rows(kind, monkeypatch):
     assert torch.equal(out, rows.dequantize(11, 31).bfloat16())
     x = torch.randn(5, 256)
     torch.testing.assert_close(packed.run(x, "blas"), rows.run(x, "blas"), atol=0, rtol=0)
+    ids = torch.tensor([[3, 47], [0, 3]])
+    assert torch.equal(packed.rows(ids, torch.float32), rows.dequantize()[ids])
+    with pytest.raises(IndexError, match="row 48"):
+        packed.rows(torch.tensor([48]), torch.float32)
 
 
 def test_packed_layers_run_the_strip_route_alone(monkeypatch):
@@ -838,19 +847,19 @@ def test_packed_layers_run_the_strip_route_alone(monkeypatch):
     assert torch.equal(part.run(x, "strip"), packed.run(x, "strip")[:, :32])
     with pytest.raises(ValueError, match="strips of 16"):
         packed.row_slice(40)
-    for layout in (packed.layout | qgemm.ROUTE_INT, linear_module.Q8 | qgemm.PACKED):
+    for layout in (packed.layout | qgemm.ROUTE_INT, linear_module.Q5 | qgemm.PACKED):
         y = torch.empty(3, 64)
         with pytest.raises(ValueError, match="PACKED"):
             qgemm.matmul(layout, x.data_ptr(), 128, 3, 128, packed._rows.data_ptr(), 0, 64, 0, y.data_ptr(), 64, 0)
     with pytest.raises(ValueError, match="PACKED"):  # 48 outputs are 3 strips; 40 are not
         qgemm.matmul(packed.layout, x.data_ptr(), 128, 3, 128, packed._rows.data_ptr(), 0, 40, 0, y.data_ptr(), 64, 0)
-    assert qgemm.packed_strip_bytes(linear_module.Q8, 128) == 0
+    assert qgemm.packed_strip_bytes(linear_module.Q5, 128) == 0
     with pytest.raises(ValueError):  # rows not in strips of 16
-        qgemm.pack(Linear(_weights("int4", w)).layout, 0, 40, 128, 0)
+        qgemm.pack(Linear(_weights("int4", w)).layout, 0, 0, 40, 128, 0)
 
 
 def test_which_layers_are_packed(monkeypatch):
-    """Linear packs a Q4 layer where the CPU has AVX-512 VNNI, unless its outputs are not a multiple
+    """Linear packs a Q4 or Q8 layer where the CPU has AVX-512 VNNI, unless its outputs are not a multiple
     of 16, its products are exact, or ENGINE_PACKED=0 / ENGINE_STRIP=0 says not to."""
     w = torch.randn(48, 128, generator=torch.Generator().manual_seed(3)) * 0.05
     monkeypatch.setenv("ENGINE_PACKED", "1")
@@ -859,7 +868,8 @@ def test_which_layers_are_packed(monkeypatch):
     assert Linear(_weights("q4_k", torch.randn(32, 256))).is_packed_strips == vnni
     assert not Linear(_weights("int4", w[:40])).is_packed_strips
     assert not Linear(_weights("int4", w), exact=True).is_packed_strips
-    assert not Linear(_weights("int8", w)).is_packed_strips  # Q4 only
+    assert Linear(_weights("int8", w)).is_packed_strips == vnni
+    assert not Linear(_weights("int5", w)).is_packed_strips  # Q4 and Q8 only
     for switch in ("ENGINE_PACKED", "ENGINE_STRIP"):
         monkeypatch.setenv(switch, "0")
         assert not Linear(_weights("int4", w)).is_packed_strips

@@ -41,7 +41,7 @@
  *   2i + 1 element 16 + i, so 16-bit word i holds both (sign-extending shifts give two runs
  *   of 16). K: a multiple of 32.
  *
- * - QG_PACKED (with QG_Q4, any of its scale modes): the same codes, scales and mins, stored in
+ * - QG_PACKED (with QG_Q4, any of its scale modes, or QG_Q8): the same codes, scales and mins, stored in
  *   strips of 16 rows for the strip route (qgemm_strip.h reads them with no decode pass): N a
  *   multiple of 16, strip s (rows 16s .. 16s + 15) at s * qg_packed_strip_bytes(layout, K).
  *   A strip holds per block b 256 bytes of codes, four 64-byte vectors v = 0..3 for inputs
@@ -51,8 +51,12 @@
  *   blocks' codes come the scales, then the mins: [nb][16] float32 or fp16 (QG_HALF) per row
  *   of the strip, or with QG_SUPER per group g of 8 blocks an fp16 factor per row [16] and the
  *   8 blocks' uint8 multipliers [8][16] (d = f * q, exact). 384 bytes per block and strip
- *   (float32), 320 (fp16), 296 (QG_SUPER): a row's bytes as in its row layout. qg_pack makes it
- *   from the row layout; only the strip route (and qg_dequantize) reads it.
+ *   (float32), 320 (fp16), 296 (QG_SUPER): a row's bytes as in its row layout. With QG_Q8 the
+ *   same with a byte per code: per block eight 64-byte vectors u = 0..7 for inputs 4u .. 4u + 3,
+ *   bytes 0, 2, 1, 3 of lane j holding inputs 4u, 4u + 1, 4u + 2, 4u + 3 of row 16s + j (so two
+ *   sign-extending shifts give the pairs (4u, 4u + 1) and (4u + 2, 4u + 3)), then the scales
+ *   [nb][16] (float32 or fp16), no mins: 544 or 576 bytes per block and strip. qg_pack makes
+ *   both from the row layouts; only the strip route (and qg_dequantize) reads them.
  *
  * x and y are float32 or bfloat16 (DT_FLOAT32 / DT_BFLOAT16, dtype.h), row-major with row
  * strides in elements; bias is float32 [N] or NULL.
@@ -81,7 +85,7 @@ enum { QG_Q4 = 0, QG_Q5 = 1, QG_Q8 = 2 };
  * integer route runs (the same integers). */
 #define QG_ROUTE_STRIP 256
 #define QG_ROUTE_MASK (QG_ROUTE_INT | QG_ROUTE_FLOAT | QG_ROUTE_AMX | QG_ROUTE_STRIP)
-/* Q4 rows in strips of 16 (the layout above): with no route or QG_ROUTE_STRIP only (else
+/* Q4 or Q8 rows in strips of 16 (the layout above): with no route or QG_ROUTE_STRIP only (else
  * QG_BAD_LAYOUT); N a multiple of 16. Without AVX-512 VNNI (or with the switch below AVX-512) a
  * portable kernel computes the same numbers, bit for bit. */
 #define QG_PACKED 512
@@ -95,12 +99,12 @@ int qg_matmul(int layout, const void *x, int64_t x_stride, int64_t num_rows, int
               const void *w, const void *scales, int64_t num_out, const float *bias,
               void *y, int64_t y_stride, int dtype);
 
-/* Bytes of one strip of 16 rows of a QG_PACKED layout with K inputs (0: not a packed Q4 layout). */
+/* Bytes of one strip of 16 rows of a QG_PACKED layout with K inputs (0: no packed form). */
 int64_t qg_packed_strip_bytes(int layout, int64_t num_cols);
 
-/* Q4 rows in their row layout (`layout` without QG_PACKED) [N, row bytes] -> the QG_PACKED strips at
- * out (N / 16 * qg_packed_strip_bytes). N a multiple of 16. */
-int qg_pack(int layout, const uint8_t *rows, int64_t num_rows, int64_t num_cols, uint8_t *out);
+/* Q4 or Q8 rows in their row layout (`layout` without QG_PACKED; Q8: codes [N, K] and scales) -> the
+ * QG_PACKED strips at out (N / 16 * qg_packed_strip_bytes). N a multiple of 16. */
+int qg_pack(int layout, const void *rows, const void *scales, int64_t num_rows, int64_t num_cols, uint8_t *out);
 
 /* Rows first .. first + count - 1 of W -> out [count, K] in out_dtype (float32 or bfloat16). */
 int qg_dequantize(int layout, const void *w, const void *scales, int64_t first, int64_t count,

@@ -226,22 +226,26 @@ class Linear:
             half = scales.dtype == torch.float16 or is_half_exact_tensor(scales)
             self._scales = (scales.half() if half else scales.float()).contiguous()  # [N, K/32]
             self.layout = _layout(Q8, half)
+            if should_pack(self):
+                self._pack()
         else:
             raise TypeError(f"unsupported weight type {type(weight).__name__}")
         if dense_above_rows is not None:
             self.dense = DenseLinear(weight.dequantize(), self.bias, pack)
 
     def _pack(self) -> None:
-        """The Q4 rows -> strips of 16 rows (qgemm.h's QG_PACKED): every product of this layer then
-        runs the strip route (or dequantizes), whatever its row count."""
+        """The Q4 or Q8 rows -> strips of 16 rows (qgemm.h's QG_PACKED): every product of this layer
+        then runs the strip route (or dequantizes), whatever its row count."""
         strip_bytes = qgemm.packed_strip_bytes(self.layout, self.in_features)
         packed = torch.empty(self.out_features // 16, strip_bytes, dtype=torch.uint8)
-        qgemm.pack(self.layout, self._rows.data_ptr(), self.out_features, self.in_features, packed.data_ptr())
-        self._rows, self.layout = packed, self.layout | PACKED
+        scales = 0 if self._scales is None else self._scales.data_ptr()
+        qgemm.pack(self.layout, self._rows.data_ptr(), scales, self.out_features, self.in_features,
+                   packed.data_ptr())
+        self._rows, self._scales, self.layout = packed, None, self.layout | PACKED
 
     @property
     def is_packed_strips(self) -> bool:
-        """Whether the Q4 rows are stored in strips of 16 (only strip, blas and amx can run them)."""
+        """Whether the rows are stored in strips of 16 (only strip, blas and amx can run them)."""
         return self.layout is not None and bool(self.layout & PACKED)
 
     @property
@@ -289,6 +293,17 @@ class Linear:
         qgemm.dequantize(self.layout, self._rows.data_ptr(), scales, first_row, end_row - first_row,
                          self.in_features, out.data_ptr())
         return out
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """ids [...] -> the dequantized weight rows [..., K] in dtype (a lookup: an embedding that
+        shares this layer's codes)."""
+        flat = ids.reshape(-1).tolist()
+        out = torch.empty(len(flat), self.in_features, dtype=torch.float32)
+        for k, row in enumerate(flat):
+            if not 0 <= row < self.out_features:
+                raise IndexError(f"row {row} of a weight with {self.out_features} rows")
+            self._dequantize_into(row, row + 1, out[k:k + 1])
+        return out.reshape(*ids.shape, self.in_features).to(dtype)
 
     def _dequantized_slice(self, first_row: int, end_row: int) -> torch.Tensor:
         """The rows dequantized, in this thread's scratch when the kernels' layout allows (valid
@@ -463,7 +478,7 @@ class Linear:
 
 
 def should_pack(layer: Linear) -> bool:
-    """Whether a Q4 layer's rows go into strips of 16 (``Linear._pack``): its outputs are a multiple of
+    """Whether a Q4 or Q8 layer's rows go into strips of 16 (``Linear._pack``): its outputs are a multiple of
     16, its products are not ``exact``, the CPU has AVX-512 VNNI and neither ``ENGINE_STRIP=0`` nor
     ``ENGINE_PACKED=0`` is set. The strip route then serves every row count: one activation row at
     the rate the caches give (1.5-1.9x int16's on Zen 4, benchmarks/qgemm_rows.py), and a decode

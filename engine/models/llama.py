@@ -31,7 +31,7 @@ from engine.models.config import ModelConfig
 from engine.models.families import hf_layer_name
 from engine.models.linear import Linear, row_routes
 from engine.models.moe import MixtureOfExperts
-from engine.models.quant import Int8Weight, Weight, cat_rows
+from engine.models.quant import Int8Weight, StripRows, Weight, cat_rows
 from engine.models.rope import RotaryTable, apply_rope
 
 log = logging.getLogger("engine")
@@ -265,6 +265,12 @@ class LlamaModel(nn.Module):
         self.head_int8 = head if isinstance(head, Int8Weight) else None
         self.head_proj = Linear(self.head_int8 or self.lm_head, None, pack_weights, keep_dense=True,
                                 exact=exact_products)
+        if self.head_int8 is not None and self.head_proj.is_packed_strips:
+            # the product's strips hold the codes: lookups read them there (one copy of a tied head)
+            rows = StripRows(self.head_proj, self.head_int8)
+            if self.embed_rows is self.head_int8:
+                self.embed_rows = rows
+            self.head_int8 = rows
         self.rope = RotaryTable(config, self.dtype, rope_freq_factors)
         # Gemma 3's sliding layers rotate with a base of their own (and no scaling).
         self.local_rope = None if config.rope_local_theta is None else RotaryTable(

@@ -346,6 +346,23 @@ class Int8Weight:
 Weight = torch.Tensor | Int4Weight | Int5Weight | Int8Weight
 
 
+class StripRows:
+    """An Int8Weight's lookups (``rows``) served by the Linear that packed its codes into strips
+    (engine.models.linear), so the model keeps one copy of a tied head and embedding: the exact
+    source rows when the weight has them (a re-quantized file tensor), else the strips' values."""
+
+    __slots__ = ("layer", "exact_rows", "is_exact", "shape")
+
+    def __init__(self, layer, weight: Int8Weight):
+        self.layer = layer
+        self.exact_rows, self.is_exact, self.shape = weight.exact_rows, weight.is_exact, weight.shape
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if self.exact_rows is not None and not self.is_exact:
+            return self.exact_rows.rows(ids, dtype)
+        return self.layer.rows(ids, dtype)
+
+
 def cat_rows(parts: list[Weight]) -> Weight:
     """Concatenate weights along the output rows (fused QKV, gate/up). Parts of one format stay
     in it; int4 beside int5 becomes int5 (exact), int5 (Q5_0) beside int8 (a Q8_0 V beside Q5_0
