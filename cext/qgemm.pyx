@@ -3,7 +3,7 @@ instruction set and thread pool; W in one of the layouts of cext/csrc/qgemm.h (b
 engine.models.quant), named by ``layout`` = Q4, Q5 or Q8, plus HALF (fp16 scales), SUPER (Q4 scales as
 Q4_K stores them: uint8 multiples of an fp16 factor per 256 inputs) and NO_MINS (Q5 rows without mins), and for matmul optionally the route: ROUTE_INT (int16 activation codes)
 or ROUTE_FLOAT (float32 FMAs over decoded weights; AVX2 and up) or ROUTE_AMX (the integer route's sums on AMX-INT8 tiles) or ROUTE_STRIP (the integer route's sums with
-AVX-512 VNNI, 16 outputs per vector; N a multiple of 16). PACKED: Q4 or Q8 rows stored in strips of 16 for
+AVX-512 VNNI, 16 outputs per vector; N a multiple of 16). PACKED: Q4, Q5 or Q8 rows stored in strips of 16 for
 the strip route (``pack`` makes them; matmul with no route or ROUTE_STRIP, and dequantize).
 
 Arguments are raw addresses (``tensor.data_ptr()``) and sizes; the caller
@@ -39,8 +39,8 @@ BFLOAT16 = DT_BFLOAT16
 _ERRORS = {
     QG_BAD_LENGTH: "K (num_cols) must be a multiple of 32 (Q8), of 64 (Q4, Q5) or of 256 (SUPER)",
     QG_BAD_LAYOUT: "unknown layout (or SUPER on a layout other than Q4 without HALF, or ROUTE_AMX / ROUTE_STRIP "
-                   "with num_out not a multiple of 16, or ROUTE_AMX without AMX-INT8, or PACKED with Q5, a route "
-                   "other than ROUTE_STRIP or a row count not a multiple of 16)",
+                   "with num_out not a multiple of 16, or ROUTE_AMX without AMX-INT8, or PACKED with a route other "
+                   "than ROUTE_STRIP or a row count not a multiple of 16)",
 }
 
 
@@ -91,7 +91,7 @@ def packed_strip_bytes(int layout, int64_t num_cols) -> int:
 
 
 def pack(int layout, intptr_t rows, intptr_t scales, int64_t num_rows, int64_t num_cols, intptr_t out):
-    """Q4 or Q8 rows in ``layout`` (without PACKED; Q8: the codes and their scales) -> their PACKED
+    """Q4, Q5 or Q8 rows in ``layout`` (without PACKED; Q8: the codes and their scales) -> their PACKED
     strips at out (num_rows / 16 x packed_strip_bytes(layout, num_cols) bytes); num_rows a multiple of 16."""
     cdef int rc
     with nogil:

@@ -331,6 +331,8 @@ STRIP_ROUTES = ("amx_int", "strip")  # outputs in strips of 16
 
 
 def _weights(kind: str, w: torch.Tensor):
+    if kind == "int5_0":  # Q5_0: rows without mins
+        return random_int5(torch.Generator().manual_seed(5), w.shape[0], w.shape[1], half=True, is_q5_0=True)
     if kind == "int8_half":  # fp16 scales, as a Q8_0 file gives
         weight = Int8Weight.from_dense(w)
         return Int8Weight(weight.q, weight.scales.half().float())
@@ -759,7 +761,7 @@ def test_the_default_prefetch_level_follows_the_cpu_vendor():
 
 
 # ---- QG_PACKED: Q4 rows in strips of 16 (cext/csrc/qgemm.h), read by the strip route alone ----
-PACKED_KINDS = ["int4", "int4_half", "q4_k", "int8", "int8_half"]
+PACKED_KINDS = ["int4", "int4_half", "q4_k", "int5", "int5_0", "int8", "int8_half"]
 
 
 def packed_pair(kind: str, w: torch.Tensor, bias: torch.Tensor, monkeypatch) -> tuple[Linear, Linear]:
@@ -847,19 +849,19 @@ def test_packed_layers_run_the_strip_route_alone(monkeypatch):
     assert torch.equal(part.run(x, "strip"), packed.run(x, "strip")[:, :32])
     with pytest.raises(ValueError, match="strips of 16"):
         packed.row_slice(40)
-    for layout in (packed.layout | qgemm.ROUTE_INT, linear_module.Q5 | qgemm.PACKED):
+    for layout in (packed.layout | qgemm.ROUTE_INT, packed.layout | qgemm.ROUTE_FLOAT):
         y = torch.empty(3, 64)
         with pytest.raises(ValueError, match="PACKED"):
             qgemm.matmul(layout, x.data_ptr(), 128, 3, 128, packed._rows.data_ptr(), 0, 64, 0, y.data_ptr(), 64, 0)
     with pytest.raises(ValueError, match="PACKED"):  # 48 outputs are 3 strips; 40 are not
         qgemm.matmul(packed.layout, x.data_ptr(), 128, 3, 128, packed._rows.data_ptr(), 0, 40, 0, y.data_ptr(), 64, 0)
-    assert qgemm.packed_strip_bytes(linear_module.Q5, 128) == 0
+    assert qgemm.packed_strip_bytes(linear_module.Q4 | linear_module.SUPER, 128) == 0  # K not in 256s
     with pytest.raises(ValueError):  # rows not in strips of 16
         qgemm.pack(Linear(_weights("int4", w)).layout, 0, 0, 40, 128, 0)
 
 
 def test_which_layers_are_packed(monkeypatch):
-    """Linear packs a Q4 or Q8 layer where the CPU has AVX-512 VNNI, unless its outputs are not a multiple
+    """Linear packs a quantized layer (Q4, Q5, Q8) where the CPU has AVX-512 VNNI, unless its outputs are not a multiple
     of 16, its products are exact, or ENGINE_PACKED=0 / ENGINE_STRIP=0 says not to."""
     w = torch.randn(48, 128, generator=torch.Generator().manual_seed(3)) * 0.05
     monkeypatch.setenv("ENGINE_PACKED", "1")
@@ -869,7 +871,7 @@ def test_which_layers_are_packed(monkeypatch):
     assert not Linear(_weights("int4", w[:40])).is_packed_strips
     assert not Linear(_weights("int4", w), exact=True).is_packed_strips
     assert Linear(_weights("int8", w)).is_packed_strips == vnni
-    assert not Linear(_weights("int5", w)).is_packed_strips  # Q4 and Q8 only
+    assert Linear(_weights("int5_0", w)).is_packed_strips == vnni
     for switch in ("ENGINE_PACKED", "ENGINE_STRIP"):
         monkeypatch.setenv(switch, "0")
         assert not Linear(_weights("int4", w)).is_packed_strips

@@ -36,7 +36,7 @@ typedef struct {
     const float *bias;
     void *y; int64_t y_stride; int dtype;
     int64_t num_out;
-    int packed;  /* QG_PACKED: a->blocks holds strips of 16 rows; PACKED_Q4 or PACKED_Q8 */
+    int packed;  /* QG_PACKED: a->blocks holds strips of 16 rows; PACKED_Q4, PACKED_Q5 or PACKED_Q8 */
 } QArgs;
 
 static inline void store_out(const QArgs *a, int64_t row, int64_t col, float v) {
@@ -199,31 +199,47 @@ static void q8_range_scalar(const void *p, int64_t n0, int64_t n1, float *scratc
     }
 }
 
-/* ---- QG_PACKED: Q4 and Q8 rows in strips of 16 (qgemm.h) ---- */
-enum { PACKED_Q4 = 1, PACKED_Q8 = 2 };
+/* ---- QG_PACKED: Q4, Q5 and Q8 rows in strips of 16 (qgemm.h) ---- */
+enum { PACKED_Q4 = 1, PACKED_Q8 = 2, PACKED_Q5 = 3 };
 
-/* A strip's bytes of codes per block: 16 rows x 32 nibbles or bytes. */
-static inline int64_t packed_code_bytes(int packed) { return packed == PACKED_Q8 ? 512 : 256; }
+/* A strip's bytes of codes per block: 16 rows x 32 nibbles (and Q5's 16 sign masks) or bytes. */
+static inline int64_t packed_code_bytes(int packed) { return packed == PACKED_Q8 ? 512 : packed == PACKED_Q5 ? 320 : 256; }
+
+/* Whether a packed strip holds mins after its scales (Q4, and Q5 with mins). */
+static inline int packed_mins(int packed, int has_mins) { return packed != PACKED_Q8 && has_mins; }
 
 /* A strip's bytes of scales (and again of mins, Q4). */
 static inline int64_t packed_scale_bytes(int64_t nb, int half) {
     return half == QG_SCALES_SUPER ? nb / 8 * 160 : nb * 16 * (half ? 2 : 4);
 }
 
-static inline int64_t packed_strip_bytes(int packed, int64_t nb, int half) {
-    return nb * packed_code_bytes(packed) + (packed == PACKED_Q8 ? 1 : 2) * packed_scale_bytes(nb, half);
+static inline int64_t packed_strip_bytes(int packed, int64_t nb, int half, int has_mins) {
+    return nb * packed_code_bytes(packed) + (1 + packed_mins(packed, has_mins)) * packed_scale_bytes(nb, half);
+}
+
+/* Where Q5's sign bit of input e of row j sits in block b's masks (byte, and bit within it): mask
+ * 4v + t (a little-endian uint32 after the nibbles) has bit 2j for input 8v + 2t, 2j + 1 for 8v + 2t + 1. */
+static inline int64_t packed_sign_at(int64_t b, int j, int e, int *bit) {
+    const int k = e % 8, index = 2 * j + k % 2;
+    *bit = index % 8;
+    return b * 320 + 256 + 4 * (4 * (e / 8) + k / 2) + index / 8;
 }
 
 /* Input e (0..31) of block b of row j (0..15) of a strip: Q4 nibble t of vector e / 8 holds 8v + 2t,
- * nibble t + 4 holds 8v + 2t + 1; Q8 byte 0, 2, 1, 3 of vector e / 4 holds 4u, 4u + 1, 4u + 2, 4u + 3. */
+ * nibble t + 4 holds 8v + 2t + 1 (Q5: its low 4 bits, minus 16 where its sign bit is set); Q8 byte 0,
+ * 2, 1, 3 of vector e / 4 holds 4u, 4u + 1, 4u + 2, 4u + 3. */
 static inline int packed_code(int packed, const uint8_t *strip, int64_t b, int j, int e) {
     if (packed == PACKED_Q8) {
         const int k = e % 4;
         return (int8_t)strip[b * 512 + (e / 4) * 64 + 4 * j + ((k & 1) << 1) + (k >> 1)];
     }
     const int k = e % 8, nibble = k / 2 + 4 * (k % 2);
-    const uint8_t *u = strip + b * 256 + (e / 8) * 64 + 4 * j;
-    return (u[nibble / 2] >> (4 * (nibble % 2))) & 0x0F;
+    const uint8_t *u = strip + b * packed_code_bytes(packed) + (e / 8) * 64 + 4 * j;
+    const int low = (u[nibble / 2] >> (4 * (nibble % 2))) & 0x0F;
+    if (packed != PACKED_Q5) return low;
+    int bit;
+    const int64_t at = packed_sign_at(b, j, e, &bit);
+    return (strip[at] >> bit) & 1 ? low - 16 : low;
 }
 
 /* Where the byte of packed_code's value sits in its strip (qg_pack writes it there). */
@@ -235,7 +251,7 @@ static inline int64_t packed_code_at(int packed, int64_t b, int j, int e, int *s
     }
     const int k = e % 8, nibble = k / 2 + 4 * (k % 2);
     *shift = 4 * (nibble % 2);
-    return b * 256 + (e / 8) * 64 + 4 * j + nibble / 2;
+    return b * packed_code_bytes(packed) + (e / 8) * 64 + 4 * j + nibble / 2;
 }
 
 /* Block b's scale (which = 0) or min (which = 1) of row j of a strip. */
@@ -264,9 +280,9 @@ static void packed_range_scalar(const void *p, int64_t s0, int64_t s1, float *sc
     (void)scratch;
     const QArgs *a = (const QArgs *)p;
     const int64_t K = a->num_cols, nb = K / QK_BLOCK;
-    const int packed = a->packed, mins = packed == PACKED_Q4 && a->has_mins;
+    const int packed = a->packed, mins = packed_mins(packed, a->has_mins);
     for (int64_t s = s0; s < s1; s++) {
-        const uint8_t *strip = a->blocks + s * packed_strip_bytes(packed, nb, a->half);
+        const uint8_t *strip = a->blocks + s * packed_strip_bytes(packed, nb, a->half, a->has_mins);
         for (int j = 0; j < 16; j++) {
             const int64_t n = s * 16 + j;
             const float bias = a->bias ? a->bias[n] : 0.0f;
@@ -292,15 +308,15 @@ static void dequantize_packed(int packed, const uint8_t *w, int half, int has_mi
                               int64_t num_cols, void *out, int out_dtype) {
     const int64_t nb = num_cols / QK_BLOCK;
     for (int64_t n = first; n < first + count; n++) {
-        const uint8_t *strip = w + (n / 16) * packed_strip_bytes(packed, nb, half);
+        const uint8_t *strip = w + (n / 16) * packed_strip_bytes(packed, nb, half, has_mins);
         const int j = (int)(n % 16);
         for (int64_t b = 0; b < nb; b++) {
             const float d = packed_scale(packed, strip, nb, b, j, half, 0);
-            const float m = packed == PACKED_Q4 && has_mins ? packed_scale(packed, strip, nb, b, j, half, 1) : 0.0f;
+            const float m = packed_mins(packed, has_mins) ? packed_scale(packed, strip, nb, b, j, half, 1) : 0.0f;
             for (int e = 0; e < QK_BLOCK; e++) {
                 const float v = d * (float)packed_code(packed, strip, b, j, e);
                 const int64_t at = (n - first) * num_cols + b * QK_BLOCK + e;
-                const float value = packed == PACKED_Q4 ? v + m : v;
+                const float value = packed == PACKED_Q8 ? v : v + m;  /* as the row layouts dequantize */
                 if (out_dtype == DT_FLOAT32) ((float *)out)[at] = value;
                 else ((uint16_t *)out)[at] = dt_f32_to_bf16(value);
             }
@@ -520,10 +536,11 @@ int qg_matmul(int layout, const void *x, int64_t x_stride, int64_t num_rows, int
     }
     if (format != QG_Q4 && format != QG_Q5) return QG_BAD_LAYOUT;
     const int packed = (layout & QG_PACKED) != 0;
-    if (packed && (format != QG_Q4 || (layout & QG_ROUTE_MASK & ~QG_ROUTE_STRIP) || num_out % 16 != 0))
+    if (packed && ((layout & QG_ROUTE_MASK & ~QG_ROUTE_STRIP) || num_out % 16 != 0))
         return QG_BAD_LAYOUT;
     QArgs a = {NULL, NULL, NULL, NULL, num_rows, num_cols, (const uint8_t *)w, half, format == QG_Q5,
-               !(layout & QG_NO_MINS), NULL, NULL, bias, y, y_stride, dtype, num_out, packed ? PACKED_Q4 : 0};
+               !(layout & QG_NO_MINS), NULL, NULL, bias, y, y_stride, dtype, num_out,
+               packed ? (format == QG_Q5 ? PACKED_Q5 : PACKED_Q4) : 0};
     return run(&a, x, x_stride, 1, layout & QG_ROUTE_MASK);
 }
 
@@ -537,9 +554,8 @@ int qg_dequantize(int layout, const void *w, const void *scales, int64_t first, 
     const int64_t nb = num_cols / QK_BLOCK;
     const int high = format == QG_Q5, has_mins = !(layout & QG_NO_MINS);
     if (layout & QG_PACKED) {
-        if (format == QG_Q5) return QG_BAD_LAYOUT;
-        dequantize_packed(format == QG_Q8 ? PACKED_Q8 : PACKED_Q4, (const uint8_t *)w, half, has_mins, first, count,
-                          num_cols, out, out_dtype);
+        dequantize_packed(format == QG_Q8 ? PACKED_Q8 : format == QG_Q5 ? PACKED_Q5 : PACKED_Q4, (const uint8_t *)w,
+                          half, has_mins, first, count, num_cols, out, out_dtype);
         return QG_OK;
     }
 #ifdef QG_HAVE_X86
@@ -578,19 +594,20 @@ int qg_dequantize(int layout, const void *w, const void *scales, int64_t first, 
 }
 
 int64_t qg_packed_strip_bytes(int layout, int64_t num_cols) {
-    const int format = layout & QG_FORMAT_MASK;
+    const int format = layout & QG_FORMAT_MASK, has_mins = !(layout & QG_NO_MINS);
     if (format == QG_Q8) {
         if ((layout & QG_SUPER) || num_cols <= 0 || num_cols % QK_BLOCK != 0) return 0;
-        return packed_strip_bytes(PACKED_Q8, num_cols / QK_BLOCK, layout_scales(layout));
+        return packed_strip_bytes(PACKED_Q8, num_cols / QK_BLOCK, layout_scales(layout), 0);
     }
-    if (format != QG_Q4 || num_cols <= 0 || num_cols % (2 * QK_BLOCK) != 0) return 0;
-    if ((layout & QG_SUPER) && ((layout & QG_HALF) || num_cols % (8 * QK_BLOCK) != 0)) return 0;
-    return packed_strip_bytes(PACKED_Q4, num_cols / QK_BLOCK, layout_scales(layout));
+    if ((format != QG_Q4 && format != QG_Q5) || num_cols <= 0 || num_cols % (2 * QK_BLOCK) != 0) return 0;
+    if ((layout & QG_SUPER) && (format != QG_Q4 || (layout & QG_HALF) || num_cols % (8 * QK_BLOCK) != 0)) return 0;
+    return packed_strip_bytes(format == QG_Q5 ? PACKED_Q5 : PACKED_Q4, num_cols / QK_BLOCK, layout_scales(layout),
+                              has_mins);
 }
 
 int qg_pack(int layout, const void *rows, const void *scales, int64_t num_rows, int64_t num_cols, uint8_t *out) {
-    const int half = layout_scales(layout), has_mins = !(layout & QG_NO_MINS);
-    const int packed = (layout & QG_FORMAT_MASK) == QG_Q8 ? PACKED_Q8 : PACKED_Q4;
+    const int format = layout & QG_FORMAT_MASK, half = layout_scales(layout), has_mins = !(layout & QG_NO_MINS);
+    const int packed = format == QG_Q8 ? PACKED_Q8 : format == QG_Q5 ? PACKED_Q5 : PACKED_Q4;
     const int64_t strip_bytes = qg_packed_strip_bytes(layout & ~QG_PACKED, num_cols);
     if (strip_bytes == 0) {
         const int64_t multiple = (packed == PACKED_Q8 ? 1 : 2) * QK_BLOCK;
@@ -598,7 +615,8 @@ int qg_pack(int layout, const void *rows, const void *scales, int64_t num_rows, 
     }
     if (num_rows % 16 != 0) return QG_BAD_LAYOUT;
     const int64_t nb = num_cols / QK_BLOCK, scale_bytes = packed_scale_bytes(nb, half);
-    const int64_t row_bytes = packed == PACKED_Q8 ? num_cols : q4_row_bytes(nb, half, 0, has_mins);
+    const int high = packed == PACKED_Q5;
+    const int64_t row_bytes = packed == PACKED_Q8 ? num_cols : q4_row_bytes(nb, half, high, has_mins);
     for (int64_t s = 0; s < num_rows / 16; s++) {
         uint8_t *strip = out + s * strip_bytes;
         memset(strip, 0, (size_t)strip_bytes);
@@ -610,14 +628,19 @@ int qg_pack(int layout, const void *rows, const void *scales, int64_t num_rows, 
                 for (int e = 0; e < QK_BLOCK; e++) {
                     int shift;
                     const int64_t at = packed_code_at(packed, b, j, e, &shift);
-                    if (packed == PACKED_Q8)
+                    if (packed == PACKED_Q8) {
                         strip[at] = (uint8_t)q8_code((const int8_t *)codes + b * QK_BLOCK, e);
-                    else
-                        strip[at] |= (uint8_t)(q4_code(codes + (b / 2) * 32, (int)(b % 2) * QK_BLOCK + e) << shift);
+                        continue;
+                    }
+                    const int code = q45_code(codes + (b / 2) * q4_pair_bytes(high), (int)(b % 2) * QK_BLOCK + e, high);
+                    strip[at] |= (uint8_t)((code & 0x0F) << shift);
+                    if (code < 0) {  /* Q5: -16 .. -1 are their low 4 bits minus 16 */
+                        int bit;
+                        strip[packed_sign_at(b, j, e, &bit)] |= (uint8_t)(1 << bit);
+                    }
                 }
             }
-            const int num_scales = packed == PACKED_Q8 ? 1 : 1 + has_mins;
-            for (int which = 0; which < num_scales; which++) {
+            for (int which = 0; which < 1 + packed_mins(packed, has_mins); which++) {
                 const uint8_t *src = packed == PACKED_Q8 ? (const uint8_t *)scales + n * nb * (half ? 2 : 4)
                                                          : row + which * q4_scale_bytes(nb, half);
                 uint8_t *dst = strip + nb * packed_code_bytes(packed) + which * scale_bytes;

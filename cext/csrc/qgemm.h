@@ -41,7 +41,7 @@
  *   2i + 1 element 16 + i, so 16-bit word i holds both (sign-extending shifts give two runs
  *   of 16). K: a multiple of 32.
  *
- * - QG_PACKED (with QG_Q4, any of its scale modes, or QG_Q8): the same codes, scales and mins, stored in
+ * - QG_PACKED (with QG_Q4 in any of its scale modes, QG_Q5 or QG_Q8): the same codes, scales and mins, stored in
  *   strips of 16 rows for the strip route (qgemm_strip.h reads them with no decode pass): N a
  *   multiple of 16, strip s (rows 16s .. 16s + 15) at s * qg_packed_strip_bytes(layout, K).
  *   A strip holds per block b 256 bytes of codes, four 64-byte vectors v = 0..3 for inputs
@@ -55,8 +55,13 @@
  *   same with a byte per code: per block eight 64-byte vectors u = 0..7 for inputs 4u .. 4u + 3,
  *   bytes 0, 2, 1, 3 of lane j holding inputs 4u, 4u + 1, 4u + 2, 4u + 3 of row 16s + j (so two
  *   sign-extending shifts give the pairs (4u, 4u + 1) and (4u + 2, 4u + 3)), then the scales
- *   [nb][16] (float32 or fp16), no mins: 544 or 576 bytes per block and strip. qg_pack makes
- *   both from the row layouts; only the strip route (and qg_dequantize) reads them.
+ *   [nb][16] (float32 or fp16), no mins: 544 or 576 bytes per block and strip. With QG_Q5 (its
+ *   signed codes c in -16..15): Q4's four vectors of nibbles hold c's low 4 bits, and 64 bytes
+ *   after them sixteen sign masks, little-endian uint32 4v + t with bit 2j set where input
+ *   8v + 2t of row j is negative and bit 2j + 1 for input 8v + 2t + 1 (a masked subtract of 16
+ *   gives c); then scales and, without QG_NO_MINS, mins as Q4's: 352-448 bytes per block and
+ *   strip, a row's bytes as in its row layout. qg_pack makes all three from the row layouts;
+ *   only the strip route (and qg_dequantize) reads them.
  *
  * x and y are float32 or bfloat16 (DT_FLOAT32 / DT_BFLOAT16, dtype.h), row-major with row
  * strides in elements; bias is float32 [N] or NULL.
@@ -85,7 +90,7 @@ enum { QG_Q4 = 0, QG_Q5 = 1, QG_Q8 = 2 };
  * integer route runs (the same integers). */
 #define QG_ROUTE_STRIP 256
 #define QG_ROUTE_MASK (QG_ROUTE_INT | QG_ROUTE_FLOAT | QG_ROUTE_AMX | QG_ROUTE_STRIP)
-/* Q4 or Q8 rows in strips of 16 (the layout above): with no route or QG_ROUTE_STRIP only (else
+/* Rows in strips of 16 (the layout above): with no route or QG_ROUTE_STRIP only (else
  * QG_BAD_LAYOUT); N a multiple of 16. Without AVX-512 VNNI (or with the switch below AVX-512) a
  * portable kernel computes the same numbers, bit for bit. */
 #define QG_PACKED 512
@@ -102,7 +107,7 @@ int qg_matmul(int layout, const void *x, int64_t x_stride, int64_t num_rows, int
 /* Bytes of one strip of 16 rows of a QG_PACKED layout with K inputs (0: no packed form). */
 int64_t qg_packed_strip_bytes(int layout, int64_t num_cols);
 
-/* Q4 or Q8 rows in their row layout (`layout` without QG_PACKED; Q8: codes [N, K] and scales) -> the
+/* Q4, Q5 or Q8 rows in their row layout (`layout` without QG_PACKED; Q8: codes [N, K] and scales) -> the
  * QG_PACKED strips at out (N / 16 * qg_packed_strip_bytes). N a multiple of 16. */
 int qg_pack(int layout, const void *rows, const void *scales, int64_t num_rows, int64_t num_cols, uint8_t *out);
 

@@ -252,16 +252,18 @@ QG_ALWAYS_INLINE static inline __m512 packed_block_scales(const uint8_t *sc, int
 
 /* Activation rows i0 .. i0 + TR - 1 against one strip: y [i, n0 .. n0 + 15]. One row sums into
  * four integer accumulators and two rows into two each (a block's 16 vpdpwssd would otherwise
- * wait on each other), added exactly at the block's end. Q8 (Q8): eight vectors of four inputs per
- * block, bytes 0 and 2 of each lane sign-extended to a pair, then bytes 1 and 3. */
+ * wait on each other), added exactly at the block's end. FMT PACKED_Q8: eight vectors of four
+ * inputs per block, bytes 0 and 2 of each lane sign-extended to a pair, then bytes 1 and 3;
+ * PACKED_Q5: Q4's nibbles, then 16 minus the pair's sign mask (a masked subtract of 16). */
 QG_ALWAYS_INLINE static inline void packed_rows(const QArgs *a, const uint8_t *strip, int64_t n0, int64_t i0,
-                                                const int TR, const int MINS, const int Q8) {
+                                                const int TR, const int MINS, const int FMT) {
     const int64_t K = a->num_cols, nb = K / QK_BLOCK;
     const int half = a->half;
     const int NA = TR == 1 ? 4 : TR == 2 ? 2 : 1;
-    const int64_t code_bytes = Q8 ? 512 : 256;
+    const int64_t code_bytes = packed_code_bytes(FMT);
     const uint8_t *dsc = strip + nb * code_bytes, *msc = dsc + packed_scale_bytes(nb, half);
-    const int64_t strip_bytes = packed_strip_bytes(Q8 ? PACKED_Q8 : PACKED_Q4, nb, half), per_block = strip_bytes / nb;
+    const int64_t strip_bytes = packed_strip_bytes(FMT, nb, half, MINS), per_block = strip_bytes / nb;
+    const __m512i sixteen = _mm512_set1_epi16(16);
     const int l2 = qg_prefetch_level() == QG_PREFETCH_L2;
     const __m512i mask = _mm512_set1_epi32(0x000F000F);
     __m512 acc[QS_ROWS];
@@ -282,7 +284,7 @@ QG_ALWAYS_INLINE static inline void packed_rows(const QArgs *a, const uint8_t *s
         __m512i s[QS_ROWS][4];
         for (int r = 0; r < TR; r++)
             for (int k = 0; k < NA; k++) s[r][k] = _mm512_setzero_si512();
-        if (Q8) {
+        if (FMT == PACKED_Q8) {
 #pragma GCC unroll 8
             for (int u = 0; u < 8; u++) {
                 const __m512i c = _mm512_loadu_si512((const void *)(codes + 64 * u));
@@ -297,10 +299,17 @@ QG_ALWAYS_INLINE static inline void packed_rows(const QArgs *a, const uint8_t *s
         } else {
             for (int v = 0; v < 4; v++) {
                 const __m512i c = _mm512_loadu_si512((const void *)(codes + 64 * v));
-                const __m512i w0 = _mm512_and_si512(c, mask);
-                const __m512i w1 = _mm512_and_si512(_mm512_srli_epi32(c, 4), mask);
-                const __m512i w2 = _mm512_and_si512(_mm512_srli_epi32(c, 8), mask);
-                const __m512i w3 = _mm512_and_si512(_mm512_srli_epi32(c, 12), mask);
+                __m512i w0 = _mm512_and_si512(c, mask);
+                __m512i w1 = _mm512_and_si512(_mm512_srli_epi32(c, 4), mask);
+                __m512i w2 = _mm512_and_si512(_mm512_srli_epi32(c, 8), mask);
+                __m512i w3 = _mm512_and_si512(_mm512_srli_epi32(c, 12), mask);
+                if (FMT == PACKED_Q5) {
+                    const uint32_t *sign = (const uint32_t *)(codes + 256) + 4 * v;
+                    w0 = _mm512_mask_sub_epi16(w0, _cvtu32_mask32(sign[0]), w0, sixteen);
+                    w1 = _mm512_mask_sub_epi16(w1, _cvtu32_mask32(sign[1]), w1, sixteen);
+                    w2 = _mm512_mask_sub_epi16(w2, _cvtu32_mask32(sign[2]), w2, sixteen);
+                    w3 = _mm512_mask_sub_epi16(w3, _cvtu32_mask32(sign[3]), w3, sixteen);
+                }
                 const int k0 = NA == 4 ? v : 0, k1 = NA == 4 ? v : NA == 2 ? 1 : 0;
                 for (int r = 0; r < TR; r++) {
                     const int32_t *xp = x[r] + b * (QK_BLOCK / 2) + 4 * v;
@@ -324,24 +333,26 @@ QG_ALWAYS_INLINE static inline void packed_rows(const QArgs *a, const uint8_t *s
     strip_store(a, n0, i0, TR, acc);
 }
 
-static void packed_all_rows(const QArgs *a, const uint8_t *strip, int64_t n0, const int MINS, const int Q8) {
+static void packed_all_rows(const QArgs *a, const uint8_t *strip, int64_t n0, const int MINS, const int FMT) {
     const int64_t M = a->num_rows;
     int64_t i0 = 0;
-    for (; i0 + QS_ROWS <= M; i0 += QS_ROWS) packed_rows(a, strip, n0, i0, QS_ROWS, MINS, Q8);
-    if (M - i0 >= 4) { packed_rows(a, strip, n0, i0, 4, MINS, Q8); i0 += 4; }
-    if (M - i0 >= 2) { packed_rows(a, strip, n0, i0, 2, MINS, Q8); i0 += 2; }
-    if (M - i0 >= 1) packed_rows(a, strip, n0, i0, 1, MINS, Q8);
+    for (; i0 + QS_ROWS <= M; i0 += QS_ROWS) packed_rows(a, strip, n0, i0, QS_ROWS, MINS, FMT);
+    if (M - i0 >= 4) { packed_rows(a, strip, n0, i0, 4, MINS, FMT); i0 += 4; }
+    if (M - i0 >= 2) { packed_rows(a, strip, n0, i0, 2, MINS, FMT); i0 += 2; }
+    if (M - i0 >= 1) packed_rows(a, strip, n0, i0, 1, MINS, FMT);
 }
 
 /* Strips s0 .. s1 - 1 of a packed product (run_packed in qgemm.c). */
 static void packed_range_avx512(const void *p, int64_t s0, int64_t s1, float *scratch) {
     (void)scratch;
     const QArgs *a = (const QArgs *)p;
-    const int64_t strip_bytes = packed_strip_bytes(a->packed, a->num_cols / QK_BLOCK, a->half);
+    const int64_t strip_bytes = packed_strip_bytes(a->packed, a->num_cols / QK_BLOCK, a->half, a->has_mins);
     for (int64_t s = s0; s < s1; s++) {
         const uint8_t *strip = a->blocks + s * strip_bytes;
-        if (a->packed == PACKED_Q8) packed_all_rows(a, strip, s * QS_TILE, 0, 1);
-        else if (a->has_mins) packed_all_rows(a, strip, s * QS_TILE, 1, 0);
-        else packed_all_rows(a, strip, s * QS_TILE, 0, 0);
+        if (a->packed == PACKED_Q8) packed_all_rows(a, strip, s * QS_TILE, 0, PACKED_Q8);
+        else if (a->packed == PACKED_Q5 && a->has_mins) packed_all_rows(a, strip, s * QS_TILE, 1, PACKED_Q5);
+        else if (a->packed == PACKED_Q5) packed_all_rows(a, strip, s * QS_TILE, 0, PACKED_Q5);
+        else if (a->has_mins) packed_all_rows(a, strip, s * QS_TILE, 1, PACKED_Q4);
+        else packed_all_rows(a, strip, s * QS_TILE, 0, PACKED_Q4);
     }
 }

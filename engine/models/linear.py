@@ -202,6 +202,8 @@ class Linear:
             no_mins = bool((weight.kernel_mins == 0).all())  # Q5_0: rows without mins, no m term
             self._rows = weight.blocks(half, with_mins=not no_mins)  # [N, K/32 * (22-28)]
             self.layout = _layout(Q5, half, no_mins)
+            if should_pack(self):
+                self._pack()
         elif isinstance(weight, Int4Weight):
             self.format = "int4"
             if self.in_features % (2 * GROUP_SIZE) == 0:
@@ -234,7 +236,7 @@ class Linear:
             self.dense = DenseLinear(weight.dequantize(), self.bias, pack)
 
     def _pack(self) -> None:
-        """The Q4 or Q8 rows -> strips of 16 rows (qgemm.h's QG_PACKED): every product of this layer
+        """The Q4, Q5 or Q8 rows -> strips of 16 rows (qgemm.h's QG_PACKED): every product of this layer
         then runs the strip route (or dequantizes), whatever its row count."""
         strip_bytes = qgemm.packed_strip_bytes(self.layout, self.in_features)
         packed = torch.empty(self.out_features // 16, strip_bytes, dtype=torch.uint8)
@@ -478,7 +480,7 @@ class Linear:
 
 
 def should_pack(layer: Linear) -> bool:
-    """Whether a Q4 or Q8 layer's rows go into strips of 16 (``Linear._pack``): its outputs are a multiple of
+    """Whether a quantized layer's rows go into strips of 16 (``Linear._pack``): its outputs are a multiple of
     16, its products are not ``exact``, the CPU has AVX-512 VNNI and neither ``ENGINE_STRIP=0`` nor
     ``ENGINE_PACKED=0`` is set. The strip route then serves every row count: one activation row at
     the rate the caches give (1.5-1.9x int16's on Zen 4, benchmarks/qgemm_rows.py), and a decode
