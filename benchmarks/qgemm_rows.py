@@ -1,13 +1,14 @@
 """Where the quantized products change route, by row count: the C kernels' integer route (int16
 activation codes: vpdpwssd on AVX-512 VNNI, madd on AVX2), their float route (each pass's weight
 rows decoded once to float32, FMAs 16 or 8 lanes wide), strip (int16's integer sums with AVX-512
-VNNI, 16 outputs per vector), amx (weights dequantized to bfloat16 per
+VNNI, 16 outputs per vector), packed (strip's sums over weights stored in strips of 16, read in
+place: what Linear builds where the CPU has AVX-512 VNNI), amx (weights dequantized to bfloat16 per
 slice of rows, oneDNN's bfloat16 matmul on AMX tiles) and blas (dequantize to float32 + the BLAS),
 on the real models' layer shapes, interleaved (every repeat runs every route at every row count),
 medians with min-max of GMAC/s (wall time). Routes the CPU lacks are left out and named.
 
     python benchmarks/qgemm_rows.py [--rows 1,2,3,4,6,8,16,64,128,256,512] [--threads 1]
-        [--repeats 5] [--formats int4,int8] [--isas avx2,avx512]
+        [--repeats 5] [--formats int4,int5,int8] [--isas avx2,avx512]
 
 engine.models.routes makes the same measurement per shape at load and picks per row count;
 these figures show the whole curve. Prints a table and writes benchmarks/results/qgemm_rows.json.
@@ -15,6 +16,7 @@ these figures show the whole curve. Prints a table and writes benchmarks/results
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -27,13 +29,13 @@ import torch  # noqa: E402
 from benchmarks.common import environment, fmt_stats, print_table, summarize, write_json  # noqa: E402
 from cext import cpu  # noqa: E402
 from engine.models.linear import Linear  # noqa: E402
-from engine.models.quant import Int4Weight, Int8Weight  # noqa: E402
+from engine.models.quant import Int4Weight, Int5Weight, Int8Weight  # noqa: E402
 from engine.models.routes import available_routes  # noqa: E402
 
 # (name, out features, in features): SmolLM2-135M's gate/up and down, Qwen2.5-0.5B's gate/up and down
 SHAPES = [("smollm2 gate_up", 3072, 576), ("smollm2 down", 576, 1536),
           ("qwen gate_up", 9728, 896), ("qwen down", 896, 4864)]
-ROUTES = ("int16", "float", "strip", "amx", "blas")
+ROUTES = ("int16", "float", "strip", "packed", "amx", "blas")
 
 
 def run_route(layer: Linear, x: torch.Tensor, route: str, min_seconds: float = 0.05) -> float:
@@ -46,6 +48,22 @@ def run_route(layer: Linear, x: torch.Tensor, route: str, min_seconds: float = 0
         elapsed = time.perf_counter() - start
         if elapsed >= min_seconds:
             return elapsed / calls
+
+
+def row_and_packed_layers(weight) -> tuple[Linear, Linear | None]:
+    """The weight in its row layout (every route but packed) and in strips of 16 (None where Linear
+    does not pack: no AVX-512 VNNI)."""
+    old = os.environ.get("ENGINE_PACKED")
+    os.environ["ENGINE_PACKED"] = "0"
+    try:
+        rows = Linear(weight)
+    finally:
+        if old is None:
+            del os.environ["ENGINE_PACKED"]
+        else:
+            os.environ["ENGINE_PACKED"] = old
+    packed = Linear(weight)
+    return rows, packed if packed.is_packed_strips else None
 
 
 def _can_set(isa: str) -> bool:
@@ -67,7 +85,8 @@ def main() -> None:
     parser.add_argument("--isas", default="auto",
                         help="instruction sets the kernel routes run on, side by side (e.g. avx2,avx512)")
     args = parser.parse_args()
-    available = available_routes(allow_approximate=True)
+    available = (*available_routes(allow_approximate=True),
+                 *(["packed"] if "strip" in available_routes(False) else []))
     isas = args.isas.split(",")
     known = (*cpu.ISA_NAMES.values(), "auto")
     skipped = [r for r in ROUTES if r not in available]
@@ -85,16 +104,21 @@ def main() -> None:
     for name, num_out, num_in in SHAPES:
         w = torch.randn(num_out, num_in, generator=gen) * 0.05
         for fmt in formats:
-            weight = Int4Weight.from_dense(w) if fmt == "int4" else Int8Weight.from_dense(w)
-            cases.append((f"{name} {fmt}", Linear(weight), num_in, num_out))
+            weight = {"int4": Int4Weight.from_dense, "int8": Int8Weight.from_dense,
+                      "int5": lambda w: Int5Weight.from_int4(Int4Weight.from_dense(w))}[fmt](w)
+            cases.append((f"{name} {fmt}", row_and_packed_layers(weight), num_in, num_out))
     inputs = {(case[0], m): torch.randn(m, case[2], generator=gen) for case in cases for m in row_counts}
     times: dict[tuple[str, int, str], list[float]] = {}
     for _ in range(args.repeats):
-        for label, layer, _, _ in cases:
+        for label, (layer, packed), _, _ in cases:
             for m in row_counts:
                 for name, isa, route in routes:
                     cpu.set_isa(isa)
-                    times.setdefault((label, m, name), []).append(run_route(layer, inputs[label, m], route))
+                    if route == "packed":
+                        seconds = run_route(packed, inputs[label, m], "strip")
+                    else:
+                        seconds = run_route(layer, inputs[label, m], route)
+                    times.setdefault((label, m, name), []).append(seconds)
     cpu.set_isa("auto")
     rows, results = [], []
     for label, _, num_in, num_out in cases:
