@@ -242,18 +242,6 @@ static inline int packed_code(int packed, const uint8_t *strip, int64_t b, int j
     return (strip[at] >> bit) & 1 ? low - 16 : low;
 }
 
-/* Where the byte of packed_code's value sits in its strip (qg_pack writes it there). */
-static inline int64_t packed_code_at(int packed, int64_t b, int j, int e, int *shift) {
-    if (packed == PACKED_Q8) {
-        const int k = e % 4;
-        *shift = 0;
-        return b * 512 + (e / 4) * 64 + 4 * j + ((k & 1) << 1) + (k >> 1);
-    }
-    const int k = e % 8, nibble = k / 2 + 4 * (k % 2);
-    *shift = 4 * (nibble % 2);
-    return b * packed_code_bytes(packed) + (e / 8) * 64 + 4 * j + nibble / 2;
-}
-
 /* Block b's scale (which = 0) or min (which = 1) of row j of a strip. */
 static inline float packed_scale(int packed, const uint8_t *strip, int64_t nb, int64_t b, int j, int half,
                                  int which) {
@@ -605,43 +593,74 @@ int64_t qg_packed_strip_bytes(int layout, int64_t num_cols) {
                               has_mins);
 }
 
-int qg_pack(int layout, const void *rows, const void *scales, int64_t num_rows, int64_t num_cols, uint8_t *out) {
-    const int format = layout & QG_FORMAT_MASK, half = layout_scales(layout), has_mins = !(layout & QG_NO_MINS);
-    const int packed = format == QG_Q8 ? PACKED_Q8 : format == QG_Q5 ? PACKED_Q5 : PACKED_Q4;
-    const int64_t strip_bytes = qg_packed_strip_bytes(layout & ~QG_PACKED, num_cols);
-    if (strip_bytes == 0) {
-        const int64_t multiple = (packed == PACKED_Q8 ? 1 : 2) * QK_BLOCK;
-        return num_cols > 0 && num_cols % multiple == 0 ? QG_BAD_LAYOUT : QG_BAD_LENGTH;
+/* A Q4 (or Q5: high) pair's 64 codes in element order (qgemm.h's pair records). */
+static void pair_codes(const uint8_t *pair, int high, int8_t *out) {
+    for (int i = 0; i < 16; i++) {
+        const int word = pair[2 * i] | (pair[2 * i + 1] << 8);
+        if (high) {  /* 5-bit two's complement fields: 48 + i, 32 + i, 16 + i, and i's sign bit */
+            const int low = (pair[32 + i / 2] >> (4 * (i % 2))) & 0x0F, c0 = low | ((word & 1) << 4);
+            out[i] = (int8_t)(c0 >= 16 ? c0 - 32 : c0);
+            for (int q = 1; q < 4; q++) {
+                const int field = (word >> (5 * q - 4)) & 0x1F;
+                out[16 * q + i] = (int8_t)(field >= 16 ? field - 32 : field);
+            }
+        } else {
+            for (int q = 0; q < 4; q++) out[16 * q + i] = (int8_t)((word >> (4 * q)) & 0x0F);
+        }
     }
-    if (num_rows % 16 != 0) return QG_BAD_LAYOUT;
-    const int64_t nb = num_cols / QK_BLOCK, scale_bytes = packed_scale_bytes(nb, half);
-    const int high = packed == PACKED_Q5;
-    const int64_t row_bytes = packed == PACKED_Q8 ? num_cols : q4_row_bytes(nb, half, high, has_mins);
-    for (int64_t s = 0; s < num_rows / 16; s++) {
-        uint8_t *strip = out + s * strip_bytes;
-        memset(strip, 0, (size_t)strip_bytes);
+}
+
+typedef struct {
+    int packed, half, has_mins;
+    const uint8_t *rows, *scales;
+    int64_t num_cols, row_bytes, strip_bytes;
+    uint8_t *out;
+} PackArgs;
+
+/* Strips s0 .. s1 - 1 of qg_pack (cpu_parallel_for's range function): each row's codes in element
+ * order into a scratch row, then placed as packed_code reads them. */
+static void pack_range(const void *p, int64_t s0, int64_t s1, float *scratch) {
+    const PackArgs *a = (const PackArgs *)p;
+    const int packed = a->packed, half = a->half, has_mins = a->has_mins, high = packed == PACKED_Q5;
+    const int64_t K = a->num_cols, nb = K / QK_BLOCK, scale_bytes = packed_scale_bytes(nb, half);
+    int8_t *c = (int8_t *)scratch;  /* [K] */
+    for (int64_t s = s0; s < s1; s++) {
+        uint8_t *strip = a->out + s * a->strip_bytes;
+        memset(strip, 0, (size_t)a->strip_bytes);
         for (int j = 0; j < 16; j++) {
             const int64_t n = s * 16 + j;
-            const uint8_t *row = (const uint8_t *)rows + n * row_bytes;
-            const uint8_t *codes = row + (packed == PACKED_Q8 ? 0 : q4_codes_offset(nb, half, has_mins));
-            for (int64_t b = 0; b < nb; b++) {
-                for (int e = 0; e < QK_BLOCK; e++) {
-                    int shift;
-                    const int64_t at = packed_code_at(packed, b, j, e, &shift);
-                    if (packed == PACKED_Q8) {
-                        strip[at] = (uint8_t)q8_code((const int8_t *)codes + b * QK_BLOCK, e);
-                        continue;
+            const uint8_t *row = a->rows + n * a->row_bytes;
+            if (packed == PACKED_Q8) {
+                for (int64_t b = 0; b < nb; b++)
+                    for (int e = 0; e < QK_BLOCK; e++) c[b * QK_BLOCK + e] = (int8_t)q8_code((const int8_t *)row + b * QK_BLOCK, e);
+                for (int64_t b = 0; b < nb; b++)
+                    for (int u = 0; u < 8; u++) {  /* bytes 0, 2, 1, 3: inputs 4u, 4u + 1, 4u + 2, 4u + 3 */
+                        uint8_t *lane = strip + b * 512 + u * 64 + 4 * j;
+                        const int8_t *in = c + b * QK_BLOCK + 4 * u;
+                        lane[0] = (uint8_t)in[0]; lane[2] = (uint8_t)in[1]; lane[1] = (uint8_t)in[2]; lane[3] = (uint8_t)in[3];
                     }
-                    const int code = q45_code(codes + (b / 2) * q4_pair_bytes(high), (int)(b % 2) * QK_BLOCK + e, high);
-                    strip[at] |= (uint8_t)((code & 0x0F) << shift);
-                    if (code < 0) {  /* Q5: -16 .. -1 are their low 4 bits minus 16 */
-                        int bit;
-                        strip[packed_sign_at(b, j, e, &bit)] |= (uint8_t)(1 << bit);
+            } else {
+                const uint8_t *pairs = row + q4_codes_offset(nb, half, has_mins);
+                for (int64_t p2 = 0; p2 < nb / 2; p2++) pair_codes(pairs + p2 * q4_pair_bytes(high), high, c + p2 * 64);
+                const int64_t code_bytes = packed_code_bytes(packed);
+                for (int64_t b = 0; b < nb; b++)
+                    for (int v = 0; v < 4; v++) {
+                        const int8_t *in = c + b * QK_BLOCK + 8 * v;
+                        uint32_t lane = 0;
+                        for (int t = 0; t < 4; t++)
+                            lane |= (uint32_t)(in[2 * t] & 0x0F) << (4 * t) | (uint32_t)(in[2 * t + 1] & 0x0F) << (16 + 4 * t);
+                        memcpy(strip + b * code_bytes + v * 64 + 4 * j, &lane, 4);
+                        if (high) {  /* the sign masks: uint32 4v + t, bits 2j and 2j + 1 */
+                            uint8_t *masks = strip + b * code_bytes + 256;
+                            for (int t = 0; t < 4; t++) {
+                                const int bits = (in[2 * t] < 0) | ((in[2 * t + 1] < 0) << 1);
+                                masks[4 * (4 * v + t) + (2 * j) / 8] |= (uint8_t)(bits << ((2 * j) % 8));
+                            }
+                        }
                     }
-                }
             }
             for (int which = 0; which < 1 + packed_mins(packed, has_mins); which++) {
-                const uint8_t *src = packed == PACKED_Q8 ? (const uint8_t *)scales + n * nb * (half ? 2 : 4)
+                const uint8_t *src = packed == PACKED_Q8 ? a->scales + n * nb * (half ? 2 : 4)
                                                          : row + which * q4_scale_bytes(nb, half);
                 uint8_t *dst = strip + nb * packed_code_bytes(packed) + which * scale_bytes;
                 if (half == QG_SCALES_SUPER) {
@@ -656,7 +675,24 @@ int qg_pack(int layout, const void *rows, const void *scales, int64_t num_rows, 
             }
         }
     }
-    return QG_OK;
+}
+
+int qg_pack(int layout, const void *rows, const void *scales, int64_t num_rows, int64_t num_cols, uint8_t *out) {
+    const int format = layout & QG_FORMAT_MASK, half = layout_scales(layout), has_mins = !(layout & QG_NO_MINS);
+    const int packed = format == QG_Q8 ? PACKED_Q8 : format == QG_Q5 ? PACKED_Q5 : PACKED_Q4;
+    const int64_t strip_bytes = qg_packed_strip_bytes(layout & ~QG_PACKED, num_cols);
+    if (strip_bytes == 0) {
+        const int64_t multiple = (packed == PACKED_Q8 ? 1 : 2) * QK_BLOCK;
+        return num_cols > 0 && num_cols % multiple == 0 ? QG_BAD_LAYOUT : QG_BAD_LENGTH;
+    }
+    if (num_rows % 16 != 0) return QG_BAD_LAYOUT;
+    const int64_t nb = num_cols / QK_BLOCK;
+    const int64_t row_bytes = packed == PACKED_Q8 ? num_cols : q4_row_bytes(nb, half, packed == PACKED_Q5, has_mins);
+    PackArgs args = {packed, half, has_mins, (const uint8_t *)rows, (const uint8_t *)scales, num_cols, row_bytes,
+                     strip_bytes, out};
+    /* scratch: a row's codes as int8, in floats */
+    const int rc = cpu_parallel_for(pack_range, &args, num_rows / 16, num_rows * num_cols, (size_t)(num_cols / 4 + 1));
+    return rc == CPU_OK ? QG_OK : QG_NO_MEMORY;
 }
 
 int qg_q5_pack(const uint8_t *packed, const uint8_t *high, int64_t num_rows, int64_t num_cols, uint8_t *out,

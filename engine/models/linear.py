@@ -7,7 +7,9 @@ layout, made once at load (``mkldnn._reorder_linear_weight``), was faster at eve
 we measured. These are the ops torch's CPU compiler uses for frozen linear layers; where they
 are missing or fail the layer keeps the plain weight and ``F.linear``.
 
-Quantized: products of up to KERNEL_MAX_ROWS rows run in C, the weights read once per call in
+Quantized: where the CPU has AVX-512 VNNI the weights are packed at load into strips of 16 rows
+(``should_pack``; cext/csrc/qgemm.h's QG_PACKED) and every product runs the strip route over them
+in place. Otherwise products of up to KERNEL_MAX_ROWS rows run in C, the weights read once per call in
 their codes (below ``qgemm.get_float_rows()`` rows with int16 activation codes and integer dot
 products, from there float32 FMAs over weights decoded per pass). Larger products (long prompt
 chunks) dequantize the weight to float32 a slice of rows at a time and use the BLAS.

@@ -14,6 +14,10 @@ A quantized layer's product of M rows can run as:
   vpdpwssd against broadcast activation codes, the block's scale applied in float32 once per
   block and output): exact as int16 is, where the CPU has AVX-512 VNNI and the layer's outputs
   are a multiple of 16;
+- a layer whose weights Linear packed into strips of 16 rows (qgemm.h's QG_PACKED: Q4, Q5 and Q8
+  where the CPU has AVX-512 VNNI) runs ``strip`` over them in place at every row count (one row at
+  1.5-2.5x int16's rate), or ``blas``/``amx`` through their dequantization; the table times only
+  those, and its one-row route is strip, so its decode batches round alike at any size;
 - ``amx``: the weights dequantized to bfloat16 a slice of rows at a time (C, all threads)
   and oneDNN's bfloat16 matmul through torch, which runs on AMX tiles where the CPU has them:
   bfloat16 weights, activations and outputs, float32 sums (not exact: see ``APPROXIMATE``;
@@ -27,7 +31,8 @@ on the quiet 2-vCPU Xeon) and keeps the fastest per row count; the table is cach
 a table measured while the load average exceeded the cores, or while other processes used
 more than a quarter of a core (``neighbours_were_busy``), is measured again by the first load on a
 quieter machine.
-``ENGINE_AMX_INT=0`` leaves the amx_int route out of the table, ``ENGINE_STRIP=0`` the strip route.
+``ENGINE_AMX_INT=0`` leaves the amx_int route out of the table, ``ENGINE_STRIP=0`` the strip route (and
+the packed strips); ``ENGINE_PACKED=0`` keeps the row layouts (every route but packed).
 ``ENGINE_ROUTES=fixed`` keeps the fixed thresholds (engine.models.linear),
 ``ENGINE_ROUTES=recalibrate`` measures again, and ``ENGINE_ROUTES=fastest`` takes the measured
 route at every row count, 2-16 included (see ``same_route_up_to`` for what that gives up).
