@@ -15,7 +15,7 @@ from engine.loader import load_model, resolve_options
 from engine.loader.gguf_loader import GGUFStateDict, read_config
 from engine.loader.repack import Q4_0, Q4_1, Q4_K, MappedRows, dequantize, int4_from_q4, int5_from_q5
 from engine.models.linear import Linear
-from engine.models.quant import Int4Weight, Int5Weight, Int8Weight, cat_rows
+from engine.models.quant import Int4Weight, Int5Weight, Int8Weight, PackedInt8Weight, cat_rows
 
 ATOL = 1e-4
 
@@ -126,7 +126,8 @@ def test_q8_0_loads_as_its_own_codes_and_scales(smollm2_gguf):  # noqa: F811
     name = "model.embed_tokens.weight"  # SmolLM2: Q8_0, tied to the head
     head = converted(smollm2_gguf, [name], "auto")[name]
     exact = converted(smollm2_gguf, [name], "float32")[name]
-    assert isinstance(head, Int8Weight) and head.is_exact and head.exact_rows is None
+    # Int8Weight, or its strips where the kernels take them (packed by the loader a chunk at a time)
+    assert isinstance(head, (Int8Weight, PackedInt8Weight)) and head.is_exact and head.exact_rows is None
     torch.testing.assert_close(head.dequantize(), exact, atol=0, rtol=0)
 
 
@@ -186,6 +187,39 @@ def test_qwen_tensors_q4_k_and_q5_0_exact_and_others_int8(qwen_gguf):  # noqa: F
     assert ((q6.dequantize() - exact[names[2]]).abs() <= block_step(exact[names[2]]) / 2 + 1e-6).all()
 
 
+@pytest.mark.parametrize("ggml_type", [8, 14])  # Q8_0 (its own codes) and Q6_K (re-quantized)
+def test_int8_head_packed_a_chunk_at_a_time_is_the_int8_head(qwen_gguf, ggml_type, monkeypatch):  # noqa: F811
+    """Where the kernels take strips (AVX-512 VNNI) the loader packs an int8 head chunk by chunk
+    (PackedInt8Weight: the int8 rows never whole beside their strips): the same weights, lookups and
+    products as the Int8Weight it makes otherwise, packed by Linear."""
+    from cext import cpu
+
+    with GGUFFile(qwen_gguf, with_vocabulary=False) as f:
+        name = next(n for n, t in f.tensors.items() if t.ggml_type == ggml_type and n.startswith("blk."))
+        info = f.tensors[name]
+        state = GGUFStateDict(f, read_config(f), "auto", torch.float32)
+        monkeypatch.setattr("engine.loader.gguf_loader.CHUNK_ROWS", 32)  # several chunks
+        monkeypatch.setenv("ENGINE_PACKED", "0")
+        rows = state._int8(f.raw(name), info, may_pack=True)
+        monkeypatch.setenv("ENGINE_PACKED", "1")
+        packed = state._int8(f.raw(name), info, may_pack=True)
+        assert isinstance(state._int8(f.raw(name), info), Int8Weight)  # a projection: row operations follow
+        state.exact_products = True  # an exact model's head stays in rows
+        assert isinstance(state._int8(f.raw(name), info, may_pack=True), Int8Weight)
+    assert isinstance(rows, Int8Weight) and rows.is_exact == (ggml_type == 8)
+    if "avx512_vnni" not in cpu.features():
+        assert isinstance(packed, Int8Weight)
+        return
+    assert isinstance(packed, PackedInt8Weight) and packed.is_exact == rows.is_exact
+    assert torch.equal(packed.dequantize(), rows.dequantize())
+    ids = torch.tensor([[0, 17], [info.shape[0] - 1, 3]])
+    assert torch.equal(packed.rows(ids, torch.float32), rows.dequantize()[ids])
+    from_loader, from_rows = Linear(packed), Linear(rows)
+    assert from_loader.is_packed_strips and from_rows.is_packed_strips
+    x = torch.randn(3, info.shape[1])
+    assert torch.equal(from_loader(x), from_rows(x))
+
+
 def test_quantization_option_is_validated(tmp_path):
     with pytest.raises(ValueError, match="quantization"):
         load_model(tmp_path / "missing.gguf", quantization="int3")
@@ -231,5 +265,5 @@ def test_qwen_untied_embedding_stays_in_the_map_and_is_exact(qwen_gguf):  # noqa
     torch.testing.assert_close(rows.rows(ids, torch.float32), exact[ids], atol=0, rtol=0)
     head = converted(qwen_gguf, ["lm_head.weight"], "auto")["lm_head.weight"]  # Q8_0 -> int8 + exact rows
     exact_head = converted(qwen_gguf, ["lm_head.weight"], "float32")["lm_head.weight"]
-    assert isinstance(head, Int8Weight)
+    assert isinstance(head, (Int8Weight, PackedInt8Weight))
     torch.testing.assert_close(head.rows(ids, torch.float32), exact_head[ids], atol=0, rtol=0)

@@ -32,7 +32,7 @@ from engine.loader.validate import check_gguf
 from engine.models.config import ModelConfig
 from engine.models.families import GGUF_LAYER_ROLES, GGUF_PERMUTED_QK, GGUF_ROLE_OVERRIDES, hf_layer_name
 from engine.models.llama import resolve_dtype
-from engine.models.quant import Int4Weight, Int8Weight, Weight
+from engine.models.quant import Int4Weight, Int8Weight, PackedInt8Weight, Weight
 
 CHUNK_ROWS = 4096  # rows dequantized at once for dense or int8 conversions (~15 MB of float32)
 
@@ -137,17 +137,20 @@ class GGUFStateDict(Mapping):
       fused layer mixing Q5_0 with Q8_0 becomes int8, still exact); other quantized projections and
       the head -> Int8Weight with a scale per block of 32 (Q8_0: exact; other types re-quantized,
       and then the head's refined logits and a tied embedding read their rows exactly from the
-      map); a quantized untied embedding -> MappedRows (map only);
+      map), or, where the kernels take strips of 16 rows, PackedInt8Weight (the same codes packed a
+      chunk at a time); a quantized untied embedding -> MappedRows (map only);
       unquantized tensors -> dense.
     - "int4": every projection -> Int4Weight (Q4 exact, others re-quantized); embedding/head int8.
     - "bfloat16" / "float32": everything dense in `dtype` (exact dequantization in float32).
     """
 
-    def __init__(self, gguf: GGUFFile, config: ModelConfig, quantization: str, dtype: torch.dtype):
+    def __init__(self, gguf: GGUFFile, config: ModelConfig, quantization: str, dtype: torch.dtype,
+                 exact_products: bool = False):
         self.gguf = gguf
         self.config = config
         self.quantization = quantization
         self.dtype = dtype
+        self.exact_products = exact_products  # the model's products exact: no strips for the head
         self.is_permuted = gguf.metadata["general.architecture"] in GGUF_PERMUTED_QK
         self.gguf_names = {hf: (n, expert) for n, info in gguf.tensors.items()
                            for hf, expert in hf_names(n, info, config)}
@@ -187,7 +190,7 @@ class GGUFStateDict(Mapping):
         rows = MappedRows(raw, info.ggml_type, info.shape)
         if name == "model.embed_tokens.weight" and not self.config.tie_word_embeddings:
             return rows  # looked up a few rows at a time from the map: no resident copy
-        weight = self._int8(raw, info)  # the head (tied: also the embedding)
+        weight = self._int8(raw, info, may_pack=not is_projection)  # the head (tied: also the embedding)
         if not weight.is_exact:  # re-quantized: lookups and the head's refined logits read the map
             weight.exact_rows = rows
         return weight
@@ -202,37 +205,60 @@ class GGUFStateDict(Mapping):
             flat[start:start + len(part)] = torch.from_numpy(self._dequantize(part, info, len(part)))
         return out
 
-    def _int8(self, raw, info) -> Int8Weight:
-        """Q8_0 and Q5_0 -> their own codes and scales (exact); any other type -> dequantized and
-        re-quantized per block of 32, a chunk of rows at a time."""
+    def _int8_chunks(self, raw, info):
+        """-> (is_exact, iterator of (first row, codes int8 [n, K] in the kernels' order, scales [n, K / 32]))
+        a chunk of CHUNK_ROWS rows at a time: Q8_0 and Q5_0 their own codes and scales (fp16 d, exact);
+        any other type dequantized and re-quantized per block of 32 (float32 scales)."""
         num_rows, num_cols = info.shape
-        if info.ggml_type == Q8_0:  # d * q: the codes, written once straight into the kernels' order
+
+        def q8_0():  # d * q: byte 2i element i, 2i + 1 element 16 + i
             blocks = raw.reshape(num_rows, num_cols // 32, 34)
-            q = np.empty((num_rows, num_cols // 32, 16, 2), dtype=np.uint8)  # byte 2i: element i, 2i + 1: 16 + i
-            scales = np.empty((num_rows, num_cols // 32), dtype=np.float16)  # the file's d, exactly
             for start in range(0, num_rows, CHUNK_ROWS):  # the file's pages dropped as they are used (the
                 part = blocks[start:start + CHUNK_ROWS]  # head: 145 MB mapped beside its copy otherwise)
-                q[start:start + len(part), ..., 0] = part[..., 2:18]
-                q[start:start + len(part), ..., 1] = part[..., 18:34]
-                scales[start:start + len(part)] = np.ascontiguousarray(part[..., :2]).view(np.float16)[..., 0]
+                q = np.empty((len(part), num_cols // 32, 16, 2), dtype=np.uint8)
+                q[..., 0], q[..., 1] = part[..., 2:18], part[..., 18:34]
+                d = np.ascontiguousarray(part[..., :2]).view(np.float16)[..., 0]  # the file's d, exactly
+                yield start, torch.from_numpy(q.view(np.int8).reshape(len(part), num_cols)), torch.from_numpy(d)
                 self.gguf.release(info.name, start, start + len(part))
-            return Int8Weight(torch.from_numpy(q.view(np.int8).reshape(num_rows, num_cols)), torch.from_numpy(scales),
-                              is_exact=True)
-        if info.ggml_type == Q5_0:  # d * (q - 16): exact as codes q - 16 with scale d
-            q = torch.empty(num_rows, num_cols, dtype=torch.int8)
-            scales = torch.empty(num_rows, num_cols // 32, dtype=torch.float32)
+
+        def q5_0():  # d * (q - 16): exact as codes q - 16 with scale d (fp16 values)
             for start in range(0, num_rows, CHUNK_ROWS):
                 codes, d = q5_0_codes(raw[start:start + CHUNK_ROWS], num_cols)
-                q[start:start + len(codes)] = torch.from_numpy(codes)
-                scales[start:start + len(codes)] = torch.from_numpy(d)
-            return Int8Weight(q, scales, is_exact=True)  # q5_0_codes gives the kernels' order
+                yield start, torch.from_numpy(codes), torch.from_numpy(d).half()
+
+        def requantized():
+            for start in range(0, num_rows, CHUNK_ROWS):
+                part = raw[start:start + CHUNK_ROWS]
+                chunk = Int8Weight.from_dense(torch.from_numpy(self._dequantize(part, info, len(part))))
+                yield start, chunk.q, chunk.scales
+
+        if info.ggml_type == Q8_0:
+            return True, q8_0()
+        if info.ggml_type == Q5_0:
+            return True, q5_0()
+        return False, requantized()
+
+    def _int8(self, raw, info, may_pack: bool = False) -> Int8Weight | PackedInt8Weight:
+        """A weight as int8: Int8Weight, or for the head (``may_pack``: no row operations follow) where the
+        kernels take strips of 16 rows (engine.models.linear.packs) those strips, packed a chunk of rows at a
+        time so the int8 rows never exist whole beside them (PackedInt8Weight)."""
+        from cext import qgemm
+        from engine.models.linear import packs
+
+        num_rows, num_cols = info.shape
+        is_exact, chunks = self._int8_chunks(raw, info)
+        if may_pack and packs(num_rows, self.exact_products) and num_cols % 32 == 0:
+            layout = qgemm.Q8 | (qgemm.HALF if is_exact else 0)
+            strips = torch.empty(num_rows // 16, qgemm.packed_strip_bytes(layout, num_cols), dtype=torch.uint8)
+            for start, q, scales in chunks:
+                q, scales = q.contiguous(), scales.contiguous()
+                qgemm.pack(layout, q.data_ptr(), scales.data_ptr(), len(q), num_cols, strips[start // 16].data_ptr())
+            return PackedInt8Weight(strips, layout, (num_rows, num_cols), is_exact=is_exact)
         q = torch.empty(num_rows, num_cols, dtype=torch.int8)
-        scales = torch.empty(num_rows, num_cols // 32, dtype=torch.float32)
-        for start in range(0, num_rows, CHUNK_ROWS):
-            part = raw[start:start + CHUNK_ROWS]
-            chunk = Int8Weight.from_dense(torch.from_numpy(self._dequantize(part, info, len(part))))
-            q[start:start + len(part)], scales[start:start + len(part)] = chunk.q, chunk.scales
-        return Int8Weight(q, scales)
+        scales = torch.empty(num_rows, num_cols // 32, dtype=torch.float16 if is_exact else torch.float32)
+        for start, q_part, scales_part in chunks:
+            q[start:start + len(q_part)], scales[start:start + len(q_part)] = q_part, scales_part
+        return Int8Weight(q, scales, is_exact=is_exact)
 
     def _dequantize(self, raw, info, num_rows: int) -> np.ndarray:
         try:
@@ -288,7 +314,7 @@ def load_gguf(path: str | os.PathLike, dtype: str | torch.dtype = "bfloat16", qu
         raise ModelFileError(f"{path}: not a GGUF file (the first bytes are not 'GGUF')", path)
     with GGUFFile(path, with_vocabulary=False) as gguf:
         config = read_config(gguf)  # every tensor checked against the metadata before any is used
-        state_dict = GGUFStateDict(gguf, config, quantization, resolve_dtype(dtype))
+        state_dict = GGUFStateDict(gguf, config, quantization, resolve_dtype(dtype), exact_products)
         try:
             return LlamaModel(config, state_dict, dtype=dtype, rope_freq_factors=_freq_factors(gguf),
                               pack_weights=pack_weights, dense_above_rows=dense_above_rows,

@@ -30,8 +30,10 @@ from engine.models.quant import (
     Int4Weight,
     Int5Weight,
     Int8Weight,
+    PackedInt8Weight,
     Weight,
     blocks_to_int4,
+    dequantize_rows,
     is_half_exact_tensor,
 )
 
@@ -95,7 +97,7 @@ KERNEL_BLOCK_ROWS = 256
 INT_KERNEL_MAX_ROWS = 16  # without AVX2 there is no float path: the scalar kernels up to here
 # The kernels' layout codes (cext/csrc/qgemm.h's QG_*; tests/test_qgemm.py checks they agree).
 Q4, Q5, Q8, HALF, NO_MINS, ROUTE_INT, ROUTE_FLOAT, SUPER, ROUTE_AMX, ROUTE_STRIP = 0, 1, 2, 4, 8, 16, 32, 64, 128, 256
-PACKED = 512  # Q4 rows stored in strips of 16 for the strip route (qgemm.h's QG_PACKED)
+PACKED = 512  # quantized rows stored in strips of 16 for the strip route (qgemm.h's QG_PACKED)
 # The C kernels' routes (cext/csrc/qgemm.h): amx_int is int16's integer sums on AMX-INT8 tiles,
 # strip the same sums with AVX-512 VNNI, 16 outputs per vector.
 _KERNEL_ROUTES = {"int16": ROUTE_INT, "float": ROUTE_FLOAT, "amx_int": ROUTE_AMX, "strip": ROUTE_STRIP}
@@ -222,6 +224,9 @@ class Linear:
                     self._pack()
             else:  # no kernel layout: the product dequantizes per call
                 self._int4 = weight
+        elif isinstance(weight, PackedInt8Weight):  # packed by the loader, a chunk of rows at a time
+            self.format = "int8"
+            self._rows, self.layout = weight.strips, weight.layout | PACKED
         elif isinstance(weight, Int8Weight):
             self.format = "int8"
             self._rows = weight.q.contiguous()  # [N, K], already in the kernels' order
@@ -301,13 +306,8 @@ class Linear:
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """ids [...] -> the dequantized weight rows [..., K] in dtype (a lookup: an embedding that
         shares this layer's codes)."""
-        flat = ids.reshape(-1).tolist()
-        out = torch.empty(len(flat), self.in_features, dtype=torch.float32)
-        for k, row in enumerate(flat):
-            if not 0 <= row < self.out_features:
-                raise IndexError(f"row {row} of a weight with {self.out_features} rows")
-            self._dequantize_into(row, row + 1, out[k:k + 1])
-        return out.reshape(*ids.shape, self.in_features).to(dtype)
+        return dequantize_rows(self.layout, self._rows, self._scales, (self.out_features, self.in_features), ids,
+                               dtype)
 
     def _dequantized_slice(self, first_row: int, end_row: int) -> torch.Tensor:
         """The rows dequantized, in this thread's scratch when the kernels' layout allows (valid
@@ -481,15 +481,20 @@ class Linear:
         return self.run(x, way)
 
 
-def should_pack(layer: Linear) -> bool:
-    """Whether a quantized layer's rows go into strips of 16 (``Linear._pack``): its outputs are a multiple of
-    16, its products are not ``exact``, the CPU has AVX-512 VNNI and neither ``ENGINE_STRIP=0`` nor
-    ``ENGINE_PACKED=0`` is set. The strip route then serves every row count: one activation row at
-    the rate the caches give (1.5-1.9x int16's on Zen 4, benchmarks/qgemm_rows.py), and a decode
-    step's products round alike at any batch size."""
-    return (qgemm is not None and not layer.exact and layer.out_features % 16 == 0
+def packs(num_out: int, exact: bool = False) -> bool:
+    """Whether a quantized layer of num_out outputs is packed into strips of 16 (``Linear._pack``): its
+    outputs are a multiple of 16, its products are not ``exact``, the CPU has AVX-512 VNNI and neither
+    ``ENGINE_STRIP=0`` nor ``ENGINE_PACKED=0`` is set. The strip route then serves every row count: one
+    activation row at the rate the caches give (1.5-2.5x int16's on Zen 4, benchmarks/qgemm_rows.py),
+    and a decode step's products round alike at any batch size."""
+    return (qgemm is not None and not exact and num_out % 16 == 0
             and cpu.allows("avx512_vnni") and os.environ.get("ENGINE_STRIP", "1") != "0"
             and os.environ.get("ENGINE_PACKED", "1") != "0")
+
+
+def should_pack(layer: Linear) -> bool:
+    """``packs`` for a layer."""
+    return packs(layer.out_features, layer.exact)
 
 
 def _layout(fmt: int, half: bool, no_mins: bool = False) -> int:

@@ -31,7 +31,7 @@ from engine.models.config import ModelConfig
 from engine.models.families import hf_layer_name
 from engine.models.linear import Linear, row_routes
 from engine.models.moe import MixtureOfExperts
-from engine.models.quant import Int8Weight, StripRows, Weight, cat_rows
+from engine.models.quant import Int8Weight, PackedInt8Weight, StripRows, Weight, cat_rows
 from engine.models.rope import RotaryTable, apply_rope
 
 log = logging.getLogger("engine")
@@ -260,9 +260,10 @@ class LlamaModel(nn.Module):
         self.embed_rows = None if isinstance(embed, torch.Tensor) else embed
         self.embed = None if self.embed_rows is not None else nn.Parameter(embed, requires_grad=False)  # [V, E]
         # The head: a packed copy for the product; the dense lm_head stays (bfloat16 refinement).
-        self.lm_head = None if isinstance(head, Int8Weight) else (
+        is_int8 = isinstance(head, (Int8Weight, PackedInt8Weight))
+        self.lm_head = None if is_int8 else (
             self.embed if config.tie_word_embeddings else nn.Parameter(head, requires_grad=False))  # [V, E]
-        self.head_int8 = head if isinstance(head, Int8Weight) else None
+        self.head_int8 = head if is_int8 else None
         self.head_proj = Linear(self.head_int8 or self.lm_head, None, pack_weights, keep_dense=True,
                                 exact=exact_products)
         if self.head_int8 is not None and self.head_proj.is_packed_strips:

@@ -343,7 +343,53 @@ class Int8Weight:
         return (q * self.scales[..., None]).reshape(num_rows, num_cols)
 
 
-Weight = torch.Tensor | Int4Weight | Int5Weight | Int8Weight
+def dequantize_rows(layout: int, rows: torch.Tensor, scales: torch.Tensor | None, shape: tuple[int, int],
+                    ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """ids [...] -> rows [..., K] in dtype of a weight in a kernel layout (cext.qgemm: ``rows``, and Q8's
+    ``scales`` in a row layout), one row dequantized at a time (a lookup of a few rows)."""
+    from cext import qgemm
+
+    flat = ids.reshape(-1).tolist()
+    num_rows, num_cols = shape
+    out = torch.empty(len(flat), num_cols, dtype=torch.float32)
+    scales_ptr = 0 if scales is None else scales.data_ptr()
+    for k, row in enumerate(flat):
+        if not 0 <= row < num_rows:
+            raise IndexError(f"row {row} of a weight with {num_rows} rows")
+        qgemm.dequantize(layout, rows.data_ptr(), scales_ptr, row, 1, num_cols, out[k].data_ptr())
+    return out.reshape(*ids.shape, num_cols).to(dtype)
+
+
+class PackedInt8Weight:
+    """An int8 weight already in the kernels' strips of 16 rows (cext/csrc/qgemm.h's QG_PACKED with
+    ``layout``, Q8 with or without HALF): what the GGUF loader makes of a head a chunk of rows at a time,
+    so the int8 rows and their strips never exist whole side by side. is_exact and exact_rows as
+    Int8Weight's; lookups (``rows``) read the exact source rows when known, else the strips."""
+
+    __slots__ = ("strips", "layout", "shape", "is_exact", "exact_rows")
+
+    def __init__(self, strips: torch.Tensor, layout: int, shape: tuple[int, int], is_exact: bool = False,
+                 exact_rows: object | None = None):
+        self.strips, self.layout, self.shape = strips, layout, tuple(shape)
+        self.is_exact, self.exact_rows = is_exact, exact_rows
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if self.exact_rows is not None and not self.is_exact:
+            return self.exact_rows.rows(ids, dtype)
+        from cext import qgemm
+
+        return dequantize_rows(self.layout | qgemm.PACKED, self.strips, None, self.shape, ids, dtype)
+
+    def dequantize(self) -> torch.Tensor:
+        from cext import qgemm
+
+        out = torch.empty(self.shape, dtype=torch.float32)
+        qgemm.dequantize(self.layout | qgemm.PACKED, self.strips.data_ptr(), 0, 0, self.shape[0], self.shape[1],
+                         out.data_ptr())
+        return out
+
+
+Weight = torch.Tensor | Int4Weight | Int5Weight | Int8Weight | PackedInt8Weight
 
 
 class StripRows:
