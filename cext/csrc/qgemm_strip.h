@@ -215,10 +215,10 @@ static void strip_range(const void *p, int64_t s0, int64_t s1, float *scratch) {
  * multiple of 16 (run() checks both). */
 static int run_strip(QArgs *a, const void *x, int64_t x_stride, int is_q4) {
     const int64_t M = a->num_rows, K = a->num_cols, nb = K / QK_BLOCK, N = a->num_out;
-    char *buf = (char *)malloc(sizeof(int16_t) * (size_t)(M * K) + sizeof(float) * 2 * (size_t)(M * nb));
+    int16_t *qx;
+    float *dx, *sx;
+    char *buf = alloc_codes(M, K, &qx, &dx, &sx);
     if (buf == NULL) return QG_NO_MEMORY;
-    float *dx = (float *)buf, *sx = dx + M * nb;
-    int16_t *qx = (int16_t *)(sx + M * nb);
     strip_quantize_rows(x, x_stride, M, K, a->dtype, qx, dx, sx);
     a->qx = qx; a->dx = dx; a->sx = sx;
     StripArgs sa = {a, is_q4};
