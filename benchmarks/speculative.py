@@ -125,19 +125,23 @@ class LlamaCpp:
         return out, end - start, end - (first or end)
 
 
-def spec_counters(eng) -> tuple[int, int, int]:
-    """(draft tokens, accepted tokens, proposals) so far; zeros without speculation."""
+def spec_counters(eng) -> tuple[int, int, int, int, int]:
+    """(draft tokens, accepted tokens, proposals, the draft model's share of the draft tokens and
+    of the accepted ones) so far; zeros without speculation."""
     spec = eng._core.spec
     if spec is None:
-        return 0, 0, 0
-    return spec.num_draft_tokens, spec.num_accepted_tokens, spec.num_proposals
+        return 0, 0, 0, 0, 0
+    return (spec.num_draft_tokens, spec.num_accepted_tokens, spec.num_proposals, spec.num_model_draft_tokens,
+            spec.num_model_accepted_tokens)
 
 
 def acceptance(before, after) -> dict:
-    drafts, accepted, proposals = (b - a for a, b in zip(before, after))
+    drafts, accepted, proposals, model_drafts, model_accepted = (b - a for a, b in zip(before, after))
     return {"draft_tokens": drafts, "accepted_tokens": accepted, "proposals": proposals,
             "acceptance_rate": accepted / drafts if drafts else 0.0,
-            "mean_accepted_length": accepted / proposals if proposals else 0.0}
+            "mean_accepted_length": accepted / proposals if proposals else 0.0,
+            "draft_model_tokens": model_drafts,  # of draft_tokens, those the draft model proposed
+            "draft_model_acceptance_rate": model_accepted / model_drafts if model_drafts else 0.0}
 
 
 def bench_one_stream(variants: dict, prompts: list[list[int]], max_tokens: int, repeats: int) -> dict:
@@ -280,7 +284,9 @@ def main() -> None:
                 rows.append([task, name, fmt_stats(r["e2e_tok_s"]), fmt_stats(r["ratio_e2e"], ".2f"),
                              fmt_stats(r["decode_tok_s"]), fmt_stats(r["ratio_decode"], ".2f"),
                              f"{r['acceptance_rate']:.2f}" if "acceptance_rate" in r else "-",
-                             f"{r['mean_accepted_length']:.2f}" if "acceptance_rate" in r else "-"])
+                             f"{r['mean_accepted_length']:.2f}" if "acceptance_rate" in r else "-",
+                             f"{r['draft_model_tokens']} ({r['draft_model_acceptance_rate']:.2f})"
+                             if r.get("draft_model_tokens") else "-"])
             if args.streams:
                 many = bench_streams(engines, prompts, args.streams, args.max_tokens, args.repeats)
                 results[task]["streams"] = many
@@ -294,9 +300,10 @@ def main() -> None:
             eng.close()
     load_after = os.getloadavg()
     print_table(["task", "variant", "e2e tok/s", "e2e ratio", "decode tok/s", "decode ratio", "accept rate",
-                 "mean accepted"], rows,
+                 "mean accepted", "draft model ids (accept)"], rows,
                 title=f"one stream, greedy, max_tokens={args.max_tokens}, k={k}, {args.repeats} repeats x 4 "
-                      "prompts, interleaved; medians (min-max); ratios against plain per prompt")
+                      "prompts, interleaved; medians (min-max); ratios against plain per prompt; the draft "
+                      "variant's proposals come from prompt lookup first, from the draft model where it finds none")
     if stream_rows:
         print_table(["task", "variant", "aggregate tok/s", "ratio", "accept rate", "mean accepted"], stream_rows,
                     title=f"{args.streams} concurrent streams, greedy, max_tokens={args.max_tokens}, "

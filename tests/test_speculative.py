@@ -194,6 +194,26 @@ def test_adaptive_k_doubles_on_whole_proposals_and_falls_to_what_was_accepted():
     assert SpecDecoder("ngram", 2).make_state().limit == 2  # k below the first limit
 
 
+def test_prompt_lookup_and_the_draft_model_keep_their_own_k_gate_and_chances():
+    """With a draft model each source adapts to its own proposals: the draft model's failures
+    shorten and gate only its proposals, the lookup's whole runs lengthen only the lookup's."""
+    draft = DraftModel(ScriptedModel([7, 8, 9], 64), 64, 4, 4, 128)
+    spec = SpecDecoder("draft", 8, draft=draft)
+    state = spec.make_state()
+    model = state.model
+    assert model is not None and model.proposer is None and state.proposer is not None
+    for _ in range(3):  # the draft model's proposals fail
+        spec.accept(SpecEntry(_Seq(state), 0, 0, 10, [5, 6, 7, 8], by_model=True), [9])
+    assert model.limit == 1 and model.num_failures == 3 and model.wait > 0
+    assert model.chances(1)[0] < FIRST_PRIOR[0] / FIRST_PRIOR[1]
+    assert (state.limit, state.num_failures, state.wait) == (FIRST_LIMIT, 0, 0)
+    assert state.chances(2) == SpecDecoder("ngram", 8).make_state().chances(2)
+    _accept(spec, state, [1, 2, 3, 4], [1, 2, 3, 4, 9])  # the lookup's whole proposal
+    assert state.limit == 8 and model.limit == 1
+    assert spec.num_model_draft_tokens == 12 and spec.num_model_accepted_tokens == 0
+    assert spec.num_draft_tokens == 16 and spec.num_accepted_tokens == 4
+
+
 def test_fixed_k_keeps_every_proposal_at_k():
     spec = SpecDecoder("ngram", 6, adaptive=False)
     state = spec.make_state()
@@ -234,6 +254,8 @@ def second_tick(spec: SpecDecoder, prompt: list[int], num_seqs: int):
         seq = Sequence(f"r{i}", prompt, 40)
         seq.spec = spec.make_state()
         seq.spec.limit = 8
+        if seq.spec.model is not None:
+            seq.spec.model.limit = 8
         sched.add(seq)
     out = sched.schedule()  # the prompts, in one tick
     sched.update(out, [4] * num_seqs)
@@ -269,6 +291,33 @@ def test_the_draft_model_is_asked_for_no_more_ids_than_a_tick_verifies(num_seqs)
     assert wanted == proposed == min(8 * num_seqs, rows_left)
     assert [k for _slot, _n, k, _p in asked[0]] == [min(8, rows_left - 8 * i) for i in range(len(asked[0]))] \
         if asked else rows_left == 0
+
+
+def test_with_a_draft_model_prompt_lookup_proposes_first():
+    """A sequence whose context repeats gets prompt lookup's proposal (free); the draft model is
+    asked only for the sequences where the lookup found nothing."""
+    draft = DraftModel(ScriptedModel([7, 8, 9], 64), 512, 4, 24, 128)
+    asked = []
+    propose = draft.propose
+    draft.propose = lambda state, wants: asked.append([slot for slot, _n, _k, _p in wants]) or propose(state, wants)
+    spec = SpecDecoder("draft", 8, draft=draft)
+    cfg = SchedulerConfig(max_num_seqs=24, max_num_batched_tokens=1024, num_blocks=512, max_model_len=128,
+                          block_size=4, target_tick_seconds=None)
+    sched = Scheduler(cfg)
+    sched.spec = spec
+    prompts = {"copies": [1, 2, 3, 4, 5, 6, 7, 8, 9] * 3 + [1, 2, 3], "new": [11, 12, 13, 14, 15]}
+    seqs = {}
+    for name, prompt in prompts.items():
+        seqs[name] = seq = Sequence(name, prompt, 40)
+        seq.spec = spec.make_state()
+        seq.spec.limit = seq.spec.model.limit = 4
+        sched.add(seq)
+    sched.update(sched.schedule(), [4, 4])  # the prompts; each samples 4
+    out = sched.schedule()
+    by_name = {entry.seq.request_id: entry for entry, _k, _first in out.spec_entries}
+    assert by_name["copies"].draft == [5, 6, 7, 8] and not by_name["copies"].by_model  # 3, 4 came before
+    assert by_name["new"].by_model and len(by_name["new"].draft) == 4  # the scripted draft proposed
+    assert asked == [[seqs["new"].slot]]
 
 
 # -- the verify budget --
@@ -308,7 +357,8 @@ def budget_reference(num_decodes: int, chances: list[list[float]], seconds) -> l
 def _running(slot: int, first: float, after: float):
     seq = type("Running", (), {})()
     seq.slot = slot
-    seq.spec = SpecState(None, first_ok=first, first_tried=1.0, next_ok=after, next_tried=1.0)
+    seq.spec = SpecState(None, first_ok=first, first_tried=1.0, next_ok=after, next_tried=1.0,
+                         model=SpecState(None, first_ok=first, first_tried=1.0, next_ok=after, next_tried=1.0))
     return seq
 
 
@@ -341,6 +391,27 @@ def test_the_verify_budget_takes_the_ids_that_raise_the_expected_rate(shape, seq
         assert sum(take) == min(sum(offers), MAX_VERIFY_ROWS - len(running))
     if shape == "linear":
         assert not got
+
+
+def test_the_verify_budget_counts_the_draft_models_forwards():
+    """Ids still to be drafted cost a draft forward each (as many as the most one sequence gets):
+    free, every offered id is verified under flat step times; at a step's cost per forward none
+    pays for a sequence whose ids hold 0.9 of the time; in between, fewer. Prompt lookup's ids
+    (not in model_slots) stay free."""
+    spec = SpecDecoder("draft", 8, budgeted=True)
+    for rows in range(1, MAX_VERIFY_ROWS + 1):
+        spec.observe_step(rows, 1.0)
+    def budget(offers, model_slots, model_seconds):
+        running = [_running(0, 0.9, 0.9), _running(1, 0.9, 0.9)]  # fresh: a refused one drifts (recover)
+        return spec.verify_budget(running, offers, model_slots, model_seconds)
+
+    assert budget({0: 6}, {0}, 0.0) == {0: 6}
+    assert budget({0: 6}, {0}, 1.0) == {}
+    some = budget({0: 6}, {0}, 0.3)
+    assert 0 < some[0] < 6
+    # one forward drafts for both sequences: two drafting sequences take more ids than one
+    assert sum(budget({0: 6, 1: 6}, {0, 1}, 0.3).values()) > some[0]
+    assert budget({0: 6, 1: 6}, {1}, 1.0) == {0: 6}  # the lookup's ids are free, and go first
 
 
 def test_the_verify_budget_serves_the_likelier_sequence_first_and_recovers_the_refused():

@@ -1,5 +1,6 @@
 """Draft-model speculation: a second, smaller model proposes the next k ids of every speculating
-sequence, k forwards per tick on the same kernels as the target.
+sequence whose prompt lookup found nothing this tick (a lookup's proposal costs nothing, a draft
+id a draft forward), k forwards per tick on the same kernels as the target.
 
 The draft keeps its own KV cache in blocks of the target's size, from its own pool, with its
 own block table per slot. Per slot it counts the ids whose draft K/V is cached
@@ -13,6 +14,8 @@ acceptance rule (engine/core/speculative.py) keeps every request's output exact.
 """
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 
@@ -20,6 +23,7 @@ from ..batch import ForwardBatch
 from ..errors import InvalidParameterError
 
 MAX_CATCH_UP = 512  # draft ids computed per sequence per tick before it proposes
+STEP_SMOOTHING = 0.2  # weight of the newest one-id forward in step_seconds
 
 
 def _refuse(what: str) -> None:
@@ -65,6 +69,7 @@ class DraftModel:
         self.epochs = [-1] * max_num_seqs  # the slot's epoch the cache belongs to
         self.fed: list[tuple[int, list[int]]] = [(0, [])] * max_num_seqs  # (position, ids) fed past it
         self.num_forwards = 0
+        self.step_seconds = 0.0  # a forward of one id per sequence (running average; 0: not timed)
 
     def _release(self, s: int) -> None:
         self.free_blocks.extend(self.tables[s])
@@ -166,4 +171,10 @@ class DraftModel:
             query_starts_list=query_starts.tolist(), context_lens_list=context_lens.tolist(),
             num_decode_seqs=sum(1 for m in lens if m == 1) if lens[0] == 1 else 0, block_size=bs)
         self.num_forwards += 1
-        return self.model.forward(batch, self.kv_cache)
+        start = time.perf_counter()
+        logits = self.model.forward(batch, self.kv_cache)
+        if len(positions) == len(rows):  # one id each: the cost of a draft id (the verify budget's)
+            seconds = time.perf_counter() - start
+            old = self.step_seconds
+            self.step_seconds = seconds if old == 0 else old + STEP_SMOOTHING * (seconds - old)
+        return logits

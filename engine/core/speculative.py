@@ -108,7 +108,7 @@ class SpecState:
     is (running averages of accepted / tried ids). Copied text is accepted in runs: once a
     proposal's first id holds, the next ones mostly do too."""
 
-    proposer: Proposer | None  # None: the engine's draft model proposes
+    proposer: Proposer | None  # prompt lookup over the sequence (None: the draft model's state)
     limit: int = FIRST_LIMIT  # most ids the next proposal may have (adaptive k, <= the engine's k)
     num_failures: int = 0  # proposals in a row with nothing accepted
     wait: int = 0  # decode steps to skip before the next proposal
@@ -116,6 +116,9 @@ class SpecState:
     first_tried: float = FIRST_PRIOR[1]
     next_ok: float = NEXT_PRIOR[0]
     next_tried: float = NEXT_PRIOR[1]
+    # With a draft model: the same for its proposals (it proposes where the lookup finds nothing,
+    # and fares differently: each source keeps its own k, gate and chances)
+    model: SpecState | None = None
 
     def chances(self, num_ids: int) -> list[float]:
         """The chance that each of the first num_ids ids of a proposal is accepted (with all
@@ -188,6 +191,7 @@ class SpecEntry:
     epoch: int
     num_tokens: int  # L: the sequence's length without the proposal
     draft: list[int]
+    by_model: bool = False  # proposed by the draft model (else by prompt lookup)
 
 
 @dataclass(slots=True)
@@ -230,11 +234,17 @@ class SpecDecoder:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_proposals: int = 0
+    # Of those, the draft model's proposals (the others came from prompt lookup)
+    num_model_draft_tokens: int = 0
+    num_model_accepted_tokens: int = 0
     entries: list[SpecEntry] = field(default_factory=list)  # this tick's proposals
 
     def make_state(self) -> SpecState:
-        return SpecState(NgramProposer(self.k, NGRAM_MIN, NGRAM_MAX) if self.draft is None else None,
-                         limit=min(self.k, FIRST_LIMIT) if self.adaptive else self.k)
+        """Every sequence looks its own context up (prompt lookup); with a draft model, the draft
+        proposes where the lookup finds nothing (``propose``)."""
+        limit = min(self.k, FIRST_LIMIT) if self.adaptive else self.k
+        return SpecState(NgramProposer(self.k, NGRAM_MIN, NGRAM_MAX), limit=limit,
+                         model=None if self.draft is None else SpecState(None, limit=limit))
 
     @property
     def acceptance_rate(self) -> float:
@@ -257,30 +267,39 @@ class SpecDecoder:
         for seq in running:
             if int(num_tokens[seq.slot]) - int(num_computed[seq.slot]) != 1:
                 return  # a prefill is running: no speculation this tick
-        wants = {}  # slot -> most ids it may propose
+        wants, model_wants = {}, {}  # slot -> most ids prompt lookup / the draft model may propose
         for seq in running:
             n = int(num_tokens[seq.slot])
             spec = seq.spec
-            if spec is not None:
-                if spec.wait > 0:
-                    spec.wait -= 1
-                else:
-                    room = min(seq.num_prompt_tokens + seq.max_tokens - n - 1, max_model_len - n - 1, spec.limit)
-                    if room > 0:
-                        wants[seq.slot] = room
+            if spec is None:
+                continue
+            room = min(seq.num_prompt_tokens + seq.max_tokens - n - 1, max_model_len - n - 1)
+            for source, out in ((spec, wants), (spec.model, model_wants)):
+                if source is None:
+                    continue
+                if source.wait > 0:
+                    source.wait -= 1
+                elif min(room, source.limit) > 0:
+                    out[seq.slot] = min(room, source.limit)
+        # Prompt lookup first: its proposals are free (often short or missing, so budgeted once made).
+        drafts = {seq.slot: seq.spec.proposer.propose(seq.token_array)[: wants[seq.slot]]
+                  for seq in running if seq.slot in wants}
+        drafts = {s: d for s, d in drafts.items() if d}
         if self.draft is not None:
-            # A draft id costs a draft forward row: ask for no more than the tick will verify (n-gram
-            # proposals are free and often short or missing, so they are budgeted once made).
-            wants = self.verify_budget(running, wants)
+            # The draft model for the others. A draft id costs a draft forward row: ask for no more
+            # than the tick will verify.
+            model_slots = {s for s in model_wants if s not in drafts}
+            offers = {s: len(d) for s, d in drafts.items()} | {s: model_wants[s] for s in model_slots}
+            verified = self.verify_budget(running, offers, model_slots, self.draft.step_seconds)
             self.draft.sync(state, {seq.slot for seq in running})
-            drafts = self.draft.propose(state, [(seq.slot, int(num_tokens[seq.slot]), wants[seq.slot],
-                                                 seq.num_prompt_tokens) for seq in running if seq.slot in wants])
+            drafted = self.draft.propose(state, [(seq.slot, int(num_tokens[seq.slot]), verified[seq.slot],
+                                                  seq.num_prompt_tokens) for seq in running
+                                                 if seq.slot in verified and seq.slot not in drafts])
         else:
-            drafts = {seq.slot: seq.spec.proposer.propose(seq.token_array)[: wants[seq.slot]]
-                      for seq in running if seq.slot in wants}
-            drafts = {s: d for s, d in drafts.items() if d}
             verified = self.verify_budget(running, {s: len(d) for s, d in drafts.items()})
-            drafts = {s: d[: verified[s]] for s, d in drafts.items() if s in verified}
+            drafted = {}
+        drafts = {s: d[: verified[s]] for s, d in drafts.items() if s in verified}
+        drafts.update(drafted)
         for seq in running:
             s = seq.slot
             n = int(num_tokens[s])
@@ -310,15 +329,18 @@ class SpecDecoder:
                 continue
             tokens[s, n : n + k] = draft[:k]
             num_tokens[s] = n + k
-            self.entries.append(SpecEntry(seq, s, int(epochs[s]), n, draft[:k]))
+            self.entries.append(SpecEntry(seq, s, int(epochs[s]), n, draft[:k], s in drafted))
 
-    def verify_budget(self, running: list, offers: dict) -> dict:
+    def verify_budget(self, running: list, offers: dict, model_slots: set | frozenset = frozenset(),
+                      model_seconds: float = 0.0) -> dict:
         """``offers``: {slot: ids it may propose} -> {slot: ids the tick verifies} (none: left
         out). The likeliest ids (SpecState.chances; ties in running order), as
         many as give the tick the highest expected rate: (decoding sequences + expected accepted
         ids) / step seconds of that many rows, within MAX_VERIFY_ROWS rows in all (none when no
-        count beats plain decoding). A sequence given fewer ids than it offered drifts back toward
-        the priors (SpecState.recover)."""
+        count beats plain decoding). The ids of ``model_slots`` are still to be drafted: each of
+        the draft's forwards (as many as the most ids one of them is given) adds ``model_seconds``
+        (counted once the tick's own steps are timed, in the same seconds). A sequence given fewer
+        ids than it offered drifts back toward the priors (SpecState.recover)."""
         num_decodes = len(running)
         if not self.budgeted:
             rows_left, out = MAX_VERIFY_ROWS - num_decodes, {}
@@ -328,29 +350,39 @@ class SpecDecoder:
                     out[seq.slot] = k
                     rows_left -= k
             return out
-        ids = []  # (-chance, running order, slot)
+        ids = []  # (to be drafted, -chance, running order, slot): free ids first, each kind likeliest first
         for order, seq in enumerate(running):
             k = offers.get(seq.slot, 0)
             if k > 0:
-                ids.extend((-chance, order, seq.slot) for chance in seq.spec.chances(k))
+                by_model = seq.slot in model_slots
+                source = seq.spec.model if by_model else seq.spec
+                ids.extend((by_model, -chance, order, seq.slot) for chance in source.chances(k))
         ids.sort()
         del ids[max(0, MAX_VERIFY_ROWS - num_decodes):]
         # For e extra rows the best are the e likeliest ids (the step's time depends on its rows
         # only), and a sequence's likeliest ids are its first ones: the best e over all of them.
+        # Ids still to be drafted cost a draft forward too: they come after every free one.
         seconds = self.step_times.estimates(num_decodes + len(ids)).tolist()
+        if not self.step_times.seconds.any():
+            model_seconds = 0.0  # the estimates are relative until a step is timed
         expected = float(num_decodes)
         best, best_e = expected / seconds[num_decodes], 0
-        for e, (neg_chance, _order, _slot) in enumerate(ids, 1):
+        drafted: dict = {}  # model slot -> ids so far
+        num_forwards = 0
+        for e, (by_model, neg_chance, _order, slot) in enumerate(ids, 1):
             expected -= neg_chance
-            value = expected / seconds[num_decodes + e]
+            if by_model:
+                drafted[slot] = drafted.get(slot, 0) + 1
+                num_forwards = max(num_forwards, drafted[slot])
+            value = expected / (seconds[num_decodes + e] + num_forwards * model_seconds)
             if value > best:
                 best, best_e = value, e
         out: dict = {}
-        for _neg_chance, _order, slot in ids[:best_e]:
+        for _by_model, _neg_chance, _order, slot in ids[:best_e]:
             out[slot] = out.get(slot, 0) + 1
         for seq in running:
             if out.get(seq.slot, 0) < offers.get(seq.slot, 0):
-                seq.spec.recover()
+                (seq.spec.model if seq.slot in model_slots else seq.spec).recover()
         return out
 
     def observe_step(self, num_rows: int, seconds: float) -> None:
@@ -467,7 +499,10 @@ class SpecDecoder:
         self.num_proposals += 1
         self.num_draft_tokens += len(draft)
         self.num_accepted_tokens += a
-        spec = entry.seq.spec
+        if entry.by_model:
+            self.num_model_draft_tokens += len(draft)
+            self.num_model_accepted_tokens += a
+        spec = entry.seq.spec.model if entry.by_model else entry.seq.spec  # the source's own state
         spec.observe(a, len(draft))
         if self.adaptive:  # a whole proposal accepted: the next may be twice as long; else one past it
             spec.limit = min(self.k, 2 * max(spec.limit, len(draft))) if a == len(draft) else a + 1
