@@ -397,7 +397,7 @@ class Linear:
             bias = 0 if self.bias is None else self.bias.data_ptr()
             scales = 0 if self._scales is None else self._scales.data_ptr()
             layout = self.layout | _KERNEL_ROUTES[route]
-            if num_rows <= KERNEL_BLOCK_ROWS:  # a decode step, a short chunk: one call, no row views
+            if 0 < num_rows <= KERNEL_BLOCK_ROWS:  # a decode step, a short chunk: one call, no row views
                 qgemm.matmul(layout, x.data_ptr(), x.stride(0), num_rows, self.in_features, self._rows.data_ptr(),
                              scales, self.out_features, bias, y.data_ptr(), self.out_features, code)
                 return y
