@@ -371,11 +371,14 @@ class EngineCore:
                 self._fail_tick(out, exc)
                 return
             self._last_forward_s = time.perf_counter() - start
+            self._after_forward(out, logits)
             if self.spec is not None:  # the step times of decode rows and proposals: the verify budget
                 num_rows = out.batch.num_tokens
                 if num_rows == len(out.seqs) + sum(len(e.draft) for e, _k, _first in out.spec_entries):
-                    self.spec.observe_step(num_rows, self._last_forward_s)
-            self._after_forward(out, logits)
+                    # the forward and the tick's work on its output: a verified run's output (per
+                    # request, in Python) costs more than a plain tick's (one call for all rows), a
+                    # share of a small model's step
+                    self.spec.observe_step(num_rows, time.perf_counter() - start)
 
     def _tick_with_rows(self, out, part) -> None:
         """A forward with embedding rows after the generation rows (if any): pooled, never sampled."""

@@ -69,7 +69,7 @@ FIRST_LIMIT = 4
 # --streams 16). 16 is also how far a step keeps the one-row route (routes.same_route_up_to).
 MAX_VERIFY_ROWS = 16
 # Within that cap a tick verifies the proposed ids that give it the highest expected rate:
-# (decoding sequences + expected accepted ids) / forward seconds of that many rows
+# (decoding sequences + expected accepted ids) / seconds of a tick of that many rows
 # (SpecDecoder.verify_budget). A sequence's chances come from its own proposals so far (SpecState),
 # the seconds of an r-row step from the engine's own decode ticks (StepTimes). Measured before the
 # budget: at 4 streams of open-ended text (acceptance ~0.55) n-gram speculation ran 0.91-0.93x plain
@@ -150,7 +150,7 @@ class SpecState:
 
 
 class StepTimes:
-    """Forward seconds of the engine's ticks without prefill, by their rows (running averages),
+    """Seconds of the engine's ticks without prefill (forward and output), by their rows (running averages),
     and an estimate for any row count: the timed value, else linear between the nearest timed
     counts, else scaled from the nearest timed count as r + STEP_ROWS_PRIOR (relative to
     1 + STEP_ROWS_PRIOR seconds when none is timed: the budget compares ratios only)."""
@@ -386,7 +386,8 @@ class SpecDecoder:
         return out
 
     def observe_step(self, num_rows: int, seconds: float) -> None:
-        """A tick without prefill (decode rows and proposals only) ran its forward in ``seconds``."""
+        """A tick without prefill (decode rows and proposals only) took ``seconds``: its forward and
+        the work on its output (sampling, verification, events)."""
         self.step_times.observe(num_rows, seconds)
 
     def withdraw(self, state) -> None:
