@@ -275,6 +275,16 @@ def test_a_tick_verifies_at_most_max_verify_rows(num_seqs):
         assert num_seqs + proposed <= MAX_VERIFY_ROWS
 
 
+def test_a_tick_nobody_proposes_in_takes_the_steady_decode_plan():
+    """With speculation on, a decode tick without a proposal is planned as plain decoding's steady
+    state (one Cython plan, the one-call output path: SchedulerOutput.is_decode_only); a tick with
+    one takes the general plan, its proposals verified."""
+    quiet = second_tick(SpecDecoder("ngram", 8), [11, 12, 13, 14, 15], 3)  # nothing repeats: no proposal
+    assert quiet.is_decode_only and not quiet.spec_entries and quiet.batch.num_tokens == 3
+    copying = second_tick(SpecDecoder("ngram", 8), [1, 2, 3, 4, 5, 6, 7, 8, 9] * 3 + [1, 2, 3], 3)
+    assert not copying.is_decode_only and copying.spec_entries and copying.batch.num_tokens > 3
+
+
 @pytest.mark.parametrize("num_seqs", [1, 3, 12, 15, 16])
 def test_the_draft_model_is_asked_for_no_more_ids_than_a_tick_verifies(num_seqs):
     """A draft id costs a row of every draft forward: the draft is asked for at most the rows a

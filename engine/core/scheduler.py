@@ -192,7 +192,9 @@ class Scheduler:
         caller adds to the batch (a decoder's embedding rows, engine/embedding/tick_rows.py)."""
         if not self.running and not self.waiting:
             return None
-        if not self.waiting and self.spec is None and num_reserved_tokens == 0:
+        spec = self.spec
+        steady = not self.waiting and num_reserved_tokens == 0
+        if steady and spec is None:
             out = self._schedule_decodes()
             if out is not None:
                 self.cost.start()
@@ -200,14 +202,18 @@ class Scheduler:
         state = self.state
         bm = self.block_manager
         cfg = self.config
-        preempted: list[Sequence] = []
         hard = cfg.max_num_batched_tokens - num_reserved_tokens
         prefill_budget = min(self.prefill_budget(), hard)
-        spec = self.spec
         if spec is not None:
             spec.entries = []
             if not self.waiting:
                 spec.propose(state, self.running, bm, hard, prefill_budget, cfg.max_model_len)
+            if steady and not spec.entries:  # nobody proposed: the steady state's plan, as without speculation
+                out = self._schedule_decodes()
+                if out is not None:
+                    self.cost.start()
+                    return out
+        preempted: list[Sequence] = []
         while True:
             max_chunk = prefill_budget
             if self.waiting and len(self.running) < cfg.max_num_seqs:
