@@ -177,7 +177,32 @@ static inline void FK_FN(scores8)(const float *q, int groups, const char *k, siz
     const size_t esize = is_half ? 2 : 4;
     for (int64_t j0 = 0; j0 < count; j0 += 8) {
         const int n = count - j0 < 8 ? (int)(count - j0) : 8;
-        for (int u = 0; u < n; u++) {
+        int u = 0;
+        if (groups == 3) {  /* two keys a pass: six independent sums (GQA with three queries a key) */
+            const float *q0 = q, *q1 = q0 + dim, *q2 = q1 + dim;
+            for (; u + 2 <= n; u += 2) {
+                const char *kr = k + (size_t)(j0 + u) * stride, *kr1 = kr + stride;
+                __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps(), s2 = _mm256_setzero_ps();
+                __m256 t0 = _mm256_setzero_ps(), t1 = _mm256_setzero_ps(), t2 = _mm256_setzero_ps();
+                for (int i = 0; i < dim; i += 8) {
+                    const __m256 x = FK_FN(load8)(kr + i * esize, is_half), y = FK_FN(load8)(kr1 + i * esize, is_half);
+                    const __m256 c0 = _mm256_loadu_ps(q0 + i), c1 = _mm256_loadu_ps(q1 + i), c2 = _mm256_loadu_ps(q2 + i);
+                    s0 = _mm256_fmadd_ps(c0, x, s0);
+                    t0 = _mm256_fmadd_ps(c0, y, t0);
+                    s1 = _mm256_fmadd_ps(c1, x, s1);
+                    t1 = _mm256_fmadd_ps(c1, y, t1);
+                    s2 = _mm256_fmadd_ps(c2, x, s2);
+                    t2 = _mm256_fmadd_ps(c2, y, t2);
+                }
+                _mm256_storeu_ps(part + u * 8, s0);
+                _mm256_storeu_ps(part + (8 + u) * 8, s1);
+                _mm256_storeu_ps(part + (16 + u) * 8, s2);
+                _mm256_storeu_ps(part + (u + 1) * 8, t0);
+                _mm256_storeu_ps(part + (8 + u + 1) * 8, t1);
+                _mm256_storeu_ps(part + (16 + u + 1) * 8, t2);
+            }
+        }
+        for (; u < n; u++) {
             const char *kr = k + (size_t)(j0 + u) * stride;
             int g = 0;
             for (; g + 3 <= groups; g += 3) {
@@ -221,25 +246,56 @@ static inline void FK_FN(scores8)(const float *q, int groups, const char *k, siz
     }
 }
 
-/* acc[g][i] += sum_j p[g * p_stride + j] * v_j[i] for every group g (D % 8 == 0): each 8
- * values of a cache row are read once for two groups. */
+/* acc[g][i] += sum_j p[g * p_stride + j] * v_j[i] for every group g (D % 8 == 0): each 16
+ * values of a cache row are read once for up to three groups, whose 2-6 sums run as independent
+ * chains (one chain per accumulator waits on the FMA's latency every key). Each acc[g][i] sums
+ * its keys in order, so the chunking changes no result. */
 static inline void FK_FN(pv8)(const float *p, int64_t p_stride, const char *v, size_t stride, int64_t count,
                               int dim, int groups, const int is_half, float *acc) {
     const size_t esize = is_half ? 2 : 4;
-    for (int i = 0; i < dim; i += 8) {
+    int i = 0;
+    for (; i + 16 <= dim; i += 16) {
         int g = 0;
-        for (; g + 2 <= groups; g += 2) {
-            __m256 a0 = _mm256_loadu_ps(acc + g * dim + i), a1 = _mm256_loadu_ps(acc + (g + 1) * dim + i);
-            const float *p0 = p + g * p_stride, *p1 = p0 + p_stride;
+        for (; g + 3 <= groups; g += 3) {
+            float *c0 = acc + g * dim + i, *c1 = c0 + dim, *c2 = c1 + dim;
+            __m256 a0 = _mm256_loadu_ps(c0), b0 = _mm256_loadu_ps(c0 + 8);
+            __m256 a1 = _mm256_loadu_ps(c1), b1 = _mm256_loadu_ps(c1 + 8);
+            __m256 a2 = _mm256_loadu_ps(c2), b2 = _mm256_loadu_ps(c2 + 8);
+            const float *p0 = p + g * p_stride, *p1 = p0 + p_stride, *p2 = p1 + p_stride;
             for (int64_t j = 0; j < count; j++) {
-                const __m256 x = FK_FN(load8)(v + (size_t)j * stride + i * esize, is_half);
-                a0 = _mm256_fmadd_ps(_mm256_set1_ps(p0[j]), x, a0);
-                a1 = _mm256_fmadd_ps(_mm256_set1_ps(p1[j]), x, a1);
+                const char *row = v + (size_t)j * stride + i * esize;
+                const __m256 x = FK_FN(load8)(row, is_half), y = FK_FN(load8)(row + 8 * esize, is_half);
+                const __m256 w0 = _mm256_set1_ps(p0[j]), w1 = _mm256_set1_ps(p1[j]), w2 = _mm256_set1_ps(p2[j]);
+                a0 = _mm256_fmadd_ps(w0, x, a0);
+                b0 = _mm256_fmadd_ps(w0, y, b0);
+                a1 = _mm256_fmadd_ps(w1, x, a1);
+                b1 = _mm256_fmadd_ps(w1, y, b1);
+                a2 = _mm256_fmadd_ps(w2, x, a2);
+                b2 = _mm256_fmadd_ps(w2, y, b2);
             }
-            _mm256_storeu_ps(acc + g * dim + i, a0);
-            _mm256_storeu_ps(acc + (g + 1) * dim + i, a1);
+            _mm256_storeu_ps(c0, a0);
+            _mm256_storeu_ps(c0 + 8, b0);
+            _mm256_storeu_ps(c1, a1);
+            _mm256_storeu_ps(c1 + 8, b1);
+            _mm256_storeu_ps(c2, a2);
+            _mm256_storeu_ps(c2 + 8, b2);
         }
         for (; g < groups; g++) {
+            float *c0 = acc + g * dim + i;
+            __m256 a0 = _mm256_loadu_ps(c0), b0 = _mm256_loadu_ps(c0 + 8);
+            const float *p0 = p + g * p_stride;
+            for (int64_t j = 0; j < count; j++) {
+                const char *row = v + (size_t)j * stride + i * esize;
+                const __m256 w0 = _mm256_set1_ps(p0[j]);
+                a0 = _mm256_fmadd_ps(w0, FK_FN(load8)(row, is_half), a0);
+                b0 = _mm256_fmadd_ps(w0, FK_FN(load8)(row + 8 * esize, is_half), b0);
+            }
+            _mm256_storeu_ps(c0, a0);
+            _mm256_storeu_ps(c0 + 8, b0);
+        }
+    }
+    for (; i < dim; i += 8) {  /* D % 16 == 8: the last 8 values */
+        for (int g = 0; g < groups; g++) {
             __m256 a0 = _mm256_loadu_ps(acc + g * dim + i);
             const float *p0 = p + g * p_stride;
             for (int64_t j = 0; j < count; j++)
