@@ -169,6 +169,19 @@ static inline __m256 FK_FN(exp8)(__m256 x) {
     return _mm256_andnot_ps(is_tiny, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
 }
 
+/* Three multipliers c0..c2 times two vectors x, y into six sums (c_g * x into *xg, c_g * y into
+ * *yg): independent FMA chains, for scores8 (three queries, two keys) and pv8 (three weights,
+ * sixteen values). */
+static inline void FK_FN(fma3x2)(const __m256 c0, const __m256 c1, const __m256 c2, const __m256 x, const __m256 y,
+                                 __m256 *x0, __m256 *y0, __m256 *x1, __m256 *y1, __m256 *x2, __m256 *y2) {
+    *x0 = _mm256_fmadd_ps(c0, x, *x0);
+    *y0 = _mm256_fmadd_ps(c0, y, *y0);
+    *x1 = _mm256_fmadd_ps(c1, x, *x1);
+    *y1 = _mm256_fmadd_ps(c1, y, *y1);
+    *x2 = _mm256_fmadd_ps(c2, x, *x2);
+    *y2 = _mm256_fmadd_ps(c2, y, *y2);
+}
+
 /* out[g * FK_SPAN + j] = q_g . k_j for every group g and the count cache rows
  * k_j = k + j * stride (D % 8 == 0): each 8 values of a key are widened once for all groups;
  * per key and group one lane-partial vector, 8 keys of a group reduced together. */
@@ -184,16 +197,10 @@ static inline void FK_FN(scores8)(const float *q, int groups, const char *k, siz
                 const char *kr = k + (size_t)(j0 + u) * stride, *kr1 = kr + stride;
                 __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps(), s2 = _mm256_setzero_ps();
                 __m256 t0 = _mm256_setzero_ps(), t1 = _mm256_setzero_ps(), t2 = _mm256_setzero_ps();
-                for (int i = 0; i < dim; i += 8) {
-                    const __m256 x = FK_FN(load8)(kr + i * esize, is_half), y = FK_FN(load8)(kr1 + i * esize, is_half);
-                    const __m256 c0 = _mm256_loadu_ps(q0 + i), c1 = _mm256_loadu_ps(q1 + i), c2 = _mm256_loadu_ps(q2 + i);
-                    s0 = _mm256_fmadd_ps(c0, x, s0);
-                    t0 = _mm256_fmadd_ps(c0, y, t0);
-                    s1 = _mm256_fmadd_ps(c1, x, s1);
-                    t1 = _mm256_fmadd_ps(c1, y, t1);
-                    s2 = _mm256_fmadd_ps(c2, x, s2);
-                    t2 = _mm256_fmadd_ps(c2, y, t2);
-                }
+                for (int i = 0; i < dim; i += 8)
+                    FK_FN(fma3x2)(_mm256_loadu_ps(q0 + i), _mm256_loadu_ps(q1 + i), _mm256_loadu_ps(q2 + i),
+                                  FK_FN(load8)(kr + i * esize, is_half), FK_FN(load8)(kr1 + i * esize, is_half),
+                                  &s0, &t0, &s1, &t1, &s2, &t2);
                 _mm256_storeu_ps(part + u * 8, s0);
                 _mm256_storeu_ps(part + (8 + u) * 8, s1);
                 _mm256_storeu_ps(part + (16 + u) * 8, s2);
@@ -264,14 +271,9 @@ static inline void FK_FN(pv8)(const float *p, int64_t p_stride, const char *v, s
             const float *p0 = p + g * p_stride, *p1 = p0 + p_stride, *p2 = p1 + p_stride;
             for (int64_t j = 0; j < count; j++) {
                 const char *row = v + (size_t)j * stride + i * esize;
-                const __m256 x = FK_FN(load8)(row, is_half), y = FK_FN(load8)(row + 8 * esize, is_half);
-                const __m256 w0 = _mm256_set1_ps(p0[j]), w1 = _mm256_set1_ps(p1[j]), w2 = _mm256_set1_ps(p2[j]);
-                a0 = _mm256_fmadd_ps(w0, x, a0);
-                b0 = _mm256_fmadd_ps(w0, y, b0);
-                a1 = _mm256_fmadd_ps(w1, x, a1);
-                b1 = _mm256_fmadd_ps(w1, y, b1);
-                a2 = _mm256_fmadd_ps(w2, x, a2);
-                b2 = _mm256_fmadd_ps(w2, y, b2);
+                FK_FN(fma3x2)(_mm256_set1_ps(p0[j]), _mm256_set1_ps(p1[j]), _mm256_set1_ps(p2[j]),
+                              FK_FN(load8)(row, is_half), FK_FN(load8)(row + 8 * esize, is_half),
+                              &a0, &b0, &a1, &b1, &a2, &b2);
             }
             _mm256_storeu_ps(c0, a0);
             _mm256_storeu_ps(c0 + 8, b0);
