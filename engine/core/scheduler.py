@@ -192,27 +192,25 @@ class Scheduler:
         caller adds to the batch (a decoder's embedding rows, engine/embedding/tick_rows.py)."""
         if not self.running and not self.waiting:
             return None
-        spec = self.spec
-        steady = not self.waiting and num_reserved_tokens == 0
-        if steady and spec is None:
-            out = self._schedule_decodes()
-            if out is not None:
-                self.cost.start()
-                return out
         state = self.state
         bm = self.block_manager
         cfg = self.config
         hard = cfg.max_num_batched_tokens - num_reserved_tokens
-        prefill_budget = min(self.prefill_budget(), hard)
+        prefill_budget = None
+        spec = self.spec
         if spec is not None:
             spec.entries = []
             if not self.waiting:
+                prefill_budget = min(self.prefill_budget(), hard)
                 spec.propose(state, self.running, bm, hard, prefill_budget, cfg.max_model_len)
-            if steady and not spec.entries:  # nobody proposed: the steady state's plan, as without speculation
-                out = self._schedule_decodes()
-                if out is not None:
-                    self.cost.start()
-                    return out
+        if not self.waiting and num_reserved_tokens == 0 and (spec is None or not spec.entries):
+            # the steady state (with speculation on: a tick nobody proposes in) in one Cython plan
+            out = self._schedule_decodes()
+            if out is not None:
+                self.cost.start()
+                return out
+        if prefill_budget is None:
+            prefill_budget = min(self.prefill_budget(), hard)
         preempted: list[Sequence] = []
         while True:
             max_chunk = prefill_budget
