@@ -7,7 +7,8 @@ greedy continuations of tests/data/smollm2_llamacpp_greedy.json.
 Variants: auto (the default: int4 layers, int8 head, bfloat16 activations), auto_f32 (same
 weights, float32 activations: the exact int4 product), bfloat16 (dense bf16 weights),
 auto_densehead (int4 layers, dense bf16 head), int4, auto@float32 (float32 activations and
-residual, bfloat16 quantized products).
+residual, bfloat16 quantized products), auto_int8 (auto with activations="int8": the packed
+products' activations in int8 codes, llama.cpp's precision; where the CPU has AVX-512 VNNI).
 """
 from __future__ import annotations
 
@@ -55,6 +56,8 @@ def build(path: str, variant: str):
     if variant == "auto_f32":  # the same weights, exact float32 products
         from engine.loader.gguf_loader import load_gguf
         return load_gguf(path, dtype="float32", quantization="auto", exact_products=True)
+    if variant == "auto_int8":
+        return load_model(path, activations="int8")
     if variant.startswith("auto@"):  # activation dtype, e.g. auto@float32
         return load_model(path, quantization="auto", dtype=variant.split("@")[1])
     return load_model(path, quantization=variant)

@@ -41,6 +41,7 @@ import numpy as np
 from benchmarks.common import environment, fmt_stats, print_table, summarize, write_json
 from cext.ngram import NgramIndex
 from engine import Engine, SamplingParams
+from engine.config import ACTIVATIONS
 
 CODE = '''def total_price(items, tax_rate, discount=None):
     # compute the sum of all items
@@ -158,7 +159,7 @@ def bench_one_stream(variants: dict, prompts: list[list[int]], max_tokens: int, 
                 outs[name] = out
                 e2e[name].append(len(out) / t_e2e)
                 dec[name].append((len(out) - 1) / t_dec if len(out) > 1 and t_dec > 0 else 0.0)
-            mismatches += sum(outs[n] != outs["plain"] for n in before if n != "plain")
+            mismatches += sum(outs[n] != outs["plain"] for n in before if variants[n]._core.spec is not None)
     result = {"mismatches": mismatches}
     for name in variants:
         result[name] = {"e2e_tok_s": summarize(e2e[name]), "decode_tok_s": summarize(dec[name]),
@@ -180,7 +181,7 @@ def bench_streams(engines: dict, prompts: list[list[int]], num_streams: int, max
         for name, eng in engines.items():
             outs[name], seconds = run_streams(eng, ids, max_tokens)
             rates[name].append(sum(len(o) for o in outs[name]) / seconds)
-        mismatches += sum(outs[n] != outs["plain"] for n in engines if n != "plain")
+        mismatches += sum(outs[n] != outs["plain"] for n in engines if engines[n]._core.spec is not None)
     result = {"mismatches": mismatches, "num_streams": num_streams}
     for name in engines:
         result[name] = {"aggregate_tok_s": summarize(rates[name]),
@@ -244,26 +245,34 @@ def main() -> None:
                         help="adds the variant 'ngram fixed k': every proposal may have k ids (no adaptive k)")
     parser.add_argument("--no-budget", action="store_true",
                         help="adds the variant 'ngram no budget': every proposed id verified (no verify budget)")
+    parser.add_argument("--activations", default="int16", choices=ACTIVATIONS,
+                        help="every engine's activation codes; int8 adds the variant 'plain int16' (the default "
+                             "engine) to show what the codes alone give")
     args = parser.parse_args()
     if args.proposer:
         main_proposer(args.num_speculative_tokens)
         return
     k = args.num_speculative_tokens
     load_before = os.getloadavg()
-    engines = {"plain": Engine.from_pretrained(args.model),
-               "ngram": Engine.from_pretrained(args.model, speculative="ngram", num_speculative_tokens=k)}
+    common = {"activations": args.activations}
+    engines = {"plain": Engine.from_pretrained(args.model, **common),
+               "ngram": Engine.from_pretrained(args.model, speculative="ngram", num_speculative_tokens=k, **common)}
+    if args.activations != "int16":
+        engines["plain int16"] = Engine.from_pretrained(args.model)
     if args.also_k:
         engines[f"ngram k={args.also_k}"] = Engine.from_pretrained(args.model, speculative="ngram",
-                                                                   num_speculative_tokens=args.also_k)
+                                                                   num_speculative_tokens=args.also_k, **common)
     if args.fixed_k:
-        engines["ngram fixed k"] = Engine.from_pretrained(args.model, speculative="ngram", num_speculative_tokens=k)
+        engines["ngram fixed k"] = Engine.from_pretrained(args.model, speculative="ngram", num_speculative_tokens=k,
+                                                          **common)
         engines["ngram fixed k"]._core.spec.adaptive = False
     if args.no_budget:
-        engines["ngram no budget"] = Engine.from_pretrained(args.model, speculative="ngram", num_speculative_tokens=k)
+        engines["ngram no budget"] = Engine.from_pretrained(args.model, speculative="ngram", num_speculative_tokens=k,
+                                                            **common)
         engines["ngram no budget"]._core.spec.budgeted = False
     if args.draft_model:
         engines["draft"] = Engine.from_pretrained(args.model, speculative="draft", draft_model=args.draft_model,
-                                                  num_speculative_tokens=k)
+                                                  num_speculative_tokens=k, **common)
     variants = dict(engines)
     if args.llama_cpp:
         path = engines["plain"].model_path

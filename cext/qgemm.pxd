@@ -15,6 +15,7 @@ cdef extern from "csrc/qgemm.h" nogil:
         QG_ROUTE_AMX
         QG_ROUTE_STRIP
         QG_PACKED
+        QG_INT8
         QG_OK
         QG_BAD_LENGTH
         QG_NO_MEMORY

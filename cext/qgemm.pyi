@@ -11,6 +11,7 @@ ROUTE_FLOAT: int
 ROUTE_AMX: int
 ROUTE_STRIP: int
 PACKED: int
+INT8: int
 FLOAT32: int
 BFLOAT16: int
 

@@ -4,7 +4,8 @@ engine.models.quant), named by ``layout`` = Q4, Q5 or Q8, plus HALF (fp16 scales
 Q4_K stores them: uint8 multiples of an fp16 factor per 256 inputs) and NO_MINS (Q5 rows without mins), and for matmul optionally the route: ROUTE_INT (int16 activation codes)
 or ROUTE_FLOAT (float32 FMAs over decoded weights; AVX2 and up) or ROUTE_AMX (the integer route's sums on AMX-INT8 tiles) or ROUTE_STRIP (the integer route's sums with
 AVX-512 VNNI, 16 outputs per vector; N a multiple of 16). PACKED: Q4, Q5 or Q8 rows stored in strips of 16 for
-the strip route (``pack`` makes them; matmul with no route or ROUTE_STRIP, and dequantize).
+the strip route (``pack`` makes them; matmul with no route or ROUTE_STRIP, and dequantize). INT8 (with PACKED,
+matmul only): int8 activation codes where the default is int16 (twice the multiply-adds per instruction).
 
 Arguments are raw addresses (``tensor.data_ptr()``) and sizes; the caller
 (``engine.models.linear``) checks dtypes and shapes. The GIL is released while a kernel runs.
@@ -33,6 +34,7 @@ ROUTE_FLOAT = QG_ROUTE_FLOAT
 ROUTE_AMX = QG_ROUTE_AMX
 ROUTE_STRIP = QG_ROUTE_STRIP
 PACKED = QG_PACKED
+INT8 = QG_INT8
 FLOAT32 = DT_FLOAT32
 BFLOAT16 = DT_BFLOAT16
 
@@ -40,7 +42,7 @@ _ERRORS = {
     QG_BAD_LENGTH: "K (num_cols) must be a multiple of 32 (Q8), of 64 (Q4, Q5) or of 256 (SUPER)",
     QG_BAD_LAYOUT: "unknown layout (or SUPER on a layout other than Q4 without HALF, or ROUTE_AMX / ROUTE_STRIP "
                    "with num_out not a multiple of 16, or ROUTE_AMX without AMX-INT8, or PACKED with a route other "
-                   "than ROUTE_STRIP or a row count not a multiple of 16)",
+                   "than ROUTE_STRIP or a row count not a multiple of 16, or INT8 without PACKED)",
 }
 
 

@@ -59,7 +59,8 @@ def _load_draft(path: str, load_options: dict | None = None):
     from .loader import load_model
 
     options = load_options or {}
-    return load_model(path, dtype=options.get("dtype"), quantization=options.get("quantization", "auto"))
+    return load_model(path, dtype=options.get("dtype"), quantization=options.get("quantization", "auto"),
+                      activations=options.get("activations", "int16"))
 
 
 class Engine(EmbeddingMixin):
@@ -133,7 +134,8 @@ class Engine(EmbeddingMixin):
                 _check_draft(config.draft_model, tokenizer)
             load.stage("loading weights")
             if loaded is None:
-                loaded = load_model(path, dtype=config.dtype, quantization=config.quantization)
+                loaded = load_model(path, dtype=config.dtype, quantization=config.quantization,
+                                    activations=config.activations)
                 try:
                     _shared_models[key] = loaded
                 except TypeError:  # a model type without weak references: not shared

@@ -68,18 +68,22 @@ def exact_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return x.double() @ w.double().T
 
 
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [M, K] float32 -> (codes [M, K/32, 32] float64, scales [M, K/32] float64, exact block sums)."""
+def quantize_activations(x: torch.Tensor, xmax: float = 32767.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] float32 -> (codes [M, K/32, 32] float64, scales [M, K/32] float64, block sums);
+    codes |q| <= xmax (32767: int16, with the exact sums; 127: QG_INT8's int8, with the sums of
+    the dequantized codes, in float32)."""
     blocks = x.float().reshape(x.shape[0], -1, GROUP_SIZE)  # [M, K/32, 32]
     amax = blocks.abs().amax(-1)  # [M, K/32]
-    inv = torch.where(amax > 0, torch.tensor(32767.0) / amax, torch.zeros(()))
+    inv = torch.where(amax > 0, torch.tensor(xmax) / amax, torch.zeros(()))
     codes = torch.round(blocks * inv[..., None])  # half to even, as nearbyintf
-    return codes.double(), (amax / 32767).double(), blocks.sum(-1).double()
+    dx = amax / xmax
+    sums = blocks.sum(-1) if xmax == 32767.0 else dx * codes.sum(-1)
+    return codes.double(), dx.double(), sums.double()
 
 
-def emulate_int4(x: torch.Tensor, weight: Int4Weight | Int5Weight, half: bool) -> torch.Tensor:
+def emulate_int4(x: torch.Tensor, weight: Int4Weight | Int5Weight, half: bool, xmax: float = 32767.0) -> torch.Tensor:
     """Int5: the kernels take signed codes q - 16 and the min m + 16 d (with x's exact block sums)."""
-    codes, dx, sx = quantize_activations(x)
+    codes, dx, sx = quantize_activations(x, xmax)
     num_rows, num_cols = weight.shape
     is_int5 = isinstance(weight, Int5Weight)
     q = weight.codes.reshape(num_rows, -1, GROUP_SIZE).double() - (16 if is_int5 else 0)  # [N, K/32, 32]
@@ -90,8 +94,8 @@ def emulate_int4(x: torch.Tensor, weight: Int4Weight | Int5Weight, half: bool) -
     return (dots * dx[:, None] * scales[None] + sx[:, None] * mins[None]).sum(-1)  # [M, N]
 
 
-def emulate_int8(x: torch.Tensor, weight: Int8Weight) -> torch.Tensor:
-    codes, dx, _ = quantize_activations(x)
+def emulate_int8(x: torch.Tensor, weight: Int8Weight, xmax: float = 32767.0) -> torch.Tensor:
+    codes, dx, _ = quantize_activations(x, xmax)
     q = weight.codes.reshape(weight.codes.shape[0], -1, GROUP_SIZE).double()
     dots = torch.einsum("mbj,nbj->mnb", codes, q)  # [M, N, K/32]
     return (dots * dx[:, None] * weight.scales.double()[None]).sum(-1)
@@ -858,6 +862,63 @@ def test_packed_layers_run_the_strip_route_alone(monkeypatch):
     assert qgemm.packed_strip_bytes(linear_module.Q4 | linear_module.SUPER, 128) == 0  # K not in 256s
     with pytest.raises(ValueError):  # rows not in strips of 16
         qgemm.pack(Linear(_weights("int4", w)).layout, 0, 0, 40, 128, 0)
+
+
+INT8_KINDS = PACKED_KINDS  # QG_INT8: every packed layout
+
+
+@pytest.mark.parametrize("isa", ALL_ISAS)
+@pytest.mark.parametrize("kind", INT8_KINDS)
+def test_int8_activations_are_their_definition_on_every_isa(isa, kind, monkeypatch):
+    """QG_INT8: the activations' int8 codes (|q| <= 127, max|x| / 127, half to even) times the weights'
+    codes, summed exactly per block (Q8's by an offset of 128 taken off again), to float32 rounding of
+    the emulated sums; the AVX-512 kernel (bytes in its own order, vpdpbusd) and the portable one
+    give the same bits, one thread or two, at every row count and in any batch."""
+    old_threads, old_threshold = cpu.get_num_threads(), cpu.get_parallel_threshold()
+    cpu.set_parallel_threshold(0)
+    try:
+        for seed, num_rows in enumerate((1, 2, 3, 5, 8, 11, 17)):
+            for dtype in (torch.float32, torch.bfloat16):
+                w, x, bias = _inputs(seed, num_rows, 48, 256, dtype)
+                _, packed = packed_pair(kind, w, bias, monkeypatch)
+                int16 = packed.run(x, "strip")
+                assert packed.use_int8_activations() and packed.int8_activations
+                reference = packed.run(x, "strip")  # the CPU's own kernel, two threads
+                weight = _weights(kind, w)
+                emulated = (emulate_int8(x, weight, 127.0) if kind.startswith("int8")
+                            else emulate_int4(x, weight, packed.half, 127.0)) + bias.double()
+                _check(reference, emulated, dtype)
+                if dtype == torch.float32:  # int16 codes really were replaced (the sums moved)
+                    assert (reference - int16).abs().max() > 1e-4
+                use_isa(isa)
+                for threads in (1, 2):
+                    cpu.set_num_threads(threads)
+                    assert torch.equal(packed.run(x, "strip"), reference), (num_rows, dtype, threads)
+                    for first, count in ((0, 1), (num_rows - 1, 1), (0, min(num_rows, 4))):
+                        assert torch.equal(packed.run(x[first:first + count], "strip"),
+                                           reference[first:first + count])
+                cpu.set_isa("auto")
+    finally:
+        cpu.set_isa("auto")
+        cpu.set_num_threads(old_threads)
+        cpu.set_parallel_threshold(old_threshold)
+
+
+def test_int8_activations_take_only_packed_layers(monkeypatch):
+    """Row layouts, exact and dense layers keep their products (use_int8_activations says no); the C
+    entry refuses QG_INT8 on rows, naming the layout."""
+    w, x, bias = _inputs(0, 3, 48, 128, torch.float32)
+    rows = Linear(_weights("int4", w), bias)
+    assert not rows.is_packed_strips and not rows.use_int8_activations()
+    exact = Linear(_weights("int4", w), bias, exact=True)
+    exact._pack()
+    assert not exact.use_int8_activations()
+    assert not Linear(w, bias).use_int8_activations()  # dense
+    y = torch.empty(3, 48)
+    layout = rows.layout | qgemm.INT8
+    with pytest.raises(ValueError, match=f"layout {layout}"):
+        qgemm.matmul(layout, x.data_ptr(), 128, 3, 128, rows._rows.data_ptr(), 0, 48, 0, y.data_ptr(), 48, 0)
+    assert linear_module.INT8 == qgemm.INT8
 
 
 def test_which_layers_are_packed(monkeypatch):

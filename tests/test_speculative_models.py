@@ -117,6 +117,28 @@ def test_qwen_coder_code_edits_equal_and_mostly_accepted(qwen_gguf):  # noqa: F8
     assert stats["spec_decode_acceptance_rate"] > 0.5  # the edits copy the prompt
 
 
+def test_qwen_coder_int8_activations_equal_with_speculation(qwen_gguf):  # noqa: F811
+    """activations="int8" (packed Q4/Q8 products on int8 codes): every projection and the head take
+    them where the CPU has AVX-512 VNNI, and speculation stays lossless over them (each row's sums do
+    not depend on the rows beside it)."""
+    from cext import cpu
+
+    params = SamplingParams(max_tokens=64, temperature=0)
+    with engine.Engine.from_pretrained(str(qwen_gguf), activations="int8") as plain:
+        want = generate(plain, EDITS, params)
+        model = plain.model
+        assert model.activations == "int8"
+        layers = 4 * model.config.num_layers + 1  # qkv, o, gate_up, down and the head
+        assert model.int8_layers == (layers if "avx512_vnni" in cpu.features() else 0)
+    with engine.Engine.from_pretrained(str(qwen_gguf), activations="int8", speculative="ngram") as fast:
+        fast._core.spec.budgeted = False  # every proposal verified: many multi-row products
+        got = generate(fast, EDITS, params)
+        assert fast.stats()["spec_decode_num_accepted_tokens"] > 0
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
+    with pytest.raises(ValueError, match="activations"):
+        engine.Engine.from_pretrained(str(qwen_gguf), activations="int4")
+
+
 FEATURES = {
     "logprobs": SamplingParams(max_tokens=48, temperature=0, logprobs=True, top_logprobs=3),
     "penalties": SamplingParams(max_tokens=48, temperature=0, repetition_penalty=1.2, frequency_penalty=0.3,

@@ -37,6 +37,9 @@ typedef struct {
     void *y; int64_t y_stride; int dtype;
     int64_t num_out;
     int packed;  /* QG_PACKED: a->blocks holds strips of 16 rows; PACKED_Q4, PACKED_Q5 or PACKED_Q8 */
+    int int8;    /* QG_INT8 (packed Q4 or Q8): activation codes |q| <= 127 */
+    const int8_t *qx8;   /* QG_INT8 on the AVX-512 kernel: [M, K] codes in its order (strip_quantize_rows8) */
+    const int32_t *isx;  /* with qx8: [M, K / 32] each block's sum of codes */
 } QArgs;
 
 static inline void store_out(const QArgs *a, int64_t row, int64_t col, float v) {
@@ -135,9 +138,12 @@ static float strip_order_sum(const float *v) {
     return (t[0] + t[2]) + (t[1] + t[3]);
 }
 
-/* x [M, K] -> qx, dx, sx (blocks of 32); strip_order: the sums in strip_order_sum's order. */
+/* x [M, K] -> qx, dx, sx (blocks of 32); strip_order: the sums in strip_order_sum's order. int8
+ * (QG_INT8): codes |q| <= 127 and sx = dx * (the codes' sum), else |q| <= QG_XMAX and sx the exact
+ * sum. */
 static void quantize_rows(const void *x, int64_t x_stride, int64_t num_rows, int64_t num_cols, int dtype,
-                          int16_t *qx, float *dx, float *sx, int strip_order) {
+                          int16_t *qx, float *dx, float *sx, int strip_order, int int8) {
+    const float xmax = int8 ? 127.0f : QG_XMAX;
     float v[QK_BLOCK];
     const int64_t nb = num_cols / QK_BLOCK;
     for (int64_t i = 0; i < num_rows; i++) {
@@ -155,11 +161,15 @@ static void quantize_rows(const void *x, int64_t x_stride, int64_t num_rows, int
                 amax = m > amax ? m : amax;
                 sum += v[j];
             }
-            const float d = amax / QG_XMAX, inv = amax > 0.0f ? QG_XMAX / amax : 0.0f;
+            const float d = amax / xmax, inv = amax > 0.0f ? xmax / amax : 0.0f;
             int16_t *codes = qx + i * num_cols + b * QK_BLOCK;
-            for (int j = 0; j < QK_BLOCK; j++) codes[j] = (int16_t)nearbyintf(v[j] * inv);
+            int32_t code_sum = 0;
+            for (int j = 0; j < QK_BLOCK; j++) {
+                codes[j] = (int16_t)nearbyintf(v[j] * inv);
+                code_sum += codes[j];
+            }
             dx[i * nb + b] = d;
-            sx[i * nb + b] = strip_order ? strip_order_sum(v) : sum;
+            sx[i * nb + b] = int8 ? d * (float)code_sum : strip_order ? strip_order_sum(v) : sum;
         }
     }
 }
@@ -417,7 +427,7 @@ void qg_set_prefetch_spread(int on) { (void)on; }
 #pragma GCC pop_options
 
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c,bmi2")
 #define QG_SUFFIX avx512
 #define QG_DOT2(a, x, b, y) _mm256_dpwssd_epi32(_mm256_madd_epi16(a, x), b, y)
 #define QG_FVEC __m512
@@ -433,7 +443,7 @@ void qg_set_prefetch_spread(int on) { (void)on; }
 #if defined(__GNUC__) && (__GNUC__ >= 11 || defined(__clang__))
 #define QG_HAVE_AMX 1
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16,avx2,fma,f16c,amx-tile,amx-int8")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16,avx2,fma,f16c,bmi2,amx-tile,amx-int8")
 #include "qgemm_amx.h"
 #pragma GCC pop_options
 #endif
@@ -448,7 +458,9 @@ void qg_set_float_rows(int64_t rows) { qg_float_rows = rows; }
 int64_t qg_get_float_rows(void) { return qg_float_rows; }
 
 /* A QG_PACKED product (the strip route's sums; qg_matmul checked the layout): the activations
- * quantized as the strip route quantizes them, then strips across the pool. */
+ * quantized as the strip route quantizes them, then strips across the pool. With QG_INT8 the
+ * portable kernel reads the int8 codes as int16 in input order, the AVX-512 one as bytes in its
+ * own order (strip_quantize_rows8; its qx8 and isx after the int16 codes' room in the buffer). */
 static int run_packed(QArgs *a, const void *x, int64_t x_stride) {
     const int64_t M = a->num_rows, K = a->num_cols;
     int16_t *qx;
@@ -458,11 +470,18 @@ static int run_packed(QArgs *a, const void *x, int64_t x_stride) {
     CpuRangeFn fn = packed_range_scalar;
 #ifdef QG_HAVE_X86
     if (cpu_allows(CPU_HAS_AVX512_VNNI)) {
-        strip_quantize_rows(x, x_stride, M, K, a->dtype, qx, dx, sx);
+        if (a->int8) {  /* the int16 codes' room holds the int8 codes and isx: K + 4 K / 32 < 2 K bytes */
+            int8_t *qx8 = (int8_t *)qx;
+            int32_t *isx = (int32_t *)(qx8 + M * K);
+            strip_quantize_rows8(x, x_stride, M, K, a->dtype, a->packed != PACKED_Q8, qx8, dx, sx, isx);
+            a->qx8 = qx8; a->isx = isx;
+        } else {
+            strip_quantize_rows(x, x_stride, M, K, a->dtype, qx, dx, sx);
+        }
         fn = packed_range_avx512;
     } else
 #endif
-        quantize_rows(x, x_stride, M, K, a->dtype, qx, dx, sx, 1);
+        quantize_rows(x, x_stride, M, K, a->dtype, qx, dx, sx, 1, a->int8);
     a->qx = qx; a->dx = dx; a->sx = sx;
     int rc = cpu_parallel_for(fn, a, a->num_out / 16, M * a->num_out * K, 0);
     free(buf);
@@ -511,7 +530,7 @@ static int run(QArgs *a, const void *x, int64_t x_stride, int is_q4, int route) 
         float *dx, *sx;
         buf = alloc_codes(M, K, &qx, &dx, &sx);
         if (buf == NULL) return QG_NO_MEMORY;
-        quantize_rows(x, x_stride, M, K, a->dtype, qx, dx, sx, 0);
+        quantize_rows(x, x_stride, M, K, a->dtype, qx, dx, sx, 0, 0);
         a->qx = qx; a->dx = dx; a->sx = sx;
     }
     /* scratch per worker: the pass's weight scales and mins (QG_NR x nb each), its tiles' scales
@@ -530,15 +549,18 @@ int qg_matmul(int layout, const void *x, int64_t x_stride, int64_t num_rows, int
     if ((layout & QG_SUPER) && num_cols % (8 * QK_BLOCK) != 0) return QG_BAD_LENGTH;
     const int packed = (layout & QG_PACKED) != 0;  /* strips: the strip route only, outputs in 16s */
     if (packed && ((layout & QG_ROUTE_MASK & ~QG_ROUTE_STRIP) || num_out % 16 != 0)) return QG_BAD_LAYOUT;
+    const int int8 = (layout & QG_INT8) != 0;  /* packed layouts only */
+    if (int8 && !packed) return QG_BAD_LAYOUT;
     if (format == QG_Q8) {
         QArgs a = {NULL, NULL, NULL, NULL, num_rows, num_cols, (const uint8_t *)w, half, 0, 0, (const int8_t *)w,
-                   (const uint8_t *)scales, bias, y, y_stride, dtype, num_out, packed ? PACKED_Q8 : 0};
+                   (const uint8_t *)scales, bias, y, y_stride, dtype, num_out, packed ? PACKED_Q8 : 0, int8,
+                   NULL, NULL};
         return run(&a, x, x_stride, 0, layout & QG_ROUTE_MASK);
     }
     if (format != QG_Q4 && format != QG_Q5) return QG_BAD_LAYOUT;
     QArgs a = {NULL, NULL, NULL, NULL, num_rows, num_cols, (const uint8_t *)w, half, format == QG_Q5,
                !(layout & QG_NO_MINS), NULL, NULL, bias, y, y_stride, dtype, num_out,
-               packed ? (format == QG_Q5 ? PACKED_Q5 : PACKED_Q4) : 0};
+               packed ? (format == QG_Q5 ? PACKED_Q5 : PACKED_Q4) : 0, int8, NULL, NULL};
     return run(&a, x, x_stride, 1, layout & QG_ROUTE_MASK);
 }
 

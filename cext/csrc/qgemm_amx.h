@@ -54,7 +54,8 @@ static void amx_quantize_rows(const void *x, int64_t x_stride, int64_t num_rows,
     for (int64_t i = 0; i < num_rows; i++) {
         for (int64_t b = 0; b < nb; b++) {
             __m512i q0, q1;
-            strip_quantize_block(x, i * x_stride + b * QK_BLOCK, dtype, &q0, &q1, dx + i * nb + b, sx + i * nb + b);
+            strip_quantize_block(x, i * x_stride + b * QK_BLOCK, dtype, &q0, &q1, dx + i * nb + b, sx + i * nb + b,
+                                 QG_XMAX);
             const int64_t o = i * num_cols + b * QK_BLOCK;
             _mm_storeu_si128((__m128i *)(hi + o), _mm512_cvtepi32_epi8(_mm512_srai_epi32(q0, 8)));
             _mm_storeu_si128((__m128i *)(hi + o + 16), _mm512_cvtepi32_epi8(_mm512_srai_epi32(q1, 8)));

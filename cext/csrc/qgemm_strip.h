@@ -31,7 +31,7 @@ typedef struct {
  * rounding, round half to even through MXCSR; the sum in another order). The amx_int route's
  * quantizer too. */
 static inline void strip_quantize_block(const void *x, int64_t at, int dtype, __m512i *q0, __m512i *q1,
-                                        float *dx, float *sx) {
+                                        float *dx, float *sx, const float xmax) {
     const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
     __m512 v0, v1;
     if (dtype == DT_FLOAT32) {
@@ -43,10 +43,10 @@ static inline void strip_quantize_block(const void *x, int64_t at, int dtype, __
         v1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(h + 16))), 16));
     }
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(v0, sign), _mm512_and_ps(v1, sign)));
-    const __m512 vinv = _mm512_set1_ps(amax > 0.0f ? QG_XMAX / amax : 0.0f);
+    const __m512 vinv = _mm512_set1_ps(amax > 0.0f ? xmax / amax : 0.0f);
     *q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, vinv));
     *q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, vinv));
-    *dx = amax / QG_XMAX;
+    *dx = amax / xmax;
     *sx = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
 }
 
@@ -57,10 +57,35 @@ static void strip_quantize_rows(const void *x, int64_t x_stride, int64_t num_row
     for (int64_t i = 0; i < num_rows; i++) {
         for (int64_t b = 0; b < nb; b++) {
             __m512i q0, q1;
-            strip_quantize_block(x, i * x_stride + b * QK_BLOCK, dtype, &q0, &q1, dx + i * nb + b, sx + i * nb + b);
+            strip_quantize_block(x, i * x_stride + b * QK_BLOCK, dtype, &q0, &q1, dx + i * nb + b, sx + i * nb + b,
+                                 QG_XMAX);
             int16_t *codes = qx + i * num_cols + b * QK_BLOCK;
             _mm256_storeu_si256((__m256i *)codes, _mm512_cvtepi32_epi16(q0));
             _mm256_storeu_si256((__m256i *)(codes + 16), _mm512_cvtepi32_epi16(q1));
+        }
+    }
+}
+
+/* x [M, K] -> int8 codes qx8 [M, K] (QG_INT8: |q| <= 127, strip_quantize_block's rounding), dx, isx
+ * [M, nb] (each block's sum of codes) and sx = dx * isx (the min term's sum), the codes of each block placed as packed_rows reads them:
+ * per 8 inputs e0 .. e7 of a Q4 or Q5 block (nibbles) the bytes e0 e4 e1 e5 e2 e6 e3 e7 (the order of
+ * a strip word's nibbles taken by & 0x0F0F0F0F, then >> 4: two 32-bit broadcasts), per 4 inputs of a
+ * Q8 block e0 e2 e1 e3 (the strip's byte order). */
+static void strip_quantize_rows8(const void *x, int64_t x_stride, int64_t num_rows, int64_t num_cols, int dtype,
+                                 int nibbles, int8_t *qx8, float *dx, float *sx, int32_t *isx) {
+    const int64_t nb = num_cols / QK_BLOCK;
+    const __m128i order = nibbles ? _mm_setr_epi8(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15)
+                                : _mm_setr_epi8(0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15);
+    for (int64_t i = 0; i < num_rows; i++) {
+        for (int64_t b = 0; b < nb; b++) {
+            __m512i q0, q1;
+            strip_quantize_block(x, i * x_stride + b * QK_BLOCK, dtype, &q0, &q1, dx + i * nb + b, sx + i * nb + b,
+                                 127.0f);
+            isx[i * nb + b] = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+            sx[i * nb + b] = dx[i * nb + b] * (float)isx[i * nb + b];  /* the codes' sum (see qgemm.h) */
+            int8_t *codes = qx8 + i * num_cols + b * QK_BLOCK;
+            _mm_storeu_si128((__m128i *)codes, _mm_shuffle_epi8(_mm512_cvtepi32_epi8(q0), order));
+            _mm_storeu_si128((__m128i *)(codes + 16), _mm_shuffle_epi8(_mm512_cvtepi32_epi8(q1), order));
         }
     }
 }
@@ -256,7 +281,7 @@ QG_ALWAYS_INLINE static inline __m512 packed_block_scales(const uint8_t *sc, int
  * inputs per block, bytes 0 and 2 of each lane sign-extended to a pair, then bytes 1 and 3;
  * PACKED_Q5: Q4's nibbles, then 16 minus the pair's sign mask (a masked subtract of 16). */
 QG_ALWAYS_INLINE static inline void packed_rows(const QArgs *a, const uint8_t *strip, int64_t n0, int64_t i0,
-                                                const int TR, const int MINS, const int FMT) {
+                                                const int TR, const int MINS, const int FMT, const int I8) {
     const int64_t K = a->num_cols, nb = K / QK_BLOCK;
     const int half = a->half;
     const int NA = TR == 1 ? 4 : TR == 2 ? 2 : 1;
@@ -270,8 +295,9 @@ QG_ALWAYS_INLINE static inline void packed_rows(const QArgs *a, const uint8_t *s
     const int32_t *x[QS_ROWS];
     for (int r = 0; r < TR; r++) {
         acc[r] = _mm512_setzero_ps();
-        x[r] = (const int32_t *)(a->qx + (i0 + r) * K);
+        x[r] = I8 ? (const int32_t *)(a->qx8 + (i0 + r) * K) : (const int32_t *)(a->qx + (i0 + r) * K);
     }
+    const __m512i nibbles = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8((char)0x80), sixteen8 = _mm512_set1_epi8(16);
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *codes = strip + b * code_bytes;
         /* the next strip's share of this block (its codes, then its scales), one strip ahead */
@@ -284,7 +310,36 @@ QG_ALWAYS_INLINE static inline void packed_rows(const QArgs *a, const uint8_t *s
         __m512i s[QS_ROWS][4];
         for (int r = 0; r < TR; r++)
             for (int k = 0; k < NA; k++) s[r][k] = _mm512_setzero_si512();
-        if (FMT == PACKED_Q8) {
+        if (I8 && FMT == PACKED_Q8) {  /* (q + 128) * x summed, 128 * sum(x) taken off below */
+#pragma GCC unroll 8
+            for (int u = 0; u < 8; u++) {
+                const __m512i c = _mm512_xor_si512(_mm512_loadu_si512((const void *)(codes + 64 * u)), flip);
+                const int k = NA == 4 ? u % 4 : NA == 2 ? u % 2 : 0;
+                for (int r = 0; r < TR; r++)
+                    s[r][k] = _mm512_dpbusd_epi32(s[r][k], c, _mm512_set1_epi32(x[r][b * (QK_BLOCK / 4) + u]));
+            }
+        } else if (I8) {  /* Q4 and Q5: the low nibbles of each byte, then the high ones */
+#pragma GCC unroll 4
+            for (int v = 0; v < 4; v++) {
+                const __m512i c = _mm512_loadu_si512((const void *)(codes + 64 * v));
+                __m512i w0 = _mm512_and_si512(c, nibbles), w1 = _mm512_and_si512(_mm512_srli_epi32(c, 4), nibbles);
+                if (FMT == PACKED_Q5) {  /* c + 16 (0..31): 16 added where the sign bit is clear */
+                    /* bytes 0 and 2 of lane j: sign bits 2j and 2j + 1 of mask t (pdep into bits 4j, 4j + 2),
+                     * bytes 1 and 3 those of mask t + 2 (bits 4j + 1, 4j + 3); t = 0 for w0, 1 for w1 */
+                    const uint32_t *sign = (const uint32_t *)(codes + 256) + 4 * v;
+                    const __mmask64 n0 = _pdep_u64(sign[0], 0x5555555555555555ULL) | _pdep_u64(sign[2], 0xAAAAAAAAAAAAAAAAULL);
+                    const __mmask64 n1 = _pdep_u64(sign[1], 0x5555555555555555ULL) | _pdep_u64(sign[3], 0xAAAAAAAAAAAAAAAAULL);
+                    w0 = _mm512_mask_add_epi8(w0, (__mmask64)~n0, w0, sixteen8);
+                    w1 = _mm512_mask_add_epi8(w1, (__mmask64)~n1, w1, sixteen8);
+                }
+                const int k = NA == 4 ? v : NA == 2 ? v % 2 : 0;
+                for (int r = 0; r < TR; r++) {
+                    const int32_t *xp = x[r] + b * (QK_BLOCK / 4) + 2 * v;
+                    s[r][k] = _mm512_dpbusd_epi32(s[r][k], w0, _mm512_set1_epi32(xp[0]));
+                    s[r][k] = _mm512_dpbusd_epi32(s[r][k], w1, _mm512_set1_epi32(xp[1]));
+                }
+            }
+        } else if (FMT == PACKED_Q8) {
 #pragma GCC unroll 8
             for (int u = 0; u < 8; u++) {
                 const __m512i c = _mm512_loadu_si512((const void *)(codes + 64 * u));
@@ -325,6 +380,8 @@ QG_ALWAYS_INLINE static inline void packed_rows(const QArgs *a, const uint8_t *s
         for (int r = 0; r < TR; r++) {
             __m512i sum = s[r][0];
             for (int k = 1; k < NA; k++) sum = _mm512_add_epi32(sum, s[r][k]);
+            if (I8 && FMT != PACKED_Q4)  /* the codes' offset: 128 (Q8), 16 (Q5) */
+                sum = _mm512_sub_epi32(sum, _mm512_set1_epi32((FMT == PACKED_Q8 ? 128 : 16) * a->isx[(i0 + r) * nb + b]));
             const __m512 scale = _mm512_mul_ps(db, _mm512_set1_ps(a->dx[(i0 + r) * nb + b]));
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, acc[r]);
             if (MINS) acc[r] = _mm512_fmadd_ps(mb, _mm512_set1_ps(a->sx[(i0 + r) * nb + b]), acc[r]);
@@ -333,13 +390,14 @@ QG_ALWAYS_INLINE static inline void packed_rows(const QArgs *a, const uint8_t *s
     strip_store(a, n0, i0, TR, acc);
 }
 
-static void packed_all_rows(const QArgs *a, const uint8_t *strip, int64_t n0, const int MINS, const int FMT) {
+static void packed_all_rows(const QArgs *a, const uint8_t *strip, int64_t n0, const int MINS, const int FMT,
+                            const int I8) {
     const int64_t M = a->num_rows;
     int64_t i0 = 0;
-    for (; i0 + QS_ROWS <= M; i0 += QS_ROWS) packed_rows(a, strip, n0, i0, QS_ROWS, MINS, FMT);
-    if (M - i0 >= 4) { packed_rows(a, strip, n0, i0, 4, MINS, FMT); i0 += 4; }
-    if (M - i0 >= 2) { packed_rows(a, strip, n0, i0, 2, MINS, FMT); i0 += 2; }
-    if (M - i0 >= 1) packed_rows(a, strip, n0, i0, 1, MINS, FMT);
+    for (; i0 + QS_ROWS <= M; i0 += QS_ROWS) packed_rows(a, strip, n0, i0, QS_ROWS, MINS, FMT, I8);
+    if (M - i0 >= 4) { packed_rows(a, strip, n0, i0, 4, MINS, FMT, I8); i0 += 4; }
+    if (M - i0 >= 2) { packed_rows(a, strip, n0, i0, 2, MINS, FMT, I8); i0 += 2; }
+    if (M - i0 >= 1) packed_rows(a, strip, n0, i0, 1, MINS, FMT, I8);
 }
 
 /* Strips s0 .. s1 - 1 of a packed product (run_packed in qgemm.c). */
@@ -349,10 +407,16 @@ static void packed_range_avx512(const void *p, int64_t s0, int64_t s1, float *sc
     const int64_t strip_bytes = packed_strip_bytes(a->packed, a->num_cols / QK_BLOCK, a->half, a->has_mins);
     for (int64_t s = s0; s < s1; s++) {
         const uint8_t *strip = a->blocks + s * strip_bytes;
-        if (a->packed == PACKED_Q8) packed_all_rows(a, strip, s * QS_TILE, 0, PACKED_Q8);
-        else if (a->packed == PACKED_Q5 && a->has_mins) packed_all_rows(a, strip, s * QS_TILE, 1, PACKED_Q5);
-        else if (a->packed == PACKED_Q5) packed_all_rows(a, strip, s * QS_TILE, 0, PACKED_Q5);
-        else if (a->has_mins) packed_all_rows(a, strip, s * QS_TILE, 1, PACKED_Q4);
-        else packed_all_rows(a, strip, s * QS_TILE, 0, PACKED_Q4);
+        if (a->qx8 != NULL) {  /* QG_INT8 */
+            if (a->packed == PACKED_Q8) packed_all_rows(a, strip, s * QS_TILE, 0, PACKED_Q8, 1);
+            else if (a->packed == PACKED_Q5 && a->has_mins) packed_all_rows(a, strip, s * QS_TILE, 1, PACKED_Q5, 1);
+            else if (a->packed == PACKED_Q5) packed_all_rows(a, strip, s * QS_TILE, 0, PACKED_Q5, 1);
+            else if (a->has_mins) packed_all_rows(a, strip, s * QS_TILE, 1, PACKED_Q4, 1);
+            else packed_all_rows(a, strip, s * QS_TILE, 0, PACKED_Q4, 1);
+        } else if (a->packed == PACKED_Q8) packed_all_rows(a, strip, s * QS_TILE, 0, PACKED_Q8, 0);
+        else if (a->packed == PACKED_Q5 && a->has_mins) packed_all_rows(a, strip, s * QS_TILE, 1, PACKED_Q5, 0);
+        else if (a->packed == PACKED_Q5) packed_all_rows(a, strip, s * QS_TILE, 0, PACKED_Q5, 0);
+        else if (a->has_mins) packed_all_rows(a, strip, s * QS_TILE, 1, PACKED_Q4, 0);
+        else packed_all_rows(a, strip, s * QS_TILE, 0, PACKED_Q4, 0);
     }
 }

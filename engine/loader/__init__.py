@@ -7,7 +7,7 @@ import importlib.util
 import os
 from pathlib import Path
 
-from engine.config import QUANTIZATIONS
+from engine.config import ACTIVATIONS, QUANTIZATIONS
 from engine.errors import ModelFileError
 from engine.models import resolve_dtype
 
@@ -112,24 +112,28 @@ def release_free_heap() -> bool:
 
 
 def load_model(path: str | os.PathLike | None = None, dtype: str | None = None, quantization: str = "auto",
-               pack_weights: bool = True, dense_above_rows: int | None = None):
+               pack_weights: bool = True, dense_above_rows: int | None = None, activations: str = "int16"):
     """A .gguf file or a Hugging Face model directory -> LlamaModel. None: the default model.
 
     quantization / dtype: see resolve_options. pack_weights: dense projection weights in
     oneDNN's layout (engine.models.linear); False keeps them dense for F.linear.
     dense_above_rows: quantized layers also keep a dense float32 copy used for products of more
     rows than this (costs 4 bytes per weight; off by default, see the README's figures).
+    activations: "int16" or "int8", the codes packed Q4/Q8 products quantize activations to
+    (engine.config.ACTIVATIONS; LlamaModel).
     """
     from engine.gguf_file import is_gguf_file
     from engine.loader.gguf_loader import load_gguf
     from engine.loader.hf_loader import load_hf
 
     dtype = resolve_options(dtype, quantization)
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"activations: unsupported {activations!r}, expected one of {ACTIVATIONS}")
     path = Path(default_model_path() if path is None else path)
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such file or directory")
     options = dict(dtype=dtype, quantization=quantization, pack_weights=pack_weights,
-                   dense_above_rows=dense_above_rows)
+                   dense_above_rows=dense_above_rows, activations=activations)
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelFileError(f"{path}: not a Hugging Face model directory (no config.json)", str(path))

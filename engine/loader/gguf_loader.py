@@ -306,7 +306,7 @@ def kv_cache_dtype(dtype, quantization: str) -> torch.dtype:
 
 def load_gguf(path: str | os.PathLike, dtype: str | torch.dtype = "bfloat16", quantization: str = "auto",
               pack_weights: bool = True, dense_above_rows: int | None = None,
-              exact_products: bool = False):
+              exact_products: bool = False, activations: str = "int16"):
     from engine.models import LlamaModel
 
     path = os.fspath(path)
@@ -318,7 +318,8 @@ def load_gguf(path: str | os.PathLike, dtype: str | torch.dtype = "bfloat16", qu
         try:
             return LlamaModel(config, state_dict, dtype=dtype, rope_freq_factors=_freq_factors(gguf),
                               pack_weights=pack_weights, dense_above_rows=dense_above_rows,
-                              exact_products=exact_products, kv_cache_dtype=kv_cache_dtype(dtype, quantization))
+                              exact_products=exact_products, kv_cache_dtype=kv_cache_dtype(dtype, quantization),
+                              activations=activations)
         except ModelFileError:
             raise
         except ValueError as exc:

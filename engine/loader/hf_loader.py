@@ -60,7 +60,7 @@ def quantize_int4(state_dict: dict[str, torch.Tensor]) -> dict[str, Weight]:
 
 
 def load_hf(path: str | os.PathLike, dtype: str = "float32", quantization: str = "auto", pack_weights: bool = True,
-            dense_above_rows: int | None = None):
+            dense_above_rows: int | None = None, activations: str = "int16"):
     from engine.loader.gguf_loader import kv_cache_dtype
     from engine.models import LlamaModel
 
@@ -70,7 +70,8 @@ def load_hf(path: str | os.PathLike, dtype: str = "float32", quantization: str =
         state_dict = quantize_int4(state_dict)
     try:
         return LlamaModel(config, state_dict, dtype=dtype, pack_weights=pack_weights,
-                          dense_above_rows=dense_above_rows, kv_cache_dtype=kv_cache_dtype(dtype, quantization))
+                          dense_above_rows=dense_above_rows, kv_cache_dtype=kv_cache_dtype(dtype, quantization),
+                          activations=activations)
     except ModelFileError:
         raise
     except ValueError as exc:

@@ -98,6 +98,7 @@ INT_KERNEL_MAX_ROWS = 16  # without AVX2 there is no float path: the scalar kern
 # The kernels' layout codes (cext/csrc/qgemm.h's QG_*; tests/test_qgemm.py checks they agree).
 Q4, Q5, Q8, HALF, NO_MINS, ROUTE_INT, ROUTE_FLOAT, SUPER, ROUTE_AMX, ROUTE_STRIP = 0, 1, 2, 4, 8, 16, 32, 64, 128, 256
 PACKED = 512  # quantized rows stored in strips of 16 for the strip route (qgemm.h's QG_PACKED)
+INT8 = 1024  # packed products with int8 activation codes (qgemm.h's QG_INT8)
 # The C kernels' routes (cext/csrc/qgemm.h): amx_int is int16's integer sums on AMX-INT8 tiles,
 # strip the same sums with AVX-512 VNNI, 16 outputs per vector.
 _KERNEL_ROUTES = {"int16": ROUTE_INT, "float": ROUTE_FLOAT, "amx_int": ROUTE_AMX, "strip": ROUTE_STRIP}
@@ -251,6 +252,19 @@ class Linear:
         qgemm.pack(self.layout, self._rows.data_ptr(), scales, self.out_features, self.in_features,
                    packed.data_ptr())
         self._rows, self._scales, self.layout = packed, None, self.layout | PACKED
+
+    def use_int8_activations(self) -> bool:
+        """From now on quantize this layer's activations to int8 codes (qgemm.h's QG_INT8: twice the
+        multiply-adds per instruction, llama.cpp's precision) where its rows are packed strips and its
+        products are not exact -> whether it does (other layers keep their int16 codes)."""
+        if self.exact or not self.is_packed_strips:
+            return False
+        self.layout |= INT8
+        return True
+
+    @property
+    def int8_activations(self) -> bool:
+        return self.layout is not None and bool(self.layout & INT8)
 
     @property
     def is_packed_strips(self) -> bool:

@@ -225,7 +225,7 @@ class LlamaModel(nn.Module):
                  rope_freq_factors: torch.Tensor | None = None, pack_weights: bool = True,
                  dense_above_rows: int | None = None, exact_products: bool = False,
                  approximate_products: bool | None = None,
-                 kv_cache_dtype: str | torch.dtype | None = None):
+                 kv_cache_dtype: str | torch.dtype | None = None, activations: str = "int16"):
         """state_dict: Hugging Face names -> dense tensors, or the quantized formats of
         engine.models.quant (Int4Weight / Int5Weight / Int8Weight for projections; Int8Weight
         also for the embedding and head), as the loader chose (engine.loader). Each entry is
@@ -240,7 +240,10 @@ class LlamaModel(nn.Module):
         measured fastest (engine.models.routes); the head's never do. None (the default): only
         with ``ENGINE_AMX=1`` in the environment (opt-in: at a near-tie its rounding can swap
         llama.cpp's 3rd and 4th token, tests/test_parity_engine.py). The routes chosen are in
-        ``product_routes``."""
+        ``product_routes``. activations: "int16" (the default) or "int8": the integer codes the
+        packed Q4 and Q8 projections and head quantize their activations to (engine.config's
+        ACTIVATIONS; int8 is llama.cpp's precision at about 1.6x the multi-row products' speed);
+        ``int8_layers`` counts the layers that took int8."""
         super().__init__()
         self.config = config
         self.dtype = resolve_dtype(dtype)
@@ -292,6 +295,13 @@ class LlamaModel(nn.Module):
         layers = [proj for layer in self.layers
                   for proj in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
                   if proj is not None]  # MoE layers: no dense gate/up
+        if activations not in ("int16", "int8"):
+            raise ValueError(f"activations must be 'int16' or 'int8', got {activations!r}")
+        self.activations = activations
+        experts = [proj for layer in self.layers if layer.moe is not None
+                   for pair in layer.moe.experts for proj in pair]
+        self.int8_layers = 0 if activations == "int16" else sum(
+            proj.use_int8_activations() for proj in (*layers, *experts, self.head_proj))
         if approximate_products is None:
             approximate_products = os.environ.get("ENGINE_AMX") == "1"
         allow_amx = approximate_products and not exact_products
