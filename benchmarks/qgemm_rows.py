@@ -2,7 +2,8 @@
 activation codes: vpdpwssd on AVX-512 VNNI, madd on AVX2), their float route (each pass's weight
 rows decoded once to float32, FMAs 16 or 8 lanes wide), strip (int16's integer sums with AVX-512
 VNNI, 16 outputs per vector), packed (strip's sums over weights stored in strips of 16, read in
-place: what Linear builds where the CPU has AVX-512 VNNI), amx (weights dequantized to bfloat16 per
+place: what Linear builds where the CPU has AVX-512 VNNI), packed_int8 (packed with int8 activation
+codes: activations="int8", vpdpbusd), amx (weights dequantized to bfloat16 per
 slice of rows, oneDNN's bfloat16 matmul on AMX tiles) and blas (dequantize to float32 + the BLAS),
 on the real models' layer shapes, interleaved (every repeat runs every route at every row count),
 medians with min-max of GMAC/s (wall time). Routes the CPU lacks are left out and named.
@@ -35,7 +36,7 @@ from engine.models.routes import available_routes  # noqa: E402
 # (name, out features, in features): SmolLM2-135M's gate/up and down, Qwen2.5-0.5B's gate/up and down
 SHAPES = [("smollm2 gate_up", 3072, 576), ("smollm2 down", 576, 1536),
           ("qwen gate_up", 9728, 896), ("qwen down", 896, 4864)]
-ROUTES = ("int16", "float", "strip", "packed", "amx", "blas")
+ROUTES = ("int16", "float", "strip", "packed", "packed_int8", "amx", "blas")
 
 
 def run_route(layer: Linear, x: torch.Tensor, route: str, min_seconds: float = 0.05) -> float:
@@ -50,9 +51,9 @@ def run_route(layer: Linear, x: torch.Tensor, route: str, min_seconds: float = 0
             return elapsed / calls
 
 
-def row_and_packed_layers(weight) -> tuple[Linear, Linear | None]:
-    """The weight in its row layout (every route but packed) and in strips of 16 (None where Linear
-    does not pack: no AVX-512 VNNI)."""
+def row_and_packed_layers(weight) -> tuple[Linear, Linear | None, Linear | None]:
+    """The weight in its row layout (every route but the packed ones), in strips of 16 and in strips
+    with int8 activation codes (None where Linear does not pack: no AVX-512 VNNI)."""
     old = os.environ.get("ENGINE_PACKED")
     os.environ["ENGINE_PACKED"] = "0"
     try:
@@ -62,8 +63,11 @@ def row_and_packed_layers(weight) -> tuple[Linear, Linear | None]:
             del os.environ["ENGINE_PACKED"]
         else:
             os.environ["ENGINE_PACKED"] = old
-    packed = Linear(weight)
-    return rows, packed if packed.is_packed_strips else None
+    packed, packed8 = Linear(weight), Linear(weight)
+    if not packed.is_packed_strips:
+        return rows, None, None
+    packed8.use_int8_activations()
+    return rows, packed, packed8
 
 
 def _can_set(isa: str) -> bool:
@@ -86,7 +90,7 @@ def main() -> None:
                         help="instruction sets the kernel routes run on, side by side (e.g. avx2,avx512)")
     args = parser.parse_args()
     available = (*available_routes(allow_approximate=True),
-                 *(["packed"] if "strip" in available_routes(False) else []))
+                 *(["packed", "packed_int8"] if "strip" in available_routes(False) else []))
     isas = args.isas.split(",")
     known = (*cpu.ISA_NAMES.values(), "auto")
     skipped = [r for r in ROUTES if r not in available]
@@ -110,12 +114,14 @@ def main() -> None:
     inputs = {(case[0], m): torch.randn(m, case[2], generator=gen) for case in cases for m in row_counts}
     times: dict[tuple[str, int, str], list[float]] = {}
     for _ in range(args.repeats):
-        for label, (layer, packed), _, _ in cases:
+        for label, (layer, packed, packed8), _, _ in cases:
             for m in row_counts:
                 for name, isa, route in routes:
                     cpu.set_isa(isa)
                     if route == "packed":
                         seconds = run_route(packed, inputs[label, m], "strip")
+                    elif route == "packed_int8":
+                        seconds = run_route(packed8, inputs[label, m], "strip")
                     else:
                         seconds = run_route(layer, inputs[label, m], route)
                     times.setdefault((label, m, name), []).append(seconds)
