@@ -28,6 +28,7 @@ cdef extern from "csrc/qgemm.h" nogil:
                       int64_t num_cols, void* out, int out_dtype)
     int64_t qg_packed_strip_bytes(int layout, int64_t num_cols)
     int qg_pack(int layout, const void* rows, const void* scales, int64_t num_rows, int64_t num_cols, uint8_t* out)
+    int qg_pack_int8(int layout, uint8_t* strips, int64_t num_rows, int64_t num_cols)
     int qg_q5_pack(const uint8_t* packed, const uint8_t* high, int64_t num_rows, int64_t num_cols,
                    uint8_t* out, int64_t out_stride)
     void qg_set_float_rows(int64_t rows)

@@ -87,6 +87,15 @@ def q5_pack(intptr_t packed, intptr_t high, int64_t num_rows, int64_t num_cols, 
     _check(rc, Q5)
 
 
+def pack_int8(int layout, intptr_t strips, int64_t num_rows, int64_t num_cols):
+    """PACKED strips in ``layout`` (without INT8) made ready for INT8 products, in place (Q5: its sign
+    masks in the int8 kernel's order; Q4 and Q8 as they are); read with ``layout | INT8`` from then on."""
+    cdef int rc
+    with nogil:
+        rc = qg_pack_int8(layout, <uint8_t*>strips, num_rows, num_cols)
+    _check(rc, layout)
+
+
 def packed_strip_bytes(int layout, int64_t num_cols) -> int:
     """Bytes of one strip of 16 rows of the PACKED form of a Q4 ``layout`` with num_cols inputs (0: none)."""
     return qg_packed_strip_bytes(layout, num_cols)

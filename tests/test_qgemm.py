@@ -873,7 +873,9 @@ def test_int8_activations_are_their_definition_on_every_isa(isa, kind, monkeypat
     """QG_INT8: the activations' int8 codes (|q| <= 127, max|x| / 127, half to even) times the weights'
     codes, summed exactly per block (Q8's by an offset of 128 taken off again), to float32 rounding of
     the emulated sums; the AVX-512 kernel (bytes in its own order, vpdpbusd) and the portable one
-    give the same bits, one thread or two, at every row count and in any batch."""
+    give the same bits, one thread or two, at every row count and in any batch. Q5 strips are rewritten
+    for it (qgemm.pack_int8: the sign masks in the kernel's byte order), and still dequantize to the
+    same weight."""
     old_threads, old_threshold = cpu.get_num_threads(), cpu.get_parallel_threshold()
     cpu.set_parallel_threshold(0)
     try:
@@ -881,8 +883,11 @@ def test_int8_activations_are_their_definition_on_every_isa(isa, kind, monkeypat
             for dtype in (torch.float32, torch.bfloat16):
                 w, x, bias = _inputs(seed, num_rows, 48, 256, dtype)
                 _, packed = packed_pair(kind, w, bias, monkeypatch)
-                int16 = packed.run(x, "strip")
+                int16, weight_before = packed.run(x, "strip"), packed.dequantize()
                 assert packed.use_int8_activations() and packed.int8_activations
+                assert packed.use_int8_activations()  # a second call changes nothing
+                assert torch.equal(packed.dequantize(), weight_before)
+                assert torch.equal(packed.dequantize(5, 29), weight_before[5:29])
                 reference = packed.run(x, "strip")  # the CPU's own kernel, two threads
                 weight = _weights(kind, w)
                 emulated = (emulate_int8(x, weight, 127.0) if kind.startswith("int8")

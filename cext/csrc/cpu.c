@@ -58,7 +58,7 @@ static uint32_t probe(void) {
     const int avx512 = ((b7 >> 16) & 1) && ((b7 >> 17) & 1) && ((b7 >> 30) & 1) && ((b7 >> 31) & 1);
     if ((found & CPU_HAS_AVX2) && zmm_state && avx512) {
         found |= CPU_HAS_AVX512;
-        if (((c7 >> 11) & 1) && ((b7 >> 8) & 1)) found |= CPU_HAS_AVX512_VNNI;  /* with BMI2 (pdep), as all have */
+        if ((c7 >> 11) & 1) found |= CPU_HAS_AVX512_VNNI;
         if ((d7 >> 23) & 1) found |= CPU_HAS_AVX512_FP16;
         unsigned a1 = 0, b1, c1, d1;
         if (__get_cpuid_count(7, 1, &a1, &b1, &c1, &d1) && ((a1 >> 5) & 1)) found |= CPU_HAS_AVX512_BF16;

@@ -223,10 +223,13 @@ static void q8_range_scalar(const void *p, int64_t n0, int64_t n1, float *scratc
 }
 
 /* ---- QG_PACKED: Q4, Q5 and Q8 rows in strips of 16 (qgemm.h) ---- */
-enum { PACKED_Q4 = 1, PACKED_Q8 = 2, PACKED_Q5 = 3 };
+/* PACKED_Q5I8: Q5 strips whose sign masks qg_pack_int8 rewrote in the int8 kernel's order (QG_INT8). */
+enum { PACKED_Q4 = 1, PACKED_Q8 = 2, PACKED_Q5 = 3, PACKED_Q5I8 = 4 };
 
 /* A strip's bytes of codes per block: 16 rows x 32 nibbles (and Q5's 16 sign masks) or bytes. */
-static inline int64_t packed_code_bytes(int packed) { return packed == PACKED_Q8 ? 512 : packed == PACKED_Q5 ? 320 : 256; }
+static inline int64_t packed_code_bytes(int packed) {
+    return packed == PACKED_Q8 ? 512 : packed == PACKED_Q5 || packed == PACKED_Q5I8 ? 320 : 256;
+}
 
 /* Whether a packed strip holds mins after its scales (Q4, and Q5 with mins). */
 static inline int packed_mins(int packed, int has_mins) { return packed != PACKED_Q8 && has_mins; }
@@ -248,6 +251,15 @@ static inline int64_t packed_sign_at(int64_t b, int j, int e, int *bit) {
     return b * 320 + 256 + 4 * (4 * (e / 8) + k / 2) + index / 8;
 }
 
+/* The same for PACKED_Q5I8 (qgemm.h's QG_INT8), whose bit is set where the code is NOT negative: per
+ * vector v two little-endian uint64, for the nibbles & 0x0F0F0F0F (t = 0, 2) then >> 4 (t = 1, 3), bit
+ * 4j + k for byte k of row j's lane, byte k holding input 8v + 2t + p at k = t / 2 + 2p. */
+static inline int64_t packed_sign8_at(int64_t b, int j, int e, int *bit) {
+    const int k = e % 8, t = k / 2, index = 4 * j + t / 2 + 2 * (k % 2);
+    *bit = index % 8;
+    return b * 320 + 256 + 16 * (e / 8) + 8 * (t % 2) + index / 8;
+}
+
 /* Input e (0..31) of block b of row j (0..15) of a strip: Q4 nibble t of vector e / 8 holds 8v + 2t,
  * nibble t + 4 holds 8v + 2t + 1 (Q5: its low 4 bits, minus 16 where its sign bit is set); Q8 byte 0,
  * 2, 1, 3 of vector e / 4 holds 4u, 4u + 1, 4u + 2, 4u + 3. */
@@ -259,8 +271,12 @@ static inline int packed_code(int packed, const uint8_t *strip, int64_t b, int j
     const int k = e % 8, nibble = k / 2 + 4 * (k % 2);
     const uint8_t *u = strip + b * packed_code_bytes(packed) + (e / 8) * 64 + 4 * j;
     const int low = (u[nibble / 2] >> (4 * (nibble % 2))) & 0x0F;
-    if (packed != PACKED_Q5) return low;
     int bit;
+    if (packed == PACKED_Q5I8) {
+        const int64_t at = packed_sign8_at(b, j, e, &bit);
+        return (strip[at] >> bit) & 1 ? low : low - 16;
+    }
+    if (packed != PACKED_Q5) return low;
     const int64_t at = packed_sign_at(b, j, e, &bit);
     return (strip[at] >> bit) & 1 ? low - 16 : low;
 }
@@ -427,7 +443,7 @@ void qg_set_prefetch_spread(int on) { (void)on; }
 #pragma GCC pop_options
 
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c,bmi2")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
 #define QG_SUFFIX avx512
 #define QG_DOT2(a, x, b, y) _mm256_dpwssd_epi32(_mm256_madd_epi16(a, x), b, y)
 #define QG_FVEC __m512
@@ -443,7 +459,7 @@ void qg_set_prefetch_spread(int on) { (void)on; }
 #if defined(__GNUC__) && (__GNUC__ >= 11 || defined(__clang__))
 #define QG_HAVE_AMX 1
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16,avx2,fma,f16c,bmi2,amx-tile,amx-int8")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16,avx2,fma,f16c,amx-tile,amx-int8")
 #include "qgemm_amx.h"
 #pragma GCC pop_options
 #endif
@@ -560,7 +576,7 @@ int qg_matmul(int layout, const void *x, int64_t x_stride, int64_t num_rows, int
     if (format != QG_Q4 && format != QG_Q5) return QG_BAD_LAYOUT;
     QArgs a = {NULL, NULL, NULL, NULL, num_rows, num_cols, (const uint8_t *)w, half, format == QG_Q5,
                !(layout & QG_NO_MINS), NULL, NULL, bias, y, y_stride, dtype, num_out,
-               packed ? (format == QG_Q5 ? PACKED_Q5 : PACKED_Q4) : 0, int8, NULL, NULL};
+               packed ? (format == QG_Q5 ? (int8 ? PACKED_Q5I8 : PACKED_Q5) : PACKED_Q4) : 0, int8, NULL, NULL};
     return run(&a, x, x_stride, 1, layout & QG_ROUTE_MASK);
 }
 
@@ -574,7 +590,8 @@ int qg_dequantize(int layout, const void *w, const void *scales, int64_t first, 
     const int64_t nb = num_cols / QK_BLOCK;
     const int high = format == QG_Q5, has_mins = !(layout & QG_NO_MINS);
     if (layout & QG_PACKED) {
-        dequantize_packed(format == QG_Q8 ? PACKED_Q8 : format == QG_Q5 ? PACKED_Q5 : PACKED_Q4, (const uint8_t *)w,
+        const int q5 = (layout & QG_INT8) ? PACKED_Q5I8 : PACKED_Q5;
+        dequantize_packed(format == QG_Q8 ? PACKED_Q8 : format == QG_Q5 ? q5 : PACKED_Q4, (const uint8_t *)w,
                           half, has_mins, first, count, num_cols, out, out_dtype);
         return QG_OK;
     }
@@ -726,6 +743,28 @@ int qg_pack(int layout, const void *rows, const void *scales, int64_t num_rows, 
     /* scratch: a row's codes as int8, in floats */
     const int rc = cpu_parallel_for(pack_range, &args, num_rows / 16, num_rows * num_cols, (size_t)(num_cols / 4 + 1));
     return rc == CPU_OK ? QG_OK : QG_NO_MEMORY;
+}
+
+int qg_pack_int8(int layout, uint8_t *strips, int64_t num_rows, int64_t num_cols) {
+    if (!(layout & QG_PACKED) || (layout & QG_INT8) || num_rows % 16 != 0) return QG_BAD_LAYOUT;
+    if ((layout & QG_FORMAT_MASK) != QG_Q5) return QG_OK;  /* Q4 and Q8 strips serve both */
+    const int64_t strip_bytes = qg_packed_strip_bytes(layout, num_cols), nb = num_cols / QK_BLOCK;
+    if (strip_bytes == 0) return QG_BAD_LENGTH;
+    for (int64_t s = 0; s < num_rows / 16; s++) {
+        uint8_t *strip = strips + s * strip_bytes;
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t plus[64] = {0};  /* the new masks: bit set where the code is not negative */
+            for (int j = 0; j < 16; j++) {
+                for (int e = 0; e < QK_BLOCK; e++) {
+                    int bit, bit8;
+                    const int64_t at = packed_sign_at(b, j, e, &bit), at8 = packed_sign8_at(b, j, e, &bit8);
+                    if (!((strip[at] >> bit) & 1)) plus[at8 - b * 320 - 256] |= (uint8_t)(1u << bit8);
+                }
+            }
+            memcpy(strip + b * 320 + 256, plus, sizeof plus);
+        }
+    }
+    return QG_OK;
 }
 
 int qg_q5_pack(const uint8_t *packed, const uint8_t *high, int64_t num_rows, int64_t num_cols, uint8_t *out,

@@ -98,7 +98,7 @@ enum { QG_Q4 = 0, QG_Q5 = 1, QG_Q8 = 2 };
  * dx = max|x| / 127, the same rounding) where the default is int16, so the strip route's AVX-512
  * kernel multiplies bytes (vpdpbusd, unsigned weight bytes times signed activation bytes: 64
  * multiply-adds an instruction, twice vpdpwssd's). Q4's nibbles are unsigned; Q5's codes are
- * offset by 16 and Q8's by 128, and the offset times the block's sum of activation codes is taken
+ * offset by 16 (its strips made ready by qg_pack_int8 first) and Q8's by 128, and the offset times the block's sum of activation codes is taken
  * off. Q4's and Q5's min term takes the sum of the dequantized codes, dx * sum(q), where int16 codes
  * take the exact sum of x: the product is then W x' for the dequantized x', whose errors meet the
  * weights centred (with the exact sum they met d * q, biased by the min: on SmolLM2's down_proj 3x
@@ -126,6 +126,13 @@ int qg_pack(int layout, const void *rows, const void *scales, int64_t num_rows, 
 /* Rows first .. first + count - 1 of W -> out [count, K] in out_dtype (float32 or bfloat16). */
 int qg_dequantize(int layout, const void *w, const void *scales, int64_t first, int64_t count,
                   int64_t num_cols, void *out, int out_dtype);
+
+/* Packed strips (layout with QG_PACKED, without QG_INT8) made ready for QG_INT8 products, in place:
+ * Q5's sign masks rewritten in the int8 kernel's byte order (qgemm.c's packed_sign8_at: per input
+ * vector two uint64 with a bit set where the code is not negative, so one masked add of 16 per
+ * 64 bytes gives c + 16); Q4 and Q8 strips are left as they are. From then on the layout is read
+ * with QG_INT8 only (products and qg_dequantize). */
+int qg_pack_int8(int layout, uint8_t *strips, int64_t num_rows, int64_t num_cols);
 
 /* Q5 rows' codes from ggml's order: packed [N, K / 2] (per block of 32, byte j = element j's
  * low nibble, element 16 + j's high), high [N, K / 8] (per block a little-endian uint32, bit j

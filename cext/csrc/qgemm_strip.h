@@ -323,14 +323,11 @@ QG_ALWAYS_INLINE static inline void packed_rows(const QArgs *a, const uint8_t *s
             for (int v = 0; v < 4; v++) {
                 const __m512i c = _mm512_loadu_si512((const void *)(codes + 64 * v));
                 __m512i w0 = _mm512_and_si512(c, nibbles), w1 = _mm512_and_si512(_mm512_srli_epi32(c, 4), nibbles);
-                if (FMT == PACKED_Q5) {  /* c + 16 (0..31): 16 added where the sign bit is clear */
-                    /* bytes 0 and 2 of lane j: sign bits 2j and 2j + 1 of mask t (pdep into bits 4j, 4j + 2),
-                     * bytes 1 and 3 those of mask t + 2 (bits 4j + 1, 4j + 3); t = 0 for w0, 1 for w1 */
-                    const uint32_t *sign = (const uint32_t *)(codes + 256) + 4 * v;
-                    const __mmask64 n0 = _pdep_u64(sign[0], 0x5555555555555555ULL) | _pdep_u64(sign[2], 0xAAAAAAAAAAAAAAAAULL);
-                    const __mmask64 n1 = _pdep_u64(sign[1], 0x5555555555555555ULL) | _pdep_u64(sign[3], 0xAAAAAAAAAAAAAAAAULL);
-                    w0 = _mm512_mask_add_epi8(w0, (__mmask64)~n0, w0, sixteen8);
-                    w1 = _mm512_mask_add_epi8(w1, (__mmask64)~n1, w1, sixteen8);
+                if (FMT == PACKED_Q5I8) {  /* c + 16 (0..31): 16 added where the code is not negative */
+                    uint64_t plus[2];  /* qg_pack_int8's masks: bit 4j + k for byte k of lane j */
+                    memcpy(plus, codes + 256 + 16 * v, sizeof plus);
+                    w0 = _mm512_mask_add_epi8(w0, _cvtu64_mask64(plus[0]), w0, sixteen8);
+                    w1 = _mm512_mask_add_epi8(w1, _cvtu64_mask64(plus[1]), w1, sixteen8);
                 }
                 const int k = NA == 4 ? v : NA == 2 ? v % 2 : 0;
                 for (int r = 0; r < TR; r++) {
@@ -409,8 +406,8 @@ static void packed_range_avx512(const void *p, int64_t s0, int64_t s1, float *sc
         const uint8_t *strip = a->blocks + s * strip_bytes;
         if (a->qx8 != NULL) {  /* QG_INT8 */
             if (a->packed == PACKED_Q8) packed_all_rows(a, strip, s * QS_TILE, 0, PACKED_Q8, 1);
-            else if (a->packed == PACKED_Q5 && a->has_mins) packed_all_rows(a, strip, s * QS_TILE, 1, PACKED_Q5, 1);
-            else if (a->packed == PACKED_Q5) packed_all_rows(a, strip, s * QS_TILE, 0, PACKED_Q5, 1);
+            else if (a->packed == PACKED_Q5I8 && a->has_mins) packed_all_rows(a, strip, s * QS_TILE, 1, PACKED_Q5I8, 1);
+            else if (a->packed == PACKED_Q5I8) packed_all_rows(a, strip, s * QS_TILE, 0, PACKED_Q5I8, 1);
             else if (a->has_mins) packed_all_rows(a, strip, s * QS_TILE, 1, PACKED_Q4, 1);
             else packed_all_rows(a, strip, s * QS_TILE, 0, PACKED_Q4, 1);
         } else if (a->packed == PACKED_Q8) packed_all_rows(a, strip, s * QS_TILE, 0, PACKED_Q8, 0);
