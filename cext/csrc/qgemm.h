@@ -94,17 +94,17 @@ enum { QG_Q4 = 0, QG_Q5 = 1, QG_Q8 = 2 };
  * QG_BAD_LAYOUT); N a multiple of 16. Without AVX-512 VNNI (or with the switch below AVX-512) a
  * portable kernel computes the same numbers, bit for bit. */
 #define QG_PACKED 512
-/* With QG_PACKED only (else QG_BAD_LAYOUT): the activations quantized to int8 codes (|q| <= 127,
- * dx = max|x| / 127, the same rounding) where the default is int16, so the strip route's AVX-512
- * kernel multiplies bytes (vpdpbusd, unsigned weight bytes times signed activation bytes: 64
- * multiply-adds an instruction, twice vpdpwssd's). Q4's nibbles are unsigned; Q5's codes are
- * offset by 16 (its strips made ready by qg_pack_int8 first) and Q8's by 128, and the offset times the block's sum of activation codes is taken
- * off. Q4's and Q5's min term takes the sum of the dequantized codes, dx * sum(q), where int16 codes
- * take the exact sum of x: the product is then W x' for the dequantized x', whose errors meet the
- * weights centred (with the exact sum they met d * q, biased by the min: on SmolLM2's down_proj 3x
- * the error). Every row count still sums the same integers in the same float32 order, and the portable
- * kernel computes the same bits. The precision is llama.cpp's (its Q8_0 activations): an opt-in,
- * engine option activations="int8". */
+/* With QG_PACKED only (else QG_BAD_LAYOUT): the activations quantized to int8 codes (|q| <= 127, dx =
+ * max|x| / 127, the same rounding) where the default is int16, so the strip route's AVX-512 kernel
+ * multiplies bytes (vpdpbusd, unsigned weight bytes times signed activation bytes: 64 multiply-adds an
+ * instruction, twice vpdpwssd's). Q4's nibbles are unsigned; Q5's codes are offset by 16 (its strips
+ * made ready by qg_pack_int8 first) and Q8's by 128, and the offset times the block's sum of
+ * activation codes is taken off. Q4's and Q5's min term takes the sum of the dequantized codes, dx *
+ * sum(q), where int16 codes take the exact sum of x: the product is then W x' for the dequantized x',
+ * whose errors meet the weights centred (with the exact sum they met d * q, biased by the min: on
+ * SmolLM2's down_proj 3x the error). Every row count still sums the same integers in the same float32
+ * order, and the portable kernel computes the same bits. The precision is llama.cpp's (its Q8_0
+ * activations): an opt-in, engine option activations="int8". */
 #define QG_INT8 1024
 
 /* Error codes (as cext.ops'): K not a multiple of the layout's block, a layout unknown, no memory. */

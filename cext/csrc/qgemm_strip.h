@@ -67,10 +67,10 @@ static void strip_quantize_rows(const void *x, int64_t x_stride, int64_t num_row
 }
 
 /* x [M, K] -> int8 codes qx8 [M, K] (QG_INT8: |q| <= 127, strip_quantize_block's rounding), dx, isx
- * [M, nb] (each block's sum of codes) and sx = dx * isx (the min term's sum), the codes of each block placed as packed_rows reads them:
- * per 8 inputs e0 .. e7 of a Q4 or Q5 block (nibbles) the bytes e0 e4 e1 e5 e2 e6 e3 e7 (the order of
- * a strip word's nibbles taken by & 0x0F0F0F0F, then >> 4: two 32-bit broadcasts), per 4 inputs of a
- * Q8 block e0 e2 e1 e3 (the strip's byte order). */
+ * [M, nb] (each block's sum of codes) and sx = dx * isx (the min term's sum), the codes of each block
+ * placed as packed_rows reads them: per 8 inputs e0 .. e7 of a Q4 or Q5 block (nibbles) the bytes
+ * e0 e4 e1 e5 e2 e6 e3 e7 (the order of a strip word's nibbles taken by & 0x0F0F0F0F, then >> 4: two
+ * 32-bit broadcasts), per 4 inputs of a Q8 block e0 e2 e1 e3 (the strip's byte order). */
 static void strip_quantize_rows8(const void *x, int64_t x_stride, int64_t num_rows, int64_t num_cols, int dtype,
                                  int nibbles, int8_t *qx8, float *dx, float *sx, int32_t *isx) {
     const int64_t nb = num_cols / QK_BLOCK;
@@ -279,7 +279,11 @@ QG_ALWAYS_INLINE static inline __m512 packed_block_scales(const uint8_t *sc, int
  * four integer accumulators and two rows into two each (a block's 16 vpdpwssd would otherwise
  * wait on each other), added exactly at the block's end. FMT PACKED_Q8: eight vectors of four
  * inputs per block, bytes 0 and 2 of each lane sign-extended to a pair, then bytes 1 and 3;
- * PACKED_Q5: Q4's nibbles, then 16 minus the pair's sign mask (a masked subtract of 16). */
+ * PACKED_Q5: Q4's nibbles, then 16 minus the pair's sign mask (a masked subtract of 16). I8 (QG_INT8,
+ * qx8's byte codes): one vpdpbusd per 64 bytes of weights against four activation bytes, the weights
+ * as unsigned bytes (Q4's nibbles & 0x0F0F0F0F, then >> 4; PACKED_Q5I8's with 16 added where the code
+ * is not negative; Q8's codes xor 0x80), the offset (16 or 128) times the block's code sum taken off
+ * the integer sum. */
 QG_ALWAYS_INLINE static inline void packed_rows(const QArgs *a, const uint8_t *strip, int64_t n0, int64_t i0,
                                                 const int TR, const int MINS, const int FMT, const int I8) {
     const int64_t K = a->num_cols, nb = K / QK_BLOCK;
@@ -297,7 +301,8 @@ QG_ALWAYS_INLINE static inline void packed_rows(const QArgs *a, const uint8_t *s
         acc[r] = _mm512_setzero_ps();
         x[r] = I8 ? (const int32_t *)(a->qx8 + (i0 + r) * K) : (const int32_t *)(a->qx + (i0 + r) * K);
     }
-    const __m512i nibbles = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8((char)0x80), sixteen8 = _mm512_set1_epi8(16);
+    const __m512i nibbles = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8((char)0x80);
+    const __m512i sixteen8 = _mm512_set1_epi8(16);
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *codes = strip + b * code_bytes;
         /* the next strip's share of this block (its codes, then its scales), one strip ahead */
@@ -377,8 +382,10 @@ QG_ALWAYS_INLINE static inline void packed_rows(const QArgs *a, const uint8_t *s
         for (int r = 0; r < TR; r++) {
             __m512i sum = s[r][0];
             for (int k = 1; k < NA; k++) sum = _mm512_add_epi32(sum, s[r][k]);
-            if (I8 && FMT != PACKED_Q4)  /* the codes' offset: 128 (Q8), 16 (Q5) */
-                sum = _mm512_sub_epi32(sum, _mm512_set1_epi32((FMT == PACKED_Q8 ? 128 : 16) * a->isx[(i0 + r) * nb + b]));
+            if (I8 && FMT != PACKED_Q4) {  /* the codes' offset: 128 (Q8), 16 (Q5) */
+                const int32_t offset = FMT == PACKED_Q8 ? 128 : 16;
+                sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(offset * a->isx[(i0 + r) * nb + b]));
+            }
             const __m512 scale = _mm512_mul_ps(db, _mm512_set1_ps(a->dx[(i0 + r) * nb + b]));
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, acc[r]);
             if (MINS) acc[r] = _mm512_fmadd_ps(mb, _mm512_set1_ps(a->sx[(i0 + r) * nb + b]), acc[r]);
