@@ -350,6 +350,7 @@ class EngineCore:
 
     def _tick(self) -> None:
         sched = self.scheduler
+        tick_start = time.perf_counter()  # the verify budget's step times count the schedule too
         rows = self._tick_rows
         num_reserved = rows.budget(sched) if rows is not None and rows.has_work() else 0
         out = sched.schedule(num_reserved) if sched.has_work() else None
@@ -375,10 +376,11 @@ class EngineCore:
             if self.spec is not None:  # the step times of decode rows and proposals: the verify budget
                 num_rows = out.batch.num_tokens
                 if num_rows == len(out.seqs) + sum(len(e.draft) for e, _k, _first in out.spec_entries):
-                    # the forward and the tick's work on its output: a verified run's output (per
-                    # request, in Python) costs more than a plain tick's (one call for all rows), a
-                    # share of a small model's step
-                    self.spec.observe_step(num_rows, time.perf_counter() - start)
+                    # the whole tick: a tick with proposals takes the general plan and its verified
+                    # runs' output goes through Python per request, where a plain tick takes the
+                    # steady Cython plan and one call for all rows' output (a share of a step that
+                    # grows as products get faster: int8 activations, small models)
+                    self.spec.observe_step(num_rows, time.perf_counter() - tick_start)
 
     def _tick_with_rows(self, out, part) -> None:
         """A forward with embedding rows after the generation rows (if any): pooled, never sampled."""

@@ -386,8 +386,9 @@ class SpecDecoder:
         return out
 
     def observe_step(self, num_rows: int, seconds: float) -> None:
-        """A tick without prefill (decode rows and proposals only) took ``seconds``: its forward and
-        the work on its output (sampling, verification, events)."""
+        """A tick without prefill (decode rows and proposals only) took ``seconds``: its schedule
+        (proposals, the verify budget, the plan), its forward and the work on its output (sampling,
+        verification, events)."""
         self.step_times.observe(num_rows, seconds)
 
     def withdraw(self, state) -> None:
