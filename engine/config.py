@@ -28,7 +28,7 @@ DTYPES = ("float32", "bfloat16")
 # quantized (Q4 -> int4, Q5 -> int5, others int8), "int4" makes every projection int4,
 # "bfloat16" / "float32" load everything dense in that dtype.
 QUANTIZATIONS = ("auto", "int4", "bfloat16", "float32")
-# The integer codes quantized products (packed Q4 and Q8 weights: AVX-512 VNNI) round activations
+# The integer codes quantized products (weights packed in strips: AVX-512 VNNI) round activations
 # to: int16 (relative error < 2^-15, near float32) or int8 (llama.cpp's precision; twice the
 # multiply-adds per instruction: ~1.6x the products of several rows, prompts and verification).
 ACTIVATIONS = ("int16", "int8")

@@ -119,7 +119,7 @@ def load_model(path: str | os.PathLike | None = None, dtype: str | None = None, 
     oneDNN's layout (engine.models.linear); False keeps them dense for F.linear.
     dense_above_rows: quantized layers also keep a dense float32 copy used for products of more
     rows than this (costs 4 bytes per weight; off by default, see the README's figures).
-    activations: "int16" or "int8", the codes packed Q4/Q8 products quantize activations to
+    activations: "int16" or "int8", the codes packed products quantize activations to
     (engine.config.ACTIVATIONS; LlamaModel).
     """
     from engine.gguf_file import is_gguf_file

@@ -241,7 +241,7 @@ class LlamaModel(nn.Module):
         with ``ENGINE_AMX=1`` in the environment (opt-in: at a near-tie its rounding can swap
         llama.cpp's 3rd and 4th token, tests/test_parity_engine.py). The routes chosen are in
         ``product_routes``. activations: "int16" (the default) or "int8": the integer codes the
-        packed Q4 and Q8 projections and head quantize their activations to (engine.config's
+        packed (AVX-512 VNNI) projections and head quantize their activations to (engine.config's
         ACTIVATIONS; int8 is llama.cpp's precision at about 1.6x the multi-row products' speed);
         ``int8_layers`` counts the layers that took int8."""
         super().__init__()
