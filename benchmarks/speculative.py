@@ -150,10 +150,12 @@ def bench_one_stream(variants: dict, prompts: list[list[int]], max_tokens: int, 
     dec = {name: [] for name in variants}
     before = {name: spec_counters(v) for name, v in variants.items() if isinstance(v, Engine)}
     mismatches = 0
+    names = list(variants)
     for _ in range(repeats):
-        for ids in prompts:  # interleaved, prompt by prompt
+        for i, ids in enumerate(prompts):  # interleaved, prompt by prompt, each variant first in turn
             outs = {}
-            for name, v in variants.items():
+            for name in names[i % len(names):] + names[:i % len(names)]:
+                v = variants[name]
                 out, t_e2e, t_dec = v.run_one(ids, max_tokens) if not isinstance(v, Engine) else \
                     run_one(v, ids, max_tokens)
                 outs[name] = out
@@ -176,9 +178,11 @@ def bench_streams(engines: dict, prompts: list[list[int]], num_streams: int, max
     rates = {name: [] for name in engines}
     before = {name: spec_counters(e) for name, e in engines.items()}
     mismatches = 0
-    for _ in range(repeats):
+    names = list(engines)
+    for r in range(repeats):
         outs = {}
-        for name, eng in engines.items():
+        for name in names[r % len(names):] + names[:r % len(names)]:  # each engine first in turn
+            eng = engines[name]
             outs[name], seconds = run_streams(eng, ids, max_tokens)
             rates[name].append(sum(len(o) for o in outs[name]) / seconds)
         mismatches += sum(outs[n] != outs["plain"] for n in engines if engines[n]._core.spec is not None)

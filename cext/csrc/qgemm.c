@@ -37,7 +37,7 @@ typedef struct {
     void *y; int64_t y_stride; int dtype;
     int64_t num_out;
     int packed;  /* QG_PACKED: a->blocks holds strips of 16 rows; PACKED_Q4, PACKED_Q5 or PACKED_Q8 */
-    int int8;    /* QG_INT8 (packed Q4 or Q8): activation codes |q| <= 127 */
+    int int8;    /* QG_INT8 (packed layouts): activation codes |q| <= 127 */
     const int8_t *qx8;   /* QG_INT8 on the AVX-512 kernel: [M, K] codes in its order (strip_quantize_rows8) */
     const int32_t *isx;  /* with qx8: [M, K / 32] each block's sum of codes */
 } QArgs;
