@@ -257,8 +257,10 @@ class Linear:
         """From now on quantize this layer's activations to int8 codes (qgemm.h's QG_INT8: twice the
         multiply-adds per instruction, llama.cpp's precision) where its rows are packed strips and its
         products are not exact -> whether it does (other layers keep their int16 codes)."""
-        if self.exact or not self.is_packed_strips or self.layout & INT8:
-            return bool(self.layout and self.layout & INT8)
+        if self.int8_activations:
+            return True
+        if self.exact or not self.is_packed_strips:
+            return False
         qgemm.pack_int8(self.layout, self._rows.data_ptr(), self.out_features, self.in_features)  # Q5's masks
         self.layout |= INT8
         return True

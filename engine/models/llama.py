@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.batch import ForwardBatch, verify_rows_as_decodes, window_blocks
+from engine.config import ACTIVATIONS
 from engine.models import fused, routes
 from engine.models.attention import AttentionPlan, PagedKVCache, paged_attention, plan_attention
 from engine.models.config import ModelConfig
@@ -295,8 +296,8 @@ class LlamaModel(nn.Module):
         layers = [proj for layer in self.layers
                   for proj in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
                   if proj is not None]  # MoE layers: no dense gate/up
-        if activations not in ("int16", "int8"):
-            raise ValueError(f"activations must be 'int16' or 'int8', got {activations!r}")
+        if activations not in ACTIVATIONS:
+            raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
         self.activations = activations
         experts = [proj for layer in self.layers if layer.moe is not None
                    for pair in layer.moe.experts for proj in pair]
