@@ -150,7 +150,7 @@ class SpecState:
 
 
 class StepTimes:
-    """Seconds of the engine's ticks without prefill (forward and output), by their rows (running averages),
+    """Seconds of the engine's ticks without prefill (schedule, forward, output), by their rows (running averages),
     and an estimate for any row count: the timed value, else linear between the nearest timed
     counts, else scaled from the nearest timed count as r + STEP_ROWS_PRIOR (relative to
     1 + STEP_ROWS_PRIOR seconds when none is timed: the budget compares ratios only)."""
