@@ -3,7 +3,9 @@
 bytes) read in one C loop: the Python loop took ~0.1 s per 50k strings at every model load."""
 from cpython.unicode cimport PyUnicode_AsUTF8String, PyUnicode_DecodeUTF8
 from libc.stdint cimport int64_t, uint64_t, uint8_t
-from libc.string cimport memcmp, memcpy
+from libc.string cimport memcpy
+
+from cext.vocab_hash cimport _base, _find, _hash, _slot, _step, _table_bits
 
 import numpy as np
 
@@ -26,43 +28,6 @@ def read_strings(const uint8_t[::1] buffer, Py_ssize_t offset, Py_ssize_t num_it
         if decode:
             out.append(PyUnicode_DecodeUTF8(<const char *>(data + end), <Py_ssize_t>num_bytes, "replace"))
     return out, offset
-
-
-cdef uint64_t _BASE = 0x100000001B3ULL  # the polynomial hash's base (odd)
-
-
-cdef inline uint64_t _slot(uint64_t h, int bits) noexcept nogil:
-    return (h * <uint64_t>0x9E3779B97F4A7C15ULL) >> (64 - bits)
-
-
-cdef inline Py_ssize_t _find(const uint64_t *table, int bits, uint64_t h, const char *text, int64_t n,
-                             const char *blob, const int64_t *offsets) noexcept nogil:
-    """The id whose bytes are text[:n] (hash h), or -1: linear probing from h's slot. An entry is
-    the hash's upper 32 bits over id + 1 (0: empty), so most misses read only the table."""
-    cdef uint64_t mask = (<uint64_t>1 << bits) - 1, i = _slot(h, bits), entry, tag = h >> 32
-    cdef int64_t token_id
-    while True:
-        entry = table[i]
-        if entry == 0:
-            return -1
-        if entry >> 32 == tag:
-            token_id = <int64_t>(entry & 0xFFFFFFFFULL) - 1
-            if offsets[token_id + 1] - offsets[token_id] == n and memcmp(blob + offsets[token_id], text, n) == 0:
-                return token_id
-        i = (i + 1) & mask
-
-
-cdef inline uint64_t _step(uint64_t h, unsigned char byte) noexcept nogil:
-    """The polynomial hash of a text extended by one byte (the empty text hashes to 0)."""
-    return h * _BASE + byte + 1
-
-
-cdef inline uint64_t _hash(const unsigned char *text, int64_t n) noexcept nogil:
-    cdef uint64_t h = 0
-    cdef int64_t k
-    for k in range(n):
-        h = _step(h, text[k])
-    return h
 
 
 def two_token_splits(list tokens, const uint8_t[::1] skip):
@@ -88,9 +53,7 @@ def two_token_splits(list tokens, const uint8_t[::1] skip):
     cdef int64_t max_len = int(lengths.max()) if num_tokens else 0
     if num_tokens >= 0xFFFFFFFF:
         raise ValueError(f"{num_tokens} tokens: more than a 32-bit id")
-    cdef int bits = 4
-    while (<Py_ssize_t>1 << bits) < 2 * num_tokens:
-        bits += 1
+    cdef int bits = _table_bits(num_tokens)
     cdef uint64_t[::1] table = np.zeros(<Py_ssize_t>1 << bits, dtype=np.uint64)
     cdef uint64_t[::1] prefix = np.zeros(max_len + 1, dtype=np.uint64)   # prefix[k]: hash of text[:k]
     cdef uint64_t[::1] powers = np.ones(max_len + 1, dtype=np.uint64)    # powers[k]: BASE^k
@@ -100,7 +63,7 @@ def two_token_splits(list tokens, const uint8_t[::1] skip):
     cdef int64_t[:, ::1] found = out
     with nogil:
         for k in range(1, max_len + 1):
-            powers[k] = powers[k - 1] * _BASE
+            powers[k] = powers[k - 1] * _base()
         for i in range(num_tokens):
             n = offsets[i + 1] - offsets[i]
             text = <const unsigned char *>(data + offsets[i])

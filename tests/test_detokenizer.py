@@ -29,7 +29,7 @@ def id_pools(name):
     fragments = [i for i in range(pieces.num_ids) if not _is_valid(pieces.bytes_of(i))]
     specials = sorted(pieces.special_token_ids) or [0]
     backend = vocabs.backend_of(tok)
-    text_ids = backend.encode(vocabs.MIXED_TEXT, add_special_tokens=False).ids
+    text_ids = vocabs.encode_ids(tok, vocabs.MIXED_TEXT)
     return pieces.num_ids, fragments or [0], specials, text_ids, char_byte_runs(backend)
 
 
@@ -117,7 +117,7 @@ def test_named_texts_round_trip(name, text_name):
     tok = REAL_VOCABS[name]()
     backend = vocabs.backend_of(tok)
     text = NAMED_TEXTS[text_name]
-    ids = backend.encode(text, add_special_tokens=False).ids
+    ids = vocabs.encode_ids(tok, text)
     expected = backend.decode(ids)
     assert "".join(detokenize(tok, ids, True)) == expected
     assert expected.strip() == text.strip()
@@ -128,7 +128,7 @@ def test_byte_level_releases_all_but_an_incomplete_character(name):
     """On real text, after every token all text is out except a character still missing bytes."""
     tok = REAL_VOCABS[name]()
     pieces = TokenPieces(tok)
-    ids = vocabs.backend_of(tok).encode(vocabs.MIXED_TEXT, add_special_tokens=False).ids
+    ids = vocabs.encode_ids(tok, vocabs.MIXED_TEXT)
     d = IncrementalDetokenizer(tok)
     released, seen = "", b""
     num_held_steps = 0
@@ -145,12 +145,12 @@ def test_byte_level_releases_all_but_an_incomplete_character(name):
 def test_byte_fallback_only_text_is_held_until_the_run_ends():
     tok = vocabs.llama_spm()
     backend = vocabs.backend_of(tok)
-    ids = backend.encode("🙂🙂", add_special_tokens=False).ids  # no piece in the vocabulary: 8 byte tokens
+    ids = vocabs.encode_ids(tok, "🙂🙂")  # no piece in the vocabulary: 8 byte tokens
     assert len(ids) >= 8
     d = IncrementalDetokenizer(tok)
     assert [d.add(i) for i in ids] == [""] * len(ids)
     assert d.finish() == backend.decode(ids)
-    word = backend.encode(" ok", add_special_tokens=False).ids
+    word = vocabs.encode_ids(tok, " ok")
     d = IncrementalDetokenizer(tok)
     out = [d.add(i) for i in ids + word]
     assert out[len(ids)].startswith(backend.decode(ids)) and "".join(out) + d.finish() == backend.decode(ids + word)
@@ -164,7 +164,7 @@ def test_stream_ending_mid_character(name):
         tail, expected_tail = ["<0xE4>", "<0xBD>"], "\ufffd\ufffd"  # an unfinished run: every byte token
     else:
         tail, expected_tail = [vocabs.byte_level_str("你".encode()[:2])], "\ufffd"  # one maximal subpart
-    ids = backend.encode("ok", add_special_tokens=False).ids + [backend.token_to_id(t) for t in tail]
+    ids = vocabs.encode_ids(tok, "ok") + [backend.token_to_id(t) for t in tail]
     out = detokenize(tok, ids, True)
     assert out[-1] == expected_tail  # held until finish(), then rendered as decode renders it
     assert "".join(out) == backend.decode(ids) == "ok" + expected_tail
@@ -172,8 +172,7 @@ def test_stream_ending_mid_character(name):
 
 def test_special_tokens_both_ways():
     tok = vocabs.qwen()
-    backend = vocabs.backend_of(tok)
-    ids = [151644] + backend.encode("hi 你", add_special_tokens=False).ids + [151645]
+    ids = [151644] + vocabs.encode_ids(tok, "hi 你") + [151645]
     assert "".join(detokenize(tok, ids, True)) == "hi 你"
     assert "".join(detokenize(tok, ids, False)) == "<|im_start|>hi 你<|im_end|>"
 

@@ -13,8 +13,8 @@ def _emoji_ids(name):
         emoji = [backend.token_to_id(f"<0x{b:02X}>") for b in "🙂".encode()]
     else:
         emoji = [backend.token_to_id(vocabs.byte_level_str(bytes([b]))) for b in "🙂".encode()]
-    ids = (backend.encode("x", add_special_tokens=False).ids + emoji
-           + backend.encode("after", add_special_tokens=False).ids)
+    ids = (vocabs.encode_ids(tok, "x") + emoji
+           + vocabs.encode_ids(tok, "after"))
     return tok, backend, ids
 
 

@@ -16,7 +16,7 @@ import time
 import pytest
 
 from engine.tokenizer import load_tokenizer
-from tests.tokenizer_fixtures import default_model_path
+from tests.tokenizer_fixtures import default_model_path, vocab_data_file
 
 NUM_CHARS = 1_000_000
 NUM_ATTEMPTS = 5
@@ -96,3 +96,14 @@ def test_control_backend_single_encode_holds_the_gil(tokenizer):
     text = long_prompt()[: NUM_CHARS // 4]
     ratio = counter_ratio(lambda: tokenizer.backend.encode(text, add_special_tokens=False))
     assert ratio < 0.5, f"control: counter kept {ratio:.2f} of its solo rate under backend.encode"
+
+
+def test_sentencepiece_encode_lets_other_threads_run():
+    """A GGUF SentencePiece vocabulary encodes in C (cext.spm.SpmEncoder), the GIL released too."""
+    tok = load_tokenizer(vocab_data_file("ggml-vocab-llama-spm.gguf"))
+    assert tok.encoder is not None
+    text = long_prompt()
+    results = []
+    ratio = best_ratio(lambda: results.append(tok.encode(text)))
+    assert len(results[0]) > NUM_CHARS // 10
+    assert ratio >= 0.5, f"counter kept only {ratio:.2f} of its solo rate while encode ran"

@@ -11,6 +11,7 @@ from engine.params import SamplingParams
 from engine.testing import ScriptedModel
 from engine.tokenizer import Tokenizer, load_tokenizer
 from engine.tools import fold_tool_calls
+from tests import vocabs
 from tests.tokenizer_fixtures import vocab_data_file
 
 TEMPLATES = Path(__file__).parent / "data" / "templates"
@@ -21,8 +22,9 @@ ASK = [{"role": "user", "content": "2+3?"}]
 
 def family_tokenizer(vocab: str, template_file: str, special: tuple[str, ...] = ()) -> Tokenizer:
     """A vocabulary of llama.cpp's test data with a real template (and extra special tokens)."""
-    base = load_tokenizer(vocab_data_file(f"ggml-vocab-{vocab}.gguf"))
-    backend = base.backend
+    path = vocab_data_file(f"ggml-vocab-{vocab}.gguf")
+    base = load_tokenizer(path)
+    backend = vocabs.gguf_hf_backend(path)  # one that encodes (a SentencePiece backend only decodes)
     if special:
         backend = type(backend).from_str(backend.to_str())
         backend.add_special_tokens(list(special))

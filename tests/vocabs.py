@@ -188,5 +188,32 @@ def backend_of(tok) -> Tokenizer:
     return getattr(tok, "backend", tok)
 
 
+def gguf_hf_backend(path) -> Tokenizer:
+    """A GGUF vocabulary as one tokenizers.Tokenizer that encodes too, for tests that extend or
+    serialize it: a SentencePiece vocabulary's engine backend only decodes (its Tokenizer encodes
+    with cext.spm), so it comes in the BPE-with-merges form (gguf_spm.reference_backend)."""
+    from engine.gguf_file import read_gguf_metadata
+    from engine.tokenizer.gguf import add_typed_tokens, load_gguf_vocab, token_types, unique_token_texts
+    from engine.tokenizer.gguf_special import llamacpp_special_tokens
+    from engine.tokenizer.gguf_spm import reference_backend
+
+    vocab = load_gguf_vocab(path)
+    if vocab.encoder is None:
+        return vocab.backend
+    metadata = read_gguf_metadata(path)
+    tokens = unique_token_texts(metadata["tokenizer.ggml.tokens"])
+    types, _ = llamacpp_special_tokens(metadata, tokens, token_types(metadata, len(tokens)))
+    backend = reference_backend(metadata, tokens, types)
+    add_typed_tokens(backend, tokens, types)
+    return backend
+
+
+def encode_ids(tok, text: str) -> list[int]:
+    """Ids of `text`, no BOS: an engine Tokenizer's encode (a GGUF SentencePiece vocabulary's
+    backend only decodes: cext.spm encodes it), or a raw tokenizers.Tokenizer's."""
+    out = tok.encode(text, add_special_tokens=False)
+    return out if isinstance(out, list) else out.ids
+
+
 def to_json(tok) -> dict:
     return json.loads(backend_of(tok).to_str())

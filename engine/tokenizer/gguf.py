@@ -22,12 +22,13 @@ import os
 import re
 from dataclasses import dataclass
 
+import numpy as np
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as HFTokenizer
 
 from ..errors import ModelFileError
 from ..gguf_file import read_gguf_metadata
-from .gguf_special import TokenType, fim_token_ids, header_id, llamacpp_special_tokens, text_ids
+from .gguf_special import ADDED_TYPES, TokenType, fim_token_ids, header_id, llamacpp_special_tokens, text_ids
 from .tokenizer import Tokenizer
 
 __all__ = ["GGUFVocab", "TokenType", "load_gguf_tokenizer", "load_gguf_vocab", "vocab_from_metadata"]
@@ -46,6 +47,7 @@ class GGUFVocab:
     missing_byte_id: int | None = None  # backend id for bytes the vocabulary lacks; encode drops it
     fim_token_ids: dict[str, int] | None = None  # fill-in-the-middle role -> id (gguf_special.fim_token_ids)
     token_texts: list[str] | None = None  # id -> text of the vocabulary (Tokenizer.token_texts)
+    encoder: object | None = None  # Tokenizer.encoder: "llama" vocabularies encode in C (gguf_spm.py)
 
 
 def token_types(metadata: dict, num_tokens: int) -> list[int]:
@@ -114,10 +116,9 @@ class AsciiStrip:
 
 def add_typed_tokens(backend: HFTokenizer, tokens: list[str], types: list[int]) -> None:
     """Register control/unknown tokens as special added tokens, user-defined ones as plain added tokens."""
-    added = []
-    for text, token_type in zip(tokens, types):
-        if token_type in (TokenType.CONTROL, TokenType.UNKNOWN, TokenType.USER_DEFINED):
-            added.append(AddedToken(text, special=token_type != TokenType.USER_DEFINED, normalized=False))
+    kinds = np.asarray(types, dtype=np.int64)  # one pass in numpy: a Python loop took ~0.2 s over 262k ids
+    added = [AddedToken(tokens[i], special=int(kinds[i]) != TokenType.USER_DEFINED, normalized=False)
+             for i in np.flatnonzero(np.isin(kinds, ADDED_TYPES)).tolist()]
     if added:
         backend.add_tokens(added)
 
@@ -137,7 +138,7 @@ def load_gguf_tokenizer(path: str | os.PathLike) -> Tokenizer:
         vocab.backend, bos_token_id=vocab.bos_token_id, eos_token_ids=vocab.eos_token_ids,
         add_bos=vocab.add_bos, chat_template=vocab.chat_template, vocab_size=vocab.vocab_size,
         prepare_text=vocab.strip, dropped_token_id=vocab.missing_byte_id, fim_token_ids=vocab.fim_token_ids,
-        token_texts=vocab.token_texts,
+        token_texts=vocab.token_texts, encoder=vocab.encoder,
     )
 
 
@@ -192,6 +193,7 @@ def vocab_from_metadata(metadata: dict) -> GGUFVocab:
     ids = text_ids(tokens)
     types, eos_ids = llamacpp_special_tokens(metadata, tokens, token_types(metadata, len(tokens)), ids)
     missing_byte_id = None
+    encoder = None
     added_texts = tokens  # the texts add_typed_tokens registers
     if model_type == "bert":
         from .gguf_wpm import build_wpm_backend, wordpiece_tokens
@@ -209,7 +211,7 @@ def vocab_from_metadata(metadata: dict) -> GGUFVocab:
         add_bos_default = True
     elif model_type == "llama":
         from .gguf_spm import build_spm_backend
-        backend = build_spm_backend(metadata, tokens, types, ids)
+        backend, encoder = build_spm_backend(metadata, tokens, types, ids)
         add_bos_default = True
     else:
         raise ValueError(
@@ -235,4 +237,5 @@ def vocab_from_metadata(metadata: dict) -> GGUFVocab:
         fim_token_ids=fim_token_ids(metadata, tokens, ids),
         # The BPE vocabularies are {tokens[i]: i} over unique texts; WordPiece renames its tokens.
         token_texts=tokens if model_type != "bert" else None,
+        encoder=encoder,
     )

@@ -12,7 +12,7 @@ from enum import IntEnum
 
 from .tokenizer import EOG_TEXTS, FIM_TEXTS
 
-__all__ = ["TokenType", "header_id", "llamacpp_special_tokens"]
+__all__ = ["ADDED_TYPES", "TokenType", "header_id", "llamacpp_special_tokens"]
 
 
 class TokenType(IntEnum):
@@ -25,6 +25,10 @@ class TokenType(IntEnum):
     UNUSED = 5
     BYTE = 6
 
+
+# Token types parsed in text before the model's own split (`tokenizers` added tokens; the same set
+# as llama.cpp's cache_special_tokens): gguf.add_typed_tokens, gguf_spm's encoder.
+ADDED_TYPES = (TokenType.CONTROL, TokenType.UNKNOWN, TokenType.USER_DEFINED)
 
 # header key -> texts llama.cpp looks for when the key is absent; the first token found becomes
 # control. (llama.cpp walks a hash map, so with several candidates its pick is arbitrary; we take

@@ -8,7 +8,9 @@
 `encode` prepends BOS itself when `add_bos` (the backend's post-processor is not used), so one
 rule holds for GGUF and Hugging Face sources alike. It goes through `encode_batch_fast`, which
 releases the GIL for the whole call (`encode` holds it), so a request thread tokenizing a long
-prompt does not stall the engine thread.
+prompt does not stall the engine thread; or, where the Tokenizer has an ``encoder`` (a GGUF
+SentencePiece vocabulary: cext.spm.SpmEncoder, GIL released too), through the encoder, and the
+backend only decodes.
 """
 from __future__ import annotations
 
@@ -47,7 +49,10 @@ MISSING_BYTE = "<engine:missing-byte>"
 
 
 class Tokenizer:
-    """Encode/decode and chat templates over `backend`, a `tokenizers.Tokenizer`."""
+    """Encode/decode and chat templates over `backend`, a `tokenizers.Tokenizer`.
+
+    ``encoder``: an object whose ``encode_batch(texts)`` gives each text's ids (special-token texts
+    parsed, no BOS); given, encoding goes through it and ``backend`` is used to decode only."""
 
     def __init__(
         self,
@@ -62,6 +67,7 @@ class Tokenizer:
         dropped_token_id: int | None = None,
         fim_token_ids: dict[str, int] | None = None,
         token_texts: list[str] | None = None,
+        encoder=None,
     ):
         if not isinstance(backend, HFTokenizer):
             raise ValueError(f"backend must be a tokenizers.Tokenizer, got {type(backend).__name__}")
@@ -85,6 +91,7 @@ class Tokenizer:
         # The list the vocabulary was built from (id -> text), when the loader has one: the
         # per-id tables (TokenPieces) read it instead of one backend call per id, after a spot check.
         self.token_texts = token_texts
+        self.encoder = encoder
         # Exactly what decode(skip_special_tokens=True) drops: the added tokens marked special.
         self.special_token_ids = frozenset(
             token_id for token_id, added in backend.get_added_tokens_decoder().items() if added.special
@@ -127,16 +134,20 @@ class Tokenizer:
             raise ValueError(f"text must be a string, got {type(text).__name__}")
         if self.prepare_text is not None:
             text = self.prepare_text(text)
-        (encoding,) = self.backend.encode_batch_fast([text], add_special_tokens=False)
-        return self._finish_ids(encoding.ids, add_special_tokens)
+        (ids,) = self._encode_texts([text])
+        return self._finish_ids(ids, add_special_tokens)
 
     def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
         if not isinstance(texts, (list, tuple)) or not all(isinstance(t, str) for t in texts):
             raise ValueError("texts must be a list of strings")
         if self.prepare_text is not None:
             texts = [self.prepare_text(t) for t in texts]
-        encodings = self.backend.encode_batch_fast(list(texts), add_special_tokens=False)
-        return [self._finish_ids(e.ids, add_special_tokens) for e in encodings]
+        return [self._finish_ids(ids, add_special_tokens) for ids in self._encode_texts(list(texts))]
+
+    def _encode_texts(self, texts: list[str]) -> list[list[int]]:
+        if self.encoder is not None:
+            return self.encoder.encode_batch(texts)
+        return [e.ids for e in self.backend.encode_batch_fast(texts, add_special_tokens=False)]
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         """Text of `ids`; ids outside the vocabulary render as nothing (as in `tokenizers`)."""
