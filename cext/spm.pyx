@@ -410,6 +410,11 @@ cdef class SpmEncoder:
         cdef Py_ssize_t found = _token(&self._vocab, <const unsigned char *><const char *>data, n)
         return None if found < 0 else found
 
+    def token_blob(self):
+        """(every token's UTF-8 bytes concatenated, int64 offsets [num_tokens + 1]): token i is
+        blob[offsets[i]:offsets[i + 1]]. The offsets are a copy."""
+        return self._blob, np.asarray(self._offsets).copy()
+
     def token_texts(self):
         """Every id's text, a new list."""
         return [self.token_text(i) for i in range(self.num_tokens)]

@@ -17,10 +17,12 @@ class TokenTable:
     blob: bytes
     offsets: np.ndarray  # int64 [num_ids + 1]
     kinds: np.ndarray    # uint8 [num_ids]
-    texts: list[str | None]
+    texts: list[str | None]  # filled on use when built without texts
     num_ids: int
-    def __init__(self, blob: bytes, offsets: np.ndarray, kinds: np.ndarray, texts: list[str | None]) -> None: ...
+    def __init__(self, blob: bytes, offsets: np.ndarray, kinds: np.ndarray,
+                 texts: list[str | None] | None = None) -> None: ...
     def piece(self, token_id: int) -> bytes: ...
+    def text(self, token_id: int) -> str | None: ...
 
 class Utf8Tracker:
     table: TokenTable | None

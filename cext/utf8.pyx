@@ -22,6 +22,8 @@ from cpython.mem cimport PyMem_Free, PyMem_Realloc
 from cpython.unicode cimport PyUnicode_AsUTF8String, PyUnicode_DecodeUTF8
 from libc.stdint cimport int64_t, uint8_t
 
+import numpy as np
+
 cdef str REPLACEMENT = "\ufffd"
 
 
@@ -77,20 +79,48 @@ cdef inline str decode_replace(const unsigned char* data, Py_ssize_t n):
 cdef class TokenTable:
     """Every token's piece: ``blob[offsets[i]:offsets[i + 1]]`` with ``kinds[i]`` flags."""
 
-    def __init__(self, bytes blob, offsets, kinds, list texts):
+    def __init__(self, bytes blob, offsets, kinds, list texts=None):
+        """texts: each id's strict text (None for a byte token or a piece that is not valid UTF-8
+        alone); None: each one is made from its piece on first use (a list of 262k str is ~18 MB)."""
         cdef Py_ssize_t num_ids = len(kinds)
-        if len(offsets) != num_ids + 1 or len(texts) != num_ids:
+        if len(offsets) != num_ids + 1 or (texts is not None and len(texts) != num_ids):
             raise ValueError("offsets must have len(kinds) + 1 entries and texts len(kinds)")
         if num_ids and (offsets[0] != 0 or offsets[num_ids] != len(blob)):
             raise ValueError("offsets must start at 0 and end at len(blob)")
         self.blob = blob
         self.offsets = offsets
         self.kinds = kinds
-        self.texts = texts
+        self.texts = [None] * num_ids if texts is None else texts
         self.num_ids = num_ids
         self._blob = <const unsigned char*>blob
         self._offsets = offsets
         self._kinds = kinds
+        self._known = np.full(num_ids, texts is not None, dtype=np.uint8)
+
+    cdef object _text(self, Py_ssize_t token_id):
+        """texts[token_id], made from the piece the first time."""
+        cdef int64_t start
+        cdef object text = None
+        if not self._known[token_id]:
+            start = self._offsets[token_id]
+            if self._kinds[token_id] & KIND_UNKNOWN:
+                text = ""  # as token_pieces gives it (add() drops the id before asking)
+            elif not self._kinds[token_id] & KIND_BYTE:
+                try:
+                    text = PyUnicode_DecodeUTF8(<const char*>(self._blob + start),
+                                                self._offsets[token_id + 1] - start, NULL)
+                except UnicodeDecodeError:
+                    text = None
+            self.texts[token_id] = text
+            self._known[token_id] = 1
+            return text
+        return <object>PyList_GET_ITEM(self.texts, token_id)
+
+    def text(self, Py_ssize_t token_id):
+        """The strict text of a piece: str when valid UTF-8 alone, None for a byte token or not."""
+        if token_id < 0 or token_id >= self.num_ids:
+            return None
+        return self._text(token_id)
 
     def piece(self, Py_ssize_t token_id) -> bytes:
         if token_id < 0 or token_id >= self.num_ids:
@@ -143,7 +173,7 @@ cdef class Utf8Tracker:
         if kind & KIND_BYTE:
             return self._push_run_byte(table._blob[start])
         if self.num_pending == 0 and self.num_run == 0 and not self.is_run_invalid and self.num_strip == 0:
-            text = <object>PyList_GET_ITEM(table.texts, token_id)
+            text = table._text(token_id)
             if text is not None:
                 return <str>text
         return self._push(table._blob + start, table._offsets[token_id + 1] - start)
@@ -318,7 +348,8 @@ cdef inline int byte_token_value(str token) noexcept:
     return -1 if high < 0 else high * 16 + low
 
 
-def token_pieces(list tokens, tuple replaces, bint byte_fallback, byte_level, uint8_t[::1] kinds):
+def token_pieces(list tokens, tuple replaces, bint byte_fallback, byte_level, uint8_t[::1] kinds,
+                 bint with_texts=True):
     """Every token's piece as its decoder renders it alone -> (pieces, strict texts, texts).
 
     tokens[i] is the vocabulary's text of id i or None (an unknown id: empty piece, kinds[i] =
@@ -326,29 +357,34 @@ def token_pieces(list tokens, tuple replaces, bint byte_fallback, byte_level, ui
     replaces in order, then with byte_fallback a "<0xNN>" token is its one byte, kinds[i] |=
     KIND_BYTE), else a function token -> bytes (ByteLevel). kinds comes in with KIND_SPECIAL
     set for special ids. Strict texts: the piece as str, None for a byte token or a piece that
-    is not valid UTF-8; texts: the same with errors="replace". The Python loop took ~0.5 s over
-    Gemma 3's 262,144 ids at every load."""
+    is not valid UTF-8; texts: the same with errors="replace". with_texts=False: both are None
+    (TokenTable makes strict texts on use). The Python loop took ~0.5 s over Gemma 3's 262,144
+    ids at every load."""
     cdef Py_ssize_t num_ids = len(tokens), i
     cdef int value
     cdef str text
     cdef bytes piece
     if kinds.shape[0] != num_ids:
         raise ValueError(f"kinds has {kinds.shape[0]} entries for {num_ids} tokens")
-    cdef list pieces = [None] * num_ids, strict = [None] * num_ids, texts = [None] * num_ids
+    cdef list pieces = [None] * num_ids
+    cdef list strict = [None] * num_ids if with_texts else None
+    cdef list texts = [None] * num_ids if with_texts else None
     for i in range(num_ids):
         token = tokens[i]
         if token is None:
             pieces[i] = b""
-            strict[i] = texts[i] = ""
+            if with_texts:
+                strict[i] = texts[i] = ""
             kinds[i] = KIND_UNKNOWN
             continue
         if byte_level is not None:
             piece = byte_level(token)
             pieces[i] = piece
-            try:
-                strict[i] = texts[i] = PyUnicode_DecodeUTF8(<const char*>piece, len(piece), NULL)
-            except UnicodeDecodeError:
-                texts[i] = decode_replace(<const unsigned char*>piece, len(piece))
+            if with_texts:
+                try:
+                    strict[i] = texts[i] = PyUnicode_DecodeUTF8(<const char*>piece, len(piece), NULL)
+                except UnicodeDecodeError:
+                    texts[i] = decode_replace(<const unsigned char*>piece, len(piece))
             continue
         text = <str>token
         for pattern, content in replaces:
@@ -357,9 +393,11 @@ def token_pieces(list tokens, tuple replaces, bint byte_fallback, byte_level, ui
         if value >= 0:
             piece = bytes((value,))
             pieces[i] = piece
-            texts[i] = decode_replace(<const unsigned char*>piece, 1)
+            if with_texts:
+                texts[i] = decode_replace(<const unsigned char*>piece, 1)
             kinds[i] |= KIND_BYTE
         else:
             pieces[i] = PyUnicode_AsUTF8String(text)  # a str's UTF-8 is valid: its strict text is itself
-            strict[i] = texts[i] = text
+            if with_texts:
+                strict[i] = texts[i] = text
     return pieces, strict, texts

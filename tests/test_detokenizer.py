@@ -246,7 +246,8 @@ def _fresh_pieces(tokenizer) -> TokenPieces:
 
 def _table_state(pieces: TokenPieces) -> tuple:
     table = pieces.table
-    return table.blob, table.offsets.tolist(), table.kinds.tolist(), table.texts, pieces._texts
+    return (table.blob, table.offsets.tolist(), table.kinds.tolist(), [table.text(i) for i in range(table.num_ids)],
+            [pieces.text_of(i) for i in range(table.num_ids)])
 
 
 @pytest.mark.parametrize("name", ["llama_spm", "qwen2_gguf"])
@@ -361,7 +362,7 @@ def test_every_llama_cpp_vocab_the_engine_loads(vocab_name):
     tok = load_tokenizer(str(path))
     pieces = TokenPieces(tok)
     assert pieces.is_fast  # byte-level BPE or SentencePiece byte fallback: all on the table path
-    fragments = [i for i in range(pieces.num_ids) if pieces.table.texts[i] is None] or [0]
+    fragments = [i for i in range(pieces.num_ids) if pieces.table.text(i) is None] or [0]
     specials = sorted(pieces.special_token_ids) or [0]
     rng = random.Random(vocab_name)
     for _ in range(40):

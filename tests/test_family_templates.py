@@ -14,6 +14,7 @@ import pytest
 
 from engine.tokenizer import ChatTemplateError, Tokenizer, load_tokenizer
 from engine.tokenizer.chat_template import check_template_kwargs
+from tests import vocabs
 from tests.reasoning_fixtures import tokenizer_with
 from tests.test_tool_templates import TOOLS, as_transformers_serves_it, history
 from tests.tokenizer_fixtures import vocab_data_file
@@ -37,11 +38,12 @@ CONVERSATIONS = {
 }
 
 
-def oracle(tok: Tokenizer):
+def oracle(tok: Tokenizer, backend=None):
+    """transformers' tokenizer over ``backend`` (default: tok's own `tokenizers` backend)."""
     import transformers  # test-only oracle (requirements-test.txt)
 
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok.backend, bos_token=tok.bos_token or "<s>",
-                                                eos_token=tok.eos_token or "</s>")
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=backend or tok.backend,
+                                                bos_token=tok.bos_token or "<s>", eos_token=tok.eos_token or "</s>")
 
 
 def with_own_tokens(tok: Tokenizer) -> Tokenizer:
@@ -88,7 +90,9 @@ def render_both(tok, reference, messages, tools, kwargs, add_generation_prompt, 
 @pytest.mark.parametrize("name, make", list(tokenizers()), ids=[n for n, _ in tokenizers()])
 def test_template_renders_as_transformers(name, make):
     tok = make()
-    reference = oracle(tok)
+    # A GGUF SentencePiece vocabulary's backend is ours (gguf_spm.SpmBackend): transformers gets its
+    # `tokenizers` form.
+    reference = oracle(tok, vocabs.gguf_hf_backend(vocab_data_file(name)) if name in GGUF_VOCABS else None)
     num_rendered = 0
     for label, messages in CONVERSATIONS.items():
         for tools in (None, TOOLS):

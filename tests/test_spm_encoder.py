@@ -7,17 +7,19 @@ llama.cpp's own tie and fallback rules decide."""
 from __future__ import annotations
 
 import functools
-import json
 import random
 
 import numpy as np
 import pytest
-from cext.spm import SpmEncoder
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from cext.spm import SpmEncoder
+from cext.utf8 import TokenKind
 from engine.gguf_file import read_gguf_metadata
 from engine.tokenizer import load_tokenizer
+from engine.tokenizer.gguf_spm import SpmBackend
+from engine.tokenizer.token_bytes import TokenPieces
 from tests import vocabs
 from tests.model_fixtures import GEMMA3_FILE, TESTDATA
 from tests.tokenizer_fixtures import tiny_spm_gguf, vocab_data_file
@@ -54,7 +56,7 @@ def random_text(rng: random.Random, tokens: list[str], specials: list[str]) -> s
 @pytest.mark.parametrize("name", list(VOCAB_FILES))
 def test_encoder_equals_the_merges_implementation_on_real_vocabularies(name):
     tok, reference, tokens = pair(name)
-    assert tok.encoder is not None
+    assert isinstance(tok.backend, SpmBackend)
     specials = [tokens[i] for i in sorted(tok.special_token_ids)][:200] + ["<unk>", "</s>"]
     rng = random.Random(7)
     texts = [random_text(rng, tokens, specials) for _ in range(2000)]
@@ -74,11 +76,46 @@ def test_encoder_equals_the_merges_implementation_on_any_text(text):
         assert tok.encode(text, add_special_tokens=False) == reference.encode(text, add_special_tokens=False).ids
 
 
-def test_decode_only_backend_keeps_no_merges():
-    """The memory this module saves: the engine's backend for Gemma's vocabulary holds no merges."""
-    tok, reference, _ = pair("gemma3")
-    assert json.loads(tok.backend.model.__getstate__())["merges"] == []
-    assert len(json.loads(reference.model.__getstate__())["merges"]) > 100_000
+@pytest.mark.parametrize("name", ["gemma3", "llama-spm"])
+def test_backend_decodes_and_names_ids_as_tokenizers_does(name):
+    """The SpmBackend stands in for the `tokenizers` object: the same ids, texts, added tokens and
+    decoded text, over every id of the vocabulary."""
+    tok, reference, tokens = pair(name)
+    backend = tok.backend
+    num_ids = len(tokens)
+    assert backend.get_vocab_size(True) == reference.get_vocab_size(True) == num_ids
+    assert [backend.id_to_token(i) for i in range(num_ids)] == [reference.id_to_token(i) for i in range(num_ids)]
+    assert backend.id_to_token(num_ids) is None and backend.id_to_token(-1) is None
+    rng = random.Random(3)
+    for text in rng.sample(tokens, 3000) + ["no such token", "", "<0x41>"]:
+        assert backend.token_to_id(text) == reference.token_to_id(text), text
+    ours = {i: (t.content, t.special) for i, t in backend.get_added_tokens_decoder().items()}
+    assert ours == {i: (t.content, t.special) for i, t in reference.get_added_tokens_decoder().items()}
+    assert ours and {i for i, (_, special) in ours.items() if special} == tok.special_token_ids
+    sequences = [rng.sample(range(num_ids), rng.randint(0, 40)) for _ in range(300)]
+    sequences += [list(range(3, 300)), [num_ids + 5, 10, 2**31]]
+    for ids in sequences:
+        for skip in (True, False):
+            assert backend.decode(ids, skip_special_tokens=skip) == reference.decode(ids, skip_special_tokens=skip)
+    with pytest.raises(OverflowError):
+        backend.decode([5, -1])
+    with pytest.raises(TypeError):
+        backend.decode([5, "a"])
+    with pytest.raises(ValueError, match="non-negative"):
+        tok.decode([5, -1])
+
+
+@pytest.mark.parametrize("name", ["gemma3", "llama-spm", "phi-3"])
+def test_detokenizer_table_from_the_blob_equals_the_generic_one(name):
+    """TokenPieces builds an SpmBackend's table with numpy over its UTF-8 blob (no object per id):
+    the same bytes, offsets, kinds and texts as the per-token build over the `tokenizers` form."""
+    tok, reference, _ = pair(name)
+    TokenPieces._cache.pop(tok.backend, None)
+    ours, theirs = TokenPieces(tok).table, TokenPieces(reference).table
+    assert ours.blob == theirs.blob
+    assert ours.offsets.tolist() == theirs.offsets.tolist() and ours.kinds.tolist() == theirs.kinds.tolist()
+    assert [ours.text(i) for i in range(ours.num_ids)] == [theirs.text(i) for i in range(theirs.num_ids)]
+    assert int((ours.kinds & TokenKind.KIND_BYTE != 0).sum()) == 256
 
 
 def encoder(tokens, scores, special=(), byte_ids=None, add_space_prefix=False):
@@ -125,7 +162,7 @@ def test_special_tokens_leftmost_then_longest_and_space_prefix_per_piece():
 
 def test_tiny_vocabulary_file_goes_through_the_encoder(tmp_path):
     tok = load_tokenizer(tiny_spm_gguf(tmp_path / "spm.gguf"))
-    assert tok.encoder is not None
+    assert isinstance(tok.backend, SpmBackend)
     assert [tok.id_to_token(i) for i in tok.encode("abc", add_special_tokens=False)] == ["▁abc"]
     assert tok.encode("</s>ab</s>", add_special_tokens=False) == [2, tok.token_to_id("▁ab"), 2]
 

@@ -189,16 +189,16 @@ def backend_of(tok) -> Tokenizer:
 
 
 def gguf_hf_backend(path) -> Tokenizer:
-    """A GGUF vocabulary as one tokenizers.Tokenizer that encodes too, for tests that extend or
-    serialize it: a SentencePiece vocabulary's engine backend only decodes (its Tokenizer encodes
-    with cext.spm), so it comes in the BPE-with-merges form (gguf_spm.reference_backend)."""
+    """A GGUF vocabulary as a tokenizers.Tokenizer, for tests that extend or serialize it: a
+    SentencePiece vocabulary (whose engine backend is a gguf_spm.SpmBackend) comes in the
+    BPE-with-merges form (gguf_spm.reference_backend)."""
     from engine.gguf_file import read_gguf_metadata
     from engine.tokenizer.gguf import add_typed_tokens, load_gguf_vocab, token_types, unique_token_texts
     from engine.tokenizer.gguf_special import llamacpp_special_tokens
-    from engine.tokenizer.gguf_spm import reference_backend
+    from engine.tokenizer.gguf_spm import SpmBackend, reference_backend
 
     vocab = load_gguf_vocab(path)
-    if vocab.encoder is None:
+    if not isinstance(vocab.backend, SpmBackend):
         return vocab.backend
     metadata = read_gguf_metadata(path)
     tokens = unique_token_texts(metadata["tokenizer.ggml.tokens"])
@@ -209,8 +209,7 @@ def gguf_hf_backend(path) -> Tokenizer:
 
 
 def encode_ids(tok, text: str) -> list[int]:
-    """Ids of `text`, no BOS: an engine Tokenizer's encode (a GGUF SentencePiece vocabulary's
-    backend only decodes: cext.spm encodes it), or a raw tokenizers.Tokenizer's."""
+    """Ids of `text`, no BOS: an engine Tokenizer's encode, or a raw tokenizers.Tokenizer's."""
     out = tok.encode(text, add_special_tokens=False)
     return out if isinstance(out, list) else out.ids
 

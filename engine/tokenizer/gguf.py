@@ -37,7 +37,7 @@ __all__ = ["GGUFVocab", "TokenType", "load_gguf_tokenizer", "load_gguf_vocab", "
 @dataclass
 class GGUFVocab:
     """A GGUF vocabulary converted: the backend plus what the Tokenizer wrapper needs."""
-    backend: HFTokenizer
+    backend: HFTokenizer  # or, for "llama" vocabularies, a gguf_spm.SpmBackend
     vocab_size: int
     bos_token_id: int | None
     eos_token_ids: list[int]
@@ -47,7 +47,6 @@ class GGUFVocab:
     missing_byte_id: int | None = None  # backend id for bytes the vocabulary lacks; encode drops it
     fim_token_ids: dict[str, int] | None = None  # fill-in-the-middle role -> id (gguf_special.fim_token_ids)
     token_texts: list[str] | None = None  # id -> text of the vocabulary (Tokenizer.token_texts)
-    encoder: object | None = None  # Tokenizer.encoder: "llama" vocabularies encode in C (gguf_spm.py)
 
 
 def token_types(metadata: dict, num_tokens: int) -> list[int]:
@@ -138,7 +137,7 @@ def load_gguf_tokenizer(path: str | os.PathLike) -> Tokenizer:
         vocab.backend, bos_token_id=vocab.bos_token_id, eos_token_ids=vocab.eos_token_ids,
         add_bos=vocab.add_bos, chat_template=vocab.chat_template, vocab_size=vocab.vocab_size,
         prepare_text=vocab.strip, dropped_token_id=vocab.missing_byte_id, fim_token_ids=vocab.fim_token_ids,
-        token_texts=vocab.token_texts, encoder=vocab.encoder,
+        token_texts=vocab.token_texts,
     )
 
 
@@ -193,7 +192,6 @@ def vocab_from_metadata(metadata: dict) -> GGUFVocab:
     ids = text_ids(tokens)
     types, eos_ids = llamacpp_special_tokens(metadata, tokens, token_types(metadata, len(tokens)), ids)
     missing_byte_id = None
-    encoder = None
     added_texts = tokens  # the texts add_typed_tokens registers
     if model_type == "bert":
         from .gguf_wpm import build_wpm_backend, wordpiece_tokens
@@ -211,14 +209,16 @@ def vocab_from_metadata(metadata: dict) -> GGUFVocab:
         add_bos_default = True
     elif model_type == "llama":
         from .gguf_spm import build_spm_backend
-        backend, encoder = build_spm_backend(metadata, tokens, types, ids)
+        backend = build_spm_backend(metadata, tokens, types, ids)  # its added tokens included
+        added_texts = None
         add_bos_default = True
     else:
         raise ValueError(
             f"tokenizer.ggml.model {model_type!r} is not supported (supported: 'gpt2' byte-level BPE, "
             "'llama' SentencePiece BPE, 'gemma4' SentencePiece-style BPE, 'bert' WordPiece)"
         )
-    add_typed_tokens(backend, added_texts, types)
+    if added_texts is not None:
+        add_typed_tokens(backend, added_texts, types)
     lstrip_ids, rstrip_ids = strip_attributes(metadata, tokens, types, ids)
     bos_id, add_bos = bos_settings(metadata, len(tokens), add_bos_default)
     if model_type == "gemma4" and bos_id is not None:
@@ -235,7 +235,7 @@ def vocab_from_metadata(metadata: dict) -> GGUFVocab:
         if lstrip_ids or rstrip_ids else None,
         missing_byte_id=missing_byte_id,
         fim_token_ids=fim_token_ids(metadata, tokens, ids),
-        # The BPE vocabularies are {tokens[i]: i} over unique texts; WordPiece renames its tokens.
-        token_texts=tokens if model_type != "bert" else None,
-        encoder=encoder,
+        # The BPE vocabularies are {tokens[i]: i} over unique texts; WordPiece renames its tokens; an
+        # SpmBackend reads its texts off its own table (a list of 262k str is ~18 MB to keep).
+        token_texts=tokens if model_type not in ("bert", "llama") else None,
     )

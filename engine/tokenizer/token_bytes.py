@@ -112,6 +112,18 @@ def plan_decoder(decoder_json: dict | None) -> DecoderPlan:
     return DecoderPlan(DecodeMode.MODE_PIECES, tuple(replaces), is_byte_fallback, num_strip)
 
 
+def _occurrences(blob: bytes, pattern: bytes) -> np.ndarray:
+    """Start offsets of ``pattern`` in ``blob`` (a UTF-8 character's bytes: never overlapping)."""
+    data = np.frombuffer(blob, dtype=np.uint8)
+    n, k = len(data), len(pattern)
+    if k == 0 or n < k:
+        return np.zeros(0, dtype=np.int64)
+    found = data[: n - k + 1] == pattern[0]
+    for j in range(1, k):
+        found &= data[j: n - k + 1 + j] == pattern[j]
+    return np.flatnonzero(found)
+
+
 def _flatten(sequence: dict) -> list[dict]:
     steps = []
     for step in sequence.get("decoders") or []:
@@ -138,11 +150,11 @@ class TokenPieces:
         if cached is not None and cached._signature == signature:
             return cached
         self = super().__new__(cls)
-        self._build(backend, signature, getattr(tokenizer, "token_texts", None))
+        self._build(backend, signature, tokenizer)
         cls._cache[backend] = self
         return self
 
-    def _build(self, backend, signature, token_texts: list[str] | None) -> None:
+    def _build(self, backend, signature, tokenizer) -> None:
         self._backend_ref = weakref.ref(backend)  # the cache's value must not keep its key alive
         self._signature = signature
         decoder_state = signature[1]
@@ -152,9 +164,7 @@ class TokenPieces:
         self.special_token_ids = frozenset(i for i, t in added.items() if t.special)
         self.num_ids = max([signature[0], *(i + 1 for i in added)])
         self._generic_pieces: dict[int, bytes] = {}
-        self._pieces: list[bytes] | None = None  # [num_ids], fast path only
-        self._texts: list[str] | None = None     # [num_ids], fast path only
-        self.table = self._build_table(token_texts) if self.plan.mode is not None else None
+        self.table = self._build_table(tokenizer) if self.plan.mode is not None else None
 
     @property
     def backend(self):
@@ -164,18 +174,73 @@ class TokenPieces:
     def is_fast(self) -> bool:
         return self.table is not None
 
-    def _build_table(self, token_texts: list[str] | None) -> TokenTable:
+    def _build_table(self, tokenizer) -> TokenTable:
         plan = self.plan
         kinds = np.zeros(self.num_ids, dtype=np.uint8)  # [num_ids]
         kinds[list(self.special_token_ids)] = TokenKind.KIND_SPECIAL
+        table = self._table_from_blob(kinds)
+        if table is not None:
+            return table
         byte_level = byte_level_bytes if plan.mode == DecodeMode.MODE_BYTES else None
-        tokens = self._token_texts(token_texts)
-        pieces, strict, texts = token_pieces(tokens, plan.replaces, plan.is_byte_fallback, byte_level, kinds)
+        tokens = self._token_texts(getattr(tokenizer, "token_texts", None))
+        pieces, _, _ = token_pieces(tokens, plan.replaces, plan.is_byte_fallback, byte_level, kinds, False)
+        del tokens
         offsets = np.zeros(self.num_ids + 1, dtype=np.int64)  # [num_ids + 1]
         np.cumsum(np.fromiter(map(len, pieces), dtype=np.int64, count=self.num_ids), out=offsets[1:])
-        # Logprob lookups: one list index each.
-        self._pieces, self._texts = pieces, texts
-        return TokenTable(b"".join(pieces), offsets, kinds, strict)
+        # No per-id str or bytes kept (~50 MB over Gemma 3's 262k ids): the table makes each id's
+        # text on its first use, and logprob pieces are slices of its blob.
+        return TokenTable(b"".join(pieces), offsets, kinds)
+
+    def _table_from_blob(self, kinds: np.ndarray) -> TokenTable | None:
+        """SentencePiece pieces over a backend that hands its tokens as one UTF-8 blob
+        (gguf_spm.SpmBackend.token_blob), made with numpy over the blob: no Python object per id
+        (a list of 262k str and one of 262k bytes were ~70 MB at the load's peak for Gemma 3).
+        None where the generic build applies: another backend, another mode, or a replace whose
+        pattern is more than one character (one character's bytes never span two tokens)."""
+        plan = self.plan
+        token_blob = getattr(self.backend, "token_blob", None)
+        if token_blob is None or plan.mode != DecodeMode.MODE_PIECES or any(len(p) != 1 for p, _ in plan.replaces):
+            return None
+        blob, offsets = token_blob()  # offsets int64 [num_ids + 1]
+        if len(offsets) != self.num_ids + 1:
+            return None
+        for pattern, content in plan.replaces:  # in order, as token_pieces applies them per token
+            old, new = pattern.encode("utf-8"), content.encode("utf-8")
+            hits = _occurrences(blob, old)
+            if len(hits) and len(new) != len(old):
+                owners = np.searchsorted(offsets, hits, side="right") - 1
+                offsets = offsets.copy()
+                offsets[1:] += np.cumsum(np.bincount(owners, minlength=self.num_ids) * (len(new) - len(old)))
+            blob = blob.replace(old, new)
+        if plan.is_byte_fallback:
+            blob, offsets = self._byte_tokens(blob, offsets, kinds)
+        return TokenTable(blob, offsets, kinds)
+
+    @staticmethod
+    def _byte_tokens(blob: bytes, offsets: np.ndarray, kinds: np.ndarray) -> tuple[bytes, np.ndarray]:
+        """Byte-fallback tokens ("<0xNN>", as token_pieces parses them) become their one byte."""
+        data = np.frombuffer(blob, dtype=np.uint8)
+        starts, lengths = offsets[:-1], np.diff(offsets)
+        at = np.minimum(starts, max(len(data) - 3, 0))
+        candidates = np.flatnonzero((lengths >= 4) & (data[at] == ord("<")) & (data[at + 1] == ord("0"))
+                                    & (data[at + 2] == ord("x"))) if len(data) >= 3 else np.zeros(0, np.int64)
+        if not len(candidates):
+            return blob, offsets
+        texts = [blob[offsets[i]:offsets[i + 1]].decode("utf-8") for i in candidates.tolist()]
+        sub_kinds = kinds[candidates].copy()
+        pieces, _, _ = token_pieces(texts, (), True, None, sub_kinds, False)
+        is_byte = (sub_kinds & TokenKind.KIND_BYTE) != 0
+        kinds[candidates] = sub_kinds
+        segments, end = [], 0
+        for i, piece in zip(candidates[is_byte].tolist(), (p for p, b in zip(pieces, is_byte) if b)):
+            segments += [blob[end:offsets[i]], piece]
+            end = offsets[i + 1]
+        segments.append(blob[end:])
+        lengths = lengths.copy()
+        lengths[candidates[is_byte]] = 1
+        new_offsets = np.zeros_like(offsets)
+        np.cumsum(lengths, out=new_offsets[1:])
+        return b"".join(segments), new_offsets
 
     def _token_texts(self, token_texts: list[str] | None) -> list[str | None]:
         """Every id's text: ``token_texts`` (the list the loader built the vocabulary from: one
@@ -209,8 +274,8 @@ class TokenPieces:
         """The token's raw bytes as the decoder produces them (b"" for an unknown id)."""
         if not 0 <= token_id < self.num_ids:
             return b""
-        if self._pieces is not None:
-            return self._pieces[token_id]
+        if self.table is not None:
+            return self.table.piece(token_id)
         piece = self._generic_pieces.get(token_id)
         if piece is None:
             piece = self.backend.decode([token_id], skip_special_tokens=False).encode("utf-8")
@@ -219,6 +284,4 @@ class TokenPieces:
 
     def text_of(self, token_id: int) -> str:
         """``bytes_of(token_id).decode("utf-8", errors="replace")``."""
-        if self._texts is not None and 0 <= token_id < self.num_ids:
-            return self._texts[token_id]
         return self.bytes_of(token_id).decode("utf-8", errors="replace")

@@ -8,9 +8,10 @@
 `encode` prepends BOS itself when `add_bos` (the backend's post-processor is not used), so one
 rule holds for GGUF and Hugging Face sources alike. It goes through `encode_batch_fast`, which
 releases the GIL for the whole call (`encode` holds it), so a request thread tokenizing a long
-prompt does not stall the engine thread; or, where the Tokenizer has an ``encoder`` (a GGUF
-SentencePiece vocabulary: cext.spm.SpmEncoder, GIL released too), through the encoder, and the
-backend only decodes.
+prompt does not stall the engine thread.
+
+A backend is a `tokenizers.Tokenizer` or an object with the same methods the Tokenizer and the
+detokenizer call (a GGUF SentencePiece vocabulary's gguf_spm.SpmBackend, which encodes in C).
 """
 from __future__ import annotations
 
@@ -48,11 +49,14 @@ FIM_TEXTS = {
 MISSING_BYTE = "<engine:missing-byte>"
 
 
-class Tokenizer:
-    """Encode/decode and chat templates over `backend`, a `tokenizers.Tokenizer`.
+# What a backend that is not a tokenizers.Tokenizer must have (gguf_spm.SpmBackend).
+BACKEND_METHODS = ("encode_batch_fast", "decode", "id_to_token", "token_to_id", "get_vocab_size",
+                   "get_added_tokens_decoder", "decoder")
 
-    ``encoder``: an object whose ``encode_batch(texts)`` gives each text's ids (special-token texts
-    parsed, no BOS); given, encoding goes through it and ``backend`` is used to decode only."""
+
+class Tokenizer:
+    """Encode/decode and chat templates over `backend`, a `tokenizers.Tokenizer` (or a stand-in with
+    BACKEND_METHODS)."""
 
     def __init__(
         self,
@@ -67,9 +71,8 @@ class Tokenizer:
         dropped_token_id: int | None = None,
         fim_token_ids: dict[str, int] | None = None,
         token_texts: list[str] | None = None,
-        encoder=None,
     ):
-        if not isinstance(backend, HFTokenizer):
+        if not isinstance(backend, HFTokenizer) and not all(hasattr(backend, m) for m in BACKEND_METHODS):
             raise ValueError(f"backend must be a tokenizers.Tokenizer, got {type(backend).__name__}")
         self.backend = backend
         self.vocab_size = int(vocab_size) if vocab_size is not None else backend.get_vocab_size(with_added_tokens=True)
@@ -88,16 +91,22 @@ class Tokenizer:
         # A backend id that stands for bytes the vocabulary cannot represent (past vocab_size);
         # encode removes it, as llama.cpp drops such bytes.
         self.dropped_token_id = dropped_token_id
-        # The list the vocabulary was built from (id -> text), when the loader has one: the
-        # per-id tables (TokenPieces) read it instead of one backend call per id, after a spot check.
-        self.token_texts = token_texts
-        self.encoder = encoder
+        self._token_texts = token_texts
         # Exactly what decode(skip_special_tokens=True) drops: the added tokens marked special.
         self.special_token_ids = frozenset(
             token_id for token_id, added in backend.get_added_tokens_decoder().items() if added.special
         )
         # Role ("pre", "suf", "mid", "pad", "rep", "sep": FIM_TEXTS) -> token id; None: found by text.
         self.fim_token_ids = self._find_fim_tokens() if fim_token_ids is None else dict(fim_token_ids)
+
+    @property
+    def token_texts(self) -> list[str] | None:
+        """The list the vocabulary was built from (id -> text), when the loader has one, or one the
+        backend builds on request (gguf_spm.SpmBackend keeps none): the per-id tables (TokenPieces)
+        read it instead of one backend call per id, after a spot check."""
+        if self._token_texts is not None:
+            return self._token_texts
+        return getattr(self.backend, "token_texts", None)
 
     def _find_fim_tokens(self) -> dict[str, int]:
         found = {}
@@ -134,20 +143,16 @@ class Tokenizer:
             raise ValueError(f"text must be a string, got {type(text).__name__}")
         if self.prepare_text is not None:
             text = self.prepare_text(text)
-        (ids,) = self._encode_texts([text])
-        return self._finish_ids(ids, add_special_tokens)
+        (encoding,) = self.backend.encode_batch_fast([text], add_special_tokens=False)
+        return self._finish_ids(encoding.ids, add_special_tokens)
 
     def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
         if not isinstance(texts, (list, tuple)) or not all(isinstance(t, str) for t in texts):
             raise ValueError("texts must be a list of strings")
         if self.prepare_text is not None:
             texts = [self.prepare_text(t) for t in texts]
-        return [self._finish_ids(ids, add_special_tokens) for ids in self._encode_texts(list(texts))]
-
-    def _encode_texts(self, texts: list[str]) -> list[list[int]]:
-        if self.encoder is not None:
-            return self.encoder.encode_batch(texts)
-        return [e.ids for e in self.backend.encode_batch_fast(texts, add_special_tokens=False)]
+        encodings = self.backend.encode_batch_fast(list(texts), add_special_tokens=False)
+        return [self._finish_ids(e.ids, add_special_tokens) for e in encodings]
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         """Text of `ids`; ids outside the vocabulary render as nothing (as in `tokenizers`)."""
