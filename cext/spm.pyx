@@ -24,7 +24,7 @@ from cpython.unicode cimport PyUnicode_AsUTF8String, PyUnicode_DecodeUTF8
 from libc.stdint cimport int32_t, int64_t, uint64_t, uint8_t
 from libc.stdlib cimport free, malloc, realloc
 
-from cext.vocab_hash cimport _find, _find_slot, _hash, _step, _table_bits
+from cext.vocab_hash cimport _find, _find_slot, _hash, _slot, _step, _table_bits
 
 import numpy as np
 
@@ -72,6 +72,8 @@ cdef struct Vocab:
     const int32_t *byte_ids     # [256]
     const uint8_t *starts       # [256]: a special token's text starts with this byte
     const uint8_t *lengths      # [max_special + 1]: some special token's text has this many bytes
+    const uint64_t *prefixes    # hashes (| 1) of every prefix of a special token's text: the scan stops early
+    int prefix_bits
     Py_ssize_t max_special
     bint add_space_prefix
 
@@ -140,6 +142,20 @@ cdef inline Bigram _heap_pop(Scratch *s) noexcept nogil:
             i = child
         s.heap[i] = last
     return top
+
+
+cdef inline bint _has_prefix(const Vocab *v, uint64_t h) noexcept nogil:
+    """Whether some special token's text may start with the text of hash h (a hash match: the
+    special lookup itself compares the bytes)."""
+    cdef uint64_t mask = (<uint64_t>1 << v.prefix_bits) - 1, i = _slot(h, v.prefix_bits), entry
+    h |= 1
+    while True:
+        entry = v.prefixes[i]
+        if entry == 0:
+            return False
+        if entry == h:
+            return True
+        i = (i + 1) & mask
 
 
 cdef inline Py_ssize_t _token(const Vocab *v, const unsigned char *text, Py_ssize_t n) noexcept nogil:
@@ -244,6 +260,8 @@ cdef int _encode(const Vocab *v, const unsigned char *text, Py_ssize_t n, Ids *o
             h = 0
             for length in range(1, limit + 1):
                 h = _step(h, text[i + length - 1])
+                if not _has_prefix(v, h):
+                    break
                 if v.lengths[length]:
                     token_id = _find(v.special_table, v.special_bits, h, <const char *>(text + i), length,
                                      v.blob, v.offsets)
@@ -276,6 +294,18 @@ cdef void _insert(uint64_t *table, int bits, const unsigned char *text, Py_ssize
     table[slot] = ((h >> 32) << 32) | <uint64_t>(token_id + 1)
 
 
+cdef void _insert_prefixes(uint64_t *table, int bits, const unsigned char *text, Py_ssize_t n) noexcept nogil:
+    """Add the hash (| 1) of each of text's prefixes (text[:1] ... text[:n]) to a set."""
+    cdef uint64_t h = 0, mask = (<uint64_t>1 << bits) - 1, i
+    cdef Py_ssize_t k
+    for k in range(n):
+        h = _step(h, text[k])
+        i = _slot(h, bits)
+        while table[i] != 0 and table[i] != (h | 1):
+            i = (i + 1) & mask
+        table[i] = h | 1
+
+
 @cython.final
 cdef class SpmEncoder:
     """A "llama" (SentencePiece BPE) vocabulary's encoder; see the module docstring.
@@ -290,6 +320,7 @@ cdef class SpmEncoder:
     cdef int32_t[::1] _byte_ids
     cdef uint8_t[::1] _starts
     cdef uint8_t[::1] _lengths
+    cdef uint64_t[::1] _prefixes
     cdef Vocab _vocab
     cdef readonly Py_ssize_t num_tokens
 
@@ -322,6 +353,8 @@ cdef class SpmEncoder:
             max_special = int(lengths[specials].max())
         self._starts = np.zeros(256, dtype=np.uint8)
         self._lengths = np.zeros(max_special + 1, dtype=np.uint8)
+        cdef int prefix_bits = _table_bits(int(lengths[specials].sum()) if len(specials) else 0)
+        self._prefixes = np.zeros(<Py_ssize_t>1 << prefix_bits, dtype=np.uint64)
         cdef const int64_t[::1] special_view = specials
         cdef Py_ssize_t token_id
         with nogil:
@@ -338,6 +371,8 @@ cdef class SpmEncoder:
                         n, token_id, blob, &self._offsets[0])
                 self._starts[<unsigned char>blob[self._offsets[token_id]]] = 1
                 self._lengths[n] = 1
+                _insert_prefixes(&self._prefixes[0], prefix_bits,
+                                 <const unsigned char *>(blob + self._offsets[token_id]), n)
         self._vocab.blob = blob
         self._vocab.offsets = &self._offsets[0]
         self._vocab.table = &self._table[0]
@@ -348,6 +383,8 @@ cdef class SpmEncoder:
         self._vocab.byte_ids = &self._byte_ids[0]
         self._vocab.starts = &self._starts[0]
         self._vocab.lengths = &self._lengths[0]
+        self._vocab.prefixes = &self._prefixes[0]
+        self._vocab.prefix_bits = prefix_bits
         self._vocab.max_special = max_special
         self._vocab.add_space_prefix = add_space_prefix
 
