@@ -323,6 +323,7 @@ cdef class SpmEncoder:
     cdef uint64_t[::1] _prefixes
     cdef Vocab _vocab
     cdef readonly Py_ssize_t num_tokens
+    cdef object _special_ids  # int64, sorted: for __reduce__
 
     def __init__(self, list tokens, scores, special_ids, byte_ids, bint add_space_prefix):
         cdef Py_ssize_t num_tokens = len(tokens), i, n, max_special = 0
@@ -336,6 +337,7 @@ cdef class SpmEncoder:
                                                    and np.asarray(self._byte_ids).max() < num_tokens):
             raise ValueError("byte_ids must be 256 ids of this vocabulary or -1")
         specials = np.sort(np.asarray(special_ids, dtype=np.int64))  # (np.unique imports numpy.ma: ~0.1 s)
+        self._special_ids = specials
         if len(specials) and (specials.min() < 0 or specials.max() >= num_tokens):
             raise ValueError(f"special_ids must be ids of this vocabulary (0 to {num_tokens - 1})")
         encoded = [PyUnicode_AsUTF8String(t) for t in tokens]
@@ -387,6 +389,11 @@ cdef class SpmEncoder:
         self._vocab.prefix_bits = prefix_bits
         self._vocab.max_special = max_special
         self._vocab.add_space_prefix = add_space_prefix
+
+    def __reduce__(self):
+        """Pickling and copy.deepcopy rebuild the encoder from its tokens' texts."""
+        return (SpmEncoder, (self.token_texts(), np.asarray(self._scores), self._special_ids,
+                             np.asarray(self._byte_ids), bool(self._vocab.add_space_prefix)))
 
     def encode_batch(self, list texts):
         """-> [[ids] per text]. The GIL is released while the texts are encoded."""

@@ -6,7 +6,9 @@ real vocabularies (Gemma 3's 262k tokens, LLaMA's, Phi-3's), and on tiny vocabul
 llama.cpp's own tie and fallback rules decide."""
 from __future__ import annotations
 
+import copy
 import functools
+import pickle
 import random
 
 import numpy as np
@@ -165,6 +167,15 @@ def test_tiny_vocabulary_file_goes_through_the_encoder(tmp_path):
     assert isinstance(tok.backend, SpmBackend)
     assert [tok.id_to_token(i) for i in tok.encode("abc", add_special_tokens=False)] == ["▁abc"]
     assert tok.encode("</s>ab</s>", add_special_tokens=False) == [2, tok.token_to_id("▁ab"), 2]
+
+
+def test_tokenizer_survives_deepcopy_and_pickle():
+    tok, _, _ = pair("llama-spm")
+    text = "Hello <s> world 🙂 中文"
+    for copied in (copy.deepcopy(tok), pickle.loads(pickle.dumps(tok))):
+        assert isinstance(copied.backend, SpmBackend) and copied.backend is not tok.backend
+        assert copied.encode(text) == tok.encode(text)
+        assert copied.decode(tok.encode(text)) == tok.decode(tok.encode(text))
 
 
 def test_bad_arguments_are_named():

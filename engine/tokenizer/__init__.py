@@ -1,4 +1,5 @@
-"""Tokenizers: one `Tokenizer` over a `tokenizers.Tokenizer`, whatever the source.
+"""Tokenizers: one `Tokenizer` over a `tokenizers.Tokenizer` (or, for a GGUF SentencePiece
+vocabulary, our SpmBackend with the same methods), whatever the source.
 
     tok = load_tokenizer("model.gguf")   # or tokenizer.json, an HF model dir, a tokenizers.Tokenizer
     ids = tok.encode(text)               # special-token texts parsed, GIL released
@@ -11,7 +12,7 @@ The package, one module per concern:
     hf.py             Hugging Face sources: tokenizer.json + tokenizer_config.json
     gguf.py           a GGUF file's embedded vocabulary, with llama.cpp's ids:
       gguf_bpe.py       "gpt2" byte-level BPE and "gemma4" vocabularies
-      gguf_spm.py       "llama" SentencePiece vocabularies
+      gguf_spm.py       "llama" SentencePiece vocabularies (SpmBackend: encoded in C, cext/spm.pyx)
       gguf_wpm.py       "bert" WordPiece vocabularies
       gguf_special.py   llama.cpp's token types and special-token rules
     token_bytes.py    per-token bytes read off the decoder (the detokenizer's table)
