@@ -256,6 +256,43 @@ def test_mapped_rows_of_no_ids(ggml_type, block_bytes, block):
     assert rows.rows(torch.tensor([[2, 0]]), torch.float32).shape == (1, 2, 2 * block)
 
 
+def _resident_kb(array: np.ndarray) -> int:
+    """Resident kB of the memory mapping holding ``array``'s first byte (/proc/self/smaps)."""
+    address, inside = array.ctypes.data, False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            start, end = (int(x, 16) for x in head.split("-"))
+            inside = start <= address < end
+        elif inside and line.startswith("Rss:"):
+            return int(line.split()[1])
+    raise AssertionError("no mapping holds the array")
+
+
+def test_mapped_rows_drop_their_pages_as_they_read(qwen_gguf, monkeypatch):  # noqa: F811
+    """A read fault maps the 64 KB around its page, so rows read a step at a time (the head's
+    refined logits, embedding lookups) made most of a mapped tensor resident: every RELEASE_ROWS
+    rows read, MappedRows drops its pages (the rows stay exact: they fault back in)."""
+    from engine.loader import repack
+
+    name = "model.embed_tokens.weight"  # Q5_0, 151,936 x 896: 94 MB in the map
+    rows = converted(qwen_gguf, [name], "auto")[name]
+    exact = converted(qwen_gguf, [name], "float32")[name]
+    generator = torch.Generator().manual_seed(0)
+
+    def resident_kb_after_reads(release_rows: int) -> int:
+        monkeypatch.setattr(repack, "RELEASE_ROWS", release_rows)
+        rows._release()
+        for _ in range(48):  # 48 steps of 64 rows
+            ids = torch.randint(0, rows.shape[0], (64,), generator=generator)
+            torch.testing.assert_close(rows.rows(ids, torch.float32), exact[ids], atol=0, rtol=0)
+        return _resident_kb(rows.raw)
+
+    kept = resident_kb_after_reads(10**9)
+    dropped = resident_kb_after_reads(512)
+    assert kept > 2 * dropped, (kept, dropped)
+
+
 def test_qwen_untied_embedding_stays_in_the_map_and_is_exact(qwen_gguf):  # noqa: F811
     name = "model.embed_tokens.weight"  # Q5_0
     rows = converted(qwen_gguf, [name], "auto")[name]

@@ -143,15 +143,27 @@ def int4_from_q4(raw: np.ndarray, ggml_type: int, num_cols: int) -> Int4Weight:
     return Int4Weight(torch.from_numpy(np.ascontiguousarray(packed)), torch.from_numpy(scales), torch.from_numpy(mins))
 
 
+# Rows a MappedRows reads between two drops of its pages from the resident set. A read fault
+# maps the 64 KB around the page (the kernel's fault-around; MADV_RANDOM does not stop it), so
+# each row read can keep 64 KB resident: 512 rows bound that at ~32 MB. Without the drop, the
+# 64 refined head rows of each step made Qwen2.5-Coder-1.5B's whole Q6_K head (191 MB) and its
+# embedding (131 MB) resident within a few hundred steps.
+RELEASE_ROWS = 512
+
+
 class MappedRows:
     """A quantized [N, K] ggml tensor left in the file's memory map, read a few rows at a time
-    (embedding lookups, the head's refined logits): exact, and resident only where touched."""
+    (embedding lookups, the head's refined logits): exact, and resident only where touched, and
+    only until ``release`` (the loader's: drops the tensor's pages, which stay in the page cache)
+    runs every RELEASE_ROWS rows read."""
 
-    def __init__(self, raw: np.ndarray, ggml_type: int, shape: tuple[int, int]):
+    def __init__(self, raw: np.ndarray, ggml_type: int, shape: tuple[int, int], release=None):
         self.raw = raw  # uint8 [N, bytes per row], a view of the map
         self.ggml_type = ggml_type
         self.shape = tuple(shape)
         self._q8_0 = torch.from_numpy(raw).view(shape[0], -1, 34) if ggml_type == Q8_0 else None
+        self._release = release
+        self.num_unreleased = 0  # rows read since the last release
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """ids [...] -> rows [..., K] in dtype."""
@@ -164,4 +176,10 @@ class MappedRows:
             w = d * blocks[..., 2:].contiguous().view(torch.int8).float()  # [n, K/32, 32]
         else:
             w = torch.from_numpy(dequantize(self.raw[flat.numpy()], self.ggml_type, (len(flat), self.shape[1])))
-        return w.reshape(*ids.shape, self.shape[1]).to(dtype)
+        out = w.reshape(*ids.shape, self.shape[1]).to(dtype)
+        if self._release is not None:
+            self.num_unreleased += len(flat)
+            if self.num_unreleased >= RELEASE_ROWS:
+                self.num_unreleased = 0
+                self._release()
+        return out
