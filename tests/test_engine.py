@@ -355,3 +355,23 @@ def test_forward_batch_makes_tensors_of_numpy_arrays_without_copying():
     arrays["positions"][0] = 9  # a view: the tensor sees the scheduler's array
     assert positions[0].item() == 9 and batch.array("positions")[0] == 9
     assert tuple(batch.block_tables.shape) == (3, 2) and batch.num_seqs == 3 and batch.num_tokens == 3
+
+
+def test_prompt_chunks_trim_the_heap_at_most_once_an_interval(tok, monkeypatch):
+    """A forward of TRIM_HEAP_ROWS rows or more (a prompt chunk) hands freed heap pages back
+    (malloc_trim: a long prompt's chunks left the heap fragmented, the resident size creeping up
+    by chunk), at most once every TRIM_HEAP_INTERVAL_S; decode ticks never trim."""
+    from engine.core import runtime
+
+    trims = []
+    monkeypatch.setattr(runtime, "release_free_heap", lambda: trims.append(1))
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    with make_engine(tok, [5]) as eng:
+        eng.generate([[7] * 16], params)
+        assert trims == []  # a 16-token prompt and decode ticks
+        monkeypatch.setattr(runtime, "TRIM_HEAP_INTERVAL_S", 0.0)
+        eng.generate([[7] * 1000], params)  # 1,000 tokens in 256-token chunks: 4 forwards of >= 128 rows
+        assert len(trims) == 4
+        monkeypatch.setattr(runtime, "TRIM_HEAP_INTERVAL_S", 3600.0)
+        eng.generate([[8] * 1000], params)
+        assert len(trims) == 4  # the last trim was under an hour ago

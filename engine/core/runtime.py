@@ -25,6 +25,7 @@ from cext.emit import emit_rows
 
 from ..config import EngineConfig
 from ..errors import EngineDead, EngineError, EngineOverloaded, InvalidParameterError, SchedulerRefused
+from ..loader import release_free_heap
 from ..outputs import StreamEvent, TokenLogprob
 from ..params import SamplingParams
 from ..sampling import sampler
@@ -37,6 +38,11 @@ from .prefix_disk import make_prefix_disk_cache
 from .request import Request, RequestGroup
 from .scheduler import Scheduler, SchedulerConfig
 from .speculative import make_spec_decoder
+
+# A forward of TRIM_HEAP_ROWS rows or more is followed by malloc_trim, at most once every
+# TRIM_HEAP_INTERVAL_S (EngineCore._trim_after).
+TRIM_HEAP_ROWS = 128
+TRIM_HEAP_INTERVAL_S = 1.0
 
 log = logging.getLogger("engine")
 
@@ -113,6 +119,7 @@ class EngineCore:
         self.error: BaseException | None = None
         self.num_generated_tokens = 0
         self.num_ticks = 0
+        self._last_trim = 0.0  # time.monotonic() of the last heap trim (_trim_after)
         self._tick_requests: _TickRequests | None = None
         self._tick_listeners: list = []  # called after each tick (add_tick_listener), shared with the worker
         # A steady tick's output loop runs beside the next forward (engine/core/output_worker.py)
@@ -373,6 +380,7 @@ class EngineCore:
                 return
             self._last_forward_s = time.perf_counter() - start
             self._after_forward(out, logits)
+            self._trim_after(out.batch.num_tokens)
             if self.spec is not None:  # the step times of decode rows and proposals: the verify budget
                 num_rows = out.batch.num_tokens
                 if num_rows == len(out.seqs) + sum(len(e.draft) for e, _k, _first in out.spec_entries):
@@ -402,7 +410,21 @@ class EngineCore:
             rows.num_mixed_ticks += 1
             out.batch = batch  # the tick's cost counts the embedding rows too (the scheduler's estimates)
             self._after_forward(out, logits)
+        self._trim_after(batch.num_tokens)
 
+    def _trim_after(self, num_rows: int) -> None:
+        """After a forward of TRIM_HEAP_ROWS rows or more (a prompt chunk), hand the heap pages its
+        activations freed back to the OS (malloc_trim, ~1-3 ms): glibc kept them, and a long
+        prompt's chunks left the heap fragmented, so the resident size crept up chunk by chunk
+        (Qwen2.5-Coder-1.5B: +130 MB over a 2,048-token prompt; the peak over `import torch`
+        1,641 -> 1,510 MB with a trim after every chunk). A trim and the page faults after it cost
+        ~6 ms, 2% of a 256-row chunk of SmolLM2, hence at most one a second. Decode ticks, whose
+        buffers are the same every tick, are left alone."""
+        if num_rows >= TRIM_HEAP_ROWS:
+            now = time.monotonic()
+            if now - self._last_trim >= TRIM_HEAP_INTERVAL_S:
+                self._last_trim = now
+                release_free_heap()
     def _fail_tick(self, out, exc: BaseException) -> None:
         self._settle_output()
         for seq in out.seqs:
