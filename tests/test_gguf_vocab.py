@@ -274,8 +274,8 @@ def test_spm_splits_in_c_and_in_python_agree():
     """The C loop (cext.gguf_strings.two_token_splits) and its definition in Python give the same
     splits, in the same order, on a real SentencePiece vocabulary."""
     import numpy as np
-    from cext.gguf_strings import two_token_splits
 
+    from cext.gguf_strings import two_token_splits
     from engine.gguf_file import read_gguf_metadata as read_metadata
     from engine.tokenizer.gguf import llamacpp_special_tokens, token_types, unique_token_texts
 

@@ -19,10 +19,10 @@ from __future__ import annotations
 import operator
 
 import numpy as np
-from cext.gguf_strings import pairs_in_order, two_token_splits  # the GGUF reader needs cext built anyway
 from tokenizers import AddedToken, decoders, models, normalizers
 from tokenizers import Tokenizer as HFTokenizer
 
+from cext.gguf_strings import pairs_in_order, two_token_splits  # the GGUF reader needs cext built anyway
 from cext.spm import SpmEncoder
 
 from .gguf_special import ADDED_TYPES, TokenType, text_ids
