@@ -6,7 +6,6 @@ architecture so ggml can rotate adjacent pairs; Qwen2 uses NeoX rotation and is 
 unpermuted)."""
 from __future__ import annotations
 
-import functools
 import os
 import re
 from collections.abc import Iterator, Mapping
@@ -188,7 +187,8 @@ class GGUFStateDict(Mapping):
             return Int4Weight.from_dense(self._dense(raw, info, torch.float32))
         if is_plain:
             return self._dense(raw, info, self.dtype)
-        rows = MappedRows(raw, info.ggml_type, info.shape, release=functools.partial(self.gguf.release, info.name))
+        source = None if isinstance(info, _ExpertRows) else (self.gguf.path, info.offset)  # rows read with pread
+        rows = MappedRows(raw, info.ggml_type, info.shape, source=source)
         if name == "model.embed_tokens.weight" and not self.config.tie_word_embeddings:
             return rows  # looked up a few rows at a time from the map: no resident copy
         weight = self._int8(raw, info, may_pack=not is_projection)  # the head (tied: also the embedding)

@@ -16,6 +16,8 @@ re-quantized: int8 per block of 32 (absmax / 127) or int4 group-32 (min/max, rou
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 
@@ -143,43 +145,60 @@ def int4_from_q4(raw: np.ndarray, ggml_type: int, num_cols: int) -> Int4Weight:
     return Int4Weight(torch.from_numpy(np.ascontiguousarray(packed)), torch.from_numpy(scales), torch.from_numpy(mins))
 
 
-# Rows a MappedRows reads between two drops of its pages from the resident set. A read fault
-# maps the 64 KB around the page (the kernel's fault-around; MADV_RANDOM does not stop it), so
-# each row read can keep 64 KB resident: 512 rows bound that at ~32 MB. Without the drop, the
-# 64 refined head rows of each step made Qwen2.5-Coder-1.5B's whole Q6_K head (191 MB) and its
-# embedding (131 MB) resident within a few hundred steps.
-RELEASE_ROWS = 512
-
-
 class MappedRows:
-    """A quantized [N, K] ggml tensor left in the file's memory map, read a few rows at a time
-    (embedding lookups, the head's refined logits): exact, and resident only where touched, and
-    only until ``release`` (the loader's: drops the tensor's pages, which stay in the page cache)
-    runs every RELEASE_ROWS rows read."""
+    """A quantized [N, K] ggml tensor left in the file, read a few rows at a time (embedding
+    lookups, the head's refined logits): exact, and never resident. With ``source`` (the file's
+    path and the tensor's byte offset) each row is read with pread from a descriptor opened at
+    load (the loaded file, even if its path is replaced later); the pages stay in the page cache
+    only. Read through the map instead, a fault maps the whole page-cache folio around the page
+    (64 KB of fault-around, 2 MB where the page cache holds large folios, as for a file just
+    written), so the 64 refined head rows of each step made Qwen2.5-Coder-1.5B's Q6_K head and
+    Q4_K embedding (322 MB) resident within a few hundred steps; dropping the pages every few
+    hundred rows did not hold with large folios. Without ``source`` rows come from ``raw``."""
 
-    def __init__(self, raw: np.ndarray, ggml_type: int, shape: tuple[int, int], release=None):
+    def __init__(self, raw: np.ndarray, ggml_type: int, shape: tuple[int, int],
+                 source: tuple[str, int] | None = None):
         self.raw = raw  # uint8 [N, bytes per row], a view of the map
         self.ggml_type = ggml_type
         self.shape = tuple(shape)
-        self._q8_0 = torch.from_numpy(raw).view(shape[0], -1, 34) if ggml_type == Q8_0 else None
-        self._release = release
-        self.num_unreleased = 0  # rows read since the last release
+        self.row_bytes = raw.shape[1]
+        self._fd = os.open(source[0], os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)) if source is not None else None
+        self._offset = source[1] if source is not None else 0
+
+    def __del__(self):
+        if getattr(self, "_fd", None) is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def _gather(self, flat: np.ndarray) -> np.ndarray:
+        """uint8 [len(flat), row bytes]: the rows' bytes."""
+        if self._fd is None:
+            return self.raw[flat]
+        out = np.empty((len(flat), self.row_bytes), dtype=np.uint8)
+        first: dict[int, int] = {}
+        for k, i in enumerate(flat.tolist()):
+            if i < 0 or i >= self.shape[0]:
+                raise IndexError(f"row {i} is outside the tensor's {self.shape[0]} rows")
+            if i in first:
+                out[k] = out[first[i]]
+                continue
+            first[i] = k
+            data = os.pread(self._fd, self.row_bytes, self._offset + i * self.row_bytes)
+            if len(data) != self.row_bytes:
+                raise OSError(f"short read of row {i} ({len(data)} of {self.row_bytes} bytes)")
+            out[k] = np.frombuffer(data, dtype=np.uint8)
+        return out
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """ids [...] -> rows [..., K] in dtype."""
         flat = ids.reshape(-1)
         if flat.numel() == 0:  # a forward with no logit rows (a prompt's inner chunk)
             return torch.empty(*ids.shape, self.shape[1], dtype=dtype)
-        if self._q8_0 is not None:  # in torch: gather blocks, d * q
-            blocks = self._q8_0[flat]  # [n, K/32, 34]
+        data = self._gather(flat.numpy())
+        if self.ggml_type == Q8_0:  # in torch: d * q per block
+            blocks = torch.from_numpy(data).view(len(flat), -1, 34)  # [n, K/32, 34]
             d = blocks[..., :2].contiguous().view(torch.float16).float()  # [n, K/32, 1]
             w = d * blocks[..., 2:].contiguous().view(torch.int8).float()  # [n, K/32, 32]
         else:
-            w = torch.from_numpy(dequantize(self.raw[flat.numpy()], self.ggml_type, (len(flat), self.shape[1])))
-        out = w.reshape(*ids.shape, self.shape[1]).to(dtype)
-        if self._release is not None:
-            self.num_unreleased += len(flat)
-            if self.num_unreleased >= RELEASE_ROWS:
-                self.num_unreleased = 0
-                self._release()
-        return out
+            w = torch.from_numpy(dequantize(data, self.ggml_type, (len(flat), self.shape[1])))
+        return w.reshape(*ids.shape, self.shape[1]).to(dtype)
