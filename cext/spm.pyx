@@ -84,14 +84,21 @@ MAX_TEXT_BYTES = (1 << 29) - 1  # a piece's bytes, 3 per space, fit the symbols'
 cdef uint8_t[16] _UTF8_LEN = [1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 3, 4]
 
 
+cdef inline void *_grown(void *data, Py_ssize_t *cap, size_t item_bytes) noexcept nogil:
+    """data reallocated to 2 * cap + 16 items (cap updated), or NULL (data untouched) when out of memory."""
+    cdef void *grown = realloc(data, (2 * cap[0] + 16) * item_bytes)
+    if grown != NULL:
+        cap[0] = 2 * cap[0] + 16
+    return grown
+
+
 cdef inline int _push(Ids *out, int32_t token_id) noexcept nogil:
     cdef int32_t *grown
     if out.size == out.cap:
-        grown = <int32_t *>realloc(out.data, (2 * out.cap + 16) * sizeof(int32_t))
+        grown = <int32_t *>_grown(out.data, &out.cap, sizeof(int32_t))
         if grown == NULL:
             return -1
         out.data = grown
-        out.cap = 2 * out.cap + 16
     out.data[out.size] = token_id
     out.size += 1
     return 0
@@ -106,11 +113,10 @@ cdef inline int _heap_push(Scratch *s, Bigram item) noexcept nogil:
     cdef Bigram *grown
     cdef Py_ssize_t i, parent
     if s.heap_size == s.heap_cap:
-        grown = <Bigram *>realloc(s.heap, (2 * s.heap_cap + 16) * sizeof(Bigram))
+        grown = <Bigram *>_grown(s.heap, &s.heap_cap, sizeof(Bigram))
         if grown == NULL:
             return -1
         s.heap = grown
-        s.heap_cap = 2 * s.heap_cap + 16
     i = s.heap_size
     s.heap_size += 1
     while i > 0:
