@@ -222,3 +222,51 @@ def test_decode_rows_bit_equal_as_verification_and_beside_embedding_rows(quantiz
     cache = prefilled()
     plain = model.forward(_batch([(f, 30, t) for f, t in zip(follow, tables)]), cache)  # as prompt chunks
     assert not torch.equal(plain, verified)  # the prefill kernel and routes round otherwise (the control)
+
+
+def test_ticks_write_their_logits_into_one_reused_map(quantized_model):
+    """The engine's ticks write their logits into one map (engine.batch.LogitsBuffer): the same
+    memory tick after tick while the batch keeps its rows, given back when a tick's logits are
+    small (one prompt's row); the ids equal those of ticks that allocate their logits afresh."""
+    from engine.batch import LogitsBuffer
+
+    class Recording(LogitsBuffer):
+        def __init__(self, min_bytes):
+            super().__init__()
+            self.MIN_BYTES = min_bytes
+            self.taken = []  # (rows, data pointer or None) per tick
+
+        def take(self, num_rows, num_cols):
+            out = super().take(num_rows, num_cols)
+            self.taken.append((num_rows, None if out is None else out.data_ptr()))
+            return out
+
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    tokenizer = load_tokenizer(default_model_path())
+    runs = {}
+    for min_bytes in (1 << 20, 1 << 40):  # the engine's threshold; never a map
+        with Engine(quantized_model, tokenizer) as eng:
+            buffer = eng._core._logits_buffer = Recording(min_bytes)
+            runs[min_bytes] = [c.token_ids for c in eng.generate(PROMPTS, params)]
+            eight = [ptr for rows, ptr in buffer.taken if rows == len(PROMPTS)]
+            if min_bytes == 1 << 20:  # 8 rows of 49,152 logits: 1.6 MB, mapped
+                assert len(eight) >= MAX_TOKENS - 1 and len(set(eight)) == 1 and eight[0] is not None
+                assert buffer.num_maps <= 2  # the batch's map (and one for a partial first tick)
+                eng.generate(["Hi"], SamplingParams(max_tokens=2, temperature=0.0))
+                assert buffer.taken[-1] == (1, None) and buffer.capacity == 0  # one row: 197 KB, not mapped
+            else:
+                assert set(eight) == {None} and buffer.num_maps == 0
+    assert runs[1 << 20] == runs[1 << 40]
+
+
+def test_logits_buffer_keeps_its_map_within_a_quarter_of_its_rows():
+    from engine.batch import LogitsBuffer
+
+    buffer, cols = LogitsBuffer(), 1 << 16  # 256 KB a row
+    first = buffer.take(16, cols)
+    assert first.shape == (16, cols) and buffer.capacity == 16 and buffer.num_maps == 1
+    assert buffer.take(5, cols).data_ptr() == first.data_ptr()  # 5 of 16 rows: the same map
+    assert buffer.take(4, cols).shape == (4, cols) and buffer.capacity == 4  # a quarter: remapped smaller
+    assert buffer.take(17, cols).shape == (17, cols) and buffer.num_maps == 3  # more rows: a larger map
+    assert buffer.take(8, cols + 16).shape == (8, cols + 16) and buffer.num_maps == 4  # another width
+    assert buffer.take(3, cols) is None and buffer.capacity == 0  # 768 KB: under MIN_BYTES, no map

@@ -8,6 +8,7 @@ this CPU runs, one thread and the pool, both paths, float32 and bfloat16 activat
 float32 Q4 scales; and the layout's round trip and the exact (dequantized) product."""
 from __future__ import annotations
 
+import itertools
 import platform
 import sys
 import time
@@ -688,6 +689,32 @@ def test_row_spans_take_the_route_of_their_own_class():
     assert torch.equal(three[40:], layer.run(x[40:], "blas"))
     with row_routes(((3, 3), (3, 3))):  # two classes on one row-independent route: one call
         assert torch.equal(layer(x[:6]), layer.run(x[:6], "float"))
+
+
+def test_a_product_writes_into_the_output_it_is_given():
+    """``layer(x, out)`` (the engine's logits buffer) fills out with what ``layer(x)`` returns, on
+    every route this CPU runs, on rows split into spans of different routes, and bfloat16 inputs."""
+    from engine.models import routes
+    from engine.models.linear import row_routes
+
+    w = torch.randn(96, 128, generator=torch.Generator().manual_seed(5)) * 0.05
+    x = torch.randn(9, 128, generator=torch.Generator().manual_seed(6))
+    for weight, pack in itertools.product((Int8Weight.from_dense(w), Int4Weight.from_dense(w)), (True, False)):
+        layer = Linear(weight, pack=pack)
+        for route in [*routes.available_routes(allow_approximate=True), "blas"]:
+            if not layer.can_run(route, 9):
+                continue
+            for inputs in (x, x.bfloat16()):
+                out = torch.full((9, 96), float("nan"))
+                assert layer.run(inputs, route, out) is out
+                torch.testing.assert_close(out, layer.run(inputs, route).float(), atol=0, rtol=0)
+        if pack:
+            continue
+        layer.set_routes(routes.ROW_GRID, ["int16"] * 2 + ["blas"] * (len(routes.ROW_GRID) - 2))
+        with row_routes(((2, 2),)):  # two decode rows, then seven prompt rows on another route
+            out = torch.full((9, 96), float("nan"))
+            assert layer(x, out) is out
+            torch.testing.assert_close(out, layer(x), atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("kind", ["q4", "q4_half", "q4_k", "q5_0", "q5_1", "int8"])

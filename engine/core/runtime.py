@@ -23,6 +23,7 @@ import torch
 
 from cext.emit import emit_rows
 
+from ..batch import LogitsBuffer
 from ..config import EngineConfig
 from ..errors import EngineDead, EngineError, EngineOverloaded, InvalidParameterError, SchedulerRefused
 from ..loader import release_free_heap
@@ -120,6 +121,7 @@ class EngineCore:
         self.num_generated_tokens = 0
         self.num_ticks = 0
         self._last_trim = 0.0  # time.monotonic() of the last heap trim (_trim_after)
+        self._logits_buffer = LogitsBuffer()  # the ticks' logits, one map reused (engine.batch)
         self._tick_requests: _TickRequests | None = None
         self._tick_listeners: list = []  # called after each tick (add_tick_listener), shared with the worker
         # A steady tick's output loop runs beside the next forward (engine/core/output_worker.py)
@@ -372,6 +374,7 @@ class EngineCore:
         else:
             self.num_ticks += 1
             start = time.perf_counter()
+            out.batch.logits_out = self._logits_buffer  # sampled before the next forward
             try:
                 logits = self.model.forward(out.batch, self.kv_cache)  # [S, V]
             except Exception as exc:  # a failed forward fails the requests in it, not the engine
@@ -394,6 +397,7 @@ class EngineCore:
         """A forward with embedding rows after the generation rows (if any): pooled, never sampled."""
         rows, bm = self._tick_rows, self.scheduler.block_manager
         batch = rows.merge(out.batch if out is not None else None, part)
+        batch.logits_out = self._logits_buffer
         start = time.perf_counter()
         try:
             logits, hidden = self.model.forward_with_hidden(batch, self.kv_cache, part.hidden_rows)

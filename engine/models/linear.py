@@ -401,8 +401,9 @@ class Linear:
             return cpu.allows("avx512_vnni") and self.out_features % 16 == 0
         return route == "int16"
 
-    def run(self, x: torch.Tensor, route: str) -> torch.Tensor:
-        """x [T, in] -> [T, out] through one route ("int16", "float", "amx_int", "strip", "amx" or "blas")."""
+    def run(self, x: torch.Tensor, route: str, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, in] -> [T, out] through one route ("int16", "float", "amx_int", "strip", "amx" or "blas");
+        ``out``: a float32 [T, out] tensor to write the result into (returned)."""
         num_rows = x.shape[0]
         if route in _KERNEL_ROUTES:
             code = _DTYPE_CODES.get(x.dtype)
@@ -410,7 +411,10 @@ class Linear:
                 x, code = x.float(), 0
             if x.stride(-1) != 1:
                 x = x.contiguous()
-            y = torch.empty(num_rows, self.out_features, dtype=x.dtype)  # [T, N]
+            if out is None or out.dtype != x.dtype:
+                y = torch.empty(num_rows, self.out_features, dtype=x.dtype)  # [T, N]
+            else:
+                y = out
             bias = 0 if self.bias is None else self.bias.data_ptr()
             scales = 0 if self._scales is None else self._scales.data_ptr()
             layout = self.layout | _KERNEL_ROUTES[route]
@@ -423,22 +427,22 @@ class Linear:
                 count = min(KERNEL_BLOCK_ROWS, num_rows - first)
                 qgemm.matmul(layout, x_ptr + first * x_step, x.stride(0), count, self.in_features, rows_ptr,
                              scales, self.out_features, bias, y_ptr + first * y_step, self.out_features, code)
-            return y
+            return _into(out, y)
         if route == "amx":
-            return self._bf16_product(x)
+            return _into(out, self._bf16_product(x))
         # blas: float32 products over slices of at most DEQUANT_FLOATS dequantized weights, so
         # what is held at once is a few MB, not the layer (35 MB for Qwen2.5-0.5B's gate/up);
         # one product when the whole weight fits (slices into a strided y measured 3x slower).
         x32 = x.float()
         slice_rows = max(1, DEQUANT_FLOATS // self.in_features)
         if slice_rows >= self.out_features:
-            return F.linear(x32, self._dequantized_slice(0, self.out_features), self.bias).to(x.dtype)
-        y = torch.empty(num_rows, self.out_features, dtype=torch.float32)  # [T, N]
+            return _into(out, F.linear(x32, self._dequantized_slice(0, self.out_features), self.bias).to(x.dtype))
+        y = torch.empty(num_rows, self.out_features, dtype=torch.float32) if out is None else out  # [T, N]
         for first in range(0, self.out_features, slice_rows):
             end = min(first + slice_rows, self.out_features)
             bias = None if self.bias is None else self.bias[first:end]
             y[:, first:end] = F.linear(x32, self._dequantized_slice(first, end), bias)
-        return y.to(x.dtype)
+        return y if out is not None else y.to(x.dtype)
 
     def _bf16_product(self, x: torch.Tensor) -> torch.Tensor:
         """The weights dequantized to bfloat16 AMX_ROWS output rows at a time and oneDNN's
@@ -459,16 +463,17 @@ class Linear:
             y += self.bias
         return y.to(x.dtype)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, in] -> [T, out], its rows split by the current ``row_routes``."""
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, in] -> [T, out], its rows split by the current ``row_routes``. ``out``: a float32
+        [T, out] tensor to write the result into (returned), e.g. the engine's logits buffer."""
         if self.format == "dense":
-            return self.dense(x)
+            return _into(out, self.dense(x))
         num_rows = x.shape[0]
         spans = _ROW_ROUTES.spans
         if not spans:
-            return self._product(x, self._way(num_rows))
+            return self._product(x, self._way(num_rows), out)
         if spans[0][0] >= num_rows:  # one class of rows (a decode step): one product
-            return self._product(x, self._way(spans[0][1]))
+            return self._product(x, self._way(spans[0][1]), out)
         pieces = []  # [first row, end row, way]
         first = 0
         rest = num_rows - sum(rows for rows, _ in spans)
@@ -483,7 +488,11 @@ class Linear:
                 pieces.append([first, end, way])
             first = end
         if len(pieces) == 1:
-            return self._product(x, pieces[0][2])
+            return self._product(x, pieces[0][2], out)
+        if out is not None:
+            for first, end, way in pieces:
+                self._product(x[first:end], way, out[first:end])
+            return out
         return torch.cat([self._product(x[first:end], way) for first, end, way in pieces])
 
     def _way(self, num_rows: int) -> str:
@@ -492,12 +501,20 @@ class Linear:
             return "dense"
         return "exact" if self.exact else self.route(num_rows)
 
-    def _product(self, x: torch.Tensor, way: str) -> torch.Tensor:
+    def _product(self, x: torch.Tensor, way: str, out: torch.Tensor | None = None) -> torch.Tensor:
         if way == "dense":
-            return self.dense(x.float()).to(x.dtype)
+            return _into(out, self.dense(x.float()).to(x.dtype))
         if way == "exact":  # the exact product with the whole dequantized weight
-            return F.linear(x.float(), self.dequantize(), self.bias).to(x.dtype)
-        return self.run(x, way)
+            return _into(out, F.linear(x.float(), self.dequantize(), self.bias).to(x.dtype))
+        return self.run(x, way, out)
+
+
+def _into(out: torch.Tensor | None, y: torch.Tensor) -> torch.Tensor:
+    """y, or y copied into out (a product that made its own tensor, with an out to fill)."""
+    if out is None or out is y:
+        return y
+    out.copy_(y)
+    return out
 
 
 def packs(num_out: int, exact: bool = False) -> bool:

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.batch import ForwardBatch, verify_rows_as_decodes, window_blocks
+from engine.batch import ForwardBatch, LogitsBuffer, verify_rows_as_decodes, window_blocks
 from engine.config import ACTIVATIONS
 from engine.models import fused, routes
 from engine.models.attention import AttentionPlan, PagedKVCache, paged_attention, plan_attention
@@ -349,7 +349,7 @@ class LlamaModel(nn.Module):
         spans = batch.route_spans()
         decoding = batch.gen_rows > 0 and spans[:1] == ((batch.gen_rows, batch.gen_seqs),)
         with row_routes(((hidden.shape[0], batch.gen_seqs),) if decoding else ()):
-            return self.finish_logits(self.compute_logits(hidden))
+            return self.finish_logits(self.compute_logits(hidden, batch.logits_out))
 
     @torch.inference_mode()
     def forward_with_hidden(self, batch: ForwardBatch, kv_cache: PagedKVCache,
@@ -428,8 +428,9 @@ class LlamaModel(nn.Module):
             logits.div_(c.final_logit_softcap).tanh_().mul_(c.final_logit_softcap)
         return logits
 
-    def compute_logits(self, x: torch.Tensor) -> torch.Tensor:
-        """x [S, E] (final-normed) -> logits [S, V] float32.
+    def compute_logits(self, x: torch.Tensor, buffer: LogitsBuffer | None = None) -> torch.Tensor:
+        """x [S, E] (final-normed) -> logits [S, V] float32, written into ``buffer`` when one is given
+        (the engine's, reused across ticks: engine.batch.LogitsBuffer).
 
         When the head's product is not a float32 product of the source's own weights (a
         bfloat16 head rounds logits to 8 mantissa bits, 0.06 at a logit of 15; a head
@@ -442,7 +443,8 @@ class LlamaModel(nn.Module):
         # A quantized head takes float32 in, so gives float32 out: a bfloat16 model's logits keep
         # their float32 sums (bfloat16 ones tie at a step of 0.06 near 15: on a Zen 4 that put a
         # wrong top-1 against llama.cpp's). A dense head multiplies in its own dtype (refined below).
-        logits = self.head_proj(x if self.head_proj.format == "dense" else x.float()).float()  # [S, V]
+        out = None if buffer is None else buffer.take(x.shape[0], self.head_proj.out_features)
+        logits = self.head_proj(x if self.head_proj.format == "dense" else x.float(), out).float()  # [S, V]
         is_exact_int8 = (self.head_int8 is not None and self.head_int8.is_exact
                          and not self.head_proj.exact)
         if self.head_proj.is_exact or is_exact_int8 or logits.shape[0] == 0:
