@@ -1,5 +1,5 @@
 # Quantized weight products (cext/csrc/qgemm.h: the routes and the byte layouts).
-from libc.stdint cimport int64_t, uint8_t
+from libc.stdint cimport int64_t, uint8_t, uint16_t
 
 
 cdef extern from "csrc/qgemm.h" nogil:
@@ -46,3 +46,4 @@ cdef extern from "csrc/dtype.h" nogil:
     enum:
         DT_FLOAT32
         DT_BFLOAT16
+    float dt_f16_to_f32(uint16_t h)

@@ -11,7 +11,8 @@ Arguments are raw addresses (``tensor.data_ptr()``) and sizes; the caller
 (``engine.models.linear``) checks dtypes and shapes. The GIL is released while a kernel runs.
 """
 from cpython.pycapsule cimport PyCapsule_GetPointer
-from libc.stdint cimport int64_t, intptr_t, uint8_t
+from libc.stdint cimport int64_t, intptr_t, uint8_t, uint16_t
+from posix.unistd cimport pread
 
 from cext import cpu as _cpu
 
@@ -147,3 +148,64 @@ def set_float_rows(int64_t rows):
 
 def get_float_rows() -> int:
     return qg_get_float_rows()
+
+
+
+
+def read_rows(int fd, int64_t offset, int64_t num_rows, const int64_t[::1] ids, uint8_t[:, ::1] out):
+    """out[k] = row ids[k] of a table of num_rows rows of out.shape[1] bytes at byte ``offset`` of the
+    file ``fd``: one pread per row with the GIL released (the head's exact rows for the refined
+    logits, engine.loader.repack.MappedRows). IndexError for an id outside the table; OSError if
+    the file ends first."""
+    cdef Py_ssize_t k, n = ids.shape[0], row_bytes = out.shape[1], done, failed = -1
+    cdef ssize_t got
+    if out.shape[0] != n:
+        raise ValueError(f"out has {out.shape[0]} rows for {n} ids")
+    for k in range(n):
+        if ids[k] < 0 or ids[k] >= num_rows:
+            raise IndexError(f"row {ids[k]} is outside the tensor's {num_rows} rows")
+    with nogil:
+        for k in range(n):
+            done = 0
+            while done < row_bytes:
+                got = pread(fd, &out[k, done], row_bytes - done, offset + ids[k] * row_bytes + done)
+                if got <= 0:
+                    failed = k
+                    break
+                done += got
+            if failed >= 0:
+                break
+    if failed >= 0:
+        raise OSError(f"short read of row {ids[failed]} ({row_bytes} bytes at offset "
+                      f"{offset + ids[failed] * row_bytes})")
+
+
+def dequantize_q6_k(const uint8_t[:, ::1] raw, float[:, ::1] out):
+    """ggml Q6_K rows raw [R, blocks * 210] -> float32 out [R, blocks * 256]: per block of 256,
+    value = (d * scale) * (q - 32), q the 6-bit code of a low nibble and a high bit pair, scale the
+    int8 of its 16 values, d the block's fp16 factor (in that order: gguf.quants' float32 values)."""
+    cdef Py_ssize_t r, b, half, l, num_blocks = raw.shape[1] // 210
+    cdef const uint8_t *block
+    cdef const uint8_t *ql
+    cdef const uint8_t *qh
+    cdef const signed char *sc
+    cdef float *y
+    cdef float d
+    if raw.shape[1] % 210 or out.shape[0] != raw.shape[0] or out.shape[1] != num_blocks * 256:
+        raise ValueError(f"Q6_K rows of {raw.shape[1]} bytes (a multiple of 210) into {out.shape[1]} floats "
+                         f"(256 a block) x {out.shape[0]} rows, for {raw.shape[0]} rows")
+    with nogil:
+        for r in range(raw.shape[0]):
+            for b in range(num_blocks):
+                block = &raw[r, b * 210]
+                d = dt_f16_to_f32(block[208] | (block[209] << 8))
+                for half in range(2):  # 128 values each: ql 64 bytes, qh 32, scales 8
+                    ql = block + 64 * half
+                    qh = block + 128 + 32 * half
+                    sc = <const signed char *>(block + 192 + 8 * half)
+                    y = &out[r, b * 256 + 128 * half]
+                    for l in range(32):
+                        y[l] = (d * sc[l // 16]) * <float>(((ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32)
+                        y[l + 32] = (d * sc[l // 16 + 2]) * <float>(((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32)
+                        y[l + 64] = (d * sc[l // 16 + 4]) * <float>(((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32)
+                        y[l + 96] = (d * sc[l // 16 + 6]) * <float>(((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32)

@@ -256,6 +256,57 @@ def test_mapped_rows_of_no_ids(ggml_type, block_bytes, block):
     assert rows.rows(torch.tensor([[2, 0]]), torch.float32).shape == (1, 2, 2 * block)
 
 
+def _q6_k_rows(num_rows: int, num_blocks: int, seed: int) -> np.ndarray:
+    """Random Q6_K rows with finite fp16 factors (the last two bytes of each 210-byte block)."""
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (num_rows, num_blocks, 210), dtype=np.uint8)
+    d = rng.uniform(-0.02, 0.02, (num_rows, num_blocks)).astype(np.float16)
+    d[0, 0] = np.float16(6e-8)  # a subnormal factor
+    raw[..., 208:] = d[..., None].view(np.uint8)
+    return raw.reshape(num_rows, num_blocks * 210)
+
+
+def test_q6_k_rows_dequantize_in_c_as_gguf_quants_does():
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize as gguf_dequantize
+
+    from cext import qgemm
+
+    raw = _q6_k_rows(7, 6, seed=1)
+    out = np.full((7, 6 * 256), np.nan, dtype=np.float32)
+    qgemm.dequantize_q6_k(raw, out)
+    expected = gguf_dequantize(raw, GGMLQuantizationType.Q6_K).reshape(7, -1)
+    assert np.array_equal(out, expected)
+    with pytest.raises(ValueError, match="multiple of 210"):
+        qgemm.dequantize_q6_k(np.ascontiguousarray(raw[:, :209]), out)
+    with pytest.raises(ValueError, match="Q6_K rows"):
+        qgemm.dequantize_q6_k(raw, np.ascontiguousarray(out[:, :256]))
+
+
+def test_mapped_rows_read_in_c_as_in_python(tmp_path, monkeypatch):
+    """A Q6_K tensor (Qwen2.5-Coder-1.5B's head) read by pread: rows in C (cext.qgemm.read_rows,
+    dequantize_q6_k) equal the Python loop and gguf.quants, repeated ids too; an id past the end
+    and a file cut short fail by name."""
+    from engine.loader import repack
+
+    raw = _q6_k_rows(40, 2, seed=2)
+    path = tmp_path / "q6k.bin"
+    path.write_bytes(b"x" * 100 + raw.tobytes())
+    rows = MappedRows(raw, 14, (40, 512), source=(str(path), 100))
+    ids = torch.tensor([[3, 39, 3], [0, 17, 3]])
+    fast = rows.rows(ids, torch.float32)
+    monkeypatch.setattr(repack, "qgemm", None)
+    slow = rows.rows(ids, torch.float32)
+    assert torch.equal(fast, slow) and torch.equal(fast, torch.from_numpy(dequantize(raw, 14, (40, 512)))[ids])
+    monkeypatch.undo()
+    with pytest.raises(IndexError, match="row 40 is outside"):
+        rows.rows(torch.tensor([40]), torch.float32)
+    with open(path, "r+b") as f:
+        f.truncate(100 + 30 * raw.shape[1] + 5)  # row 30 cut after 5 bytes
+    with pytest.raises(OSError, match="short read of row 30"):
+        rows.rows(torch.tensor([2, 30]), torch.float32)
+
+
 def _resident_kb(array: np.ndarray) -> int:
     """Resident kB of the memory mapping holding ``array``'s first byte (/proc/self/smaps)."""
     address, inside = array.ctypes.data, False
