@@ -100,6 +100,10 @@ def dequantize(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> np.nd
         high = ((high_bits >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4  # [R, blocks, 32]
         codes = (_nibbles(blocks[..., 6:]) | high).astype(np.float32) - 16
         return (_f16(blocks, 0)[..., None] * codes).reshape(shape)
+    if ggml_type == Q6_K and qgemm is not None:  # in C, the values gguf.quants gives (Q4_K_M heads, down layers)
+        out = np.empty((raw.shape[0], raw.shape[1] // 210 * 256), dtype=np.float32)
+        qgemm.dequantize_q6_k(np.ascontiguousarray(raw), out)
+        return out.reshape(shape)
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize as gguf_dequantize
 
@@ -207,9 +211,6 @@ class MappedRows:
             blocks = torch.from_numpy(data).view(len(flat), -1, 34)  # [n, K/32, 34]
             d = blocks[..., :2].contiguous().view(torch.float16).float()  # [n, K/32, 1]
             w = d * blocks[..., 2:].contiguous().view(torch.int8).float()  # [n, K/32, 32]
-        elif self.ggml_type == Q6_K and qgemm is not None:  # in C, the values gguf.quants gives
-            w = torch.empty(len(flat), self.shape[1], dtype=torch.float32)
-            qgemm.dequantize_q6_k(data, w.numpy())
         else:
             w = torch.from_numpy(dequantize(data, self.ggml_type, (len(flat), self.shape[1])))
         return w.reshape(*ids.shape, self.shape[1]).to(dtype)
