@@ -311,6 +311,37 @@ def test_bfloat16_top_logits_are_not_rounded_to_bfloat16():
     assert ((logits - exact).abs() <= exact.abs() * 2 ** -7 + 1e-3).all()
 
 
+def test_a_refined_head_runs_int8_codes_and_keeps_its_best_logits_exact():
+    """A head re-quantized to int8 (a Q6_K file head) has its REFINE_TOP_K best logits a row
+    recomputed from the exact rows, so its product takes int8 activation codes (packed strips:
+    AVX-512 VNNI) at any ``activations``: the best logits are the exact product's, the tail moves
+    by the codes' rounding only."""
+    from engine.models.linear import packs
+    from engine.models.quant import Int8Weight
+
+    class ExactRows:
+        def __init__(self, w):
+            self.w = w
+
+        def rows(self, ids, dtype):
+            return self.w[ids].to(dtype)
+
+    cfg = tiny_config(vocab_size=320, hidden_size=64, head_dim=8, num_heads=8)
+    state = random_state_dict(cfg)
+    w = state["lm_head.weight"]
+    state["lm_head.weight"] = Int8Weight.from_dense(w)
+    state["lm_head.weight"].exact_rows = ExactRows(w)
+    model = LlamaModel(cfg, state)
+    assert model.head_is_refined and model.activations == "int16"
+    assert model.head_proj.int8_activations == packs(320)
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(1)) * 3
+    logits = model.compute_logits(x)  # [5, V]
+    exact = x @ w.T
+    top = exact.topk(10, dim=-1).indices
+    torch.testing.assert_close(logits.gather(1, top), exact.gather(1, top), atol=1e-5, rtol=1e-6)
+    assert ((logits - exact).abs() <= 0.05 * exact.abs().max()).all()  # the tail: int8 weights and codes
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rotary_table_full_rows_are_made_on_first_lookup_and_after_growth(dtype):
     """The [P, D] cos/sin of the torch path are made when first looked up (the fused path reads
