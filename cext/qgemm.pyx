@@ -150,8 +150,6 @@ def get_float_rows() -> int:
     return qg_get_float_rows()
 
 
-
-
 def read_rows(int fd, int64_t offset, int64_t num_rows, const int64_t[::1] ids, uint8_t[:, ::1] out):
     """out[k] = row ids[k] of a table of num_rows rows of out.shape[1] bytes at byte ``offset`` of the
     file ``fd``: one pread per row with the GIL released (the head's exact rows for the refined
@@ -191,6 +189,7 @@ def dequantize_q6_k(const uint8_t[:, ::1] raw, float[:, ::1] out):
     cdef const signed char *sc
     cdef float *y
     cdef float d
+    cdef uint8_t high
     if raw.shape[1] % 210 or out.shape[0] != raw.shape[0] or out.shape[1] != num_blocks * 256:
         raise ValueError(f"Q6_K rows of {raw.shape[1]} bytes (a multiple of 210) into {out.shape[1]} floats "
                          f"(256 a block) x {out.shape[0]} rows, for {raw.shape[0]} rows")
@@ -205,7 +204,8 @@ def dequantize_q6_k(const uint8_t[:, ::1] raw, float[:, ::1] out):
                     sc = <const signed char *>(block + 192 + 8 * half)
                     y = &out[r, b * 256 + 128 * half]
                     for l in range(32):
-                        y[l] = (d * sc[l // 16]) * <float>(((ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32)
-                        y[l + 32] = (d * sc[l // 16 + 2]) * <float>(((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32)
-                        y[l + 64] = (d * sc[l // 16 + 4]) * <float>(((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32)
-                        y[l + 96] = (d * sc[l // 16 + 6]) * <float>(((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32)
+                        high = qh[l]
+                        y[l] = (d * sc[l // 16]) * <float>(((ql[l] & 0xF) | ((high & 3) << 4)) - 32)
+                        y[l + 32] = (d * sc[l // 16 + 2]) * <float>(((ql[l + 32] & 0xF) | (((high >> 2) & 3) << 4)) - 32)
+                        y[l + 64] = (d * sc[l // 16 + 4]) * <float>(((ql[l] >> 4) | (((high >> 4) & 3) << 4)) - 32)
+                        y[l + 96] = (d * sc[l // 16 + 6]) * <float>(((ql[l + 32] >> 4) | (((high >> 6) & 3) << 4)) - 32)
