@@ -429,6 +429,7 @@ class EngineCore:
             if now - self._last_trim >= TRIM_HEAP_INTERVAL_S:
                 self._last_trim = now
                 release_free_heap()
+
     def _fail_tick(self, out, exc: BaseException) -> None:
         self._settle_output()
         for seq in out.seqs:

@@ -101,9 +101,9 @@ def dequantize(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> np.nd
         codes = (_nibbles(blocks[..., 6:]) | high).astype(np.float32) - 16
         return (_f16(blocks, 0)[..., None] * codes).reshape(shape)
     if ggml_type == Q6_K and qgemm is not None:  # in C, the values gguf.quants gives (Q4_K_M heads, down layers)
-        out = np.empty((raw.shape[0], raw.shape[1] // 210 * 256), dtype=np.float32)
-        qgemm.dequantize_q6_k(np.ascontiguousarray(raw), out)
-        return out.reshape(shape)
+        out = np.empty(shape, dtype=np.float32)
+        qgemm.dequantize_q6_k(np.ascontiguousarray(raw), out.reshape(raw.shape[0], -1))
+        return out
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize as gguf_dequantize
 
@@ -206,11 +206,5 @@ class MappedRows:
         flat = ids.reshape(-1)
         if flat.numel() == 0:  # a forward with no logit rows (a prompt's inner chunk)
             return torch.empty(*ids.shape, self.shape[1], dtype=dtype)
-        data = self._gather(flat.numpy())
-        if self.ggml_type == Q8_0:  # in torch: d * q per block
-            blocks = torch.from_numpy(data).view(len(flat), -1, 34)  # [n, K/32, 34]
-            d = blocks[..., :2].contiguous().view(torch.float16).float()  # [n, K/32, 1]
-            w = d * blocks[..., 2:].contiguous().view(torch.int8).float()  # [n, K/32, 32]
-        else:
-            w = torch.from_numpy(dequantize(data, self.ggml_type, (len(flat), self.shape[1])))
+        w = torch.from_numpy(dequantize(self._gather(flat.numpy()), self.ggml_type, (len(flat), self.shape[1])))
         return w.reshape(*ids.shape, self.shape[1]).to(dtype)

@@ -455,8 +455,9 @@ class LlamaModel(nn.Module):
         # A quantized head takes float32 in, so gives float32 out: a bfloat16 model's logits keep
         # their float32 sums (bfloat16 ones tie at a step of 0.06 near 15: on a Zen 4 that put a
         # wrong top-1 against llama.cpp's). A dense head multiplies in its own dtype (refined below).
-        out = None if buffer is None else buffer.take(x.shape[0], self.head_proj.out_features)
-        logits = self.head_proj(x if self.head_proj.format == "dense" else x.float(), out).float()  # [S, V]
+        dense = self.head_proj.format == "dense"  # oneDNN makes its own output: the buffer would be a copy
+        out = None if buffer is None or dense else buffer.take(x.shape[0], self.head_proj.out_features)
+        logits = self.head_proj(x if dense else x.float(), out).float()  # [S, V]
         if not self.head_is_refined or logits.shape[0] == 0:
             return logits
         top_ids = logits.topk(min(REFINE_TOP_K, self.vocab_size), dim=-1).indices  # [S, k]
