@@ -838,13 +838,15 @@ def test_packed_strips_are_the_strip_routes_numbers(isa, threads, kind, monkeypa
 
 @pytest.mark.parametrize("kind", PACKED_KINDS)
 def test_packed_rows_do_not_depend_on_the_batch(kind, monkeypatch):
-    """Each activation row's outputs are the same alone, in a pass of 2, 4 or 8 rows or a tail: a
-    decode step's numbers do not move with the number of sequences beside it."""
+    """Each activation row's outputs are the same alone, in a pass of any count up to 8 rows (the
+    rows after the passes of 8 take one pass of their count) or in a product of passes: a decode
+    step's numbers do not move with the number of sequences beside it, nor a verification's."""
     w, x, bias = _inputs(4, 21, 32, 256 if kind == "q4_k" else 192, torch.float32)
     _, packed = packed_pair(kind, w, bias, monkeypatch)
-    whole = packed.run(x, "strip")
-    for first, count in ((0, 1), (3, 2), (5, 4), (9, 8), (20, 1)):
-        assert torch.equal(packed.run(x[first:first + count], "strip"), whole[first:first + count])
+    whole = packed.run(x, "strip")  # two passes of 8, then one of 5
+    for count in range(1, 18):
+        for first in (0, 3, 21 - count):
+            assert torch.equal(packed.run(x[first:first + count], "strip"), whole[first:first + count]), count
 
 
 @pytest.mark.parametrize("kind", PACKED_KINDS)
