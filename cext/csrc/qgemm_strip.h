@@ -296,7 +296,7 @@ QG_ALWAYS_INLINE static inline __m512 packed_block_scales(const uint8_t *sc, int
 }
 
 /* Activation rows i0 .. i0 + TR - 1 against one strip: y [i, n0 .. n0 + 15]. One row sums into
- * four integer accumulators and two rows into two each (a block's 16 vpdpwssd would otherwise
+ * four integer accumulators and 2-7 rows into two each (a block's 16 vpdpwssd would otherwise
  * wait on each other), added exactly at the block's end. FMT PACKED_Q8: eight vectors of four
  * inputs per block, bytes 0 and 2 of each lane sign-extended to a pair, then bytes 1 and 3;
  * PACKED_Q5: Q4's nibbles, then 16 minus the pair's sign mask (a masked subtract of 16). I8 (QG_INT8,
@@ -308,7 +308,7 @@ QG_ALWAYS_INLINE static inline void packed_rows(const QArgs *a, const uint8_t *s
                                                 const int TR, const int MINS, const int FMT, const int I8) {
     const int64_t K = a->num_cols, nb = K / QK_BLOCK;
     const int half = a->half;
-    const int NA = TR == 1 ? 4 : TR == 2 ? 2 : 1;
+    const int NA = TR == 1 ? 4 : TR < QS_ROWS ? 2 : 1;
     const int64_t code_bytes = packed_code_bytes(FMT);
     const uint8_t *dsc = strip + nb * code_bytes, *msc = dsc + packed_scale_bytes(nb, half);
     const int64_t strip_bytes = packed_strip_bytes(FMT, nb, half, MINS), per_block = strip_bytes / nb;
