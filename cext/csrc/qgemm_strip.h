@@ -16,14 +16,24 @@
  * instructions per 64 multiply-adds: what a prompt chunk's products are bound by.
  *
  * Work: strips of 16 outputs across cpu.h's pool (needs N a multiple of 16); per strip its panel
- * is built once, then every activation row runs against it, QS_ROWS rows at a time. */
+ * is built once, then every activation row runs against it, up to QS_ROWS rows at a time. */
 
 #define QS_TILE 16  /* outputs per strip */
 #define QS_ROWS 8   /* activation rows per pass over a panel */
-/* The rows left after the passes of QS_ROWS take one pass of their own count (a verification of 4
- * proposals is 5 rows: one pass, where 4 + 1 read the strip twice and ran the lone row at a
- * decode row's cost); every count sums the same integers in the same float32 order. */
-#define QS_REST(X) X(1) X(2) X(3) X(4) X(5) X(6) X(7)
+#define QS_PASSES(X) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8)
+/* M rows in ceil(M / QS_ROWS) passes of near-equal counts (rows i0 .. i0 + rows - 1 each): 9
+ * rows as 4 + 5, not 8 + 1 (a lone row re-reads the strip at a decode row's cost). Every count
+ * sums the same integers in the same float32 order, so a row's outputs do not depend on it. */
+#define QS_SPLIT(M, CALL)                                                                               \
+    {                                                                                                   \
+        const int64_t num_ = (M);                                                                       \
+        int64_t i0 = 0;                                                                                 \
+        for (int64_t p_ = (num_ + QS_ROWS - 1) / QS_ROWS; p_ > 0; p_--) {                               \
+            const int64_t rows = (num_ - i0) / p_;                                                      \
+            CALL;                                                                                       \
+            i0 += rows;                                                                                 \
+        }                                                                                               \
+    }
 
 typedef struct {
     const QArgs *q;
@@ -212,30 +222,25 @@ QG_ALWAYS_INLINE static inline void strip_rows(const QArgs *a, int64_t n0, int64
     strip_store(a, n0, i0, TR, acc);
 }
 
-/* The rows after the passes of QS_ROWS, in one pass of their count, in a function of its own (as
- * packed_rest_rows). */
-#define QS_STRIP_REST(NAME, MINS)                                                                       \
-    __attribute__((noinline)) static void NAME(const QArgs *a, int64_t n0, int64_t i0, const uint32_t *panel, \
-                                               const float *d, const float *m) {                        \
-        switch (a->num_rows - i0) {                                                                     \
-        QS_REST(QS_STRIP_REST_CASE_##MINS)                                                              \
+/* One pass of 1 .. QS_ROWS rows against a panel, in a function of its own (as packed_pass_*). */
+#define QS_STRIP_PASS(NAME, MINS)                                                                       \
+    __attribute__((noinline)) static void NAME(const QArgs *a, int64_t n0, int64_t i0, int64_t rows,   \
+                                               const uint32_t *panel, const float *d, const float *m) { \
+        enum { R_MINS = MINS };                                                                         \
+        switch (rows) {                                                                                 \
+        QS_PASSES(QS_STRIP_PASS_CASE)                                                                   \
         default: break;                                                                                 \
         }                                                                                               \
     }
-#define QS_STRIP_REST_CASE_0(TR) case TR: strip_rows(a, n0, i0, TR, panel, d, m, 0); break;
-#define QS_STRIP_REST_CASE_1(TR) case TR: strip_rows(a, n0, i0, TR, panel, d, m, 1); break;
-QS_STRIP_REST(strip_rest_rows, 0)
-QS_STRIP_REST(strip_rest_rows_mins, 1)
-#undef QS_STRIP_REST
-#undef QS_STRIP_REST_CASE_0
-#undef QS_STRIP_REST_CASE_1
+#define QS_STRIP_PASS_CASE(TR) case TR: strip_rows(a, n0, i0, TR, panel, d, m, R_MINS); break;
+QS_STRIP_PASS(strip_pass, 0)
+QS_STRIP_PASS(strip_pass_mins, 1)
+#undef QS_STRIP_PASS
+#undef QS_STRIP_PASS_CASE
 
 static void strip_all_rows(const QArgs *a, int64_t n0, const uint32_t *panel, const float *d, const float *m,
                            const int MINS) {
-    const int64_t M = a->num_rows;
-    int64_t i0 = 0;
-    for (; i0 + QS_ROWS <= M; i0 += QS_ROWS) strip_rows(a, n0, i0, QS_ROWS, panel, d, m, MINS);
-    if (i0 < M) (MINS ? strip_rest_rows_mins : strip_rest_rows)(a, n0, i0, panel, d, m);
+    QS_SPLIT(a->num_rows, (MINS ? strip_pass_mins : strip_pass)(a, n0, i0, rows, panel, d, m))
 }
 
 /* Strips s0 .. s1 - 1 (16 output rows each). */
@@ -414,38 +419,37 @@ QG_ALWAYS_INLINE static inline void packed_rows(const QArgs *a, const uint8_t *s
     strip_store(a, n0, i0, TR, acc);
 }
 
-typedef void (*PackedRest)(const QArgs *a, const uint8_t *strip, int64_t n0, int64_t i0);
+typedef void (*PackedPass)(const QArgs *a, const uint8_t *strip, int64_t n0, int64_t i0, int64_t rows);
 
-/* The rows after the passes of QS_ROWS, in one pass of their count: a function of its own per
- * format (inlined beside the QS_ROWS pass, their seven copies cost that pass ~5%). */
-#define QS_PACKED_REST(NAME, MINS, FMT, I8)                                                             \
-    __attribute__((noinline)) static void NAME(const QArgs *a, const uint8_t *strip, int64_t n0, int64_t i0) { \
+/* One pass of 1 .. QS_ROWS activation rows over a strip, in a function of its own per format (the
+ * pass of each count inlined: seven copies beside one made that one ~5% slower). */
+#define QS_PACKED_PASS(NAME, MINS, FMT, I8)                                                             \
+    __attribute__((noinline)) static void NAME(const QArgs *a, const uint8_t *strip, int64_t n0, int64_t i0, \
+                                               int64_t rows) {                                          \
         enum { R_MINS = MINS, R_FMT = FMT, R_I8 = I8 };                                                 \
-        switch (a->num_rows - i0) {                                                                     \
-        QS_REST(QS_PACKED_REST_CASE)                                                                    \
+        switch (rows) {                                                                                 \
+        QS_PASSES(QS_PACKED_PASS_CASE)                                                                  \
         default: break;                                                                                 \
         }                                                                                               \
     }
-#define QS_PACKED_REST_CASE(TR) case TR: packed_rows(a, strip, n0, i0, TR, R_MINS, R_FMT, R_I8); break;
-QS_PACKED_REST(packed_rest_q8_i8, 0, PACKED_Q8, 1)
-QS_PACKED_REST(packed_rest_q5i8_mins, 1, PACKED_Q5I8, 1)
-QS_PACKED_REST(packed_rest_q5i8, 0, PACKED_Q5I8, 1)
-QS_PACKED_REST(packed_rest_q4_mins_i8, 1, PACKED_Q4, 1)
-QS_PACKED_REST(packed_rest_q4_i8, 0, PACKED_Q4, 1)
-QS_PACKED_REST(packed_rest_q8, 0, PACKED_Q8, 0)
-QS_PACKED_REST(packed_rest_q5_mins, 1, PACKED_Q5, 0)
-QS_PACKED_REST(packed_rest_q5, 0, PACKED_Q5, 0)
-QS_PACKED_REST(packed_rest_q4_mins, 1, PACKED_Q4, 0)
-QS_PACKED_REST(packed_rest_q4, 0, PACKED_Q4, 0)
-#undef QS_PACKED_REST
-#undef QS_PACKED_REST_CASE
+#define QS_PACKED_PASS_CASE(TR) case TR: packed_rows(a, strip, n0, i0, TR, R_MINS, R_FMT, R_I8); break;
+QS_PACKED_PASS(packed_pass_q8_i8, 0, PACKED_Q8, 1)
+QS_PACKED_PASS(packed_pass_q5i8_mins, 1, PACKED_Q5I8, 1)
+QS_PACKED_PASS(packed_pass_q5i8, 0, PACKED_Q5I8, 1)
+QS_PACKED_PASS(packed_pass_q4_mins_i8, 1, PACKED_Q4, 1)
+QS_PACKED_PASS(packed_pass_q4_i8, 0, PACKED_Q4, 1)
+QS_PACKED_PASS(packed_pass_q8, 0, PACKED_Q8, 0)
+QS_PACKED_PASS(packed_pass_q5_mins, 1, PACKED_Q5, 0)
+QS_PACKED_PASS(packed_pass_q5, 0, PACKED_Q5, 0)
+QS_PACKED_PASS(packed_pass_q4_mins, 1, PACKED_Q4, 0)
+QS_PACKED_PASS(packed_pass_q4, 0, PACKED_Q4, 0)
+#undef QS_PACKED_PASS
+#undef QS_PACKED_PASS_CASE
 
-static void packed_all_rows(const QArgs *a, const uint8_t *strip, int64_t n0, const int MINS, const int FMT,
-                            const int I8, PackedRest rest) {
-    const int64_t M = a->num_rows;
-    int64_t i0 = 0;
-    for (; i0 + QS_ROWS <= M; i0 += QS_ROWS) packed_rows(a, strip, n0, i0, QS_ROWS, MINS, FMT, I8);
-    if (i0 < M) rest(a, strip, n0, i0);
+/* Every activation row against one strip, in as few passes as QS_ROWS allows, of near-equal
+ * counts (QS_SPLIT). */
+static void packed_all_rows(const QArgs *a, const uint8_t *strip, int64_t n0, PackedPass pass) {
+    QS_SPLIT(a->num_rows, pass(a, strip, n0, i0, rows))
 }
 
 /* Strips s0 .. s1 - 1 of a packed product (run_packed in qgemm.c). */
@@ -456,15 +460,15 @@ static void packed_range_avx512(const void *p, int64_t s0, int64_t s1, float *sc
     for (int64_t s = s0; s < s1; s++) {
         const uint8_t *strip = a->blocks + s * strip_bytes;
         if (a->qx8 != NULL) {  /* QG_INT8 */
-            if (a->packed == PACKED_Q8) packed_all_rows(a, strip, s * QS_TILE, 0, PACKED_Q8, 1, packed_rest_q8_i8);
-            else if (a->packed == PACKED_Q5I8 && a->has_mins) packed_all_rows(a, strip, s * QS_TILE, 1, PACKED_Q5I8, 1, packed_rest_q5i8_mins);
-            else if (a->packed == PACKED_Q5I8) packed_all_rows(a, strip, s * QS_TILE, 0, PACKED_Q5I8, 1, packed_rest_q5i8);
-            else if (a->has_mins) packed_all_rows(a, strip, s * QS_TILE, 1, PACKED_Q4, 1, packed_rest_q4_mins_i8);
-            else packed_all_rows(a, strip, s * QS_TILE, 0, PACKED_Q4, 1, packed_rest_q4_i8);
-        } else if (a->packed == PACKED_Q8) packed_all_rows(a, strip, s * QS_TILE, 0, PACKED_Q8, 0, packed_rest_q8);
-        else if (a->packed == PACKED_Q5 && a->has_mins) packed_all_rows(a, strip, s * QS_TILE, 1, PACKED_Q5, 0, packed_rest_q5_mins);
-        else if (a->packed == PACKED_Q5) packed_all_rows(a, strip, s * QS_TILE, 0, PACKED_Q5, 0, packed_rest_q5);
-        else if (a->has_mins) packed_all_rows(a, strip, s * QS_TILE, 1, PACKED_Q4, 0, packed_rest_q4_mins);
-        else packed_all_rows(a, strip, s * QS_TILE, 0, PACKED_Q4, 0, packed_rest_q4);
+            if (a->packed == PACKED_Q8) packed_all_rows(a, strip, s * QS_TILE, packed_pass_q8_i8);
+            else if (a->packed == PACKED_Q5I8 && a->has_mins) packed_all_rows(a, strip, s * QS_TILE, packed_pass_q5i8_mins);
+            else if (a->packed == PACKED_Q5I8) packed_all_rows(a, strip, s * QS_TILE, packed_pass_q5i8);
+            else if (a->has_mins) packed_all_rows(a, strip, s * QS_TILE, packed_pass_q4_mins_i8);
+            else packed_all_rows(a, strip, s * QS_TILE, packed_pass_q4_i8);
+        } else if (a->packed == PACKED_Q8) packed_all_rows(a, strip, s * QS_TILE, packed_pass_q8);
+        else if (a->packed == PACKED_Q5 && a->has_mins) packed_all_rows(a, strip, s * QS_TILE, packed_pass_q5_mins);
+        else if (a->packed == PACKED_Q5) packed_all_rows(a, strip, s * QS_TILE, packed_pass_q5);
+        else if (a->has_mins) packed_all_rows(a, strip, s * QS_TILE, packed_pass_q4_mins);
+        else packed_all_rows(a, strip, s * QS_TILE, packed_pass_q4);
     }
 }
