@@ -1,6 +1,8 @@
 """Speculative decoding (n-gram): the proposer against a brute-force scan, KV rollback against the
 block manager's invariants, and engine output with speculation equal to plain decoding
 (ScriptedModel scripts that copy the prompt, so proposals are accepted, cut and rejected)."""
+import types
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -8,7 +10,7 @@ from hypothesis import strategies as st
 
 import engine
 from engine.config import EngineConfig, add_engine_arguments, engine_options_from_args
-from engine.core import speculative
+from engine.core import draft, speculative
 from engine.core.draft import DraftModel
 from engine.core.scheduler import Scheduler, SchedulerConfig
 from engine.core.sequence import Sequence
@@ -422,6 +424,42 @@ def test_the_verify_budget_counts_the_draft_models_forwards():
     # one forward drafts for both sequences: two drafting sequences take more ids than one
     assert sum(budget({0: 6, 1: 6}, {0, 1}, 0.3).values()) > some[0]
     assert budget({0: 6, 1: 6}, {1}, 1.0) == {0: 6}  # the lookup's ids are free, and go first
+
+
+def test_the_verify_budget_counts_what_a_draft_cache_must_catch_up():
+    """A model slot's first draft id also costs its draft cache's catch-up (a new sequence's
+    prompt, else the ids accepted since its last draft): free, as before; at a few steps' seconds
+    none pays; counted once per slot, not per id; prompt lookup's ids never pay it."""
+    spec = SpecDecoder("draft", 8, budgeted=True)
+    for rows in range(1, MAX_VERIFY_ROWS + 1):
+        spec.observe_step(rows, 1.0)
+
+    def budget(offers, model_slots, catch_up):
+        running = [_running(0, 0.9, 0.9), _running(1, 0.9, 0.9)]
+        return spec.verify_budget(running, offers, model_slots, 0.1, catch_up)
+
+    free = budget({0: 6}, {0}, {0: 0.0})
+    assert free == budget({0: 6}, {0}, None) and free[0] > 0
+    assert budget({0: 6}, {0}, {0: 5.0}) == {}
+    some = budget({0: 6}, {0}, {0: 0.5})  # one id cannot repay it, several can: counted once
+    assert some and some[0] >= 2
+    assert budget({0: 6, 1: 6}, {1}, {1: 5.0}) == {0: 6}  # the lookup's ids pay no catch-up
+
+
+def test_a_draft_model_prices_its_catch_up_by_the_ids_it_has_not_cached():
+    """DraftModel.catch_up_seconds: the ids past its cached rows (all of them for a sequence it
+    has not seen, at most MAX_CATCH_UP) beyond the one fed with the proposal, at the measured
+    seconds per catch-up id; 0 while nothing is timed."""
+    runner = DraftModel.__new__(DraftModel)
+    runner.num_computed, runner.epochs, runner.fed = [0, 40], [-1, 3], [(0, []), (40, [])]
+    runner.row_seconds = 0.0
+    state = types.SimpleNamespace(tokens=np.zeros((2, 2048), dtype=np.int64), epochs=np.array([1, 3]))
+    assert runner.catch_up_seconds(state, 0, 100) == 0.0
+    runner.row_seconds = 0.01
+    assert runner.catch_up_seconds(state, 0, 100) == pytest.approx(0.99)  # a new sequence: all of it
+    assert runner.catch_up_seconds(state, 1, 41) == 0.0  # cached up to its last id
+    assert runner.catch_up_seconds(state, 1, 50) == pytest.approx(0.09)
+    assert runner.catch_up_seconds(state, 0, 2000) == pytest.approx((draft.MAX_CATCH_UP - 1) * 0.01)
 
 
 def test_the_verify_budget_serves_the_likelier_sequence_first_and_recovers_the_refused():

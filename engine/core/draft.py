@@ -70,6 +70,7 @@ class DraftModel:
         self.fed: list[tuple[int, list[int]]] = [(0, [])] * max_num_seqs  # (position, ids) fed past it
         self.num_forwards = 0
         self.step_seconds = 0.0  # a forward of one id per sequence (running average; 0: not timed)
+        self.row_seconds = 0.0  # per id beyond one per sequence in a forward that catches up (average)
 
     def _release(self, s: int) -> None:
         self.free_blocks.extend(self.tables[s])
@@ -103,6 +104,13 @@ class DraftModel:
         while j < len(ids) and pos + j < n and int(tokens[pos + j]) == ids[j]:
             j += 1
         return min(c + j if c == pos else c, n - 1)  # the last id is always fed: its logits propose
+
+    def catch_up_seconds(self, state, s: int, n: int) -> float:
+        """What slot ``s`` (length ``n``) must feed before its first draft id, beyond that id's own
+        row: the ids its draft cache lacks (all of them for a sequence it has not seen; at most
+        MAX_CATCH_UP) at the catch-up forwards' measured seconds per extra id (0 until timed)."""
+        cached = self._verified(s, state.tokens[s], n) if self.epochs[s] == int(state.epochs[s]) else 0
+        return (min(n - cached, MAX_CATCH_UP) - 1) * self.row_seconds
 
     def propose(self, state, wants: list[tuple[int, int, int, int]]) -> dict[int, list[int]]:
         """``wants``: (slot, length n, most ids k, prompt length) of each sequence to propose for
@@ -173,8 +181,12 @@ class DraftModel:
         self.num_forwards += 1
         start = time.perf_counter()
         logits = self.model.forward(batch, self.kv_cache)
+        seconds = time.perf_counter() - start
         if len(positions) == len(rows):  # one id each: the cost of a draft id (the verify budget's)
-            seconds = time.perf_counter() - start
             old = self.step_seconds
             self.step_seconds = seconds if old == 0 else old + STEP_SMOOTHING * (seconds - old)
+        else:  # catching up: what each id beyond one per sequence added (the budget's catch_up_seconds)
+            extra = seconds - self.step_seconds if self.step_seconds else seconds
+            per_id, old = max(0.0, extra) / (len(positions) - len(rows)), self.row_seconds
+            self.row_seconds = per_id if old == 0 else old + STEP_SMOOTHING * (per_id - old)
         return logits

@@ -290,7 +290,8 @@ class SpecDecoder:
             # than the tick will verify.
             model_slots = {s for s in model_wants if s not in drafts}
             offers = {s: len(d) for s, d in drafts.items()} | {s: model_wants[s] for s in model_slots}
-            verified = self.verify_budget(running, offers, model_slots, self.draft.step_seconds)
+            catch_up = {s: self.draft.catch_up_seconds(state, s, int(num_tokens[s])) for s in model_slots}
+            verified = self.verify_budget(running, offers, model_slots, self.draft.step_seconds, catch_up)
             self.draft.sync(state, {seq.slot for seq in running})
             drafted = self.draft.propose(state, [(seq.slot, int(num_tokens[seq.slot]), verified[seq.slot],
                                                   seq.num_prompt_tokens) for seq in running
@@ -332,15 +333,17 @@ class SpecDecoder:
             self.entries.append(SpecEntry(seq, s, int(epochs[s]), n, draft[:k], s in drafted))
 
     def verify_budget(self, running: list, offers: dict, model_slots: set | frozenset = frozenset(),
-                      model_seconds: float = 0.0) -> dict:
+                      model_seconds: float = 0.0, catch_up_seconds: dict | None = None) -> dict:
         """``offers``: {slot: ids it may propose} -> {slot: ids the tick verifies} (none: left
         out). The likeliest ids (SpecState.chances; ties in running order), as
         many as give the tick the highest expected rate: (decoding sequences + expected accepted
         ids) / step seconds of that many rows, within MAX_VERIFY_ROWS rows in all (none when no
         count beats plain decoding). The ids of ``model_slots`` are still to be drafted: each of
         the draft's forwards (as many as the most ids one of them is given) adds ``model_seconds``
-        (counted once the tick's own steps are timed, in the same seconds). A sequence given fewer
-        ids than it offered drifts back toward the priors (SpecState.recover)."""
+        (counted once the tick's own steps are timed, in the same seconds), and a model slot's
+        first id what its draft cache must catch up before it (``catch_up_seconds``: {slot:
+        seconds}; a new sequence's whole prompt, else the ids accepted since its last draft). A
+        sequence given fewer ids than it offered drifts back toward the priors (SpecState.recover)."""
         num_decodes = len(running)
         if not self.budgeted:
             rows_left, out = MAX_VERIFY_ROWS - num_decodes, {}
@@ -363,18 +366,22 @@ class SpecDecoder:
         # only), and a sequence's likeliest ids are its first ones: the best e over all of them.
         # Ids still to be drafted cost a draft forward too: they come after every free one.
         seconds = self.step_times.estimates(num_decodes + len(ids)).tolist()
+        catch_up = catch_up_seconds or {}
         if not self.step_times.seconds.any():
-            model_seconds = 0.0  # the estimates are relative until a step is timed
+            model_seconds, catch_up = 0.0, {}  # the estimates are relative until a step is timed
         expected = float(num_decodes)
         best, best_e = expected / seconds[num_decodes], 0
         drafted: dict = {}  # model slot -> ids so far
         num_forwards = 0
+        caught_up = 0.0  # the drafted slots' catch-up seconds, once each
         for e, (by_model, neg_chance, _order, slot) in enumerate(ids, 1):
             expected -= neg_chance
             if by_model:
+                if slot not in drafted:
+                    caught_up += catch_up.get(slot, 0.0)
                 drafted[slot] = drafted.get(slot, 0) + 1
                 num_forwards = max(num_forwards, drafted[slot])
-            value = expected / (seconds[num_decodes + e] + num_forwards * model_seconds)
+            value = expected / (seconds[num_decodes + e] + num_forwards * model_seconds + caught_up)
             if value > best:
                 best, best_e = value, e
         out: dict = {}
