@@ -19,7 +19,7 @@
  * is built once, then every activation row runs against it, up to QS_ROWS rows at a time. */
 
 #define QS_TILE 16  /* outputs per strip */
-#define QS_ROWS 8   /* activation rows per pass over a panel */
+#define QS_ROWS 8   /* the most activation rows one pass over a strip (or a panel) takes */
 #define QS_PASSES(X) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8)
 /* M rows in ceil(M / QS_ROWS) passes of near-equal counts (rows i0 .. i0 + rows - 1 each): 9
  * rows as 4 + 5, not 8 + 1 (a lone row re-reads the strip at a decode row's cost). Every count
@@ -421,8 +421,8 @@ QG_ALWAYS_INLINE static inline void packed_rows(const QArgs *a, const uint8_t *s
 
 typedef void (*PackedPass)(const QArgs *a, const uint8_t *strip, int64_t n0, int64_t i0, int64_t rows);
 
-/* One pass of 1 .. QS_ROWS activation rows over a strip, in a function of its own per format (the
- * pass of each count inlined: seven copies beside one made that one ~5% slower). */
+/* One pass of 1 .. QS_ROWS activation rows over a strip, in a function of its own per format (with
+ * the passes of every count inlined beside the strip loop, the 8-row pass timed ~5% slower). */
 #define QS_PACKED_PASS(NAME, MINS, FMT, I8)                                                             \
     __attribute__((noinline)) static void NAME(const QArgs *a, const uint8_t *strip, int64_t n0, int64_t i0, \
                                                int64_t rows) {                                          \
@@ -457,18 +457,17 @@ static void packed_range_avx512(const void *p, int64_t s0, int64_t s1, float *sc
     (void)scratch;
     const QArgs *a = (const QArgs *)p;
     const int64_t strip_bytes = packed_strip_bytes(a->packed, a->num_cols / QK_BLOCK, a->half, a->has_mins);
-    for (int64_t s = s0; s < s1; s++) {
-        const uint8_t *strip = a->blocks + s * strip_bytes;
-        if (a->qx8 != NULL) {  /* QG_INT8 */
-            if (a->packed == PACKED_Q8) packed_all_rows(a, strip, s * QS_TILE, packed_pass_q8_i8);
-            else if (a->packed == PACKED_Q5I8 && a->has_mins) packed_all_rows(a, strip, s * QS_TILE, packed_pass_q5i8_mins);
-            else if (a->packed == PACKED_Q5I8) packed_all_rows(a, strip, s * QS_TILE, packed_pass_q5i8);
-            else if (a->has_mins) packed_all_rows(a, strip, s * QS_TILE, packed_pass_q4_mins_i8);
-            else packed_all_rows(a, strip, s * QS_TILE, packed_pass_q4_i8);
-        } else if (a->packed == PACKED_Q8) packed_all_rows(a, strip, s * QS_TILE, packed_pass_q8);
-        else if (a->packed == PACKED_Q5 && a->has_mins) packed_all_rows(a, strip, s * QS_TILE, packed_pass_q5_mins);
-        else if (a->packed == PACKED_Q5) packed_all_rows(a, strip, s * QS_TILE, packed_pass_q5);
-        else if (a->has_mins) packed_all_rows(a, strip, s * QS_TILE, packed_pass_q4_mins);
-        else packed_all_rows(a, strip, s * QS_TILE, packed_pass_q4);
+    PackedPass pass;
+    if (a->qx8 != NULL) {  /* QG_INT8 */
+        if (a->packed == PACKED_Q8) pass = packed_pass_q8_i8;
+        else if (a->packed == PACKED_Q5I8) pass = a->has_mins ? packed_pass_q5i8_mins : packed_pass_q5i8;
+        else pass = a->has_mins ? packed_pass_q4_mins_i8 : packed_pass_q4_i8;
+    } else if (a->packed == PACKED_Q8) {
+        pass = packed_pass_q8;
+    } else if (a->packed == PACKED_Q5) {
+        pass = a->has_mins ? packed_pass_q5_mins : packed_pass_q5;
+    } else {
+        pass = a->has_mins ? packed_pass_q4_mins : packed_pass_q4;
     }
+    for (int64_t s = s0; s < s1; s++) packed_all_rows(a, a->blocks + s * strip_bytes, s * QS_TILE, pass);
 }
