@@ -426,6 +426,21 @@ def test_the_verify_budget_counts_the_draft_models_forwards():
     assert budget({0: 6, 1: 6}, {1}, 1.0) == {0: 6}  # the lookup's ids are free, and go first
 
 
+def test_the_verify_budget_reads_the_step_times_of_its_number_of_sequences():
+    """What a tick of R rows costs depends on its sequences: one sequence's cheap verifications do
+    not make a proposed id cheap beside four decoding sequences. The budget reads the times of
+    ticks with as many sequences as decode now, those of any number until one is timed."""
+    spec = SpecDecoder("ngram", 8, budgeted=True)
+    for rows in range(1, 9):
+        spec.observe_step(rows, 1.0, num_seqs=1)  # one sequence: its verified rows cost nothing
+    four = [_running(slot, 0.9, 0.9) for slot in range(4)]
+    assert spec.verify_budget(four, {0: 4}) == {0: 4}  # four never timed: the shared (flat) times
+    spec.observe_step(4, 1.0, num_seqs=4)
+    spec.observe_step(5, 2.0, num_seqs=4)  # four sequences and one proposed id: twice the tick
+    assert spec.verify_budget(four, {0: 4}) == {}
+    assert spec.verify_budget([_running(0, 0.9, 0.9)], {0: 4}) == {0: 4}
+
+
 def test_the_verify_budget_counts_what_a_draft_cache_must_catch_up():
     """A model slot's first draft id also costs its draft cache's catch-up (a new sequence's
     prompt, else the ids accepted since its last draft): free, as before; at a few steps' seconds

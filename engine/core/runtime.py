@@ -391,7 +391,7 @@ class EngineCore:
                     # runs' output goes through Python per request, where a plain tick takes the
                     # steady Cython plan and one call for all rows' output (a share of a step that
                     # grows as products get faster: int8 activations, small models)
-                    self.spec.observe_step(num_rows, time.perf_counter() - tick_start)
+                    self.spec.observe_step(num_rows, time.perf_counter() - tick_start, len(out.seqs))
 
     def _tick_with_rows(self, out, part) -> None:
         """A forward with embedding rows after the generation rows (if any): pooled, never sampled."""

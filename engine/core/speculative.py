@@ -230,7 +230,11 @@ class SpecDecoder:
     adaptive: bool = True  # adaptive k (FIRST_LIMIT); False: every proposal may have k ids (benchmarks)
     budgeted: bool = field(default_factory=lambda: VERIFY_BUDGET)  # verify_budget; False: every id
     # within MAX_VERIFY_ROWS, first come first served
-    step_times: StepTimes = field(default_factory=StepTimes)
+    step_times: StepTimes = field(default_factory=StepTimes)  # ticks of any number of sequences
+    # and per number of decoding sequences: a tick of R rows costs more as its sequences are more
+    # (their attention, their output), so one sequence's 5-row verification says little of 4
+    # sequences and one proposed id
+    step_times_by_seqs: dict[int, StepTimes] = field(default_factory=dict)
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_proposals: int = 0
@@ -365,9 +369,12 @@ class SpecDecoder:
         # For e extra rows the best are the e likeliest ids (the step's time depends on its rows
         # only), and a sequence's likeliest ids are its first ones: the best e over all of them.
         # Ids still to be drafted cost a draft forward too: they come after every free one.
-        seconds = self.step_times.estimates(num_decodes + len(ids)).tolist()
+        times = self.step_times_by_seqs.get(num_decodes)
+        if times is None or not times.seconds.any():
+            times = self.step_times  # no tick of this many sequences timed yet
+        seconds = times.estimates(num_decodes + len(ids)).tolist()
         catch_up = catch_up_seconds or {}
-        if not self.step_times.seconds.any():
+        if not times.seconds.any():
             model_seconds, catch_up = 0.0, {}  # the estimates are relative until a step is timed
         expected = float(num_decodes)
         best, best_e = expected / seconds[num_decodes], 0
@@ -392,11 +399,14 @@ class SpecDecoder:
                 (seq.spec.model if seq.slot in model_slots else seq.spec).recover()
         return out
 
-    def observe_step(self, num_rows: int, seconds: float) -> None:
-        """A tick without prefill (decode rows and proposals only) took ``seconds``: its schedule
-        (proposals, the verify budget, the plan), its forward and the work on its output (sampling,
-        verification, events)."""
+    def observe_step(self, num_rows: int, seconds: float, num_seqs: int | None = None) -> None:
+        """A tick without prefill (decode rows and proposals only) of ``num_seqs`` decoding
+        sequences took ``seconds``: its schedule (proposals, the verify budget, the plan), its
+        forward and the work on its output (sampling, verification, events). The budget reads the
+        times of ticks of its own number of sequences, those of any number until one is timed."""
         self.step_times.observe(num_rows, seconds)
+        if num_seqs is not None and 0 < num_seqs <= MAX_VERIFY_ROWS:
+            self.step_times_by_seqs.setdefault(num_seqs, StepTimes()).observe(num_rows, seconds)
 
     def withdraw(self, state) -> None:
         """Take this tick's proposals back out of the token rows."""
