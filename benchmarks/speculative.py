@@ -42,6 +42,7 @@ from benchmarks.common import environment, fmt_stats, print_table, summarize, wr
 from cext.ngram import NgramIndex
 from engine import Engine, SamplingParams
 from engine.config import ACTIVATIONS
+from engine.tokenizer.chat_template import ChatTemplateError
 
 CODE = '''def total_price(items, tax_rate, discount=None):
     # compute the sum of all items
@@ -74,7 +75,12 @@ TASKS = {
 
 
 def chat_ids(eng: Engine, prompt: str) -> list[int]:
-    return eng.tokenizer.encode_chat([{"role": "user", "content": prompt}])
+    """The prompt as a user message in the model's chat template; a base model without one (Gemma 3
+    270M) gets the text followed by a blank line."""
+    try:
+        return eng.tokenizer.encode_chat([{"role": "user", "content": prompt}])
+    except ChatTemplateError:
+        return eng.tokenizer.encode(prompt + "\n\n")
 
 
 def run_one(eng: Engine, ids: list[int], max_tokens: int) -> tuple[list[int], float, float]:
