@@ -97,7 +97,7 @@ def main() -> None:
     per_token: dict[str, list[float]] = {name: [] for name in cases}
     cpu_per_token: dict[str, list[float]] = {name: [] for name in cases}
     with engine.Engine(ScriptedModel(script, tok.vocab_size), tok, max_model_len=args.tokens + 64,
-                       kv_cache_tokens=(args.tokens + 64) * NUM_CONCURRENT) as eng:
+                       kv_cache_tokens=(args.tokens + 64) * NUM_CONCURRENT, speculative=None) as eng:
         for fn in cases.values():  # warm-up
             fn(eng)
         for _ in range(args.rounds):

@@ -119,7 +119,7 @@ def child_main(max_batch: int, max_tokens: int) -> None:
     script = tok.encode(SCRIPT_TEXT, add_special_tokens=False)
     max_model_len = max_tokens + 64
     options = dict(max_model_len=max_model_len, max_num_seqs=max_batch, max_num_batched_tokens=max(2048, max_batch),
-                   kv_cache_tokens=max_batch * (max_model_len + 32))
+                   kv_cache_tokens=max_batch * (max_model_len + 32), speculative=None)
     engines, ports = {}, {}
     for name, step in (("host", 0.0), ("fast", 1.0 / FAST_RATE)):
         model = TimedModel(scripted(script, tok.vocab_size, step))

@@ -58,10 +58,10 @@ def percentile(values: list[float], q: float) -> float:
 
 def make_engine(model, tok, mode: str, long_tokens: int) -> Engine:
     if mode == "default":
-        return Engine(model, tok, max_model_len=8192, kv_cache_tokens=16384)
+        return Engine(model, tok, max_model_len=8192, kv_cache_tokens=16384, speculative=None)
     budget = 256 if mode == "chunked" else long_tokens + 64
     return Engine(model, tok, max_model_len=8192, kv_cache_tokens=16384, max_num_batched_tokens=budget,
-                  target_tick_seconds=None)
+                  target_tick_seconds=None, speculative=None)
 
 
 def run_once(model, tok, mode: str, long_tokens: int, before_s: float, short_delay_s: float) -> dict:

@@ -30,7 +30,7 @@ from benchmarks.common import environment, print_table, write_json
 
 SERVER_CODE = """
 import sys, engine, webapp
-eng = engine.Engine.from_pretrained(max_num_seqs=int(sys.argv[2]))
+eng = engine.Engine.from_pretrained(max_num_seqs=int(sys.argv[2]), speculative=None)
 server = webapp.make_server(eng, "127.0.0.1", 0, threads=int(sys.argv[1]))
 print(server.effective_port, flush=True)
 server.run()

@@ -58,7 +58,7 @@ def main(argv=None) -> dict:
     rows = []
     for caching in (False, True):
         firsts, seconds, hits = [], [], []
-        with Engine(model, tok, enable_prefix_caching=caching) as eng:
+        with Engine(model, tok, enable_prefix_caching=caching, speculative=None) as eng:
             ttft(eng, tok.encode("warm up", add_special_tokens=False))
             for r in range(args.repeats):
                 system = tok.encode(f"Conversation {r}. ", add_special_tokens=False) + base

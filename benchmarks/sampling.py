@@ -118,7 +118,7 @@ def main(argv=None) -> None:
     tok = engine.load_tokenizer(default_model_path())
     script = [random.Random(0).randrange(1000, tok.vocab_size) for _ in range(args.steps)]
     eng = engine.Engine(ScriptedModel(script, tok.vocab_size), tok, max_model_len=1024, max_num_seqs=128,
-                        kv_cache_tokens=128 * 256)
+                        kv_cache_tokens=128 * 256, speculative=None)
     sections = ("sampler", "sampler CPU", "reference", "reference CPU", "engine")
     load_before = environment()["load_average"]
     results = {s: {c: {b: [] for b in BATCH_SIZES} for c in CONFIGS} for s in sections}

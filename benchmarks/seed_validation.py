@@ -111,7 +111,7 @@ def main(argv=None) -> dict | None:
 
     prompt_len_bound = 64
     options = engine_options(args, {"max_model_len": args.tokens + prompt_len_bound,
-                                    "kv_cache_tokens": args.tokens + prompt_len_bound})
+                                    "kv_cache_tokens": args.tokens + prompt_len_bound, "speculative": None})
     server = subprocess.Popen([sys.executable, __file__, "--serve-child", "--model", args.model,
                                "--engine-options", json.dumps(options)],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)

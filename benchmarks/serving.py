@@ -209,13 +209,13 @@ def make_engine(kind: str, max_model_len: int):
     import engine
 
     if kind == "default":
-        return engine.Engine.from_pretrained(max_model_len=max_model_len)
+        return engine.Engine.from_pretrained(max_model_len=max_model_len, speculative=None)
     from engine.loader import default_model_path
     from engine.testing import ScriptedModel
 
     tok = engine.load_tokenizer(default_model_path())
     return engine.Engine(ScriptedModel(tok.encode(SCRIPT_TEXT, add_special_tokens=False), tok.vocab_size), tok,
-                         max_model_len=max_model_len)
+                         max_model_len=max_model_len, speculative=None)
 
 
 def serve_child(kind: str, max_model_len: int) -> None:

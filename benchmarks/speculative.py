@@ -265,10 +265,10 @@ def main() -> None:
     k = args.num_speculative_tokens
     load_before = os.getloadavg()
     common = {"activations": args.activations}
-    engines = {"plain": Engine.from_pretrained(args.model, **common),
+    engines = {"plain": Engine.from_pretrained(args.model, speculative=None, **common),
                "ngram": Engine.from_pretrained(args.model, speculative="ngram", num_speculative_tokens=k, **common)}
     if args.activations != "int16":
-        engines["plain int16"] = Engine.from_pretrained(args.model)
+        engines["plain int16"] = Engine.from_pretrained(args.model, speculative=None)
     if args.also_k:
         engines[f"ngram k={args.also_k}"] = Engine.from_pretrained(args.model, speculative="ngram",
                                                                    num_speculative_tokens=args.also_k, **common)

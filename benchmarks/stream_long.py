@@ -58,7 +58,7 @@ def main() -> None:
         ),
     }
     results = {}
-    with engine.Engine(model, tok, max_model_len=n + 64, kv_cache_tokens=n + 256) as eng:
+    with engine.Engine(model, tok, max_model_len=n + 64, kv_cache_tokens=n + 256, speculative=None) as eng:
         run_once(eng, n, variants["plain"])  # warm-up
         for name, params in variants.items():
             early, late = [], []

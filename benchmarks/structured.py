@@ -112,7 +112,7 @@ def run_engine(args) -> dict:
     from engine.structured import compile_grammar, spec_of
     from engine.structured.compiler import _cache
 
-    eng = engine.Engine.from_pretrained(max_model_len=1024)
+    eng = engine.Engine.from_pretrained(max_model_len=1024, speculative=None)
     tok = eng.tokenizer
     prompt = tok.apply_chat_template([{"role": "user", "content": "List people as JSON."}])
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]

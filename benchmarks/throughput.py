@@ -67,7 +67,7 @@ def model_part(args, results: dict) -> list[list]:
     model, tok = load_model(path), load_tokenizer(path)
     params = SamplingParams(max_tokens=args.steps, temperature=0, ignore_eos=True)
     rows = []
-    with Engine(model, tok, max_model_len=2048, max_num_seqs=max(args.sizes)) as eng:
+    with Engine(model, tok, max_model_len=2048, max_num_seqs=max(args.sizes), speculative=None) as eng:
         eng.generate(random_prompts(model.vocab_size, 2, args.prompt_len, 99),
                      SamplingParams(max_tokens=4, temperature=0))
         raw_decode_tok_s(model, 1, num_steps=4, prompt_len=args.prompt_len)  # warm-up
@@ -96,7 +96,8 @@ def scripted_part(args, results: dict) -> list[list]:
     model = ScriptedModel(script, tok.vocab_size)
     params = SamplingParams(max_tokens=args.scripted_tokens, temperature=0, ignore_eos=True)
     rows = []
-    with Engine(model, tok, max_model_len=2048, max_num_seqs=64, max_num_batched_tokens=1024) as eng:
+    with Engine(model, tok, max_model_len=2048, max_num_seqs=64, max_num_batched_tokens=1024,
+                speculative=None) as eng:
         eng.generate([[1, 2, 3]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
         for size in (1, 64):
             rates = []

@@ -70,7 +70,7 @@ def main() -> None:
     for name, text in replies().items():
         ids = tok.encode(text, add_special_tokens=False)
         lengths[name] = len(ids)
-        engines[name] = engine.Engine(ScriptedModel(ids, tok.vocab_size), tok, max_model_len=4096)
+        engines[name] = engine.Engine(ScriptedModel(ids, tok.vocab_size), tok, max_model_len=4096, speculative=None)
     configs = [(reply, label, tools) for reply in engines for label, tools in (("no tools", None), ("tools", TOOLS))]
     seconds = {c[:2]: [] for c in configs}
     deltas = {}

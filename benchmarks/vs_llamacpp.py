@@ -524,7 +524,8 @@ def main(argv=None) -> dict | None:
     print(f"ISA: ours {isa['our_kernels']}; CPU {' '.join(isa['cpu_flags']) or '(no AVX-512/AMX)'}; "
           f"llama-server built with {isa['llama_server_cmake'] or '(not built)'}", flush=True)
     options = engine_options(args, {"max_model_len": MAX_PROMPT + args.tokens + 16,
-                                    "kv_cache_tokens": max(4096, NUM_STREAMS * (16 + args.tokens + 16))})
+                                    "kv_cache_tokens": max(4096, NUM_STREAMS * (16 + args.tokens + 16)),
+                                    "speculative": None})  # plain decoding, as llama.cpp's
     results = {"args": {k: v for k, v in vars(args).items() if not k.startswith("worker")},
                "engine_options": options, "isa": isa, "models": {}}
     for name in args.models.split(","):

@@ -79,9 +79,9 @@ class EngineConfig:
     prefix_cache_disk_bytes: int = _option(DEFAULT_PREFIX_CACHE_DISK_BYTES,
                                            "most bytes the prefix cache directory holds (LRU eviction)")
     # -- speculative decoding --
-    speculative: str | None = _option(None, "speculative decoding: ngram (prompt lookup), draft (a "
-                                      "draft model, --draft-model) or auto (draft when --draft-model is "
-                                      "given, else ngram); default off")
+    speculative: str | None = _option("auto", "speculative decoding: auto (the default: draft when "
+                                      "--draft-model is given, else ngram), ngram (prompt lookup), draft (a "
+                                      "draft model, --draft-model) or off (None in Python)")
     num_speculative_tokens: int = _option(4, f"most ids proposed per step (1-{MAX_NUM_SPECULATIVE_TOKENS})")
     draft_model: str | None = _option(None, "draft model path for speculative=draft (a .gguf file or HF "
                                       "directory with the model's tokenizer)")
@@ -208,7 +208,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         kind = str if f.name in ("dtype", "quantization", "activations", "speculative", "draft_model", "pooling",
                                  "prefix_cache_dir") else int
         choices = {"dtype": DTYPES, "quantization": QUANTIZATIONS, "activations": ACTIVATIONS,
-                   "speculative": SPECULATIVE, "pooling": POOLINGS}.get(f.name)
+                   "speculative": (*SPECULATIVE, "off"), "pooling": POOLINGS}.get(f.name)
         group.add_argument(flag, dest=f.name, type=kind, choices=choices, default=None, help=f.metadata["help"])
 
 
@@ -219,6 +219,8 @@ def engine_options_from_args(args: argparse.Namespace) -> dict:
 
     options = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)
                if f.metadata["cli"] and getattr(args, f.name, None) is not None}
+    if options.get("speculative") == "off":
+        options["speculative"] = None
     cache_dir = options.pop("prefix_cache_dir", None)
     if cache_dir is None:
         cache_dir = default_prefix_cache_dir()

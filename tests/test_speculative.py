@@ -536,6 +536,8 @@ CODE = "def total(items, rate):\n    subtotal = 0\n    for item in items:\n     
 
 
 def make_engine(tok, script, **options):
+    """speculative=None unless given: the plain engine the speculative ones are held equal to."""
+    options.setdefault("speculative", None)
     options.setdefault("max_model_len", 2048)
     options.setdefault("kv_cache_tokens", 8192)
     return engine.Engine(ScriptedModel(script, tok.vocab_size), tok, **options)
@@ -637,7 +639,9 @@ def test_speculative_options_are_validated():
     with pytest.raises(InvalidParameterError, match="num_speculative_tokens"):
         EngineConfig(speculative="ngram", num_speculative_tokens=0)
     with pytest.raises(InvalidParameterError, match="draft_model"):
-        EngineConfig(draft_model="/tmp/x.gguf")
+        EngineConfig(speculative=None, draft_model="/tmp/x.gguf")
+    assert EngineConfig().speculative == "auto" and EngineConfig().speculative_method == "ngram"
+    assert EngineConfig(speculative=None).speculative_method is None  # off
     import argparse
     parser = argparse.ArgumentParser()
     add_engine_arguments(parser)
@@ -645,3 +649,6 @@ def test_speculative_options_are_validated():
     assert engine_options_from_args(args) == {"speculative": "ngram", "num_speculative_tokens": 6}
     args = parser.parse_args(["--speculative", "draft", "--draft-model", "/m/draft.gguf"])
     assert engine_options_from_args(args) == {"speculative": "draft", "draft_model": "/m/draft.gguf"}
+    args = parser.parse_args(["--speculative", "off"])
+    assert engine_options_from_args(args) == {"speculative": None}
+    assert "speculative" not in engine_options_from_args(parser.parse_args([]))  # the default: auto

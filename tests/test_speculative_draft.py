@@ -126,7 +126,9 @@ def test_draft_options_are_validated():
     assert EngineConfig(speculative="auto").speculative_method == "ngram"
     assert EngineConfig(speculative="auto", draft_model="/tmp/x.gguf").speculative_method == "draft"
     assert EngineConfig(speculative="draft", draft_model="/tmp/x.gguf").speculative_method == "draft"
-    assert EngineConfig().speculative_method is None
+    assert EngineConfig().speculative_method == "ngram"  # the default, auto, without a draft model
+    assert EngineConfig(draft_model="/tmp/x.gguf").speculative_method == "draft"
+    assert EngineConfig(speculative=None).speculative_method is None
     from engine.errors import ModelFileError
     with pytest.raises(ModelFileError, match="no such file"):
         engine.Engine.from_pretrained(speculative="draft", draft_model="/nonexistent/draft.gguf")
