@@ -141,6 +141,8 @@ def our_server(path: str, options: dict, log_path: Path) -> Server:
     port = free_port()
     argv = [sys.executable, "-m", "webapp", "--model", path, "--host", "127.0.0.1", "--port", str(port)]
     for key, value in options.items():
+        if value is None and key == "speculative":
+            value = "off"  # Python's None is the command line's off
         argv += ["--" + key.replace("_", "-"), str(value)]
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     return Server("ours (python -m webapp)", argv, port, log_path, env=env)
