@@ -137,13 +137,19 @@ def llama_server(path: str, num_parallel: int, ctx_per_stream: int, num_threads:
     return Server(f"llama-server --parallel {num_parallel}", argv, port, log_path)
 
 
-def our_server(path: str, options: dict, log_path: Path) -> Server:
-    port = free_port()
+def our_server_argv(path: str, options: dict, port: int) -> list[str]:
+    """``python -m webapp`` with the engine options as its flags (speculative=None: ``off``)."""
     argv = [sys.executable, "-m", "webapp", "--model", path, "--host", "127.0.0.1", "--port", str(port)]
     for key, value in options.items():
         if value is None and key == "speculative":
             value = "off"  # Python's None is the command line's off
         argv += ["--" + key.replace("_", "-"), str(value)]
+    return argv
+
+
+def our_server(path: str, options: dict, log_path: Path) -> Server:
+    port = free_port()
+    argv = our_server_argv(path, options, port)
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     return Server("ours (python -m webapp)", argv, port, log_path, env=env)
 

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from benchmarks.common import decode_read_bytes
+from benchmarks.llama_server import our_server_argv
 
 
 def _write(path, tensors: dict[str, np.ndarray]) -> None:
@@ -31,3 +32,19 @@ def test_decode_read_bytes_counts_the_embeddings_only_as_a_tied_head(tmp_path, u
     _write(path, tensors)
     want = 32 * 32 * 2 + 32 * 4 + 64 * 32 * 4  # the head's bytes once: output.weight, or the tied embeddings
     assert decode_read_bytes(path) == want
+
+
+def test_our_server_gets_the_engine_options_as_flags_the_cli_takes():
+    """vs_llamacpp's HTTP rows start ``python -m webapp`` with the engine options it measures
+    with: each a flag its parser accepts (speculative=None, plain decoding, is ``off``)."""
+    import argparse
+
+    from engine.config import add_engine_arguments, engine_options_from_args
+
+    options = {"max_model_len": 2128, "kv_cache_tokens": 4096, "speculative": None}
+    argv = our_server_argv("/m.gguf", options, 8000)
+    assert argv[1:3] == ["-m", "webapp"]
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    parsed = engine_options_from_args(parser.parse_args(argv[argv.index("--max-model-len"):]))
+    assert {k: parsed[k] for k in options} == options
