@@ -240,7 +240,9 @@ QS_STRIP_PASS(strip_pass_mins, 1)
 
 static void strip_all_rows(const QArgs *a, int64_t n0, const uint32_t *panel, const float *d, const float *m,
                            const int MINS) {
-    QS_SPLIT(a->num_rows, (MINS ? strip_pass_mins : strip_pass)(a, n0, i0, rows, panel, d, m))
+    void (*pass)(const QArgs *, int64_t, int64_t, int64_t, const uint32_t *, const float *, const float *) =
+        MINS ? strip_pass_mins : strip_pass;
+    QS_SPLIT(a->num_rows, pass(a, n0, i0, rows, panel, d, m))
 }
 
 /* Strips s0 .. s1 - 1 (16 output rows each). */

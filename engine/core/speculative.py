@@ -374,7 +374,7 @@ class SpecDecoder:
             times = self.step_times  # no tick of this many sequences timed yet
         seconds = times.estimates(num_decodes + len(ids)).tolist()
         catch_up = catch_up_seconds or {}
-        if not times.seconds.any():
+        if times is self.step_times and not times.seconds.any():
             model_seconds, catch_up = 0.0, {}  # the estimates are relative until a step is timed
         expected = float(num_decodes)
         best, best_e = expected / seconds[num_decodes], 0
@@ -406,7 +406,10 @@ class SpecDecoder:
         times of ticks of its own number of sequences, those of any number until one is timed."""
         self.step_times.observe(num_rows, seconds)
         if num_seqs is not None and 0 < num_seqs <= MAX_VERIFY_ROWS:
-            self.step_times_by_seqs.setdefault(num_seqs, StepTimes()).observe(num_rows, seconds)
+            times = self.step_times_by_seqs.get(num_seqs)
+            if times is None:
+                times = self.step_times_by_seqs[num_seqs] = StepTimes()
+            times.observe(num_rows, seconds)
 
     def withdraw(self, state) -> None:
         """Take this tick's proposals back out of the token rows."""
