@@ -26,3 +26,45 @@ def silu_mul(gate_up: int, out: int, num_rows: int, inter: int, dtype: int) -> N
 def glu_mul(gate_up: int, out: int, num_rows: int, inter: int, dtype: int, act: int) -> None: ...
 def rmsnorm_rows(x: int, row_stride: int, out: int, out_row_stride: int, weight: int, num_rows: int, heads: int,
                  dim: int, eps: float, dtype: int) -> None: ...
+
+L_ATTN_NORM: int
+L_FFN_NORM: int
+L_POST_ATTN_NORM: int
+L_POST_FFN_NORM: int
+L_Q_NORM: int
+L_K_NORM: int
+L_Q_HEADS: int
+L_K_HEADS: int
+L_QK_DIM: int
+L_K_CACHE: int
+L_V_CACHE: int
+L_NUM_SLOTS: int
+L_CACHE_DTYPE: int
+L_ROPE: int
+L_PLAN: int
+L_ACT: int
+PRODUCTS: int
+P_LAYOUT: int
+P_ROWS: int
+P_SCALES: int
+P_BIAS: int
+P_OUT: int
+P_IN: int
+PRODUCT_FIELDS: int
+LAYER_FIELDS: int
+ROPE_FIELDS: int
+PLAN_FIELDS: int
+B_H: int
+B_QKV: int
+B_ATTN: int
+B_O: int
+B_GATE_UP: int
+B_ACT: int
+B_DOWN: int
+BUFFERS: int
+
+
+def bind_matmul(capsule: object) -> None: ...
+def decode_layers(program: object, scales: object, resid: int, num_rows: int, hidden: int, eps: float, dtype: int,
+                  num_heads: int, num_kv_heads: int, head_dim: int, inter: int, positions: int, slots: int,
+                  ropes: object, plans: object, buffers: object) -> None: ...

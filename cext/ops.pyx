@@ -126,3 +126,153 @@ def rmsnorm_rows(intptr_t x, int64_t row_stride, intptr_t out, int64_t out_row_s
         rc = fk_rmsnorm_rows(<const void*>x, row_stride, <void*>out, out_row_stride, <const void*>weight,
                              num_rows, heads, dim, eps, dtype)
     _check(rc)
+
+
+# ---- a decode forward's layers in one call (engine.models.llama's DecodeProgram) ----
+
+ctypedef int (*matmul_fn)(int layout, const void* x, int64_t x_stride, int64_t num_rows, int64_t num_cols,
+                          const void* w, const void* scales, int64_t num_out, const float* bias, void* y,
+                          int64_t y_stride, int dtype) noexcept nogil
+
+cdef matmul_fn _matmul = NULL
+
+# The columns of a layer's row of the program (int64), one row per layer; the products' four
+# (qkv, o, gate_up, down) take PRODUCT_FIELDS columns each from PRODUCTS. The forward's rotary
+# tables (cos, sin, positions) x 2, its plans (block tables, their row stride, context lengths,
+# sequences, block size, sliding window) x 2 and its buffers.
+cdef enum:
+    C_ATTN_NORM, C_FFN_NORM, C_POST_ATTN_NORM, C_POST_FFN_NORM, C_Q_NORM, C_K_NORM, C_Q_HEADS, C_K_HEADS
+    C_QK_DIM, C_K_CACHE, C_V_CACHE, C_NUM_SLOTS, C_CACHE_DTYPE, C_ROPE, C_PLAN, C_ACT, C_PRODUCTS
+cdef enum:
+    C_P_LAYOUT, C_P_ROWS, C_P_SCALES, C_P_BIAS, C_P_OUT, C_P_IN, C_PRODUCT_FIELDS
+cdef enum:
+    C_ROPE_FIELDS = 3
+    C_PLAN_FIELDS = 6
+    C_LAYER_FIELDS = C_PRODUCTS + 4 * C_PRODUCT_FIELDS
+cdef enum:
+    C_B_H, C_B_QKV, C_B_ATTN, C_B_O, C_B_GATE_UP, C_B_ACT, C_B_DOWN, C_BUFFERS
+
+L_ATTN_NORM, L_FFN_NORM, L_POST_ATTN_NORM, L_POST_FFN_NORM = C_ATTN_NORM, C_FFN_NORM, C_POST_ATTN_NORM, C_POST_FFN_NORM
+L_Q_NORM, L_K_NORM, L_Q_HEADS, L_K_HEADS, L_QK_DIM = C_Q_NORM, C_K_NORM, C_Q_HEADS, C_K_HEADS, C_QK_DIM
+L_K_CACHE, L_V_CACHE, L_NUM_SLOTS, L_CACHE_DTYPE = C_K_CACHE, C_V_CACHE, C_NUM_SLOTS, C_CACHE_DTYPE
+L_ROPE, L_PLAN, L_ACT, PRODUCTS = C_ROPE, C_PLAN, C_ACT, C_PRODUCTS
+P_LAYOUT, P_ROWS, P_SCALES, P_BIAS, P_OUT, P_IN = C_P_LAYOUT, C_P_ROWS, C_P_SCALES, C_P_BIAS, C_P_OUT, C_P_IN
+PRODUCT_FIELDS, LAYER_FIELDS, ROPE_FIELDS, PLAN_FIELDS = C_PRODUCT_FIELDS, C_LAYER_FIELDS, C_ROPE_FIELDS, C_PLAN_FIELDS
+B_H, B_QKV, B_ATTN, B_O, B_GATE_UP, B_ACT, B_DOWN, BUFFERS = (C_B_H, C_B_QKV, C_B_ATTN, C_B_O, C_B_GATE_UP, C_B_ACT,
+                                                              C_B_DOWN, C_BUFFERS)
+
+
+cdef inline int _product(const int64_t* p, const void* x, int64_t num_rows, void* y, int dtype,
+                         int* layout) noexcept nogil:
+    layout[0] = <int>p[C_P_LAYOUT]
+    return _matmul(<int>p[C_P_LAYOUT], x, p[C_P_IN], num_rows, p[C_P_IN], <const void*>p[C_P_ROWS],
+                   <const void*>p[C_P_SCALES], p[C_P_OUT], <const float*>p[C_P_BIAS], y, p[C_P_OUT], dtype)
+
+
+def bind_matmul(capsule) -> None:
+    """Take cext.qgemm's product (its ``_matmul_capsule``) for decode_layers."""
+    global _matmul
+    _matmul = <matmul_fn>PyCapsule_GetPointer(capsule, b"cext.qgemm.qg_matmul")
+
+
+def decode_layers(const int64_t[:, ::1] program, const double[::1] scales, intptr_t resid, int64_t num_rows,
+                  int64_t hidden, float eps, int dtype, int num_heads, int num_kv_heads, int head_dim,
+                  int64_t inter, intptr_t positions, intptr_t slots, const int64_t[::1] ropes,
+                  const int64_t[::1] plans, const int64_t[::1] buffers) -> None:
+    """Every decoder layer of a decode forward over num_rows rows (each row its own sequence's
+    query: plan_attention's fused decode), in order, with the GIL released once: per layer
+    add_rmsnorm, the qkv product, the q/k norms, rope_kv_write, decode_attention, the o product
+    (its post-norm), add_rmsnorm, the gate_up product, glu_mul, the down product (its post-norm):
+    the calls engine.models.llama.DecoderLayer.forward_fused makes through fused.FusedStep and
+    Linear, with the same arguments, so the same bits. The last layer's output (the next add's
+    delta) is left in buffers[B_DOWN]; resid [T, E] float32 holds the residual stream before it.
+    Raises as the single calls do (IndexError for a bad block, slot or position, MemoryError,
+    ValueError for a product's layout)."""
+    cdef Py_ssize_t num_layers = program.shape[0], i
+    cdef int rc = 0, layout = 0, failed_product = 0
+    cdef const int64_t* row
+    cdef const int64_t* plan
+    cdef const int64_t* rope
+    cdef const int64_t* buf = &buffers[0]
+    cdef int64_t qkv_width = (num_heads + 2 * num_kv_heads) * head_dim, elsize = 4 if dtype == FK_FLOAT32 else 2
+    cdef void* delta = NULL
+    if _matmul == NULL:
+        from cext import qgemm
+        bind_matmul(qgemm._matmul_capsule)
+    if program.shape[1] != C_LAYER_FIELDS or scales.shape[0] != num_layers:
+        raise ValueError(f"program: [layers, {C_LAYER_FIELDS}] with one scale per layer")
+    if ropes.shape[0] != 2 * C_ROPE_FIELDS or plans.shape[0] != 2 * C_PLAN_FIELDS or buffers.shape[0] != C_BUFFERS:
+        raise ValueError("ropes, plans, buffers: 2 x 3, 2 x 6 and 7 values")
+    with nogil:
+        for i in range(num_layers):
+            row = &program[i, 0]
+            rope = &ropes[C_ROPE_FIELDS * row[C_ROPE]]
+            plan = &plans[C_PLAN_FIELDS * row[C_PLAN]]
+            rc = fk_add_rmsnorm(<float*>resid, delta, <const void*>row[C_ATTN_NORM], <void*>buf[C_B_H],
+                                num_rows, hidden, eps, dtype)
+            if rc != FK_OK:
+                break
+            rc = _product(row + C_PRODUCTS, <const void*>buf[C_B_H], num_rows, <void*>buf[C_B_QKV], dtype, &layout)
+            if rc != 0:
+                failed_product = 1
+                break
+            if row[C_Q_NORM]:
+                rc = fk_rmsnorm_rows(<const void*>buf[C_B_QKV], qkv_width, <void*>buf[C_B_QKV], qkv_width,
+                                     <const void*>row[C_Q_NORM], num_rows, row[C_Q_HEADS], row[C_QK_DIM], eps, dtype)
+                if rc == FK_OK:
+                    rc = fk_rmsnorm_rows(<const void*>(buf[C_B_QKV] + num_heads * head_dim * elsize), qkv_width,
+                                         <void*>(buf[C_B_QKV] + num_heads * head_dim * elsize), qkv_width,
+                                         <const void*>row[C_K_NORM], num_rows, row[C_K_HEADS], row[C_QK_DIM],
+                                         eps, dtype)
+                if rc != FK_OK:
+                    break
+            rc = fk_rope_kv_write(<void*>buf[C_B_QKV], num_rows, qkv_width, num_heads, num_kv_heads, head_dim,
+                                  <const int64_t*>positions, <const float*>rope[0], <const float*>rope[1], rope[2],
+                                  <const int64_t*>slots, <void*>row[C_K_CACHE], <void*>row[C_V_CACHE],
+                                  row[C_NUM_SLOTS], dtype, <int>row[C_CACHE_DTYPE])
+            if rc != FK_OK:
+                break
+            rc = fk_decode_attention(<const void*>buf[C_B_QKV], qkv_width, <const void*>row[C_K_CACHE],
+                                     <const void*>row[C_V_CACHE], row[C_NUM_SLOTS] // plan[4], <int>plan[4],
+                                     <const int64_t*>plan[0], plan[1], <const int64_t*>plan[2], <int>plan[3],
+                                     num_heads, num_kv_heads, head_dim, plan[5], <float>scales[i],
+                                     <void*>buf[C_B_ATTN], dtype, <int>row[C_CACHE_DTYPE])
+            if rc != FK_OK:
+                break
+            rc = _product(row + C_PRODUCTS + C_PRODUCT_FIELDS, <const void*>buf[C_B_ATTN], num_rows, <void*>buf[C_B_O],
+                          dtype, &layout)
+            if rc != 0:
+                failed_product = 1
+                break
+            if row[C_POST_ATTN_NORM]:
+                rc = fk_rmsnorm_rows(<const void*>buf[C_B_O], hidden, <void*>buf[C_B_O], hidden,
+                                     <const void*>row[C_POST_ATTN_NORM], num_rows, 1, hidden, eps, dtype)
+                if rc != FK_OK:
+                    break
+            rc = fk_add_rmsnorm(<float*>resid, <const void*>buf[C_B_O], <const void*>row[C_FFN_NORM],
+                                <void*>buf[C_B_H], num_rows, hidden, eps, dtype)
+            if rc != FK_OK:
+                break
+            rc = _product(row + C_PRODUCTS + 2 * C_PRODUCT_FIELDS, <const void*>buf[C_B_H], num_rows,
+                          <void*>buf[C_B_GATE_UP], dtype, &layout)
+            if rc != 0:
+                failed_product = 1
+                break
+            rc = fk_glu_mul(<const void*>buf[C_B_GATE_UP], <void*>buf[C_B_ACT], num_rows, inter, dtype, <int>row[C_ACT])
+            if rc != FK_OK:
+                break
+            rc = _product(row + C_PRODUCTS + 3 * C_PRODUCT_FIELDS, <const void*>buf[C_B_ACT], num_rows,
+                          <void*>buf[C_B_DOWN], dtype, &layout)
+            if rc != 0:
+                failed_product = 1
+                break
+            if row[C_POST_FFN_NORM]:
+                rc = fk_rmsnorm_rows(<const void*>buf[C_B_DOWN], hidden, <void*>buf[C_B_DOWN], hidden,
+                                     <const void*>row[C_POST_FFN_NORM], num_rows, 1, hidden, eps, dtype)
+                if rc != FK_OK:
+                    break
+            delta = <void*>buf[C_B_DOWN]
+    if failed_product:
+        from cext import qgemm
+        qgemm.check(rc, layout)
+    _check(rc)

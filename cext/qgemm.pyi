@@ -17,6 +17,10 @@ INT8: int
 FLOAT32: int
 BFLOAT16: int
 
+_matmul_capsule: object  # qg_matmul, for cext.ops.decode_layers
+
+
+def check(rc: int, layout: int) -> None: ...
 def matmul(layout: int, x: int, x_stride: int, num_rows: int, num_cols: int, w: int, scales: int, num_out: int,
            bias: int, y: int, y_stride: int, dtype: int) -> None: ...
 def dequantize(layout: int, w: int, scales: int, first: int, count: int, num_cols: int, out: int,

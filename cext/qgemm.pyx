@@ -10,7 +10,7 @@ matmul only): int8 activation codes where the default is int16 (twice the multip
 Arguments are raw addresses (``tensor.data_ptr()``) and sizes; the caller
 (``engine.models.linear``) checks dtypes and shapes. The GIL is released while a kernel runs.
 """
-from cpython.pycapsule cimport PyCapsule_GetPointer
+from cpython.pycapsule cimport PyCapsule_GetPointer, PyCapsule_New
 from libc.stdint cimport int64_t, intptr_t, uint8_t, uint16_t
 from posix.unistd cimport pread
 
@@ -39,6 +39,10 @@ INT8 = QG_INT8
 FLOAT32 = DT_FLOAT32
 BFLOAT16 = DT_BFLOAT16
 
+# qg_matmul for cext.ops.decode_layers (a forward's layers in one call): the product itself,
+# never a second copy of this module's kernels and their state (prefetch level, routes)
+_matmul_capsule = PyCapsule_New(<void*>qg_matmul, b"cext.qgemm.qg_matmul", NULL)
+
 _ERRORS = {
     QG_BAD_LENGTH: "K (num_cols) must be a multiple of 32 (Q8), of 64 (Q4, Q5) or of 256 (SUPER)",
     QG_BAD_LAYOUT: "unknown layout (or SUPER on a layout other than Q4 without HALF, or ROUTE_AMX / ROUTE_STRIP "
@@ -54,6 +58,11 @@ cdef inline int _check(int rc, int layout) except -1:
         raise MemoryError("qgemm scratch")
     raise ValueError(f"layout {layout}: {_ERRORS.get(rc, f'qgemm error {rc}')}")
 
+
+
+def check(int rc, int layout) -> None:
+    """Raise for a product's return code rc as matmul does (MemoryError, ValueError naming the layout)."""
+    _check(rc, layout)
 
 def matmul(int layout, intptr_t x, int64_t x_stride, int64_t num_rows, int64_t num_cols, intptr_t w,
            intptr_t scales, int64_t num_out, intptr_t bias, intptr_t y, int64_t y_stride, int dtype):

@@ -109,6 +109,11 @@ AMX_ROWS = 1024  # output rows dequantized to bfloat16 at once on the amx route 
 # at 2 threads, load ~15: qkv 47 ms per call against 23 ms, docs/performance.md)
 DEQUANT_FLOATS = 1 << 22
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+_ROUTE_EPOCH = 0  # bumped whenever a layer's route table changes (decode programs cache routes)
+
+
+def route_epoch() -> int:
+    return _ROUTE_EPOCH
 
 
 def _packing_ops():
@@ -360,8 +365,10 @@ class Linear:
     def set_routes(self, grid: tuple[int, ...], best: list[str]) -> None:
         """The route for up to grid[i] rows is best[i] (beyond the last entry: the last route);
         an entry this layer cannot run (a table of another shape's) takes its fixed route."""
+        global _ROUTE_EPOCH
         best = [route if self.can_run(route, limit) else self.fixed_route(limit) for limit, route in zip(grid, best)]
         self._route_grid, self._route_best = tuple(grid), best
+        _ROUTE_EPOCH += 1
 
     def fixed_route(self, num_rows: int) -> str:
         """The route without a measured table: the kernels up to KERNEL_MAX_ROWS rows (the

@@ -26,7 +26,7 @@ from torch import nn
 
 from engine.batch import ForwardBatch, LogitsBuffer, verify_rows_as_decodes, window_blocks
 from engine.config import ACTIVATIONS
-from engine.models import fused, routes
+from engine.models import decode_program, fused, routes
 from engine.models.attention import AttentionPlan, PagedKVCache, paged_attention, plan_attention
 from engine.models.config import ModelConfig
 from engine.models.families import hf_layer_name
@@ -292,6 +292,10 @@ class LlamaModel(nn.Module):
         # the whole context's K and V, so at long contexts their bytes rival the weights'.
         self.kv_cache_dtype = self.dtype if kv_cache_dtype is None else _resolve_kv_dtype(kv_cache_dtype)
         self.use_fused = fused.default_enabled()  # C kernels between the matmuls (else the torch reference)
+        # A decode forward's layers in one C call (engine.models.decode_program), made per batch
+        # size on first use; off: the per-layer calls (ENGINE_DECODE_PROGRAM=0, or this attribute)
+        self.use_decode_program = os.environ.get("ENGINE_DECODE_PROGRAM", "1") != "0"
+        self.decode_programs: dict = {}
         num_threads = torch.get_num_threads()
         layers = [proj for layer in self.layers
                   for proj in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
@@ -417,6 +421,15 @@ class LlamaModel(nn.Module):
                                self.rope.sin_half, plan)
         ropes = [(rope.cos_half, rope.sin_half) for rope in self.ropes]  # [P, D/2] float32
         resid = self.embed_tokens(batch.input_ids).float()  # [T, E] float32 residual stream
+        program = decode_program.program_for(self, batch, kv_cache, plans)
+        if program is not None and program.lock.acquire(blocking=False):
+            try:  # every layer in one C call, the same calls as the loop below
+                delta = program.run(self, resid, positions, plans, ropes)
+                rows = batch.logit_rows
+                return fused.add_rmsnorm(resid.index_select(0, rows), delta.index_select(0, rows), self.norm,
+                                         self.config.rms_norm_eps)  # [S, E]
+            finally:
+                program.lock.release()
         delta = None
         for i, layer in enumerate(self.layers):
             delta = layer.forward_fused(resid, delta, step, kv_cache.k[i], kv_cache.v[i], ropes, plans)
