@@ -3,7 +3,9 @@ static block tables. Decode tok/s at batch 1, 8 and 32 and prefill tok/s of a 51
 prompt, in float32 and bfloat16, with the projection weights packed for oneDNN (what
 load_model does) beside plain dense weights through F.linear, on the fused path (C kernels
 between the matmuls) beside the torch reference path; medians with min-max over repeats,
-configurations interleaved within each repeat.
+configurations interleaved within each repeat. The path ``per-layer`` is the fused path with
+its kernels called layer by layer from Python (``model.use_decode_program = False``), where
+``fused`` runs a decode forward's layers in one C call (engine.models.decode_program).
 
 ``--busy`` runs every decode repeat a second time beside a CPU-bound neighbour process
 (a Python busy loop) and reports busy tok/s and the busy/quiet ratio (the thread policy's
@@ -16,7 +18,7 @@ level ending in ``-burst`` (``auto-burst``, ``l2-burst``) issues each pass's pre
 at its start instead of spread over its blocks (cext.qgemm.set_prefetch_spread(False)).
 
 Usage: ``python benchmarks/decode.py [--model PATH] [--dtypes float32,bfloat16]
-[--weights packed,dense] [--paths fused,reference] [--batch-sizes 1,8,32] [--steps 32]
+[--weights packed,dense] [--paths fused,per-layer,reference] [--batch-sizes 1,8,32] [--steps 32]
 [--repeats 5] [--threads N] [--busy] [--prefetch auto|l1,l2]``. Prints a table and writes
 benchmarks/results/decode.json. Other benchmarks import ``raw_decode_tok_s`` and
 ``raw_prefill_tok_s`` to run the same loop side by side with the engine.
@@ -117,7 +119,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--weights", default="packed,dense",
                         help="packed: oneDNN layout (the default model); dense: F.linear (side by side)")
     parser.add_argument("--paths", default="fused,reference",
-                        help="fused: C kernels between the matmuls (the default); reference: torch ops only")
+                        help="fused: C kernels between the matmuls (the default), a decode forward's layers in "
+                             "one call; per-layer: the same kernels called layer by layer; reference: torch ops only")
     parser.add_argument("--batch-sizes", default="1,8,32")
     parser.add_argument("--steps", type=int, default=32, help="decode steps per measurement")
     parser.add_argument("--prompt-len", type=int, default=16)
@@ -181,7 +184,8 @@ def main(argv=None) -> dict:
                 # The same weights on both paths: the fused path reads the flag per forward.
                 for prefetch in args.prefetch.split(","):
                     path_label = fused_path if prefetch == "auto" else f"{fused_path} prefetch {prefetch}"
-                    models[(dtype, weights, path_label)] = _PathView(model, fused_path == "fused", prefetch)
+                    models[(dtype, weights, path_label)] = _PathView(model, fused_path != "reference", prefetch,
+                                                                     fused_path == "fused")
             for view in models.values():
                 raw_decode_tok_s(view, 1, num_steps=4, prompt_len=args.prompt_len)  # warm-up
             for batch_size in batch_sizes:
@@ -241,8 +245,9 @@ class _PathView:
     """The model on one forward path (fused kernels or the torch reference) with one weight
     prefetch level, for the loop."""
 
-    def __init__(self, model, use_fused: bool, prefetch: str = "auto"):
+    def __init__(self, model, use_fused: bool, prefetch: str = "auto", use_decode_program: bool = True):
         self.model, self.use_fused, self.prefetch = model, use_fused, prefetch
+        self.use_decode_program = use_decode_program
         self.vocab_size = model.vocab_size
 
     def make_kv_cache(self, num_blocks: int, block_size: int):
@@ -252,6 +257,7 @@ class _PathView:
         from cext import qgemm
 
         self.model.use_fused = self.use_fused
+        self.model.use_decode_program = self.use_decode_program
         level, _, burst = self.prefetch.partition("-")
         qgemm.set_prefetch(level)
         qgemm.set_prefetch_spread(burst != "burst")

@@ -90,6 +90,7 @@ def test_gemma3_norms_gelu_and_windows_decode_the_same_bits_in_one_call(gemma3_g
 def test_programs_are_made_per_batch_size_and_prompts_take_the_per_layer_path(default_model):
     model = default_model
     model.decode_programs.clear()
+    capacity = model.decode_buffers.capacity  # the largest batch of the tests before
     cache = model.make_kv_cache(8, BLOCK)
     model.forward(single_sequence_batch(list(range(1000, 1020)), 0, [0, 1], BLOCK), cache)
     assert not model.decode_programs  # a prompt chunk: no program
@@ -98,6 +99,9 @@ def test_programs_are_made_per_batch_size_and_prompts_take_the_per_layer_path(de
     assert len(model.decode_programs) == 1  # made once, then reused
     (program,) = model.decode_programs.values()
     assert program.num_rows == 1 and program.kv_cache is cache
+    model.forward(make_batch([([1234], 22, [0, 1]), ([1235], 5, [2]), ([1236], 5, [3])], BLOCK), cache)
+    assert sorted(p.num_rows for p in model.decode_programs.values()) == [1, 3]
+    assert model.decode_buffers.capacity == max(capacity, 3)  # one set of activations: the largest batch's rows
 
 
 def test_a_bad_block_fails_by_name_and_leaves_the_program_usable(default_model):

@@ -40,23 +40,42 @@ def _route_rows(num_rows: int) -> int | None:
     return spans[0][1] if spans[0][0] >= num_rows else None
 
 
-class DecodeProgram:
-    """The layers' constant arguments for one batch size, and the buffers the calls write."""
+class DecodeBuffers:
+    """The activations a program's calls write, one set per model shared by its programs:
+    [capacity, width] tensors whose first T rows serve a forward of T rows (rows are contiguous,
+    so the addresses do not depend on T). They grow to the largest decode batch seen (at most
+    KERNEL_BLOCK_ROWS rows: Qwen2.5-0.5B's widths take 77 KB a row) and stay."""
 
-    __slots__ = ("num_rows", "kv_cache", "table", "scales", "buffers", "pointers", "lock")
+    __slots__ = ("capacity", "tensors", "pointers", "lock")
+
+    def __init__(self):
+        self.lock = threading.Lock()  # the buffers serve one forward at a time (else: the per-layer path)
+        self.capacity = 0
+        self.tensors: list[torch.Tensor] = []
+        self.pointers: np.ndarray | None = None
+
+    def ensure(self, model, num_rows: int) -> np.ndarray:
+        """The buffers' addresses for num_rows rows (made anew when they hold fewer)."""
+        if num_rows > self.capacity:
+            c = model.config
+            widths = {ops.B_H: c.hidden_size, ops.B_QKV: (c.num_heads + 2 * c.num_kv_heads) * c.head_dim,
+                      ops.B_ATTN: c.num_heads * c.head_dim, ops.B_O: c.hidden_size,
+                      ops.B_GATE_UP: 2 * c.intermediate_size, ops.B_ACT: c.intermediate_size,
+                      ops.B_DOWN: c.hidden_size}
+            self.tensors = [torch.empty((num_rows, widths[b]), dtype=model.dtype) for b in range(ops.BUFFERS)]
+            self.pointers = np.array([t.data_ptr() for t in self.tensors], dtype=np.int64)
+            self.capacity = num_rows
+        return self.pointers
+
+
+class DecodeProgram:
+    """The layers' constant arguments for one batch size (the products' routes depend on it)."""
+
+    __slots__ = ("num_rows", "kv_cache", "table", "scales")
 
     def __init__(self, model, kv_cache, num_rows: int, route_rows: int):
-        c = model.config
         self.num_rows = num_rows
         self.kv_cache = kv_cache  # kept: the program holds its addresses
-        self.lock = threading.Lock()  # the buffers serve one forward at a time
-        dtype = model.dtype
-        qkv_width = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
-        shapes = {ops.B_H: c.hidden_size, ops.B_QKV: qkv_width, ops.B_ATTN: c.num_heads * c.head_dim,
-                  ops.B_O: c.hidden_size, ops.B_GATE_UP: 2 * c.intermediate_size, ops.B_ACT: c.intermediate_size,
-                  ops.B_DOWN: c.hidden_size}
-        self.buffers = [torch.empty((num_rows, shapes[b]), dtype=dtype) for b in range(ops.BUFFERS)]
-        self.pointers = np.array([t.data_ptr() for t in self.buffers], dtype=np.int64)
         table = np.zeros((len(model.layers), ops.LAYER_FIELDS), dtype=np.int64)
         for i, layer in enumerate(model.layers):
             row = table[i]
@@ -90,8 +109,8 @@ class DecodeProgram:
         self.scales = np.array([layer.scale for layer in model.layers], dtype=np.float64)
 
     def run(self, model, resid: torch.Tensor, positions: torch.Tensor, plans, ropes) -> torch.Tensor:
-        """resid [T, E] float32 (updated in place) -> the last layer's output [T, E] (a buffer of
-        this program: valid until its next run)."""
+        """resid [T, E] float32 (updated in place) -> the last layer's output [T, E] (the model's
+        buffer: valid until its next decode forward)."""
         c = model.config
         plan_args = np.zeros(2 * ops.PLAN_FIELDS, dtype=np.int64)
         for k, plan in enumerate(plans):
@@ -103,10 +122,12 @@ class DecodeProgram:
         for k, (cos, sin) in enumerate(ropes):
             rope_args[k * ops.ROPE_FIELDS: (k + 1) * ops.ROPE_FIELDS] = cos.data_ptr(), sin.data_ptr(), cos.shape[0]
         slots = (plans[0] or plans[1]).slot_mapping
+        buffers = model.decode_buffers
+        pointers = buffers.ensure(model, self.num_rows)
         ops.decode_layers(self.table, self.scales, resid.data_ptr(), self.num_rows, c.hidden_size, c.rms_norm_eps,
                           _DTYPE_CODES[model.dtype], c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
-                          positions.data_ptr(), slots.data_ptr(), rope_args, plan_args, self.pointers)
-        return self.buffers[ops.B_DOWN]
+                          positions.data_ptr(), slots.data_ptr(), rope_args, plan_args, pointers)
+        return buffers.tensors[ops.B_DOWN][: self.num_rows]
 
 
 def layers_fit(model) -> bool:

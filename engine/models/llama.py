@@ -296,6 +296,7 @@ class LlamaModel(nn.Module):
         # size on first use; off: the per-layer calls (ENGINE_DECODE_PROGRAM=0, or this attribute)
         self.use_decode_program = os.environ.get("ENGINE_DECODE_PROGRAM", "1") != "0"
         self.decode_programs: dict = {}
+        self.decode_buffers = decode_program.DecodeBuffers()
         num_threads = torch.get_num_threads()
         layers = [proj for layer in self.layers
                   for proj in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
@@ -422,14 +423,14 @@ class LlamaModel(nn.Module):
         ropes = [(rope.cos_half, rope.sin_half) for rope in self.ropes]  # [P, D/2] float32
         resid = self.embed_tokens(batch.input_ids).float()  # [T, E] float32 residual stream
         program = decode_program.program_for(self, batch, kv_cache, plans)
-        if program is not None and program.lock.acquire(blocking=False):
+        if program is not None and self.decode_buffers.lock.acquire(blocking=False):
             try:  # every layer in one C call, the same calls as the loop below
                 delta = program.run(self, resid, positions, plans, ropes)
                 rows = batch.logit_rows
                 return fused.add_rmsnorm(resid.index_select(0, rows), delta.index_select(0, rows), self.norm,
                                          self.config.rms_norm_eps)  # [S, E]
             finally:
-                program.lock.release()
+                self.decode_buffers.lock.release()
         delta = None
         for i, layer in enumerate(self.layers):
             delta = layer.forward_fused(resid, delta, step, kv_cache.k[i], kv_cache.v[i], ropes, plans)
