@@ -102,6 +102,9 @@ def test_programs_are_made_per_batch_size_and_prompts_take_the_per_layer_path(de
     model.forward(make_batch([([1234], 22, [0, 1]), ([1235], 5, [2]), ([1236], 5, [3])], BLOCK), cache)
     assert sorted(p.num_rows for p in model.decode_programs.values()) == [1, 3]
     assert model.decode_buffers.capacity == max(capacity, 3)  # one set of activations: the largest batch's rows
+    other = model.make_kv_cache(8, BLOCK)  # another cache: the programs of the first are dropped
+    model.forward(single_sequence_batch([1234], 0, [0], BLOCK), other)
+    assert [p.kv_cache for p in model.decode_programs.values()] == [other]
 
 
 def test_a_bad_block_fails_by_name_and_leaves_the_program_usable(default_model):

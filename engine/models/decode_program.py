@@ -68,6 +68,22 @@ class DecodeBuffers:
         return self.pointers
 
 
+class Programs(dict):
+    """A model's programs (None: that key runs per layer), by batch size and routes, for one KV
+    cache at a time: they hold its addresses and keep it alive, so another cache drops them."""
+
+    __slots__ = ("kv_cache",)
+
+    def __init__(self):
+        super().__init__()
+        self.kv_cache = None
+
+    def use_cache(self, kv_cache) -> None:
+        if self.kv_cache is not kv_cache:
+            self.clear()
+            self.kv_cache = kv_cache
+
+
 class DecodeProgram:
     """The layers' constant arguments for one batch size (the products' routes depend on it)."""
 
@@ -131,7 +147,7 @@ class DecodeProgram:
 
 
 def layers_fit(model) -> bool:
-    """Whether every layer is the block decode_layers runs (checked once per model)."""
+    """Whether every layer is the block decode_layers runs (checked as a program is made)."""
     if ops is None or model.dtype not in _DTYPE_CODES:
         return False
     for layer in model.layers:
@@ -159,10 +175,11 @@ def program_for(model, batch, kv_cache, plans) -> DecodeProgram | None:
     route_rows = _route_rows(num_rows)
     if route_rows is None:
         return None
-    key = (num_rows, route_rows, id(kv_cache), cpu.get_isa(), qgemm.get_float_rows(), linear.route_epoch())
     programs = model.decode_programs
+    programs.use_cache(kv_cache)
+    key = (num_rows, route_rows, cpu.get_isa(), qgemm.get_float_rows(), linear.route_epoch())
     program = programs.get(key, False)
-    if program is False or (program is not None and program.kv_cache is not kv_cache):
+    if program is False:
         if len(programs) >= MAX_PROGRAMS:
             programs.clear()
         program = programs[key] = (DecodeProgram(model, kv_cache, num_rows, route_rows)
@@ -177,4 +194,4 @@ def _fits(model, route_rows: int) -> bool:
         for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj))
 
 
-MAX_PROGRAMS = 64  # programs kept per model (one per batch size seen; each holds its buffers)
+MAX_PROGRAMS = 64  # programs kept per model (one per batch size seen, for its one KV cache)

@@ -295,7 +295,7 @@ class LlamaModel(nn.Module):
         # A decode forward's layers in one C call (engine.models.decode_program), made per batch
         # size on first use; off: the per-layer calls (ENGINE_DECODE_PROGRAM=0, or this attribute)
         self.use_decode_program = os.environ.get("ENGINE_DECODE_PROGRAM", "1") != "0"
-        self.decode_programs: dict = {}
+        self.decode_programs = decode_program.Programs()
         self.decode_buffers = decode_program.DecodeBuffers()
         num_threads = torch.get_num_threads()
         layers = [proj for layer in self.layers
@@ -415,28 +415,28 @@ class LlamaModel(nn.Module):
         positions = batch.positions  # [T]
         if positions.dtype != torch.int64 or not positions.is_contiguous():
             positions = positions.to(torch.int64).contiguous()
-        c = self.config
-        plan = plans[0] or plans[1]
-        step = fused.FusedStep(positions.shape[0], self.dtype, c.hidden_size, c.intermediate_size, c.rms_norm_eps,
-                               c.num_heads, c.num_kv_heads, c.head_dim, positions, self.rope.cos_half,
-                               self.rope.sin_half, plan)
         ropes = [(rope.cos_half, rope.sin_half) for rope in self.ropes]  # [P, D/2] float32
         resid = self.embed_tokens(batch.input_ids).float()  # [T, E] float32 residual stream
         program = decode_program.program_for(self, batch, kv_cache, plans)
         if program is not None and self.decode_buffers.lock.acquire(blocking=False):
-            try:  # every layer in one C call, the same calls as the loop below
-                delta = program.run(self, resid, positions, plans, ropes)
-                rows = batch.logit_rows
-                return fused.add_rmsnorm(resid.index_select(0, rows), delta.index_select(0, rows), self.norm,
-                                         self.config.rms_norm_eps)  # [S, E]
+            try:  # every layer in one C call: the loop's calls below, with their arguments
+                return self._final_norm(batch, resid, program.run(self, resid, positions, plans, ropes))
             finally:
                 self.decode_buffers.lock.release()
+        c = self.config
+        step = fused.FusedStep(positions.shape[0], self.dtype, c.hidden_size, c.intermediate_size, c.rms_norm_eps,
+                               c.num_heads, c.num_kv_heads, c.head_dim, positions, self.rope.cos_half,
+                               self.rope.sin_half, plans[0] or plans[1])
         delta = None
         for i, layer in enumerate(self.layers):
             delta = layer.forward_fused(resid, delta, step, kv_cache.k[i], kv_cache.v[i], ropes, plans)
+        return self._final_norm(batch, resid, delta)
+
+    def _final_norm(self, batch: ForwardBatch, resid: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """The last residual add and the final norm, for the logit rows -> [S, E]."""
         rows = batch.logit_rows
         return fused.add_rmsnorm(resid.index_select(0, rows), delta.index_select(0, rows), self.norm,
-                                 self.config.rms_norm_eps)  # [S, E]
+                                 self.config.rms_norm_eps)
 
     def finish_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """The family's last step on the logits [S, V]: Granite's scale, Gemma 2's soft-cap."""
