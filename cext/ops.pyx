@@ -128,7 +128,7 @@ def rmsnorm_rows(intptr_t x, int64_t row_stride, intptr_t out, int64_t out_row_s
     _check(rc)
 
 
-# ---- a decode forward's layers in one call (engine.models.llama's DecodeProgram) ----
+# ---- a decode forward's layers in one call (engine.models.decode_program) ----
 
 ctypedef int (*matmul_fn)(int layout, const void* x, int64_t x_stride, int64_t num_rows, int64_t num_cols,
                           const void* w, const void* scales, int64_t num_out, const float* bias, void* y,
@@ -203,6 +203,11 @@ def decode_layers(const int64_t[:, ::1] program, const double[::1] scales, intpt
         raise ValueError(f"program: [layers, {C_LAYER_FIELDS}] with one scale per layer")
     if ropes.shape[0] != 2 * C_ROPE_FIELDS or plans.shape[0] != 2 * C_PLAN_FIELDS or buffers.shape[0] != C_BUFFERS:
         raise ValueError("ropes, plans, buffers: 2 x 3, 2 x 6 and 7 values")
+    for i in range(num_layers):  # the rotary table and the plan each layer names must be given
+        if not (0 <= program[i, C_ROPE] <= 1 and 0 <= program[i, C_PLAN] <= 1
+                and ropes[C_ROPE_FIELDS * program[i, C_ROPE]] != 0 and plans[C_PLAN_FIELDS * program[i, C_PLAN]] != 0
+                and plans[C_PLAN_FIELDS * program[i, C_PLAN] + 4] > 0):
+            raise ValueError(f"layer {i}: its rotary table or attention plan is missing")
     with nogil:
         for i in range(num_layers):
             row = &program[i, 0]

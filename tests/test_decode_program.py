@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 from model_fixtures import gemma3_gguf, qwen_gguf  # noqa: F401 (fixtures)
 
+from cext import ops
 from engine.batch import single_sequence_batch
 from engine.loader import load_model
 from tests.test_model import make_batch
@@ -117,3 +119,21 @@ def test_a_bad_block_fails_by_name_and_leaves_the_program_usable(default_model):
     good = model.forward(make_batch([([1234], 5, [0]), ([1235], 5, [0])], BLOCK), cache)
     assert good.shape == (2, model.vocab_size) and torch.isfinite(good).all()
     assert any(p.num_rows == 2 for p in model.decode_programs.values())  # the failure was the program's
+
+
+def test_a_program_naming_a_missing_plan_is_refused(default_model):
+    """decode_layers checks the plan and rotary table each layer names before it runs any."""
+    model = default_model
+    cache = model.make_kv_cache(4, BLOCK)
+    model.forward(single_sequence_batch(list(range(1000, 1005)), 0, [0], BLOCK), cache)
+    model.forward(single_sequence_batch([1234], 5, [0], BLOCK), cache)
+    program = next(p for p in model.decode_programs.values() if p is not None)
+    table = program.table.copy()
+    table[3, ops.L_PLAN] = 1  # a sliding-window plan this model never has
+    ropes, plans = np.zeros(6, dtype=np.int64), np.zeros(12, dtype=np.int64)
+    ropes[0], plans[0], plans[4] = 1, 1, BLOCK  # table 0 and plan 0 given (never read: refused first)
+    resid = torch.zeros(1, model.config.hidden_size)
+    with pytest.raises(ValueError, match="layer 3"):
+        ops.decode_layers(table, program.scales, resid.data_ptr(), 1, model.config.hidden_size, 1e-5, 0,
+                          model.config.num_heads, model.config.num_kv_heads, model.config.head_dim,
+                          model.config.intermediate_size, 0, 0, ropes, plans, model.decode_buffers.pointers)
