@@ -308,6 +308,7 @@ def main() -> None:
     host = {(n, mode, b): [] for n in names for mode in ("inproc", "http") for b in sizes}
     ticks = {(n, b): [] for n in names for b in sizes}
     fast = {(n, kind): [] for n in names for kind in ("1x4096", "32x512")}
+    fast_cpu = {(n, mode): [] for n in names for mode in ("inproc", "http")}  # the stand-in's engine CPU a token
     loads = []
     try:
         for child in children:  # warm-up
@@ -335,8 +336,13 @@ def main() -> None:
             for rnd in range(args.fast_repeats):
                 loads.append(os.getloadavg()[0])
                 for name, child in zip(names, children):
+                    before = child.ask(op="counters", engine="fast")
                     _, res = run_streams(child.ports["fast"], 1, 4096)
+                    after = child.ask(op="counters", engine="fast")
                     fast[name, "1x4096"].append(decode_rate(res))
+                    fast_cpu[name, "http"].append(delta(after, before)["host_cpu_s"] / sum(map(len, res)) * 1e6)
+                    r = child.ask(op="generate", engine="fast", batch=1, tokens=4096)
+                    fast_cpu[name, "inproc"].append(r["host_cpu_s"] / r["tokens"] * 1e6)
                     _, res = run_streams(child.ports["fast"], 32, 512)
                     fast[name, "32x512"].append(decode_rate(res))
                 print(f"fast round {rnd + 1}/{args.fast_repeats} done, load average {loads[-1]:.2f}",
@@ -391,6 +397,14 @@ def main() -> None:
                 med = statistics.median(rates)
                 print(f"{name:<14}{kind:<9}{fmt(rates, '.0f'):>24}{med / (FAST_RATE * num):>14.3f}"
                       f"{med / (own * num):>12.3f}{own:>10.0f}")
+        print("\nthe stand-in's one 4,096-token stream: engine CPU outside forward per token (us), HTTP against "
+              "Engine.generate in-process (issue 28: within 10 us), median (min-max)")
+        print(f"{'tree':<14}{'in-process':>24}{'HTTP':>24}{'HTTP - in-process':>20}")
+        for name in names:
+            inproc, http = fast_cpu[name, "inproc"], fast_cpu[name, "http"]
+            report["fast"][f"{name} 1x4096 engine_cpu_us_per_token"] = {"inproc": inproc, "http": http}
+            gap = statistics.median(http) - statistics.median(inproc)
+            print(f"{name:<14}{fmt(inproc):>24}{fmt(http):>24}{gap:>20.1f}")
     os.makedirs(os.path.join(ROOT, "benchmarks", "results"), exist_ok=True)
     path = os.path.join(ROOT, "benchmarks", "results", "host_path.json")
     with open(path, "w") as f:
