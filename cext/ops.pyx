@@ -169,6 +169,14 @@ cdef inline int _product(const int64_t* p, const void* x, int64_t num_rows, void
                    <const void*>p[C_P_SCALES], p[C_P_OUT], <const float*>p[C_P_BIAS], y, p[C_P_OUT], dtype)
 
 
+cdef inline int _norm_in_place(int64_t at, int64_t width, int64_t weight, int64_t num_rows, int64_t heads,
+                               int64_t dim, float eps, int dtype) noexcept nogil:
+    """heads dim-vectors of each row of [T, width] at address ``at``, rmsnorm'ed times weight, in place
+    (FusedStep.norm_pieces' call: the q/k norms and the post-norms)."""
+    return fk_rmsnorm_rows(<const void*>at, width, <void*>at, width, <const void*>weight, num_rows, heads, dim,
+                           eps, dtype)
+
+
 def bind_matmul(capsule) -> None:
     """Take cext.qgemm's product (its ``_matmul_capsule``) for decode_layers."""
     global _matmul
@@ -222,13 +230,11 @@ def decode_layers(const int64_t[:, ::1] program, const double[::1] scales, intpt
                 failed_product = 1
                 break
             if row[C_Q_NORM]:
-                rc = fk_rmsnorm_rows(<const void*>buf[C_B_QKV], qkv_width, <void*>buf[C_B_QKV], qkv_width,
-                                     <const void*>row[C_Q_NORM], num_rows, row[C_Q_HEADS], row[C_QK_DIM], eps, dtype)
+                rc = _norm_in_place(buf[C_B_QKV], qkv_width, row[C_Q_NORM], num_rows, row[C_Q_HEADS], row[C_QK_DIM],
+                                    eps, dtype)
                 if rc == FK_OK:
-                    rc = fk_rmsnorm_rows(<const void*>(buf[C_B_QKV] + num_heads * head_dim * elsize), qkv_width,
-                                         <void*>(buf[C_B_QKV] + num_heads * head_dim * elsize), qkv_width,
-                                         <const void*>row[C_K_NORM], num_rows, row[C_K_HEADS], row[C_QK_DIM],
-                                         eps, dtype)
+                    rc = _norm_in_place(buf[C_B_QKV] + num_heads * head_dim * elsize, qkv_width, row[C_K_NORM],
+                                        num_rows, row[C_K_HEADS], row[C_QK_DIM], eps, dtype)
                 if rc != FK_OK:
                     break
             rc = fk_rope_kv_write(<void*>buf[C_B_QKV], num_rows, qkv_width, num_heads, num_kv_heads, head_dim,
@@ -250,8 +256,7 @@ def decode_layers(const int64_t[:, ::1] program, const double[::1] scales, intpt
                 failed_product = 1
                 break
             if row[C_POST_ATTN_NORM]:
-                rc = fk_rmsnorm_rows(<const void*>buf[C_B_O], hidden, <void*>buf[C_B_O], hidden,
-                                     <const void*>row[C_POST_ATTN_NORM], num_rows, 1, hidden, eps, dtype)
+                rc = _norm_in_place(buf[C_B_O], hidden, row[C_POST_ATTN_NORM], num_rows, 1, hidden, eps, dtype)
                 if rc != FK_OK:
                     break
             rc = fk_add_rmsnorm(<float*>resid, <const void*>buf[C_B_O], <const void*>row[C_FFN_NORM],
@@ -272,8 +277,7 @@ def decode_layers(const int64_t[:, ::1] program, const double[::1] scales, intpt
                 failed_product = 1
                 break
             if row[C_POST_FFN_NORM]:
-                rc = fk_rmsnorm_rows(<const void*>buf[C_B_DOWN], hidden, <void*>buf[C_B_DOWN], hidden,
-                                     <const void*>row[C_POST_FFN_NORM], num_rows, 1, hidden, eps, dtype)
+                rc = _norm_in_place(buf[C_B_DOWN], hidden, row[C_POST_FFN_NORM], num_rows, 1, hidden, eps, dtype)
                 if rc != FK_OK:
                     break
             delta = <void*>buf[C_B_DOWN]

@@ -31,15 +31,6 @@ except ImportError:  # no C extensions: the per-layer path (which then needs non
     ops = None
 
 
-def _route_rows(num_rows: int) -> int | None:
-    """The row count the products route by in the current row_routes (Linear.__call__'s rule),
-    or None when the rows split into classes (the per-layer path then splits the products)."""
-    spans = linear._ROW_ROUTES.spans
-    if not spans:
-        return num_rows
-    return spans[0][1] if spans[0][0] >= num_rows else None
-
-
 class DecodeBuffers:
     """The activations a program's calls write, one set per model shared by its programs:
     [capacity, width] tensors whose first T rows serve a forward of T rows (rows are contiguous,
@@ -114,9 +105,8 @@ class DecodeProgram:
             row[ops.L_ACT] = ops.ACT_SILU if layer.hidden_act == "silu" else ops.ACT_GELU_TANH
             products = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
             for k, lin in enumerate(products):
-                route = lin._way(route_rows)
                 at = ops.PRODUCTS + k * ops.PRODUCT_FIELDS
-                row[at + ops.P_LAYOUT] = lin.layout | linear._KERNEL_ROUTES[route]  # as Linear.run
+                row[at + ops.P_LAYOUT] = lin.kernel_layout(lin._way(route_rows))  # as Linear.run
                 row[at + ops.P_ROWS] = lin._rows.data_ptr()
                 row[at + ops.P_SCALES] = 0 if lin._scales is None else lin._scales.data_ptr()
                 row[at + ops.P_BIAS] = 0 if lin.bias is None else lin.bias.data_ptr()
@@ -172,7 +162,7 @@ def program_for(model, batch, kv_cache, plans) -> DecodeProgram | None:
     for plan in plans:
         if plan is not None and (not plan.is_fused or plan.has_prefill or plan.num_decode_seqs != num_rows):
             return None
-    route_rows = _route_rows(num_rows)
+    route_rows = linear.one_class_route_rows(num_rows)
     if route_rows is None:
         return None
     programs = model.decode_programs
@@ -190,7 +180,7 @@ def program_for(model, batch, kv_cache, plans) -> DecodeProgram | None:
 def _fits(model, route_rows: int) -> bool:
     """layers_fit, and every product on a C kernel route at route_rows rows."""
     return layers_fit(model) and all(
-        lin._way(route_rows) in linear._KERNEL_ROUTES for layer in model.layers
+        linear.is_kernel_route(lin._way(route_rows)) for layer in model.layers
         for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj))
 
 

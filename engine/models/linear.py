@@ -116,6 +116,21 @@ def route_epoch() -> int:
     return _ROUTE_EPOCH
 
 
+def is_kernel_route(route: str) -> bool:
+    """Whether a route runs in the C kernels (Linear.kernel_layout gives its layout code)."""
+    return route in _KERNEL_ROUTES
+
+
+def one_class_route_rows(num_rows: int) -> int | None:
+    """The row count a product of num_rows rows routes by when the current ``row_routes`` make its
+    rows one class (a decode step; no spans: num_rows itself), else None (Linear.__call__ then
+    splits the product by class)."""
+    spans = _ROW_ROUTES.spans
+    if not spans:
+        return num_rows
+    return spans[0][1] if spans[0][0] >= num_rows else None
+
+
 def _packing_ops():
     if not torch.backends.mkldnn.is_available():
         return None
@@ -408,6 +423,10 @@ class Linear:
             return cpu.allows("avx512_vnni") and self.out_features % 16 == 0
         return route == "int16"
 
+    def kernel_layout(self, route: str) -> int:
+        """The qgemm layout code of a product on one of the C kernel routes (_KERNEL_ROUTES)."""
+        return self.layout | _KERNEL_ROUTES[route]
+
     def run(self, x: torch.Tensor, route: str, out: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, in] -> [T, out] through one route ("int16", "float", "amx_int", "strip", "amx" or "blas");
         ``out``: a float32 [T, out] tensor to write the result into (returned)."""
@@ -424,7 +443,7 @@ class Linear:
                 y = out
             bias = 0 if self.bias is None else self.bias.data_ptr()
             scales = 0 if self._scales is None else self._scales.data_ptr()
-            layout = self.layout | _KERNEL_ROUTES[route]
+            layout = self.kernel_layout(route)
             # KERNEL_BLOCK_ROWS rows per call: each pass of decoded weight rows then meets a block
             # of x that stays in L2 (docs/performance.md, "Row blocks of the C kernels"). The blocks'
             # addresses by arithmetic: a row view costs ~1 us, beside a one-row product's ~20.
@@ -476,11 +495,10 @@ class Linear:
         if self.format == "dense":
             return _into(out, self.dense(x))
         num_rows = x.shape[0]
+        route_rows = one_class_route_rows(num_rows)
+        if route_rows is not None:  # one class of rows (a decode step): one product
+            return self._product(x, self._way(route_rows), out)
         spans = _ROW_ROUTES.spans
-        if not spans:
-            return self._product(x, self._way(num_rows), out)
-        if spans[0][0] >= num_rows:  # one class of rows (a decode step): one product
-            return self._product(x, self._way(spans[0][1]), out)
         pieces = []  # [first row, end row, way]
         first = 0
         rest = num_rows - sum(rows for rows, _ in spans)
