@@ -270,3 +270,21 @@ def test_logits_buffer_keeps_its_map_within_a_quarter_of_its_rows():
     assert buffer.take(17, cols).shape == (17, cols) and buffer.num_maps == 3  # more rows: a larger map
     assert buffer.take(8, cols + 16).shape == (8, cols + 16) and buffer.num_maps == 4  # another width
     assert buffer.take(3, cols) is None and buffer.capacity == 0  # 768 KB: under MIN_BYTES, no map
+
+
+def test_logits_buffer_trims_the_heap_before_each_new_map(monkeypatch):
+    """The forward's freed activations go back to the OS before a new map's pages come in
+    (engine.heap.release_free_heap); a reused map trims nothing."""
+    import engine.batch as batch_module
+
+    trims = []
+    monkeypatch.setattr(batch_module, "release_free_heap", lambda: trims.append(1))
+    buffer, cols = batch_module.LogitsBuffer(), 1 << 16
+    buffer.take(16, cols)
+    assert len(trims) == 1
+    buffer.take(5, cols)  # the same map
+    assert len(trims) == 1
+    buffer.take(17, cols)  # a larger one
+    assert len(trims) == 2 and buffer.num_maps == 2
+    buffer.take(3, cols)  # no map at all
+    assert len(trims) == 2

@@ -297,3 +297,39 @@ def test_rows_sharing_a_stream_draw_in_row_order_on_any_number_of_threads(layout
     finally:
         cpu.set_num_threads(before)
         cpu.set_parallel_threshold(threshold)
+
+
+def test_a_thread_scratch_grown_for_a_larger_vocabulary_samples_as_a_fresh_one():
+    # Each thread's scratch (cext/csrc/sampler_kernels.c) is one anonymous map sized to the largest
+    # vocabulary it has seen, remapped when a larger one comes: rows sampled after the regrowth
+    # (top-k, top-p, a penalty and logprobs touch every array in it) equal those of a thread
+    # that only ever saw the large vocabulary.
+    import threading
+
+    from engine.sampling.logits_process import LogitsAdjuster
+    rng = np.random.default_rng(11)
+    small = (rng.standard_normal((2, 100)) * 3).astype(np.float32)
+    large = (rng.standard_normal((3, 70_000)) * 3).astype(np.float32)
+    params = [SamplingParams(temperature=0.9, top_k=40, top_p=0.9, seed=5, logprobs=True, top_logprobs=4,
+                             repetition_penalty=1.3),
+              SamplingParams(temperature=0, logprobs=True, top_logprobs=2),
+              SamplingParams(temperature=1.2, min_p=0.05, seed=9)]
+
+    def run(warm_up: bool) -> list:
+        out = []
+
+        def body():
+            if warm_up:
+                sample(torch.from_numpy(small.copy()), params[:2],
+                       [RandomStream(1), None], None)
+            streams = [None if p.is_greedy else RandomStream(p.seed) for p in params]
+            adjusters = [LogitsAdjuster.for_request(p, [3, 4, 5], (), 8) for p in params]
+            out.append(sample(torch.from_numpy(large.copy()), params, streams, adjusters))
+            out.append(sample(torch.from_numpy(small.copy()), params[:2], [RandomStream(2), None], None))
+
+        thread = threading.Thread(target=body)
+        thread.start()
+        thread.join()
+        return out
+
+    assert run(warm_up=True) == run(warm_up=False)
