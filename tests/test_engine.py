@@ -357,21 +357,23 @@ def test_forward_batch_makes_tensors_of_numpy_arrays_without_copying():
     assert tuple(batch.block_tables.shape) == (3, 2) and batch.num_seqs == 3 and batch.num_tokens == 3
 
 
-def test_prompt_chunks_trim_the_heap_at_most_once_an_interval(tok, monkeypatch):
-    """A forward of TRIM_HEAP_ROWS rows or more (a prompt chunk) hands freed heap pages back
-    (malloc_trim: a long prompt's chunks left the heap fragmented, the resident size creeping up
-    by chunk), at most once every TRIM_HEAP_INTERVAL_S; decode ticks never trim."""
+def test_forwards_trim_the_heap_at_most_once_an_interval(tok, monkeypatch):
+    """After a forward, prompt chunk or decode tick, freed heap pages go back to the OS
+    (malloc_trim: prompt chunks left the heap fragmented, decode ticks free more than they
+    keep), at most once every TRIM_HEAP_INTERVAL_S."""
     from engine.core import runtime
 
     trims = []
     monkeypatch.setattr(runtime, "release_free_heap", lambda: trims.append(1))
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     with make_engine(tok, [5]) as eng:
+        monkeypatch.setattr(runtime, "TRIM_HEAP_INTERVAL_S", 3600.0)
         eng.generate([[7] * 16], params)
-        assert trims == []  # a 16-token prompt and decode ticks
+        assert len(trims) == 1  # the first forward's (none before it), then none within the hour
         monkeypatch.setattr(runtime, "TRIM_HEAP_INTERVAL_S", 0.0)
-        eng.generate([[7] * 1000], params)  # 1,000 tokens in 256-token chunks: 4 forwards of >= 128 rows
-        assert len(trims) == 4
+        ticks = eng._core.num_ticks
+        eng.generate([[7] * 1000], params)  # 1,000 tokens in 256-token chunks, then 19 decode ticks
+        assert len(trims) == 1 + eng._core.num_ticks - ticks == 1 + 4 + 19
         monkeypatch.setattr(runtime, "TRIM_HEAP_INTERVAL_S", 3600.0)
         eng.generate([[8] * 1000], params)
-        assert len(trims) == 4  # the last trim was under an hour ago
+        assert len(trims) == 24  # the last trim was under an hour ago

@@ -40,9 +40,7 @@ from .request import Request, RequestGroup
 from .scheduler import Scheduler, SchedulerConfig
 from .speculative import make_spec_decoder
 
-# A forward of TRIM_HEAP_ROWS rows or more is followed by malloc_trim, at most once every
-# TRIM_HEAP_INTERVAL_S (EngineCore._trim_after).
-TRIM_HEAP_ROWS = 128
+# A forward is followed by malloc_trim at most once every TRIM_HEAP_INTERVAL_S (EngineCore._trim_after).
 TRIM_HEAP_INTERVAL_S = 1.0
 
 log = logging.getLogger("engine")
@@ -383,7 +381,7 @@ class EngineCore:
                 return
             self._last_forward_s = time.perf_counter() - start
             self._after_forward(out, logits)
-            self._trim_after(out.batch.num_tokens)
+            self._trim_after()
             if self.spec is not None:  # the step times of decode rows and proposals: the verify budget
                 num_rows = out.batch.num_tokens
                 if num_rows == len(out.seqs) + sum(len(e.draft) for e, _k, _first in out.spec_entries):
@@ -414,21 +412,21 @@ class EngineCore:
             rows.num_mixed_ticks += 1
             out.batch = batch  # the tick's cost counts the embedding rows too (the scheduler's estimates)
             self._after_forward(out, logits)
-        self._trim_after(batch.num_tokens)
+        self._trim_after()
 
-    def _trim_after(self, num_rows: int) -> None:
-        """After a forward of TRIM_HEAP_ROWS rows or more (a prompt chunk), hand the heap pages its
-        activations freed back to the OS (malloc_trim, ~1-3 ms): glibc kept them, and a long
+    def _trim_after(self) -> None:
+        """After a forward, at most once every TRIM_HEAP_INTERVAL_S, hand the heap pages freed
+        since the last trim back to the OS (malloc_trim, 0.1-1.3 ms): glibc keeps them. A long
         prompt's chunks left the heap fragmented, so the resident size crept up chunk by chunk
         (Qwen2.5-Coder-1.5B: +130 MB over a 2,048-token prompt; the peak over `import torch`
-        1,641 -> 1,510 MB with a trim after every chunk). A trim and the page faults after it cost
-        ~6 ms, 2% of a 256-row chunk of SmolLM2, hence at most one a second. Decode ticks, whose
-        buffers are the same every tick, are left alone."""
-        if num_rows >= TRIM_HEAP_ROWS:
-            now = time.monotonic()
-            if now - self._last_trim >= TRIM_HEAP_INTERVAL_S:
-                self._last_trim = now
-                release_free_heap()
+        1,641 -> 1,510 MB with a trim after every chunk). Steady decode ticks free ~10 MB more
+        than they keep (Gemma 3 270M at 16 streams: the resident size besides the KV pages
+        331 -> 319 MB with a trim a second, docs/performance.md). A trim and the page faults
+        after it cost ~6 ms at most, 2% of a 256-row chunk of SmolLM2, hence once a second."""
+        now = time.monotonic()
+        if now - self._last_trim >= TRIM_HEAP_INTERVAL_S:
+            self._last_trim = now
+            release_free_heap()
 
     def _fail_tick(self, out, exc: BaseException) -> None:
         self._settle_output()
