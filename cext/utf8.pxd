@@ -21,12 +21,12 @@ cdef class TokenTable:
     cdef readonly object offsets             # int64 [num_ids + 1]: piece i is blob[offsets[i]:offsets[i + 1]]
     cdef readonly object kinds               # uint8 [num_ids]: KIND_* flags
     cdef readonly list texts                 # [num_ids]: str of a piece that is valid UTF-8 on its own, else None
-                                             # (filled on first use where _known[i] is 0)
+                                             # (None when built without texts: see made)
+    cdef readonly dict made                  # built without texts: the texts made so far, by id
     cdef readonly Py_ssize_t num_ids
     cdef const unsigned char* _blob
     cdef const int64_t[::1] _offsets
     cdef const uint8_t[::1] _kinds
-    cdef uint8_t[::1] _known                 # [num_ids]: 1 where texts[i] is set
     cdef object _text(self, Py_ssize_t token_id)
 
 

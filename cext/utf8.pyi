@@ -17,7 +17,8 @@ class TokenTable:
     blob: bytes
     offsets: np.ndarray  # int64 [num_ids + 1]
     kinds: np.ndarray    # uint8 [num_ids]
-    texts: list[str | None]  # filled on use when built without texts
+    texts: list[str | None] | None  # None when built without texts
+    made: dict[int, str | None] | None  # built without texts: the texts made so far
     num_ids: int
     def __init__(self, blob: bytes, offsets: np.ndarray, kinds: np.ndarray,
                  texts: list[str | None] | None = None) -> None: ...

@@ -17,12 +17,13 @@ could still change. Two renderings, matching `tokenizers`' decoders byte for byt
 `TokenTable` holds every token's piece so that ``add(token_id)`` is one call.
 """
 cimport cython
+from cpython.dict cimport PyDict_GetItem
 from cpython.list cimport PyList_GET_ITEM
+from cpython.ref cimport PyObject
 from cpython.mem cimport PyMem_Free, PyMem_Realloc
 from cpython.unicode cimport PyUnicode_AsUTF8String, PyUnicode_DecodeUTF8
 from libc.stdint cimport int64_t, uint8_t
 
-import numpy as np
 
 cdef str REPLACEMENT = "\ufffd"
 
@@ -81,7 +82,8 @@ cdef class TokenTable:
 
     def __init__(self, bytes blob, offsets, kinds, list texts=None):
         """texts: each id's strict text (None for a byte token or a piece that is not valid UTF-8
-        alone); None: each one is made from its piece on first use (a list of 262k str is ~18 MB)."""
+        alone); None: each one is made from its piece on first use and kept in ``made`` (a list of
+        262k str is ~18 MB, a list of 262k slots alone 2.1 MB; a stream uses a few thousand ids)."""
         cdef Py_ssize_t num_ids = len(kinds)
         if len(offsets) != num_ids + 1 or (texts is not None and len(texts) != num_ids):
             raise ValueError("offsets must have len(kinds) + 1 entries and texts len(kinds)")
@@ -90,31 +92,35 @@ cdef class TokenTable:
         self.blob = blob
         self.offsets = offsets
         self.kinds = kinds
-        self.texts = [None] * num_ids if texts is None else texts
+        self.texts = texts
+        self.made = {} if texts is None else None
         self.num_ids = num_ids
         self._blob = <const unsigned char*>blob
         self._offsets = offsets
         self._kinds = kinds
-        self._known = np.full(num_ids, texts is not None, dtype=np.uint8)
 
     cdef object _text(self, Py_ssize_t token_id):
-        """texts[token_id], made from the piece the first time."""
+        """texts[token_id], or made from the piece the first time."""
         cdef int64_t start
-        cdef object text = None
-        if not self._known[token_id]:
-            start = self._offsets[token_id]
-            if self._kinds[token_id] & KIND_UNKNOWN:
-                text = ""  # as token_pieces gives it (add() drops the id before asking)
-            elif not self._kinds[token_id] & KIND_BYTE:
-                try:
-                    text = PyUnicode_DecodeUTF8(<const char*>(self._blob + start),
-                                                self._offsets[token_id + 1] - start, NULL)
-                except UnicodeDecodeError:
-                    text = None
-            self.texts[token_id] = text
-            self._known[token_id] = 1
-            return text
-        return <object>PyList_GET_ITEM(self.texts, token_id)
+        cdef object text
+        cdef PyObject *found
+        if self.made is None:
+            return <object>PyList_GET_ITEM(self.texts, token_id)
+        found = PyDict_GetItem(self.made, token_id)
+        if found != NULL:
+            return <object>found
+        text = None
+        start = self._offsets[token_id]
+        if self._kinds[token_id] & KIND_UNKNOWN:
+            text = ""  # as token_pieces gives it (add() drops the id before asking)
+        elif not self._kinds[token_id] & KIND_BYTE:
+            try:
+                text = PyUnicode_DecodeUTF8(<const char*>(self._blob + start),
+                                            self._offsets[token_id + 1] - start, NULL)
+            except UnicodeDecodeError:
+                text = None
+        self.made[token_id] = text
+        return text
 
     def text(self, Py_ssize_t token_id):
         """The strict text of a piece: str when valid UTF-8 alone, None for a byte token or not."""

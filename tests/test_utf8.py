@@ -174,13 +174,14 @@ def test_table_add_uses_kinds():
 
 
 def test_table_without_texts_makes_each_on_first_use():
-    """A table built without texts (engine.tokenizer.token_bytes keeps no per-id str) gives the same
-    texts and the same tracker output as one built with them."""
+    """A table built without texts (engine.tokenizer.token_bytes keeps no per-id str, nor a slot per
+    id) gives the same texts and the same tracker output as one built with them, and keeps each
+    text it made for the next use."""
     pieces = [b"a", b"\xe4", b"\xbd\xa0", b"<s>", b"", b"\xe4\xbd\xa0", "你".encode()]
     kinds = [0, 0, 0, TokenKind.KIND_SPECIAL, TokenKind.KIND_UNKNOWN, TokenKind.KIND_BYTE, 0]
     full = make_table(pieces, kinds)
     lazy = TokenTable(full.blob, full.offsets, full.kinds.copy())
-    assert lazy.texts == [None] * len(pieces)
+    assert lazy.texts is None and lazy.made == {} and full.made is None
     assert [lazy.text(i) for i in range(len(pieces))] == full.texts == ["a", None, None, "<s>", "", None, "你"]
     assert lazy.text(-1) is None and lazy.text(len(pieces)) is None
     lazy = TokenTable(full.blob, full.offsets, full.kinds.copy())
@@ -188,7 +189,8 @@ def test_table_without_texts_makes_each_on_first_use():
         ids = [6, 0, 1, 2, 3, 6, 4, 0, 6]
         ours, theirs = Utf8Tracker(lazy, DecodeMode.MODE_BYTES, skip), Utf8Tracker(full, DecodeMode.MODE_BYTES, skip)
         assert [ours.add(i) for i in ids] == [theirs.add(i) for i in ids]
-    assert lazy.texts[6] == "你" and lazy.texts[5] is None  # filled as used
+    assert lazy.made[6] == "你" and 5 not in lazy.made  # kept as used; 5 never was
+    assert lazy.text(6) is lazy.made[6]
 
 
 def test_invalid_arguments_raise_value_error():
