@@ -26,7 +26,7 @@ from cext.emit import emit_rows
 from ..batch import LogitsBuffer
 from ..config import EngineConfig
 from ..errors import EngineDead, EngineError, EngineOverloaded, InvalidParameterError, SchedulerRefused
-from ..loader import release_free_heap
+from ..heap import release_free_heap
 from ..outputs import StreamEvent, TokenLogprob
 from ..params import SamplingParams
 from ..sampling import sampler
