@@ -19,8 +19,8 @@ could still change. Two renderings, matching `tokenizers`' decoders byte for byt
 cimport cython
 from cpython.dict cimport PyDict_GetItem
 from cpython.list cimport PyList_GET_ITEM
-from cpython.ref cimport PyObject
 from cpython.mem cimport PyMem_Free, PyMem_Realloc
+from cpython.ref cimport PyObject
 from cpython.unicode cimport PyUnicode_AsUTF8String, PyUnicode_DecodeUTF8
 from libc.stdint cimport int64_t, uint8_t
 

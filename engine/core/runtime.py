@@ -420,9 +420,10 @@ class EngineCore:
         prompt's chunks left the heap fragmented, so the resident size crept up chunk by chunk
         (Qwen2.5-Coder-1.5B: +130 MB over a 2,048-token prompt; the peak over `import torch`
         1,641 -> 1,510 MB with a trim after every chunk). Steady decode ticks free ~10 MB more
-        than they keep (Gemma 3 270M at 16 streams: the resident size besides the KV pages
-        331 -> 319 MB with a trim a second, docs/performance.md). A trim and the page faults
-        after it cost ~6 ms at most, 2% of a 256-row chunk of SmolLM2, hence once a second."""
+        than they keep (Gemma 3 270M through vs_llamacpp's workloads, one stream: the resident
+        size besides the KV pages 330-333 -> 318-324 MB with a trim a second; see
+        docs/performance.md). A trim and the page faults after it cost ~6 ms at most, 2% of a
+        256-row chunk of SmolLM2, hence once a second."""
         now = time.monotonic()
         if now - self._last_trim >= TRIM_HEAP_INTERVAL_S:
             self._last_trim = now
