@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
+import math
 import secrets
 import threading
 import time
@@ -118,7 +119,7 @@ class EngineCore:
         self.error: BaseException | None = None
         self.num_generated_tokens = 0
         self.num_ticks = 0
-        self._last_trim = 0.0  # time.monotonic() of the last heap trim (_trim_after)
+        self._last_trim = -math.inf  # time.monotonic() of the last heap trim (_trim_after): the first forward trims
         self._logits_buffer = LogitsBuffer()  # the ticks' logits, one map reused (engine.batch)
         self._tick_requests: _TickRequests | None = None
         self._tick_listeners: list = []  # called after each tick (add_tick_listener), shared with the worker
