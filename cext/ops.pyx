@@ -177,6 +177,20 @@ cdef inline int _norm_in_place(int64_t at, int64_t width, int64_t weight, int64_
                            eps, dtype)
 
 
+cdef inline int _product_post_norm(const int64_t* p, const void* x, int64_t num_rows, int64_t y, int64_t hidden,
+                                   int64_t post_norm, float eps, int dtype, int* layout,
+                                   int* failed_product) noexcept nogil:
+    """A layer's output product (o or down) into y [T, hidden], then its post-norm in place where the
+    layer has one (Gemma's). failed_product: set when the product failed (rc is then qgemm's code)."""
+    cdef int rc = _product(p, x, num_rows, <void*>y, dtype, layout)
+    if rc != 0:
+        failed_product[0] = 1
+        return rc
+    if post_norm:
+        return _norm_in_place(y, hidden, post_norm, num_rows, 1, hidden, eps, dtype)
+    return FK_OK
+
+
 def bind_matmul(capsule) -> None:
     """Take cext.qgemm's product (its ``_matmul_capsule``) for decode_layers."""
     global _matmul
@@ -250,15 +264,10 @@ def decode_layers(const int64_t[:, ::1] program, const double[::1] scales, intpt
                                      <void*>buf[C_B_ATTN], dtype, <int>row[C_CACHE_DTYPE])
             if rc != FK_OK:
                 break
-            rc = _product(row + C_PRODUCTS + C_PRODUCT_FIELDS, <const void*>buf[C_B_ATTN], num_rows, <void*>buf[C_B_O],
-                          dtype, &layout)
-            if rc != 0:
-                failed_product = 1
+            rc = _product_post_norm(row + C_PRODUCTS + C_PRODUCT_FIELDS, <const void*>buf[C_B_ATTN], num_rows,
+                                    buf[C_B_O], hidden, row[C_POST_ATTN_NORM], eps, dtype, &layout, &failed_product)
+            if rc != FK_OK:
                 break
-            if row[C_POST_ATTN_NORM]:
-                rc = _norm_in_place(buf[C_B_O], hidden, row[C_POST_ATTN_NORM], num_rows, 1, hidden, eps, dtype)
-                if rc != FK_OK:
-                    break
             rc = fk_add_rmsnorm(<float*>resid, <const void*>buf[C_B_O], <const void*>row[C_FFN_NORM],
                                 <void*>buf[C_B_H], num_rows, hidden, eps, dtype)
             if rc != FK_OK:
@@ -271,15 +280,10 @@ def decode_layers(const int64_t[:, ::1] program, const double[::1] scales, intpt
             rc = fk_glu_mul(<const void*>buf[C_B_GATE_UP], <void*>buf[C_B_ACT], num_rows, inter, dtype, <int>row[C_ACT])
             if rc != FK_OK:
                 break
-            rc = _product(row + C_PRODUCTS + 3 * C_PRODUCT_FIELDS, <const void*>buf[C_B_ACT], num_rows,
-                          <void*>buf[C_B_DOWN], dtype, &layout)
-            if rc != 0:
-                failed_product = 1
+            rc = _product_post_norm(row + C_PRODUCTS + 3 * C_PRODUCT_FIELDS, <const void*>buf[C_B_ACT], num_rows,
+                                    buf[C_B_DOWN], hidden, row[C_POST_FFN_NORM], eps, dtype, &layout, &failed_product)
+            if rc != FK_OK:
                 break
-            if row[C_POST_FFN_NORM]:
-                rc = _norm_in_place(buf[C_B_DOWN], hidden, row[C_POST_FFN_NORM], num_rows, 1, hidden, eps, dtype)
-                if rc != FK_OK:
-                    break
             delta = <void*>buf[C_B_DOWN]
     if failed_product:
         from cext import qgemm
