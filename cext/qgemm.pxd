@@ -7,6 +7,7 @@ cdef extern from "csrc/qgemm.h" nogil:
         QG_Q4
         QG_Q5
         QG_Q8
+        QG_Q6
         QG_HALF
         QG_NO_MINS
         QG_SUPER
@@ -29,6 +30,7 @@ cdef extern from "csrc/qgemm.h" nogil:
     int64_t qg_packed_strip_bytes(int layout, int64_t num_cols)
     int qg_pack(int layout, const void* rows, const void* scales, int64_t num_rows, int64_t num_cols, uint8_t* out)
     int qg_pack_int8(int layout, uint8_t* strips, int64_t num_rows, int64_t num_cols)
+    int qg_q6k_pack(const uint8_t* raw, int64_t num_rows, int64_t num_cols, uint8_t* out)
     int qg_q5_pack(const uint8_t* packed, const uint8_t* high, int64_t num_rows, int64_t num_cols,
                    uint8_t* out, int64_t out_stride)
     void qg_set_float_rows(int64_t rows)

@@ -1,6 +1,6 @@
 """Quantized weight products y [M, N] = x [M, K] @ W.T (+ bias) in C, on cext.cpu's
 instruction set and thread pool; W in one of the layouts of cext/csrc/qgemm.h (built by
-engine.models.quant), named by ``layout`` = Q4, Q5 or Q8, plus HALF (fp16 scales), SUPER (Q4 scales as
+engine.models.quant), named by ``layout`` = Q4, Q5, Q8 or Q6 (Q6_K's own codes, PACKED only), plus HALF (fp16 scales), SUPER (Q4 scales as
 Q4_K stores them: uint8 multiples of an fp16 factor per 256 inputs) and NO_MINS (Q5 rows without mins), and for matmul optionally the route: ROUTE_INT (int16 activation codes)
 or ROUTE_FLOAT (float32 FMAs over decoded weights; AVX2 and up) or ROUTE_AMX (the integer route's sums on AMX-INT8 tiles) or ROUTE_STRIP (the integer route's sums with
 AVX-512 VNNI, 16 outputs per vector; N a multiple of 16). PACKED: Q4, Q5 or Q8 rows stored in strips of 16 for
@@ -27,6 +27,7 @@ if cpu_client_bind(PyCapsule_GetPointer(_cpu._api, b"cext.cpu._api")) != 0:
 Q4 = QG_Q4
 Q5 = QG_Q5
 Q8 = QG_Q8
+Q6 = QG_Q6
 HALF = QG_HALF
 NO_MINS = QG_NO_MINS
 SUPER = QG_SUPER
@@ -44,10 +45,11 @@ BFLOAT16 = DT_BFLOAT16
 _matmul_capsule = PyCapsule_New(<void*>qg_matmul, b"cext.qgemm.qg_matmul", NULL)
 
 _ERRORS = {
-    QG_BAD_LENGTH: "K (num_cols) must be a multiple of 32 (Q8), of 64 (Q4, Q5) or of 256 (SUPER)",
+    QG_BAD_LENGTH: "K (num_cols) must be a multiple of 32 (Q8), of 64 (Q4, Q5) or of 256 (SUPER, Q6)",
     QG_BAD_LAYOUT: "unknown layout (or SUPER on a layout other than Q4 without HALF, or ROUTE_AMX / ROUTE_STRIP "
                    "with num_out not a multiple of 16, or ROUTE_AMX without AMX-INT8, or PACKED with a route other "
-                   "than ROUTE_STRIP or a row count not a multiple of 16, or INT8 without PACKED)",
+                   "than ROUTE_STRIP or a row count not a multiple of 16, or INT8 without PACKED, or Q6 without PACKED or "
+                   "with INT8, HALF, SUPER or NO_MINS)",
 }
 
 
@@ -95,6 +97,15 @@ def q5_pack(intptr_t packed, intptr_t high, int64_t num_rows, int64_t num_cols, 
         rc = qg_q5_pack(<const uint8_t*>packed, <const uint8_t*>high, num_rows, num_cols, <uint8_t*>out,
                         out_stride)
     _check(rc, Q5)
+
+
+def q6k_pack(intptr_t raw, int64_t num_rows, int64_t num_cols, intptr_t out):
+    """ggml Q6_K rows (num_cols / 256 blocks of 210 bytes a row) -> the Q6 | PACKED strips at out
+    (num_rows / 16 x packed_strip_bytes(Q6, num_cols) bytes); num_rows a multiple of 16."""
+    cdef int rc
+    with nogil:
+        rc = qg_q6k_pack(<const uint8_t*>raw, num_rows, num_cols, <uint8_t*>out)
+    _check(rc, Q6 | QG_PACKED)
 
 
 def pack_int8(int layout, intptr_t strips, int64_t num_rows, int64_t num_cols):

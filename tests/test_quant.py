@@ -15,7 +15,7 @@ from engine.loader import load_model, resolve_options
 from engine.loader.gguf_loader import GGUFStateDict, read_config
 from engine.loader.repack import Q4_0, Q4_1, Q4_K, MappedRows, dequantize, int4_from_q4, int5_from_q5
 from engine.models.linear import Linear
-from engine.models.quant import Int4Weight, Int5Weight, Int8Weight, PackedInt8Weight, cat_rows
+from engine.models.quant import Int4Weight, Int5Weight, Int8Weight, PackedInt8Weight, PackedQ6Weight, cat_rows
 
 ATOL = 1e-4
 
@@ -182,9 +182,12 @@ def test_qwen_tensors_q4_k_and_q5_0_exact_and_others_int8(qwen_gguf):  # noqa: F
     as_int8 = q.to_int8()  # what a fused layer beside a Q8_0 tensor gets: codes q - 16, scales d
     assert as_int8.is_exact and int(as_int8.codes.min()) >= -16 and int(as_int8.codes.max()) <= 15
     torch.testing.assert_close(as_int8.dequantize(), exact[names[1]], atol=0, rtol=0)
-    q6 = auto[names[2]]  # Q6_K -> int8 per block, within half an int8 step of the exact weight
-    assert isinstance(q6, Int8Weight) and not q6.is_exact
-    assert ((q6.dequantize() - exact[names[2]]).abs() <= block_step(exact[names[2]]) / 2 + 1e-6).all()
+    q6 = auto[names[2]]  # Q6_K: its own codes in strips where the kernels take them (tests/test_q6k_strips.py),
+    if isinstance(q6, PackedQ6Weight):  # else int8 per block, within half an int8 step of the exact weight
+        assert q6.is_exact and torch.equal(q6.dequantize(), exact[names[2]])
+    else:
+        assert isinstance(q6, Int8Weight) and not q6.is_exact
+        assert ((q6.dequantize() - exact[names[2]]).abs() <= block_step(exact[names[2]]) / 2 + 1e-6).all()
 
 
 @pytest.mark.parametrize("ggml_type", [8, 14])  # Q8_0 (its own codes) and Q6_K (re-quantized)

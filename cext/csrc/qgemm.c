@@ -39,7 +39,8 @@ typedef struct {
     int packed;  /* QG_PACKED: a->blocks holds strips of 16 rows; PACKED_Q4, PACKED_Q5 or PACKED_Q8 */
     int int8;    /* QG_INT8 (packed layouts): activation codes |q| <= 127 */
     const int8_t *qx8;   /* QG_INT8 on the AVX-512 kernel: [M, K] codes in its order (strip_quantize_rows8) */
-    const int32_t *isx;  /* with qx8: [M, K / 32] each block's sum of codes */
+    const int32_t *isx;  /* with qx8: [M, K / 32] each block's sum of codes; PACKED_Q6 on the AVX-512
+                          * kernel: [M, K / 16] each group of 16's sum of int16 codes */
 } QArgs;
 
 static inline void store_out(const QArgs *a, int64_t row, int64_t col, float v) {
@@ -223,16 +224,18 @@ static void q8_range_scalar(const void *p, int64_t n0, int64_t n1, float *scratc
 }
 
 /* ---- QG_PACKED: Q4, Q5 and Q8 rows in strips of 16 (qgemm.h) ---- */
-/* PACKED_Q5I8: Q5 strips whose sign masks qg_pack_int8 rewrote in the int8 kernel's order (QG_INT8). */
-enum { PACKED_Q4 = 1, PACKED_Q8 = 2, PACKED_Q5 = 3, PACKED_Q5I8 = 4 };
+/* PACKED_Q5I8: Q5 strips whose sign masks qg_pack_int8 rewrote in the int8 kernel's order (QG_INT8).
+ * PACKED_Q6: QG_Q6's strips (qg_q6k_pack). */
+enum { PACKED_Q4 = 1, PACKED_Q8 = 2, PACKED_Q5 = 3, PACKED_Q5I8 = 4, PACKED_Q6 = 5 };
 
-/* A strip's bytes of codes per block: 16 rows x 32 nibbles (and Q5's 16 sign masks) or bytes. */
+/* A strip's bytes of codes per block: 16 rows x 32 nibbles (and Q5's 16 sign masks, Q6's high bits)
+ * or bytes. */
 static inline int64_t packed_code_bytes(int packed) {
-    return packed == PACKED_Q8 ? 512 : packed == PACKED_Q5 || packed == PACKED_Q5I8 ? 320 : 256;
+    return packed == PACKED_Q8 ? 512 : packed == PACKED_Q6 ? 384 : packed == PACKED_Q5 || packed == PACKED_Q5I8 ? 320 : 256;
 }
 
 /* Whether a packed strip holds mins after its scales (Q4, and Q5 with mins). */
-static inline int packed_mins(int packed, int has_mins) { return packed != PACKED_Q8 && has_mins; }
+static inline int packed_mins(int packed, int has_mins) { return packed != PACKED_Q8 && packed != PACKED_Q6 && has_mins; }
 
 /* A strip's bytes of scales (and again of mins, Q4). */
 static inline int64_t packed_scale_bytes(int64_t nb, int half) {
@@ -240,6 +243,7 @@ static inline int64_t packed_scale_bytes(int64_t nb, int half) {
 }
 
 static inline int64_t packed_strip_bytes(int packed, int64_t nb, int half, int has_mins) {
+    if (packed == PACKED_Q6) return nb * 420;  /* codes 384, scales 2 x 16, d 16 x 2 per 8 blocks */
     return nb * packed_code_bytes(packed) + (1 + packed_mins(packed, has_mins)) * packed_scale_bytes(nb, half);
 }
 
@@ -281,6 +285,33 @@ static inline int packed_code(int packed, const uint8_t *strip, int64_t b, int j
     return (strip[at] >> bit) & 1 ? low - 16 : low;
 }
 
+/* Where input e (0..31) of block b, row j of a PACKED_Q6 strip keeps its code (qgemm.h): pair p = e / 2
+ * in half h = e % 2 of 32-bit lane j of word u of the block's six; pairs 0-11 whole (word p / 2, bits
+ * 16 h + 6 (p % 2)), pairs 12 + m its low 4 bits at bits 16 h + 12 of word m and its high 2 bits at
+ * bits 16 h + 12 + 2 (m % 2) of word 4 + m / 2. -> the code q - 32 (-32..31). */
+static inline int q6_packed_code(const uint8_t *strip, int64_t b, int j, int e) {
+    const int p = e / 2, h = e % 2;
+    uint32_t w;
+    if (p < 12) {
+        memcpy(&w, strip + b * 384 + (p / 2) * 64 + 4 * j, 4);
+        return (int)((w >> (16 * h + 6 * (p % 2))) & 0x3F) - 32;
+    }
+    const int m = p - 12;
+    uint32_t hi;
+    memcpy(&w, strip + b * 384 + m * 64 + 4 * j, 4);
+    memcpy(&hi, strip + b * 384 + (4 + m / 2) * 64 + 4 * j, 4);
+    const int low = (int)(w >> (16 * h + 12)) & 0x0F, high = (int)(hi >> (16 * h + 12 + 2 * (m % 2))) & 3;
+    return (low | high << 4) - 32;
+}
+
+/* Group g (16 inputs) of row j of a PACKED_Q6 strip: d * s[g] (exact in float32). */
+static inline float q6_packed_scale(const uint8_t *strip, int64_t nb, int64_t g, int j) {
+    const uint8_t *sc = strip + nb * 384;
+    uint16_t h;
+    memcpy(&h, sc + 2 * nb * 16 + (g / 16) * 32 + 2 * j, 2);
+    return dt_f16_to_f32(h) * (float)(int8_t)sc[g * 16 + j];
+}
+
 /* Block b's scale (which = 0) or min (which = 1) of row j of a strip. */
 static inline float packed_scale(int packed, const uint8_t *strip, int64_t nb, int64_t b, int j, int half,
                                  int which) {
@@ -315,7 +346,19 @@ static void packed_range_scalar(const void *p, int64_t s0, int64_t s1, float *sc
             const float bias = a->bias ? a->bias[n] : 0.0f;
             for (int64_t i = 0; i < a->num_rows; i++) {
                 float acc = 0.0f;
-                for (int64_t b = 0; b < nb; b++) {
+                for (int64_t b = 0; b < nb && packed == PACKED_Q6; b++) {  /* a sum per group of 16 */
+                    float f[2];
+                    for (int g = 0; g < 2; g++) {
+                        const int16_t *xq = a->qx + i * K + b * QK_BLOCK + 16 * g;
+                        int32_t dot = 0;
+                        for (int e = 0; e < 16; e++) dot += q6_packed_code(strip, b, j, 16 * g + e) * xq[e];
+                        f[g] = (float)dot;
+                    }
+                    const float t = fmaf(f[1], q6_packed_scale(strip, nb, 2 * b + 1, j),
+                                         f[0] * q6_packed_scale(strip, nb, 2 * b, j));
+                    acc = fmaf(t, a->dx[i * nb + b], acc);
+                }
+                for (int64_t b = 0; b < nb && packed != PACKED_Q6; b++) {
                     const int16_t *xq = a->qx + i * K + b * QK_BLOCK;
                     int32_t dot = 0;
                     for (int e = 0; e < QK_BLOCK; e++) dot += packed_code(packed, strip, b, j, e) * xq[e];
@@ -337,7 +380,15 @@ static void dequantize_packed(int packed, const uint8_t *w, int half, int has_mi
     for (int64_t n = first; n < first + count; n++) {
         const uint8_t *strip = w + (n / 16) * packed_strip_bytes(packed, nb, half, has_mins);
         const int j = (int)(n % 16);
-        for (int64_t b = 0; b < nb; b++) {
+        for (int64_t b = 0; b < nb && packed == PACKED_Q6; b++) {  /* (d * s) * c, as ggml's d * sc * q */
+            for (int e = 0; e < QK_BLOCK; e++) {
+                const float value = q6_packed_scale(strip, nb, 2 * b + e / 16, j) * (float)q6_packed_code(strip, b, j, e);
+                const int64_t at = (n - first) * num_cols + b * QK_BLOCK + e;
+                if (out_dtype == DT_FLOAT32) ((float *)out)[at] = value;
+                else ((uint16_t *)out)[at] = dt_f32_to_bf16(value);
+            }
+        }
+        for (int64_t b = 0; b < nb && packed != PACKED_Q6; b++) {
             const float d = packed_scale(packed, strip, nb, b, j, half, 0);
             const float m = packed_mins(packed, has_mins) ? packed_scale(packed, strip, nb, b, j, half, 1) : 0.0f;
             for (int e = 0; e < QK_BLOCK; e++) {
@@ -494,6 +545,24 @@ static int run_packed(QArgs *a, const void *x, int64_t x_stride) {
         } else {
             strip_quantize_rows(x, x_stride, M, K, a->dtype, qx, dx, sx);
         }
+        if (a->packed == PACKED_Q6) {  /* the groups' code sums (packed_rows_q6 takes 32 x them off) */
+            int32_t *isx = (int32_t *)malloc(sizeof(int32_t) * (size_t)(M * K / 16));
+            if (isx == NULL) {
+                free(buf);
+                return QG_NO_MEMORY;
+            }
+            for (int64_t g = 0; g < M * K / 16; g++) {
+                int32_t sum = 0;
+                for (int e = 0; e < 16; e++) sum += qx[g * 16 + e];
+                isx[g] = sum;
+            }
+            a->isx = isx;
+            a->qx = qx; a->dx = dx; a->sx = sx;
+            int rc = cpu_parallel_for(packed_range_avx512, a, a->num_out / 16, M * a->num_out * K, 0);
+            free(isx);
+            free(buf);
+            return rc;
+        }
         fn = packed_range_avx512;
     } else
 #endif
@@ -567,6 +636,13 @@ int qg_matmul(int layout, const void *x, int64_t x_stride, int64_t num_rows, int
     if (packed && ((layout & QG_ROUTE_MASK & ~QG_ROUTE_STRIP) || num_out % 16 != 0)) return QG_BAD_LAYOUT;
     const int int8 = (layout & QG_INT8) != 0;  /* packed layouts only */
     if (int8 && !packed) return QG_BAD_LAYOUT;
+    if (format == QG_Q6) {  /* strips only, int16 activation codes */
+        if (!packed || int8 || (layout & (QG_HALF | QG_SUPER | QG_NO_MINS))) return QG_BAD_LAYOUT;
+        if (num_cols <= 0 || num_cols % (8 * QK_BLOCK) != 0) return QG_BAD_LENGTH;
+        QArgs a = {NULL, NULL, NULL, NULL, num_rows, num_cols, (const uint8_t *)w, 0, 0, 0, NULL, NULL, bias, y,
+                   y_stride, dtype, num_out, PACKED_Q6, 0, NULL, NULL};
+        return run(&a, x, x_stride, 0, layout & QG_ROUTE_MASK);
+    }
     if (format == QG_Q8) {
         QArgs a = {NULL, NULL, NULL, NULL, num_rows, num_cols, (const uint8_t *)w, half, 0, 0, (const int8_t *)w,
                    (const uint8_t *)scales, bias, y, y_stride, dtype, num_out, packed ? PACKED_Q8 : 0, int8,
@@ -583,7 +659,12 @@ int qg_matmul(int layout, const void *x, int64_t x_stride, int64_t num_rows, int
 int qg_dequantize(int layout, const void *w, const void *scales, int64_t first, int64_t count,
                   int64_t num_cols, void *out, int out_dtype) {
     const int format = layout & QG_FORMAT_MASK, half = layout_scales(layout);
-    if (format != QG_Q4 && format != QG_Q5 && format != QG_Q8) return QG_BAD_LAYOUT;
+    if (format == QG_Q6) {
+        if (!(layout & QG_PACKED) || (layout & (QG_INT8 | QG_HALF | QG_SUPER | QG_NO_MINS))) return QG_BAD_LAYOUT;
+        if (num_cols <= 0 || num_cols % (8 * QK_BLOCK) != 0) return QG_BAD_LENGTH;
+        dequantize_packed(PACKED_Q6, (const uint8_t *)w, 0, 0, first, count, num_cols, out, out_dtype);
+        return QG_OK;
+    }
     if ((layout & QG_SUPER) && (format != QG_Q4 || (layout & QG_HALF))) return QG_BAD_LAYOUT;
     if ((layout & QG_SUPER) && num_cols % (8 * QK_BLOCK) != 0) return QG_BAD_LENGTH;
     if (num_cols <= 0 || num_cols % ((format == QG_Q8 ? 1 : 2) * QK_BLOCK) != 0) return QG_BAD_LENGTH;
@@ -632,6 +713,10 @@ int qg_dequantize(int layout, const void *w, const void *scales, int64_t first, 
 
 int64_t qg_packed_strip_bytes(int layout, int64_t num_cols) {
     const int format = layout & QG_FORMAT_MASK, has_mins = !(layout & QG_NO_MINS);
+    if (format == QG_Q6) {
+        if ((layout & (QG_HALF | QG_SUPER | QG_NO_MINS)) || num_cols <= 0 || num_cols % (8 * QK_BLOCK) != 0) return 0;
+        return packed_strip_bytes(PACKED_Q6, num_cols / QK_BLOCK, 0, 0);
+    }
     if (format == QG_Q8) {
         if ((layout & QG_SUPER) || num_cols <= 0 || num_cols % QK_BLOCK != 0) return 0;
         return packed_strip_bytes(PACKED_Q8, num_cols / QK_BLOCK, layout_scales(layout), 0);
@@ -729,6 +814,7 @@ static void pack_range(const void *p, int64_t s0, int64_t s1, float *scratch) {
 
 int qg_pack(int layout, const void *rows, const void *scales, int64_t num_rows, int64_t num_cols, uint8_t *out) {
     const int format = layout & QG_FORMAT_MASK, half = layout_scales(layout), has_mins = !(layout & QG_NO_MINS);
+    if (format == QG_Q6) return QG_BAD_LAYOUT;  /* no row layout: qg_q6k_pack */
     const int packed = format == QG_Q8 ? PACKED_Q8 : format == QG_Q5 ? PACKED_Q5 : PACKED_Q4;
     const int64_t strip_bytes = qg_packed_strip_bytes(layout & ~QG_PACKED, num_cols);
     if (strip_bytes == 0) {
@@ -747,6 +833,7 @@ int qg_pack(int layout, const void *rows, const void *scales, int64_t num_rows, 
 
 int qg_pack_int8(int layout, uint8_t *strips, int64_t num_rows, int64_t num_cols) {
     if (!(layout & QG_PACKED) || (layout & QG_INT8) || num_rows % 16 != 0) return QG_BAD_LAYOUT;
+    if ((layout & QG_FORMAT_MASK) == QG_Q6) return QG_BAD_LAYOUT;  /* int16 activation codes only */
     if ((layout & QG_FORMAT_MASK) != QG_Q5) return QG_OK;  /* Q4 and Q8 strips serve both */
     const int64_t strip_bytes = qg_packed_strip_bytes(layout, num_cols), nb = num_cols / QK_BLOCK;
     if (strip_bytes == 0) return QG_BAD_LENGTH;
@@ -795,4 +882,60 @@ int qg_q5_pack(const uint8_t *packed, const uint8_t *high, int64_t num_rows, int
         }
     }
     return QG_OK;
+}
+
+/* Strips s0 .. s1 - 1 of qg_q6k_pack: per row its codes (0..63, ggml's element order) into scratch, then
+ * placed as q6_packed_code reads them; the scales and d copied. */
+static void q6k_pack_range(const void *p, int64_t s0, int64_t s1, float *scratch) {
+    const PackArgs *a = (const PackArgs *)p;
+    const int64_t K = a->num_cols, nb = K / QK_BLOCK, nsb = K / 256;
+    uint8_t *q = (uint8_t *)scratch;  /* [K] */
+    for (int64_t s = s0; s < s1; s++) {
+        uint8_t *strip = a->out + s * a->strip_bytes;
+        memset(strip, 0, (size_t)a->strip_bytes);
+        for (int j = 0; j < 16; j++) {
+            const uint8_t *row = a->rows + (s * 16 + j) * a->row_bytes;
+            for (int64_t sb = 0; sb < nsb; sb++) {
+                const uint8_t *block = row + sb * 210, *ql = block, *qh = block + 128;
+                uint8_t *out = q + sb * 256;
+                for (int half = 0; half < 2; half++) {  /* ggml's dequantize_row_q6_K order */
+                    const uint8_t *l4 = ql + 64 * half, *h2 = qh + 32 * half;
+                    uint8_t *o = out + 128 * half;
+                    for (int l = 0; l < 32; l++) {
+                        o[l] = (uint8_t)((l4[l] & 0x0F) | ((h2[l] & 3) << 4));
+                        o[l + 32] = (uint8_t)((l4[l + 32] & 0x0F) | (((h2[l] >> 2) & 3) << 4));
+                        o[l + 64] = (uint8_t)((l4[l] >> 4) | (((h2[l] >> 4) & 3) << 4));
+                        o[l + 96] = (uint8_t)((l4[l + 32] >> 4) | (((h2[l] >> 6) & 3) << 4));
+                    }
+                }
+                uint8_t *sc = strip + nb * 384;
+                for (int g = 0; g < 16; g++) sc[(sb * 16 + g) * 16 + j] = block[192 + g];
+                memcpy(sc + 2 * nb * 16 + sb * 32 + 2 * j, block + 208, 2);
+            }
+            for (int64_t b = 0; b < nb; b++) {
+                uint32_t words[6] = {0};
+                for (int e = 0; e < QK_BLOCK; e++) {  /* q6_packed_code's places */
+                    const uint32_t c = q[b * QK_BLOCK + e];
+                    const int p = e / 2, h = e % 2;
+                    if (p < 12) {
+                        words[p / 2] |= c << (16 * h + 6 * (p % 2));
+                    } else {
+                        const int m = p - 12;
+                        words[m] |= (c & 0x0F) << (16 * h + 12);
+                        words[4 + m / 2] |= (c >> 4) << (16 * h + 12 + 2 * (m % 2));
+                    }
+                }
+                for (int u = 0; u < 6; u++) memcpy(strip + b * 384 + u * 64 + 4 * j, &words[u], 4);
+            }
+        }
+    }
+}
+
+int qg_q6k_pack(const uint8_t *raw, int64_t num_rows, int64_t num_cols, uint8_t *out) {
+    if (num_cols <= 0 || num_cols % 256 != 0) return QG_BAD_LENGTH;
+    if (num_rows % 16 != 0) return QG_BAD_LAYOUT;
+    const int64_t strip_bytes = packed_strip_bytes(PACKED_Q6, num_cols / QK_BLOCK, 0, 0);
+    PackArgs args = {PACKED_Q6, 0, 0, raw, NULL, num_cols, num_cols / 256 * 210, strip_bytes, out};
+    const int rc = cpu_parallel_for(q6k_pack_range, &args, num_rows / 16, num_rows * num_cols, (size_t)(num_cols / 4 + 1));
+    return rc == CPU_OK ? QG_OK : QG_NO_MEMORY;
 }

@@ -62,6 +62,18 @@
  *   gives c); then scales and, without QG_NO_MINS, mins as Q4's: 352-448 bytes per block and
  *   strip, a row's bytes as in its row layout. qg_pack makes all three from the row layouts;
  *   only the strip route (and qg_dequantize) reads them.
+ * - QG_Q6 (with QG_PACKED only; no row layout): ggml's Q6_K with its own codes and scales, w =
+ *   d * s[g] * (q - 32), q in 0..63, an int8 s per group g of 16 inputs and an fp16 d per 256. K: a
+ *   multiple of 256. Per block b of a strip 384 bytes of codes, six 64-byte words u = 0..5: lane j
+ *   (little-endian uint32) of word u is row 16s + j's, its low 16 bits for even inputs, its high 16
+ *   bits for odd ones, so that a mask or a shift gives the int16 pair (2p, 2p + 1) of all 16 rows:
+ *   pairs p = 0..11 whole, bits 6 (p % 2) .. + 5 of each half of word p / 2; pairs 12 + m their low 4
+ *   bits at bits 12..15 of each half of word m and their high 2 bits at bits 12 + 2 (m % 2) of each
+ *   half of word 4 + m / 2. After the nb blocks the scales
+ *   s, int8 [2 nb][16] (group g of row j at 16 g + j), then d, fp16 [nb / 8][16]: 420 bytes per block
+ *   and strip, Q6_K's 6.5625 bits a weight. The kernel sums (q - 32) x per group of 16 (an int8
+ *   scale times the codes would overflow int32 over a block of 32), then in float32 t = sum0 *
+ *   (d * s0), t = sum1 * (d * s1) + t and acc = t * dx + acc (FMAs). qg_q6k_pack makes the strips from a file's Q6_K rows.
  *
  * x and y are float32 or bfloat16 (DT_FLOAT32 / DT_BFLOAT16, dtype.h), row-major with row
  * strides in elements; bias is float32 [N] or NULL.
@@ -73,7 +85,7 @@
 
 #define QK_BLOCK 32
 
-enum { QG_Q4 = 0, QG_Q5 = 1, QG_Q8 = 2 };
+enum { QG_Q4 = 0, QG_Q5 = 1, QG_Q8 = 2, QG_Q6 = 3 };
 #define QG_FORMAT_MASK 3
 #define QG_HALF 4     /* fp16 scales and mins */
 #define QG_NO_MINS 8  /* Q5 rows without mins */
@@ -133,6 +145,10 @@ int qg_dequantize(int layout, const void *w, const void *scales, int64_t first, 
  * 64 bytes gives c + 16); Q4 and Q8 strips are left as they are. From then on the layout is read
  * with QG_INT8 only (products and qg_dequantize). */
 int qg_pack_int8(int layout, uint8_t *strips, int64_t num_rows, int64_t num_cols);
+
+/* ggml Q6_K rows (num_cols / 256 blocks of 210 bytes each: ql [128], qh [64], scales int8 [16], d fp16)
+ * -> the QG_Q6 | QG_PACKED strips at out (N / 16 * qg_packed_strip_bytes). N a multiple of 16, K of 256. */
+int qg_q6k_pack(const uint8_t *raw, int64_t num_rows, int64_t num_cols, uint8_t *out);
 
 /* Q5 rows' codes from ggml's order: packed [N, K / 2] (per block of 32, byte j = element j's
  * low nibble, element 16 + j's high), high [N, K / 8] (per block a little-endian uint32, bit j

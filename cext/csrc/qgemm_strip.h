@@ -421,6 +421,83 @@ QG_ALWAYS_INLINE static inline void packed_rows(const QArgs *a, const uint8_t *s
     strip_store(a, n0, i0, TR, acc);
 }
 
+/* packed_rows for PACKED_Q6 (qgemm.h's QG_Q6): of a block's six words, pairs 0-11 are a mask (or a
+ * shift and a mask) of one word, pairs 12-15 a word's top nibbles (a 16-bit shift) or'ed with two bits
+ * of another (a shift and a masked or), codes q in 0..63. A block's two groups of 16 inputs (pairs
+ * 0-7, 8-15) sum apart (one row: two accumulators each) as sum (q - 32) x, then in float32
+ * t = sum0 * (d * s0), t = sum1 * (d * s1) + t (an FMA), acc = t * dx + acc (an FMA). */
+QG_ALWAYS_INLINE static inline void packed_rows_q6(const QArgs *a, const uint8_t *strip, int64_t n0, int64_t i0,
+                                                   const int TR) {
+    const int64_t K = a->num_cols, nb = K / QK_BLOCK;
+    const int NA = TR < 4 ? 2 : 1;  /* accumulators per group: 4 to 12 chains of vpdpwssd, 8 to 16 registers */
+    const uint8_t *ssc = strip + nb * 384, *dsc = ssc + 2 * nb * 16;
+    const int64_t strip_bytes = nb * 420, per_block = 420;
+    const int l2 = qg_prefetch_level() == QG_PREFETCH_L2;
+    const __m512i six = _mm512_set1_epi32(0x003F003F), top = _mm512_set1_epi32(0x00300030);
+    const __m512i thirty_two = _mm512_set1_epi16(32);
+    /* q - 32: per code once per block (shared by the rows), or with one or two rows 32 x the groups'
+     * sums of activation codes taken off each row's sums (fewer instructions there); same integers */
+    const int SUB = TR > 2;
+    __m512 acc[QS_ROWS];
+    const int32_t *x[QS_ROWS];
+    for (int r = 0; r < TR; r++) {
+        acc[r] = _mm512_setzero_ps();
+        x[r] = (const int32_t *)(a->qx + (i0 + r) * K);
+    }
+    __m512 d = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *codes = strip + b * 384;
+        const char *pf = (const char *)(strip + strip_bytes + b * per_block);
+        if (l2) {
+            for (int64_t l = 0; l < per_block; l += 64) _mm_prefetch(pf + l, _MM_HINT_T1);
+        } else {
+            for (int64_t l = 0; l < per_block; l += 64) _mm_prefetch(pf + l, _MM_HINT_T0);
+        }
+        if (b % 8 == 0) d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dsc + b / 8 * 32)));
+        __m512i s[QS_ROWS][2][2];
+        for (int r = 0; r < TR; r++)
+            for (int g = 0; g < 2; g++)
+                for (int k = 0; k < NA; k++) s[r][g][k] = _mm512_setzero_si512();
+        /* pair by pair into the accumulators, so few decoded vectors are live at once, the two groups'
+         * pairs taken in turn (0, 8, 1, 9, ...) so their chains of vpdpwssd overlap */
+#pragma GCC unroll 16
+        for (int q = 0; q < 16; q++) {
+            const int p = (q % 2) * 8 + q / 2;
+            __m512i w;
+            if (p < 12) {
+                const __m512i u = _mm512_loadu_si512((const void *)(codes + 64 * (p / 2)));
+                w = _mm512_and_si512(p % 2 ? _mm512_srli_epi32(u, 6) : u, six);
+            } else {  /* low nibble | (high bits at 4-5) */
+                const int m = p - 12;
+                const __m512i lo = _mm512_loadu_si512((const void *)(codes + 64 * m));
+                const __m512i hi = _mm512_loadu_si512((const void *)(codes + 64 * (4 + m / 2)));
+                w = _mm512_ternarylogic_epi32(_mm512_srli_epi16(lo, 12), _mm512_srli_epi16(hi, 8 + 2 * (m % 2)), top, 0xF8);
+            }
+            if (SUB) w = _mm512_sub_epi16(w, thirty_two);
+            const int g = p / 8, k = NA == 2 ? (q / 2) % 2 : 0;
+            for (int r = 0; r < TR; r++)
+                s[r][g][k] = _mm512_dpwssd_epi32(s[r][g][k], w, _mm512_set1_epi32(x[r][b * (QK_BLOCK / 2) + p]));
+        }
+        __m512 ds[2];
+        for (int g = 0; g < 2; g++) {
+            const __m128i sc = _mm_loadu_si128((const __m128i *)(ssc + (2 * b + g) * 16));
+            ds[g] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
+        }
+        for (int r = 0; r < TR; r++) {
+            const int32_t *isx = a->isx + (i0 + r) * (K / 16) + 2 * b;
+            __m512 f[2];
+            for (int g = 0; g < 2; g++) {
+                __m512i sum = NA == 2 ? _mm512_add_epi32(s[r][g][0], s[r][g][1]) : s[r][g][0];
+                if (!SUB) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(32 * isx[g]));
+                f[g] = _mm512_cvtepi32_ps(sum);
+            }
+            const __m512 t = _mm512_fmadd_ps(f[1], ds[1], _mm512_mul_ps(f[0], ds[0]));
+            acc[r] = _mm512_fmadd_ps(t, _mm512_set1_ps(a->dx[(i0 + r) * nb + b]), acc[r]);
+        }
+    }
+    strip_store(a, n0, i0, TR, acc);
+}
+
 typedef void (*PackedPass)(const QArgs *a, const uint8_t *strip, int64_t n0, int64_t i0, int64_t rows);
 
 /* One pass of 1 .. QS_ROWS activation rows over a strip, in a function of its own per format (with
@@ -447,6 +524,15 @@ QS_PACKED_PASS(packed_pass_q4_mins, 1, PACKED_Q4, 0)
 QS_PACKED_PASS(packed_pass_q4, 0, PACKED_Q4, 0)
 #undef QS_PACKED_PASS
 #undef QS_PACKED_PASS_CASE
+#define QS_Q6_PASS_CASE(TR) case TR: packed_rows_q6(a, strip, n0, i0, TR); break;
+__attribute__((noinline)) static void packed_pass_q6(const QArgs *a, const uint8_t *strip, int64_t n0, int64_t i0,
+                                                     int64_t rows) {
+    switch (rows) {
+    QS_PASSES(QS_Q6_PASS_CASE)
+    default: break;
+    }
+}
+#undef QS_Q6_PASS_CASE
 
 /* Every activation row against one strip, in as few passes as QS_ROWS allows, of near-equal
  * counts (QS_SPLIT). */
@@ -460,7 +546,9 @@ static void packed_range_avx512(const void *p, int64_t s0, int64_t s1, float *sc
     const QArgs *a = (const QArgs *)p;
     const int64_t strip_bytes = packed_strip_bytes(a->packed, a->num_cols / QK_BLOCK, a->half, a->has_mins);
     PackedPass pass;
-    if (a->qx8 != NULL) {  /* QG_INT8 */
+    if (a->packed == PACKED_Q6) {
+        pass = packed_pass_q6;
+    } else if (a->qx8 != NULL) {  /* QG_INT8 */
         if (a->packed == PACKED_Q8) pass = packed_pass_q8_i8;
         else if (a->packed == PACKED_Q5I8) pass = a->has_mins ? packed_pass_q5i8_mins : packed_pass_q5i8;
         else pass = a->has_mins ? packed_pass_q4_mins_i8 : packed_pass_q4_i8;

@@ -21,6 +21,7 @@ from engine.loader.repack import (
     INT5_TYPES,
     PLAIN_TYPES,
     Q5_0,
+    Q6_K,
     Q8_0,
     MappedRows,
     dequantize,
@@ -32,7 +33,7 @@ from engine.loader.validate import check_gguf
 from engine.models.config import ModelConfig
 from engine.models.families import GGUF_LAYER_ROLES, GGUF_PERMUTED_QK, GGUF_ROLE_OVERRIDES, hf_layer_name
 from engine.models.llama import resolve_dtype
-from engine.models.quant import Int4Weight, Int8Weight, PackedInt8Weight, Weight
+from engine.models.quant import Int4Weight, Int8Weight, PackedInt8Weight, PackedQ6Weight, Weight
 
 CHUNK_ROWS = 4096  # rows dequantized at once for dense or int8 conversions (~15 MB of float32)
 
@@ -134,7 +135,9 @@ class GGUFStateDict(Mapping):
 
     quantization (engine.config.QUANTIZATIONS) picks each tensor's format:
     - "auto": Q4_0/Q4_1/Q4_K projections -> Int4Weight, Q5_0/Q5_1 -> Int5Weight (both exact; a
-      fused layer mixing Q5_0 with Q8_0 becomes int8, still exact); other quantized projections and
+      fused layer mixing Q5_0 with Q8_0 becomes int8, still exact); Q6_K projections and head, where
+      the kernels take strips of 16 rows, -> PackedQ6Weight (the file's codes, exact); other quantized
+      projections and
       the head -> Int8Weight with a scale per block of 32 (Q8_0: exact; other types re-quantized,
       and then the head's refined logits and a tied embedding read their rows exactly from the
       map), or, where the kernels take strips of 16 rows, PackedInt8Weight (the same codes packed a
@@ -187,6 +190,8 @@ class GGUFStateDict(Mapping):
             return Int4Weight.from_dense(self._dense(raw, info, torch.float32))
         if is_plain:
             return self._dense(raw, info, self.dtype)
+        if self._takes_q6_strips(name, info):
+            return self._q6_strips(raw, info)
         source = None if isinstance(info, _ExpertRows) else (self.gguf.path, info.offset)  # rows read with pread
         rows = MappedRows(raw, info.ggml_type, info.shape, source=source)
         if name == "model.embed_tokens.weight" and not self.config.tie_word_embeddings:
@@ -205,6 +210,35 @@ class GGUFStateDict(Mapping):
             part = raw[start:start + CHUNK_ROWS]
             flat[start:start + len(part)] = torch.from_numpy(self._dequantize(part, info, len(part)))
         return out
+
+    def _takes_q6_strips(self, name: str, info) -> bool:
+        """Whether a tensor loads as PackedQ6Weight: Q6_K (``auto``), where the kernels take strips of 16
+        rows (engine.models.linear.packs), K a multiple of 256, and no rows reordered after load (a
+        permuted family's q/k, MoE experts' slices); not an untied embedding (it stays in the map). ``ENGINE_Q6=0``
+        in the environment: never (int8 re-quantized, as before them; benchmarks' A/B)."""
+        from engine.models.linear import packs
+
+        num_rows, num_cols = info.shape
+        permuted = self.is_permuted and (".q_proj." in name or ".k_proj." in name)
+        untied_embedding = name == "model.embed_tokens.weight" and not self.config.tie_word_embeddings
+        return (info.ggml_type == Q6_K and self.quantization == "auto" and not permuted and not untied_embedding
+                and os.environ.get("ENGINE_Q6", "1") != "0"
+                and not isinstance(info, _ExpertRows) and num_cols % 256 == 0
+                and packs(num_rows, self.exact_products))
+
+    def _q6_strips(self, raw, info) -> PackedQ6Weight:
+        """A Q6_K tensor -> its own codes and scales in strips of 16 rows (cext.qgemm.q6k_pack), a chunk of
+        rows at a time, the file's pages dropped as they are used."""
+        from cext import qgemm
+
+        num_rows, num_cols = info.shape
+        strips = torch.empty(num_rows // 16, qgemm.packed_strip_bytes(qgemm.Q6 | qgemm.PACKED, num_cols),
+                             dtype=torch.uint8)
+        for start in range(0, num_rows, CHUNK_ROWS):  # CHUNK_ROWS: a multiple of 16
+            part = np.ascontiguousarray(raw[start:start + CHUNK_ROWS])
+            qgemm.q6k_pack(part.ctypes.data, len(part), num_cols, strips[start // 16].data_ptr())
+            self.gguf.release(info.name, start, start + len(part))
+        return PackedQ6Weight(strips, (num_rows, num_cols))
 
     def _int8_chunks(self, raw, info):
         """-> (is_exact, iterator of (first row, codes int8 [n, K] in the kernels' order, scales [n, K / 32]))

@@ -5,6 +5,8 @@ cext/csrc/qgemm.h, described there once).
 - ``Int4Weight``: w = q * scale + min per group of 32 inputs, q in 0..15 (Q4_0, Q4_1, Q4_K).
 - ``Int5Weight``: the same with q in 0..31 (Q5_0, Q5_1).
 - ``Int8Weight``: w = q * scale per block of 32 (Q8_0; Q5_0 as codes q - 16).
+- ``PackedInt8Weight``: int8 codes already in the kernels' strips of 16 rows; ``PackedQ6Weight``: Q6_K's
+  own codes in strips (both made by the GGUF loader).
 ``Weight`` is any of them or a dense tensor; ``cat_rows`` joins weights along the output rows
 (fused QKV, gate/up) in the narrowest format that holds them exactly.
 """
@@ -389,6 +391,26 @@ class PackedInt8Weight:
         return out
 
 
+class PackedQ6Weight(PackedInt8Weight):
+    """A ggml Q6_K weight in the kernels' strips of 16 rows, its own codes and scales (cext/csrc/qgemm.h's
+    QG_Q6 | QG_PACKED: 6.56 bits a weight where int8 codes take 8.5), made by the GGUF loader a chunk of
+    rows at a time (cext.qgemm.q6k_pack). Exact: the products and lookups read the file's values. Rows are
+    not reordered or sliced (the loader keeps tensors that need that in another format); whole weights
+    concatenate (``cat``)."""
+
+    __slots__ = ()
+
+    def __init__(self, strips: torch.Tensor, shape: tuple[int, int]):
+        from cext import qgemm
+
+        super().__init__(strips, qgemm.Q6, shape, is_exact=True)
+
+    @staticmethod
+    def cat(parts: list[PackedQ6Weight]) -> PackedQ6Weight:
+        return PackedQ6Weight(torch.cat([p.strips for p in parts]),
+                              (sum(p.shape[0] for p in parts), parts[0].shape[1]))
+
+
 Weight = torch.Tensor | Int4Weight | Int5Weight | Int8Weight | PackedInt8Weight
 
 
@@ -411,8 +433,8 @@ class StripRows:
 
 def cat_rows(parts: list[Weight]) -> Weight:
     """Concatenate weights along the output rows (fused QKV, gate/up). Parts of one format stay
-    in it; int4 beside int5 becomes int5 (exact), int5 (Q5_0) beside int8 (a Q8_0 V beside Q5_0
-    Q/K) becomes int8 (exact), any other mix int8 re-quantized."""
+    in it (Q6_K strips: theirs concatenated); int4 beside int5 becomes int5 (exact), int5 (Q5_0)
+    beside int8 (a Q8_0 V beside Q5_0 Q/K) becomes int8 (exact), any other mix int8 re-quantized."""
     kinds = {type(p) for p in parts}
     if kinds == {Int4Weight, Int5Weight}:
         parts = [Int5Weight.from_int4(p) if isinstance(p, Int4Weight) else p for p in parts]

@@ -1,0 +1,208 @@
+"""Q6_K weights in their own codes (cext/csrc/qgemm.h's QG_Q6 | QG_PACKED, engine.models.quant's
+PackedQ6Weight): the strips made from a file's rows dequantize to gguf.quants' values, and products
+are their integer definition (int16 activation codes per block of 32, sums of (q - 32) x per group
+of 16, each group's scale d * s) on every instruction set, thread count and batch; the loader
+makes them for Q6_K tensors where the kernels take strips, and only there."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+from model_fixtures import qwen_gguf  # noqa: F401 (fixtures)
+from test_fused_kernels import ALL_ISAS, use_isa
+from test_qgemm import quantize_activations
+from test_quant import _q6_k_rows
+
+from cext import cpu, qgemm
+from engine.models import linear as linear_module
+from engine.models.linear import Linear, packs
+from engine.models.quant import Int4Weight, Int8Weight, PackedQ6Weight, cat_rows
+
+LAYOUT = qgemm.Q6 | qgemm.PACKED
+
+
+def strips_of(raw: np.ndarray) -> PackedQ6Weight:
+    num_rows, num_cols = raw.shape[0], raw.shape[1] // 210 * 256
+    strips = torch.empty(num_rows // 16, qgemm.packed_strip_bytes(LAYOUT, num_cols), dtype=torch.uint8)
+    qgemm.q6k_pack(np.ascontiguousarray(raw).ctypes.data, num_rows, num_cols, strips.data_ptr())
+    return PackedQ6Weight(strips, (num_rows, num_cols))
+
+
+def codes_and_scales(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q6_K rows -> (codes q - 32 [N, K], group scales d * s [N, K / 16] float32), decoded from the
+    bytes as ggml's dequantize_row_q6_K reads them."""
+    num_rows = raw.shape[0]
+    blocks = raw.reshape(num_rows, -1, 210)
+    ql, qh, sc = blocks[..., :128], blocks[..., 128:192], blocks[..., 192:208].view(np.int8)
+    d = np.ascontiguousarray(blocks[..., 208:210]).view(np.float16)[..., 0].astype(np.float32)
+    codes = np.empty((num_rows, blocks.shape[1], 256), dtype=np.int32)
+    for half in range(2):
+        low = ql[..., 64 * half:64 * half + 64].astype(np.int32)
+        high = qh[..., 32 * half:32 * half + 32].astype(np.int32)
+        base = 128 * half
+        codes[..., base:base + 32] = (low[..., :32] & 15) | ((high & 3) << 4)
+        codes[..., base + 32:base + 64] = (low[..., 32:] & 15) | (((high >> 2) & 3) << 4)
+        codes[..., base + 64:base + 96] = (low[..., :32] >> 4) | (((high >> 4) & 3) << 4)
+        codes[..., base + 96:base + 128] = (low[..., 32:] >> 4) | (((high >> 6) & 3) << 4)
+    scales = d[..., None] * sc.astype(np.float32)  # [N, blocks, 16]: exact in float32
+    return (codes - 32).reshape(num_rows, -1), scales.reshape(num_rows, -1)
+
+
+def emulate(x: torch.Tensor, raw: np.ndarray) -> torch.Tensor:
+    """The product's definition in float64: sum over groups of (d s) * dx * sum (q - 32) x_codes."""
+    codes, dx, _ = quantize_activations(x)  # [M, K/32, 32], [M, K/32]
+    c, scales = codes_and_scales(raw)
+    c = torch.from_numpy(c).double().reshape(c.shape[0], -1, 16)  # [N, K/16, 16]
+    xg = codes.reshape(codes.shape[0], -1, 16)  # [M, K/16, 16]
+    dots = torch.einsum("mgj,ngj->mng", xg, c)  # [M, N, K/16] integers
+    dxg = dx.repeat_interleave(2, dim=1)  # each block's scale for its two groups
+    return (dots * dxg[:, None] * torch.from_numpy(scales).double()[None]).sum(-1)
+
+
+def assert_within_rounding(y: torch.Tensor, expected: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    """y within float32's rounding of sums of K terms (K 2^-24 times the sum of the terms' magnitudes)
+    of the float64 expected, plus bfloat16's rounding of the output when y is bfloat16. Random Q6_K
+    bytes make weights up to ~80, so a fixed tolerance would be too loose for some rows and too tight
+    for others."""
+    magnitude = x.abs().double() @ w.abs().double().T  # [M, N]
+    bound = magnitude * x.shape[1] * 2.0 ** -24
+    if y.dtype == torch.bfloat16:
+        bound = bound + expected.abs() * 2.0 ** -8
+    assert ((y.double() - expected).abs() <= bound + 1e-30).all(), (y.double() - expected).abs().max()
+
+
+def test_strips_dequantize_to_the_files_values():
+    """Every row (any first row, float32 and bfloat16) dequantizes to gguf.quants' value, bit for
+    bit, subnormal factors and scales of -128 included; lookups read the same."""
+    raw = _q6_k_rows(48, 3, seed=3)
+    raw.reshape(48, 3, 210)[0, 0, 192] = 0x80  # an int8 scale of -128
+    expected = torch.from_numpy(gguf_dequantize(raw, GGMLQuantizationType.Q6_K).reshape(48, -1))
+    weight = strips_of(raw)
+    assert weight.is_exact and weight.shape == (48, 768)
+    assert weight.strips.numel() == 48 * 3 * 210  # Q6_K's own 6.5625 bits a weight
+    assert torch.equal(weight.dequantize(), expected)
+    layer = Linear(weight)
+    assert layer.format == "q6" and layer.is_packed_strips and layer.is_exact is False
+    assert torch.equal(layer.dequantize(13, 37), expected[13:37])
+    out = torch.empty(20, 768, dtype=torch.bfloat16)
+    qgemm.dequantize(layer.layout, layer._rows.data_ptr(), 0, 11, 20, 768, out.data_ptr(), qgemm.BFLOAT16)
+    assert torch.equal(out, expected[11:31].bfloat16())
+    ids = torch.tensor([[3, 47], [0, 3]])
+    assert torch.equal(weight.rows(ids, torch.float32), expected[ids])
+    assert torch.equal(layer.rows(ids, torch.float32), expected[ids])
+
+
+@pytest.mark.parametrize("isa", ALL_ISAS)
+def test_products_are_their_definition_on_every_isa(isa):
+    """The AVX-512 kernel (or the portable one below AVX-512 VNNI) against the float64 definition, and
+    bit for bit against each other: one thread and two, 1-8-row passes and their tails, float32 and
+    bfloat16 activations, with a bias; blas (the dequantized weight) agrees to float32 rounding."""
+    old_threads, old_threshold = cpu.get_num_threads(), cpu.get_parallel_threshold()
+    cpu.set_parallel_threshold(0)
+    try:
+        for seed, num_rows in enumerate((1, 2, 3, 4, 5, 8, 11, 17)):
+            raw = _q6_k_rows(32, 2, seed=10 + seed)
+            layer = Linear(strips_of(raw), bias := torch.randn(32, generator=torch.Generator().manual_seed(seed)))
+            for dtype in (torch.float32, torch.bfloat16):
+                x = torch.randn(num_rows, 512, generator=torch.Generator().manual_seed(seed)).to(dtype)
+                x[0, :32] = 0  # an all-zero block
+                cpu.set_isa("auto")
+                cpu.set_num_threads(2)
+                reference = layer.run(x, "strip")
+                assert reference.dtype == dtype and reference.shape == (num_rows, 32)
+                weights = layer.dequantize()
+                assert_within_rounding(reference, emulate(x.float(), raw) + bias.double(), x.float(), weights)
+                use_isa(isa)
+                for threads in (1, 2):
+                    cpu.set_num_threads(threads)
+                    assert torch.equal(layer.run(x, "strip"), reference), (isa, num_rows, dtype, threads)
+                if dtype == torch.float32:
+                    exact = x.double() @ weights.double().T + bias.double()
+                    assert_within_rounding(layer.run(x, "blas"), exact, x, weights)
+    finally:
+        cpu.set_isa("auto")
+        cpu.set_num_threads(old_threads)
+        cpu.set_parallel_threshold(old_threshold)
+
+
+def test_rows_do_not_depend_on_the_batch():
+    """A row's outputs are the same alone or beside others, in any pass (the passes of 1-2 rows take
+    the groups' code sums off per row, 3-8 per code: the same integers)."""
+    raw = _q6_k_rows(32, 1, seed=5)
+    layer = Linear(strips_of(raw))
+    x = torch.randn(21, 256, generator=torch.Generator().manual_seed(1))
+    whole = layer.run(x, "strip")
+    for count in range(1, 18):
+        for first in (0, 3, 21 - count):
+            assert torch.equal(layer.run(x[first:first + count], "strip"), whole[first:first + count]), count
+
+
+def test_bad_layouts_and_shapes_are_errors():
+    """Q6 exists only in strips, with int16 codes: the C entries refuse the rest, naming the layout;
+    K must be a multiple of 256 and the rows of 16."""
+    y, x = torch.empty(1, 16), torch.zeros(1, 256)
+    for layout in (qgemm.Q6, LAYOUT | qgemm.INT8, LAYOUT | qgemm.HALF, LAYOUT | qgemm.ROUTE_INT):
+        with pytest.raises(ValueError, match=f"layout {layout}: unknown layout"):
+            qgemm.matmul(layout, x.data_ptr(), 256, 1, 256, 0, 0, 16, 0, y.data_ptr(), 16, qgemm.FLOAT32)
+    with pytest.raises(ValueError, match=r"256 \(SUPER, Q6\)"):
+        qgemm.matmul(LAYOUT, x.data_ptr(), 256, 1, 128, 0, 0, 16, 0, y.data_ptr(), 16, qgemm.FLOAT32)
+    with pytest.raises(ValueError, match="unknown layout"):
+        qgemm.dequantize(qgemm.Q6, 0, 0, 0, 1, 256, 0)
+    with pytest.raises(ValueError, match="unknown layout"):
+        qgemm.pack(qgemm.Q6, 0, 0, 16, 256, 0)
+    with pytest.raises(ValueError, match="256"):
+        qgemm.q6k_pack(0, 16, 320, 0)
+    with pytest.raises(ValueError, match="unknown layout"):  # rows not in strips of 16
+        qgemm.q6k_pack(0, 24, 256, 0)
+    assert qgemm.packed_strip_bytes(LAYOUT, 512) == 2 * 16 * 210 and qgemm.packed_strip_bytes(LAYOUT, 320) == 0
+    weight = strips_of(_q6_k_rows(16, 1, seed=0))
+    with pytest.raises(ValueError, match="unknown layout"):
+        qgemm.pack_int8(LAYOUT, weight.strips.data_ptr(), 16, 256)
+    layer = Linear(weight)
+    assert not layer.use_int8_activations() and not layer.int8_activations  # Q6 strips keep int16 codes
+    assert linear_module.Q6 == qgemm.Q6
+
+
+def test_strips_concatenate_and_mix_by_requantizing():
+    """Fused layers: Q6 strips beside Q6 strips stay Q6 (their strips in order); beside another format
+    the whole becomes int8 re-quantized, as any other mix does."""
+    a, b = _q6_k_rows(32, 1, seed=1), _q6_k_rows(16, 1, seed=2)
+    joined = cat_rows([strips_of(a), strips_of(b)])
+    assert isinstance(joined, PackedQ6Weight) and joined.shape == (48, 256)
+    assert torch.equal(joined.dequantize(), torch.cat([strips_of(a).dequantize(), strips_of(b).dequantize()]))
+    mixed = cat_rows([Int4Weight.from_dense(torch.randn(16, 256)), strips_of(b)])
+    assert isinstance(mixed, Int8Weight) and mixed.shape == (32, 256)
+
+
+def test_loader_keeps_q6_k_tensors_in_their_codes(qwen_gguf):  # noqa: F811
+    """Qwen2.5-Coder-0.5B's Q6_K down projections load as PackedQ6Weight where the kernels take strips
+    (the file's values exactly, and the product within int16 rounding of the exact one), else as int8
+    re-quantized; never a permuted family's q/k, an MoE expert's rows or an untied embedding."""
+    from engine.gguf_file import GGUFFile
+    from engine.loader.gguf_loader import GGUFStateDict, _ExpertRows, read_config
+
+    with GGUFFile(qwen_gguf, with_vocabulary=False) as f:
+        gguf_name = next(n for n, t in f.tensors.items() if t.ggml_type == 14 and n.startswith("blk."))
+        layer = gguf_name.split(".")[1]
+        name = f"model.layers.{layer}.mlp.down_proj.weight"
+        config = read_config(f)
+        state = GGUFStateDict(f, config, "auto", torch.float32)
+        exact = GGUFStateDict(f, config, "float32", torch.float32)
+        weight, dense = state[name], exact[name]
+        info = f.tensors[gguf_name]
+        assert state._takes_q6_strips(name, info) == packs(info.shape[0])
+        state.is_permuted = True
+        assert not state._takes_q6_strips(name.replace("mlp.down_proj", "self_attn.q_proj"), info)
+        assert state._takes_q6_strips(name.replace("mlp.down_proj", "self_attn.v_proj"), info) == packs(info.shape[0])
+        assert not state._takes_q6_strips(name, _ExpertRows(gguf_name, info.dims, 14, 0))
+        assert not state._takes_q6_strips("model.embed_tokens.weight", info) or config.tie_word_embeddings
+        state.exact_products = True
+        assert not state._takes_q6_strips(name, info)
+    if not packs(info.shape[0]):
+        assert isinstance(weight, Int8Weight) and not weight.is_exact
+        return
+    assert isinstance(weight, PackedQ6Weight) and torch.equal(weight.dequantize(), dense)
+    x = torch.randn(3, dense.shape[1])
+    torch.testing.assert_close(Linear(weight)(x).double(), x.double() @ dense.double().T, atol=1e-4, rtol=1e-4)
