@@ -49,7 +49,7 @@ _ERRORS = {
     QG_BAD_LAYOUT: "unknown layout (or SUPER on a layout other than Q4 without HALF, or ROUTE_AMX / ROUTE_STRIP "
                    "with num_out not a multiple of 16, or ROUTE_AMX without AMX-INT8, or PACKED with a route other "
                    "than ROUTE_STRIP or a row count not a multiple of 16, or INT8 without PACKED, or Q6 without PACKED or "
-                   "with INT8, HALF, SUPER or NO_MINS)",
+                   "with HALF, SUPER or NO_MINS)",
 }
 
 

@@ -50,9 +50,10 @@ def codes_and_scales(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return (codes - 32).reshape(num_rows, -1), scales.reshape(num_rows, -1)
 
 
-def emulate(x: torch.Tensor, raw: np.ndarray) -> torch.Tensor:
-    """The product's definition in float64: sum over groups of (d s) * dx * sum (q - 32) x_codes."""
-    codes, dx, _ = quantize_activations(x)  # [M, K/32, 32], [M, K/32]
+def emulate(x: torch.Tensor, raw: np.ndarray, xmax: float = 32767.0) -> torch.Tensor:
+    """The product's definition in float64: sum over groups of (d s) * dx * sum (q - 32) x_codes, the
+    activations' codes int16 (xmax 32767) or int8 (127: QG_INT8)."""
+    codes, dx, _ = quantize_activations(x, xmax)  # [M, K/32, 32], [M, K/32]
     c, scales = codes_and_scales(raw)
     c = torch.from_numpy(c).double().reshape(c.shape[0], -1, 16)  # [N, K/16, 16]
     xg = codes.reshape(codes.shape[0], -1, 16)  # [M, K/16, 16]
@@ -127,6 +128,38 @@ def test_products_are_their_definition_on_every_isa(isa):
         cpu.set_parallel_threshold(old_threshold)
 
 
+@pytest.mark.parametrize("isa", ALL_ISAS)
+def test_int8_activations_are_their_definition_on_every_isa(isa):
+    """QG_INT8 on the same strips (no repacking: pack_int8 leaves them): int8 activation codes times
+    the unsigned codes (vpdpbusd), 32 times the groups' code sums taken off; the AVX-512 kernel and the
+    portable one give the same bits at every row count, alone or in a batch."""
+    old_threads, old_threshold = cpu.get_num_threads(), cpu.get_parallel_threshold()
+    cpu.set_parallel_threshold(0)
+    try:
+        raw = _q6_k_rows(48, 2, seed=21)
+        layer = Linear(strips_of(raw))
+        before = layer.dequantize()
+        assert layer.use_int8_activations() and layer.int8_activations
+        assert torch.equal(layer.dequantize(), before)
+        for seed, num_rows in enumerate((1, 2, 3, 5, 8, 11, 17)):
+            for dtype in (torch.float32, torch.bfloat16):
+                x = torch.randn(num_rows, 512, generator=torch.Generator().manual_seed(seed)).to(dtype)
+                cpu.set_isa("auto")
+                cpu.set_num_threads(2)
+                reference = layer.run(x, "strip")
+                assert_within_rounding(reference, emulate(x.float(), raw, 127.0), x.float(), before)
+                use_isa(isa)
+                for threads in (1, 2):
+                    cpu.set_num_threads(threads)
+                    assert torch.equal(layer.run(x, "strip"), reference), (isa, num_rows, dtype, threads)
+                    for first, count in ((0, 1), (num_rows - 1, 1), (0, min(num_rows, 4))):
+                        assert torch.equal(layer.run(x[first:first + count], "strip"), reference[first:first + count])
+    finally:
+        cpu.set_isa("auto")
+        cpu.set_num_threads(old_threads)
+        cpu.set_parallel_threshold(old_threshold)
+
+
 def test_rows_do_not_depend_on_the_batch():
     """A row's outputs are the same alone or beside others, in any pass (the passes of 1-2 rows take
     the groups' code sums off per row, 3-8 per code: the same integers)."""
@@ -140,10 +173,10 @@ def test_rows_do_not_depend_on_the_batch():
 
 
 def test_bad_layouts_and_shapes_are_errors():
-    """Q6 exists only in strips, with int16 codes: the C entries refuse the rest, naming the layout;
-    K must be a multiple of 256 and the rows of 16."""
+    """Q6 exists only in strips: the C entries refuse the rest, naming the layout; K must be a multiple
+    of 256 and the rows of 16."""
     y, x = torch.empty(1, 16), torch.zeros(1, 256)
-    for layout in (qgemm.Q6, LAYOUT | qgemm.INT8, LAYOUT | qgemm.HALF, LAYOUT | qgemm.ROUTE_INT):
+    for layout in (qgemm.Q6, qgemm.Q6 | qgemm.INT8, LAYOUT | qgemm.HALF, LAYOUT | qgemm.ROUTE_INT):
         with pytest.raises(ValueError, match=f"layout {layout}: unknown layout"):
             qgemm.matmul(layout, x.data_ptr(), 256, 1, 256, 0, 0, 16, 0, y.data_ptr(), 16, qgemm.FLOAT32)
     with pytest.raises(ValueError, match=r"256 \(SUPER, Q6\)"):
@@ -157,11 +190,6 @@ def test_bad_layouts_and_shapes_are_errors():
     with pytest.raises(ValueError, match="unknown layout"):  # rows not in strips of 16
         qgemm.q6k_pack(0, 24, 256, 0)
     assert qgemm.packed_strip_bytes(LAYOUT, 512) == 2 * 16 * 210 and qgemm.packed_strip_bytes(LAYOUT, 320) == 0
-    weight = strips_of(_q6_k_rows(16, 1, seed=0))
-    with pytest.raises(ValueError, match="unknown layout"):
-        qgemm.pack_int8(LAYOUT, weight.strips.data_ptr(), 16, 256)
-    layer = Linear(weight)
-    assert not layer.use_int8_activations() and not layer.int8_activations  # Q6 strips keep int16 codes
     assert linear_module.Q6 == qgemm.Q6
 
 

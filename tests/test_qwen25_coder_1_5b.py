@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
 from model_fixtures import qwen15_gguf  # noqa: F401
 
 import engine
@@ -30,10 +31,20 @@ def test_qwen15_streams_llamacpps_greedy_reply(qwen15_gguf):  # noqa: F811
         assert eng.tokenizer.encode_chat(messages) == entry["prompt_ids"]
         events = list(eng.stream_chat(messages, params))
         # A prompt longer than a tick's budget: its inner chunks have no logit rows, and the
-        # refined Q6_K head must take none (every chunked prompt failed its request before)
+        # head's refinement (a Q6_K head re-quantized to int8, without the strips) must take none
+        # (every chunked prompt failed its request before)
         long_prompt = entry["prompt_ids"] * 4
         [done] = eng.generate([long_prompt], engine.SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
         assert len(done.token_ids) == 2 and done.finish_reason == "length"
+        # Where the kernels take strips, the Q6_K head runs in its own codes (exact: not refined) and its
+        # lookups read the file's rows
+        from cext import cpu
+        model = eng.model
+        if "avx512_vnni" in cpu.features():
+            assert model.head_proj.format == "q6" and not model.head_is_refined
+            assert model.head_int8.exact_rows is not None
+            ids = torch.tensor([0, 151935, 1234])
+            assert torch.equal(model.head_rows(ids), model.head_proj.dequantize()[ids])
     token_ids = [t for ev in events for t in ev.token_ids]
     text = "".join(ev.text for ev in events)
     assert len(token_ids) == NUM_TOKENS and events[-1].finish_reason == "length"

@@ -118,10 +118,9 @@ def test_qwen_coder_code_edits_equal_and_mostly_accepted(qwen_gguf):  # noqa: F8
 
 
 def test_qwen_coder_int8_activations_equal_with_speculation(qwen_gguf):  # noqa: F811
-    """activations="int8" (packed Q4/Q5/Q8 products on int8 codes): every projection and the head take
-    them where the CPU has AVX-512 VNNI, but the Q6_K down projections (their own codes, int16 only),
-    and speculation stays lossless over them (each row's sums do
-    not depend on the rows beside it)."""
+    """activations="int8" (packed Q4/Q5/Q6/Q8 products on int8 codes): every projection and the head take
+    them where the CPU has AVX-512 VNNI (the Q6_K down projections in their own codes too), and
+    speculation stays lossless over them (each row's sums do not depend on the rows beside it)."""
     from cext import cpu
 
     params = SamplingParams(max_tokens=64, temperature=0)
@@ -131,7 +130,7 @@ def test_qwen_coder_int8_activations_equal_with_speculation(qwen_gguf):  # noqa:
         assert model.activations == "int8"
         q6 = sum(layer.down_proj.format == "q6" for layer in model.layers)
         assert q6 == (12 if "avx512_vnni" in cpu.features() else 0)  # the file's 12 Q6_K tensors
-        layers = 4 * model.config.num_layers + 1 - q6  # qkv, o, gate_up, down and the head
+        layers = 4 * model.config.num_layers + 1  # qkv, o, gate_up, down and the head
         assert model.int8_layers == (layers if "avx512_vnni" in cpu.features() else 0)
     with engine.Engine.from_pretrained(str(qwen_gguf), activations="int8", speculative="ngram") as fast:
         fast._core.spec.budgeted = False  # every proposal verified: many multi-row products

@@ -540,7 +540,8 @@ static int run_packed(QArgs *a, const void *x, int64_t x_stride) {
         if (a->int8) {  /* the int16 codes' room holds the int8 codes and isx: K + 4 K / 32 < 2 K bytes */
             int8_t *qx8 = (int8_t *)qx;
             int32_t *isx = (int32_t *)(qx8 + M * K);
-            strip_quantize_rows8(x, x_stride, M, K, a->dtype, a->packed != PACKED_Q8, qx8, dx, sx, isx);
+            strip_quantize_rows8(x, x_stride, M, K, a->dtype, a->packed != PACKED_Q8 && a->packed != PACKED_Q6, qx8, dx,
+                                 sx, isx);
             a->qx8 = qx8; a->isx = isx;
         } else {
             strip_quantize_rows(x, x_stride, M, K, a->dtype, qx, dx, sx);
@@ -551,9 +552,9 @@ static int run_packed(QArgs *a, const void *x, int64_t x_stride) {
                 free(buf);
                 return QG_NO_MEMORY;
             }
-            for (int64_t g = 0; g < M * K / 16; g++) {
+            for (int64_t g = 0; g < M * K / 16; g++) {  /* int8 codes: 16 bytes, in their order */
                 int32_t sum = 0;
-                for (int e = 0; e < 16; e++) sum += qx[g * 16 + e];
+                for (int e = 0; e < 16; e++) sum += a->int8 ? a->qx8[g * 16 + e] : qx[g * 16 + e];
                 isx[g] = sum;
             }
             a->isx = isx;
@@ -636,11 +637,11 @@ int qg_matmul(int layout, const void *x, int64_t x_stride, int64_t num_rows, int
     if (packed && ((layout & QG_ROUTE_MASK & ~QG_ROUTE_STRIP) || num_out % 16 != 0)) return QG_BAD_LAYOUT;
     const int int8 = (layout & QG_INT8) != 0;  /* packed layouts only */
     if (int8 && !packed) return QG_BAD_LAYOUT;
-    if (format == QG_Q6) {  /* strips only, int16 activation codes */
-        if (!packed || int8 || (layout & (QG_HALF | QG_SUPER | QG_NO_MINS))) return QG_BAD_LAYOUT;
+    if (format == QG_Q6) {  /* strips only */
+        if (!packed || (layout & (QG_HALF | QG_SUPER | QG_NO_MINS))) return QG_BAD_LAYOUT;
         if (num_cols <= 0 || num_cols % (8 * QK_BLOCK) != 0) return QG_BAD_LENGTH;
         QArgs a = {NULL, NULL, NULL, NULL, num_rows, num_cols, (const uint8_t *)w, 0, 0, 0, NULL, NULL, bias, y,
-                   y_stride, dtype, num_out, PACKED_Q6, 0, NULL, NULL};
+                   y_stride, dtype, num_out, PACKED_Q6, int8, NULL, NULL};
         return run(&a, x, x_stride, 0, layout & QG_ROUTE_MASK);
     }
     if (format == QG_Q8) {
@@ -660,7 +661,7 @@ int qg_dequantize(int layout, const void *w, const void *scales, int64_t first, 
                   int64_t num_cols, void *out, int out_dtype) {
     const int format = layout & QG_FORMAT_MASK, half = layout_scales(layout);
     if (format == QG_Q6) {
-        if (!(layout & QG_PACKED) || (layout & (QG_INT8 | QG_HALF | QG_SUPER | QG_NO_MINS))) return QG_BAD_LAYOUT;
+        if (!(layout & QG_PACKED) || (layout & (QG_HALF | QG_SUPER | QG_NO_MINS))) return QG_BAD_LAYOUT;
         if (num_cols <= 0 || num_cols % (8 * QK_BLOCK) != 0) return QG_BAD_LENGTH;
         dequantize_packed(PACKED_Q6, (const uint8_t *)w, 0, 0, first, count, num_cols, out, out_dtype);
         return QG_OK;
@@ -833,8 +834,7 @@ int qg_pack(int layout, const void *rows, const void *scales, int64_t num_rows, 
 
 int qg_pack_int8(int layout, uint8_t *strips, int64_t num_rows, int64_t num_cols) {
     if (!(layout & QG_PACKED) || (layout & QG_INT8) || num_rows % 16 != 0) return QG_BAD_LAYOUT;
-    if ((layout & QG_FORMAT_MASK) == QG_Q6) return QG_BAD_LAYOUT;  /* int16 activation codes only */
-    if ((layout & QG_FORMAT_MASK) != QG_Q5) return QG_OK;  /* Q4 and Q8 strips serve both */
+    if ((layout & QG_FORMAT_MASK) != QG_Q5) return QG_OK;  /* Q4, Q6 and Q8 strips serve both */
     const int64_t strip_bytes = qg_packed_strip_bytes(layout, num_cols), nb = num_cols / QK_BLOCK;
     if (strip_bytes == 0) return QG_BAD_LENGTH;
     for (int64_t s = 0; s < num_rows / 16; s++) {

@@ -73,7 +73,9 @@
  *   s, int8 [2 nb][16] (group g of row j at 16 g + j), then d, fp16 [nb / 8][16]: 420 bytes per block
  *   and strip, Q6_K's 6.5625 bits a weight. The kernel sums (q - 32) x per group of 16 (an int8
  *   scale times the codes would overflow int32 over a block of 32), then in float32 t = sum0 *
- *   (d * s0), t = sum1 * (d * s1) + t and acc = t * dx + acc (FMAs). qg_q6k_pack makes the strips from a file's Q6_K rows.
+ *   (d * s0), t = sum1 * (d * s1) + t and acc = t * dx + acc (FMAs). With QG_INT8 the same strips
+ *   serve: pairs 2k and 2k + 1 or'ed into bytes (q unsigned, 0..63) for vpdpbusd, and 32 times the
+ *   groups' sums of the int8 codes taken off. qg_q6k_pack makes the strips from a file's Q6_K rows.
  *
  * x and y are float32 or bfloat16 (DT_FLOAT32 / DT_BFLOAT16, dtype.h), row-major with row
  * strides in elements; bias is float32 [N] or NULL.

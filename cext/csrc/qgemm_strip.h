@@ -426,8 +426,19 @@ QG_ALWAYS_INLINE static inline void packed_rows(const QArgs *a, const uint8_t *s
  * of another (a shift and a masked or), codes q in 0..63. A block's two groups of 16 inputs (pairs
  * 0-7, 8-15) sum apart (one row: two accumulators each) as sum (q - 32) x, then in float32
  * t = sum0 * (d * s0), t = sum1 * (d * s1) + t (an FMA), acc = t * dx + acc (an FMA). */
+QG_ALWAYS_INLINE static inline __m512i q6_pair(const uint8_t *codes, int p, __m512i six, __m512i top) {
+    if (p < 12) {
+        const __m512i u = _mm512_loadu_si512((const void *)(codes + 64 * (p / 2)));
+        return _mm512_and_si512(p % 2 ? _mm512_srli_epi32(u, 6) : u, six);
+    }
+    const int m = p - 12;  /* low nibble | (high bits at 4-5) */
+    const __m512i lo = _mm512_loadu_si512((const void *)(codes + 64 * m));
+    const __m512i hi = _mm512_loadu_si512((const void *)(codes + 64 * (4 + m / 2)));
+    return _mm512_ternarylogic_epi32(_mm512_srli_epi16(lo, 12), _mm512_srli_epi16(hi, 8 + 2 * (m % 2)), top, 0xF8);
+}
+
 QG_ALWAYS_INLINE static inline void packed_rows_q6(const QArgs *a, const uint8_t *strip, int64_t n0, int64_t i0,
-                                                   const int TR) {
+                                                   const int TR, const int I8) {
     const int64_t K = a->num_cols, nb = K / QK_BLOCK;
     const int NA = TR < 4 ? 2 : 1;  /* accumulators per group: 4 to 12 chains of vpdpwssd, 8 to 16 registers */
     const uint8_t *ssc = strip + nb * 384, *dsc = ssc + 2 * nb * 16;
@@ -437,12 +448,12 @@ QG_ALWAYS_INLINE static inline void packed_rows_q6(const QArgs *a, const uint8_t
     const __m512i thirty_two = _mm512_set1_epi16(32);
     /* q - 32: per code once per block (shared by the rows), or with one or two rows 32 x the groups'
      * sums of activation codes taken off each row's sums (fewer instructions there); same integers */
-    const int SUB = TR > 2;
+    const int SUB = TR > 2 && !I8;
     __m512 acc[QS_ROWS];
     const int32_t *x[QS_ROWS];
     for (int r = 0; r < TR; r++) {
         acc[r] = _mm512_setzero_ps();
-        x[r] = (const int32_t *)(a->qx + (i0 + r) * K);
+        x[r] = I8 ? (const int32_t *)(a->qx8 + (i0 + r) * K) : (const int32_t *)(a->qx + (i0 + r) * K);
     }
     __m512 d = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
@@ -458,25 +469,29 @@ QG_ALWAYS_INLINE static inline void packed_rows_q6(const QArgs *a, const uint8_t
         for (int r = 0; r < TR; r++)
             for (int g = 0; g < 2; g++)
                 for (int k = 0; k < NA; k++) s[r][g][k] = _mm512_setzero_si512();
+        if (I8) {  /* pairs 2k and 2k + 1 as bytes (q2k, q2k+2, q2k+1, q2k+3: Q8's strip order) against four
+                    * activation bytes in that order; the groups' chains in turn as below */
+#pragma GCC unroll 8
+            for (int q = 0; q < 8; q++) {
+                const int k4 = (q % 2) * 4 + q / 2;  /* 0, 4, 1, 5, ...: inputs 4 k4 .. 4 k4 + 3 */
+                const __m512i w = _mm512_or_si512(q6_pair(codes, 2 * k4, six, top),
+                                                  _mm512_slli_epi32(q6_pair(codes, 2 * k4 + 1, six, top), 8));
+                const int g = k4 / 4, k = NA == 2 ? (q / 2) % 2 : 0;
+                for (int r = 0; r < TR; r++)
+                    s[r][g][k] = _mm512_dpbusd_epi32(s[r][g][k], w, _mm512_set1_epi32(x[r][b * (QK_BLOCK / 4) + k4]));
+            }
+        } else {
         /* pair by pair into the accumulators, so few decoded vectors are live at once, the two groups'
          * pairs taken in turn (0, 8, 1, 9, ...) so their chains of vpdpwssd overlap */
 #pragma GCC unroll 16
         for (int q = 0; q < 16; q++) {
             const int p = (q % 2) * 8 + q / 2;
-            __m512i w;
-            if (p < 12) {
-                const __m512i u = _mm512_loadu_si512((const void *)(codes + 64 * (p / 2)));
-                w = _mm512_and_si512(p % 2 ? _mm512_srli_epi32(u, 6) : u, six);
-            } else {  /* low nibble | (high bits at 4-5) */
-                const int m = p - 12;
-                const __m512i lo = _mm512_loadu_si512((const void *)(codes + 64 * m));
-                const __m512i hi = _mm512_loadu_si512((const void *)(codes + 64 * (4 + m / 2)));
-                w = _mm512_ternarylogic_epi32(_mm512_srli_epi16(lo, 12), _mm512_srli_epi16(hi, 8 + 2 * (m % 2)), top, 0xF8);
-            }
+            __m512i w = q6_pair(codes, p, six, top);
             if (SUB) w = _mm512_sub_epi16(w, thirty_two);
             const int g = p / 8, k = NA == 2 ? (q / 2) % 2 : 0;
             for (int r = 0; r < TR; r++)
                 s[r][g][k] = _mm512_dpwssd_epi32(s[r][g][k], w, _mm512_set1_epi32(x[r][b * (QK_BLOCK / 2) + p]));
+        }
         }
         __m512 ds[2];
         for (int g = 0; g < 2; g++) {
@@ -524,14 +539,19 @@ QS_PACKED_PASS(packed_pass_q4_mins, 1, PACKED_Q4, 0)
 QS_PACKED_PASS(packed_pass_q4, 0, PACKED_Q4, 0)
 #undef QS_PACKED_PASS
 #undef QS_PACKED_PASS_CASE
-#define QS_Q6_PASS_CASE(TR) case TR: packed_rows_q6(a, strip, n0, i0, TR); break;
-__attribute__((noinline)) static void packed_pass_q6(const QArgs *a, const uint8_t *strip, int64_t n0, int64_t i0,
-                                                     int64_t rows) {
-    switch (rows) {
-    QS_PASSES(QS_Q6_PASS_CASE)
-    default: break;
+#define QS_Q6_PASS(NAME, I8)                                                                                  \
+    __attribute__((noinline)) static void NAME(const QArgs *a, const uint8_t *strip, int64_t n0, int64_t i0,   \
+                                               int64_t rows) {                                                \
+        enum { R_I8 = I8 };                                                                                   \
+        switch (rows) {                                                                                       \
+        QS_PASSES(QS_Q6_PASS_CASE)                                                                            \
+        default: break;                                                                                       \
+        }                                                                                                     \
     }
-}
+#define QS_Q6_PASS_CASE(TR) case TR: packed_rows_q6(a, strip, n0, i0, TR, R_I8); break;
+QS_Q6_PASS(packed_pass_q6, 0)
+QS_Q6_PASS(packed_pass_q6_i8, 1)
+#undef QS_Q6_PASS
 #undef QS_Q6_PASS_CASE
 
 /* Every activation row against one strip, in as few passes as QS_ROWS allows, of near-equal
@@ -547,7 +567,7 @@ static void packed_range_avx512(const void *p, int64_t s0, int64_t s1, float *sc
     const int64_t strip_bytes = packed_strip_bytes(a->packed, a->num_cols / QK_BLOCK, a->half, a->has_mins);
     PackedPass pass;
     if (a->packed == PACKED_Q6) {
-        pass = packed_pass_q6;
+        pass = a->qx8 != NULL ? packed_pass_q6_i8 : packed_pass_q6;
     } else if (a->qx8 != NULL) {  /* QG_INT8 */
         if (a->packed == PACKED_Q8) pass = packed_pass_q8_i8;
         else if (a->packed == PACKED_Q5I8) pass = a->has_mins ? packed_pass_q5i8_mins : packed_pass_q5i8;

@@ -190,9 +190,12 @@ class GGUFStateDict(Mapping):
             return Int4Weight.from_dense(self._dense(raw, info, torch.float32))
         if is_plain:
             return self._dense(raw, info, self.dtype)
-        if self._takes_q6_strips(name, info):
-            return self._q6_strips(raw, info)
         source = None if isinstance(info, _ExpertRows) else (self.gguf.path, info.offset)  # rows read with pread
+        if self._takes_q6_strips(name, info):
+            weight = self._q6_strips(raw, info)
+            if not is_projection:  # the head (tied: the embedding): lookups and refined logits from the file
+                weight.exact_rows = MappedRows(raw, info.ggml_type, info.shape, source=source)
+            return weight
         rows = MappedRows(raw, info.ggml_type, info.shape, source=source)
         if name == "model.embed_tokens.weight" and not self.config.tie_word_embeddings:
             return rows  # looked up a few rows at a time from the map: no resident copy

@@ -280,7 +280,7 @@ class Linear:
         products are not exact -> whether it does (other layers keep their int16 codes)."""
         if self.int8_activations:
             return True
-        if self.exact or not self.is_packed_strips or self.format == "q6":  # Q6 strips: int16 codes only
+        if self.exact or not self.is_packed_strips:
             return False
         qgemm.pack_int8(self.layout, self._rows.data_ptr(), self.out_features, self.in_features)  # Q5's masks
         self.layout |= INT8

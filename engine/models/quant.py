@@ -376,7 +376,7 @@ class PackedInt8Weight:
         self.is_exact, self.exact_rows = is_exact, exact_rows
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        if self.exact_rows is not None and not self.is_exact:
+        if self.exact_rows is not None:  # a re-quantized weight's source, or a Q6_K head's (faster than strips)
             return self.exact_rows.rows(ids, dtype)
         from cext import qgemm
 
@@ -426,7 +426,7 @@ class StripRows:
         self.exact_rows, self.is_exact, self.shape = weight.exact_rows, weight.is_exact, weight.shape
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        if self.exact_rows is not None and not self.is_exact:
+        if self.exact_rows is not None:  # the source's rows (a Q6_K head's: its own values, read faster)
             return self.exact_rows.rows(ids, dtype)
         return self.layer.rows(ids, dtype)
 
