@@ -26,12 +26,13 @@ import collections
 import json
 import threading
 from dataclasses import dataclass
-
-import llguidance
-from llguidance.gbnf_to_lark import any_to_lark
+from typing import TYPE_CHECKING
 
 from ..errors import InvalidParameterError
-from .vocab import ll_tokenizer
+from .vocab import ll_tokenizer, llguidance_module
+
+if TYPE_CHECKING:
+    import llguidance
 
 MAX_CACHED_GRAMMARS = 256
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -73,6 +74,7 @@ class CompiledGrammar:
 
 def _grammar_text(spec: GrammarSpec) -> str:
     """llguidance's grammar text for a spec; raises InvalidParameterError naming the field."""
+    llguidance = llguidance_module()
     try:
         if spec.kind == "json_schema":
             return llguidance.LLMatcher.grammar_from_json_schema(spec.text, overrides=JSON_OPTIONS)
@@ -81,12 +83,15 @@ def _grammar_text(spec: GrammarSpec) -> str:
         if spec.kind == "choice":
             choices = json.loads(spec.text)
             return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
+        from llguidance.gbnf_to_lark import any_to_lark
+
         return llguidance.LLMatcher.grammar_from_lark(any_to_lark(spec.text))
     except Exception as exc:  # ValueError (not a JSON object), GbnfToLarkError (a GBNF it cannot read), ...
         raise InvalidParameterError(f"{spec.kind} is invalid: {exc}", spec.kind) from None
 
 
 def _compile(spec: GrammarSpec, tokenizer: llguidance.LLTokenizer) -> CompiledGrammar:
+    llguidance = llguidance_module()
     start = llguidance.LLMatcher(tokenizer, _grammar_text(spec), log_level=0,
                                  limits=llguidance.LLParserLimits(**LIMITS))
     if start.is_error():

@@ -18,12 +18,16 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from typing import TYPE_CHECKING
 
-import llguidance
 import numpy as np
 import torch
 
 from .compiler import CompiledGrammar
+from .vocab import llguidance_module
+
+if TYPE_CHECKING:
+    import llguidance
 
 log = logging.getLogger("engine")
 
@@ -71,7 +75,7 @@ _local = _Masks()
 
 def _executor() -> llguidance.LLExecutor:
     if _local.executor is None:
-        _local.executor = llguidance.LLExecutor(num_threads=NUM_MASK_THREADS)
+        _local.executor = llguidance_module().LLExecutor(num_threads=NUM_MASK_THREADS)
     return _local.executor
 
 
