@@ -39,8 +39,8 @@ typedef struct {
     int packed;  /* QG_PACKED: a->blocks holds strips of 16 rows; PACKED_Q4, PACKED_Q5 or PACKED_Q8 */
     int int8;    /* QG_INT8 (packed layouts): activation codes |q| <= 127 */
     const int8_t *qx8;   /* QG_INT8 on the AVX-512 kernel: [M, K] codes in its order (strip_quantize_rows8) */
-    const int32_t *isx;  /* with qx8: [M, K / 32] each block's sum of codes; PACKED_Q6 on the AVX-512
-                          * kernel: [M, K / 16] each group of 16's sum of int16 codes */
+    const int32_t *isx;  /* with qx8: [M, K / 32] each block's sum of codes (PACKED_Q6: [M, K / 16], each
+                          * group of 16's) */
 } QArgs;
 
 static inline void store_out(const QArgs *a, int64_t row, int64_t col, float v) {
@@ -294,14 +294,14 @@ static inline int q6_packed_code(const uint8_t *strip, int64_t b, int j, int e) 
     uint32_t w;
     if (p < 12) {
         memcpy(&w, strip + b * 384 + (p / 2) * 64 + 4 * j, 4);
-        return (int)((w >> (16 * h + 6 * (p % 2))) & 0x3F) - 32;
+        return (int)(((w >> (16 * h + 6 * (p % 2))) & 0x3F) ^ 32) - 32;
     }
     const int m = p - 12;
     uint32_t hi;
     memcpy(&w, strip + b * 384 + m * 64 + 4 * j, 4);
     memcpy(&hi, strip + b * 384 + (4 + m / 2) * 64 + 4 * j, 4);
     const int low = (int)(w >> (16 * h + 12)) & 0x0F, high = (int)(hi >> (16 * h + 12 + 2 * (m % 2))) & 3;
-    return (low | high << 4) - 32;
+    return ((low | high << 4) ^ 32) - 32;
 }
 
 /* Group g (16 inputs) of row j of a PACKED_Q6 strip: d * s[g] (exact in float32). */
@@ -546,7 +546,7 @@ static int run_packed(QArgs *a, const void *x, int64_t x_stride) {
         } else {
             strip_quantize_rows(x, x_stride, M, K, a->dtype, qx, dx, sx);
         }
-        if (a->packed == PACKED_Q6) {  /* the groups' code sums (packed_rows_q6 takes 32 x them off) */
+        if (a->packed == PACKED_Q6 && a->int8) {  /* the groups' code sums (packed_rows_q6 takes 32 x them off) */
             int32_t *isx = (int32_t *)malloc(sizeof(int32_t) * (size_t)(M * K / 16));
             if (isx == NULL) {
                 free(buf);
@@ -554,7 +554,7 @@ static int run_packed(QArgs *a, const void *x, int64_t x_stride) {
             }
             for (int64_t g = 0; g < M * K / 16; g++) {  /* int8 codes: 16 bytes, in their order */
                 int32_t sum = 0;
-                for (int e = 0; e < 16; e++) sum += a->int8 ? a->qx8[g * 16 + e] : qx[g * 16 + e];
+                for (int e = 0; e < 16; e++) sum += a->qx8[g * 16 + e];
                 isx[g] = sum;
             }
             a->isx = isx;
@@ -915,7 +915,7 @@ static void q6k_pack_range(const void *p, int64_t s0, int64_t s1, float *scratch
             for (int64_t b = 0; b < nb; b++) {
                 uint32_t words[6] = {0};
                 for (int e = 0; e < QK_BLOCK; e++) {  /* q6_packed_code's places */
-                    const uint32_t c = q[b * QK_BLOCK + e];
+                    const uint32_t c = q[b * QK_BLOCK + e] ^ 32u;  /* q - 32 as 6-bit two's complement */
                     const int p = e / 2, h = e % 2;
                     if (p < 12) {
                         words[p / 2] |= c << (16 * h + 6 * (p % 2));

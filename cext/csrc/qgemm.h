@@ -66,7 +66,8 @@
  *   d * s[g] * (q - 32), q in 0..63, an int8 s per group g of 16 inputs and an fp16 d per 256. K: a
  *   multiple of 256. Per block b of a strip 384 bytes of codes, six 64-byte words u = 0..5: lane j
  *   (little-endian uint32) of word u is row 16s + j's, its low 16 bits for even inputs, its high 16
- *   bits for odd ones, so that a mask or a shift gives the int16 pair (2p, 2p + 1) of all 16 rows:
+ *   bits for odd ones, each code as q ^ 32 (q - 32 in 6-bit two's complement), so that shifts give
+ *   the signed int16 pair (2p, 2p + 1) of all 16 rows:
  *   pairs p = 0..11 whole, bits 6 (p % 2) .. + 5 of each half of word p / 2; pairs 12 + m their low 4
  *   bits at bits 12..15 of each half of word m and their high 2 bits at bits 12 + 2 (m % 2) of each
  *   half of word 4 + m / 2. After the nb blocks the scales
@@ -74,8 +75,8 @@
  *   and strip, Q6_K's 6.5625 bits a weight. The kernel sums (q - 32) x per group of 16 (an int8
  *   scale times the codes would overflow int32 over a block of 32), then in float32 t = sum0 *
  *   (d * s0), t = sum1 * (d * s1) + t and acc = t * dx + acc (FMAs). With QG_INT8 the same strips
- *   serve: pairs 2k and 2k + 1 or'ed into bytes (q unsigned, 0..63) for vpdpbusd, and 32 times the
- *   groups' sums of the int8 codes taken off. qg_q6k_pack makes the strips from a file's Q6_K rows.
+ *   serve: pairs 2k and 2k + 1 or'ed into bytes (q unsigned, 0..63: the field ^ 32) for vpdpbusd,
+ *   and 32 times the groups' sums of the int8 codes taken off. qg_q6k_pack makes the strips from a file's Q6_K rows.
  *
  * x and y are float32 or bfloat16 (DT_FLOAT32 / DT_BFLOAT16, dtype.h), row-major with row
  * strides in elements; bias is float32 [N] or NULL.

@@ -421,22 +421,34 @@ QG_ALWAYS_INLINE static inline void packed_rows(const QArgs *a, const uint8_t *s
     strip_store(a, n0, i0, TR, acc);
 }
 
-/* packed_rows for PACKED_Q6 (qgemm.h's QG_Q6): of a block's six words, pairs 0-11 are a mask (or a
- * shift and a mask) of one word, pairs 12-15 a word's top nibbles (a 16-bit shift) or'ed with two bits
- * of another (a shift and a masked or), codes q in 0..63. A block's two groups of 16 inputs (pairs
- * 0-7, 8-15) sum apart (one row: two accumulators each) as sum (q - 32) x, then in float32
- * t = sum0 * (d * s0), t = sum1 * (d * s1) + t (an FMA), acc = t * dx + acc (an FMA). */
-QG_ALWAYS_INLINE static inline __m512i q6_pair(const uint8_t *codes, int p, __m512i six, __m512i top) {
+/* Input pair p (0..15) of a PACKED_Q6 block's six words as int16 pairs of all 16 rows: the signed codes
+ * q - 32 (the fields hold them as 6-bit two's complement, q ^ 32: shifted to the top of each half and
+ * arithmetically back), or with UNSIGNED q itself (0..63: masked, then ^ 32). */
+QG_ALWAYS_INLINE static inline __m512i q6_pair(const uint8_t *codes, int p, const int UNSIGNED) {
+    const __m512i six = _mm512_set1_epi32(0x003F003F), bit5 = _mm512_set1_epi32(0x00200020);
     if (p < 12) {
         const __m512i u = _mm512_loadu_si512((const void *)(codes + 64 * (p / 2)));
-        return _mm512_and_si512(p % 2 ? _mm512_srli_epi32(u, 6) : u, six);
+        if (UNSIGNED)  /* (field & 63) ^ 32 */
+            return _mm512_ternarylogic_epi32(p % 2 ? _mm512_srli_epi32(u, 6) : u, six, bit5, 0x6A);
+        return _mm512_srai_epi16(_mm512_slli_epi16(u, p % 2 ? 4 : 10), 10);
     }
-    const int m = p - 12;  /* low nibble | (high bits at 4-5) */
+    const int m = p - 12;
     const __m512i lo = _mm512_loadu_si512((const void *)(codes + 64 * m));
     const __m512i hi = _mm512_loadu_si512((const void *)(codes + 64 * (4 + m / 2)));
-    return _mm512_ternarylogic_epi32(_mm512_srli_epi16(lo, 12), _mm512_srli_epi16(hi, 8 + 2 * (m % 2)), top, 0xF8);
+    const __m512i nib = _mm512_srli_epi16(lo, 12);  /* the low 4 bits, zero above */
+    if (UNSIGNED)  /* nib | (high bits at 4-5), then ^ 32 */
+        return _mm512_xor_si512(_mm512_ternarylogic_epi32(nib, _mm512_srli_epi16(hi, 8 + 2 * (m % 2)),
+                                                          _mm512_set1_epi32(0x00300030), 0xF8), bit5);
+    /* the high bits at 14-15, arithmetically to 4-5 (sign above), bits 0-3 from nib */
+    const __m512i top = _mm512_srai_epi16(m % 2 ? hi : _mm512_slli_epi16(hi, 2), 10);
+    return _mm512_ternarylogic_epi32(nib, top, _mm512_set1_epi32(0x000F000F), 0xE4);
 }
 
+/* packed_rows for PACKED_Q6 (qgemm.h's QG_Q6): a block's 16 pairs (q6_pair) into the accumulators one
+ * at a time, so few decoded vectors are live at once. Its two groups of 16 inputs (pairs 0-7, 8-15)
+ * sum apart (1-3 rows: two accumulators each) as sum (q - 32) x, then in float32 t = sum0 * (d * s0),
+ * t = sum1 * (d * s1) + t (an FMA), acc = t * dx + acc (an FMA). I8 (QG_INT8): two pairs' unsigned
+ * codes as bytes against four activation bytes (vpdpbusd), 32 times the groups' code sums taken off. */
 QG_ALWAYS_INLINE static inline void packed_rows_q6(const QArgs *a, const uint8_t *strip, int64_t n0, int64_t i0,
                                                    const int TR, const int I8) {
     const int64_t K = a->num_cols, nb = K / QK_BLOCK;
@@ -444,11 +456,6 @@ QG_ALWAYS_INLINE static inline void packed_rows_q6(const QArgs *a, const uint8_t
     const uint8_t *ssc = strip + nb * 384, *dsc = ssc + 2 * nb * 16;
     const int64_t strip_bytes = nb * 420, per_block = 420;
     const int l2 = qg_prefetch_level() == QG_PREFETCH_L2;
-    const __m512i six = _mm512_set1_epi32(0x003F003F), top = _mm512_set1_epi32(0x00300030);
-    const __m512i thirty_two = _mm512_set1_epi16(32);
-    /* q - 32: per code once per block (shared by the rows), or with one or two rows 32 x the groups'
-     * sums of activation codes taken off each row's sums (fewer instructions there); same integers */
-    const int SUB = TR > 2 && !I8;
     __m512 acc[QS_ROWS];
     const int32_t *x[QS_ROWS];
     for (int r = 0; r < TR; r++) {
@@ -474,8 +481,7 @@ QG_ALWAYS_INLINE static inline void packed_rows_q6(const QArgs *a, const uint8_t
 #pragma GCC unroll 8
             for (int q = 0; q < 8; q++) {
                 const int k4 = (q % 2) * 4 + q / 2;  /* 0, 4, 1, 5, ...: inputs 4 k4 .. 4 k4 + 3 */
-                const __m512i w = _mm512_or_si512(q6_pair(codes, 2 * k4, six, top),
-                                                  _mm512_slli_epi32(q6_pair(codes, 2 * k4 + 1, six, top), 8));
+                const __m512i w = _mm512_or_si512(q6_pair(codes, 2 * k4, 1), _mm512_slli_epi32(q6_pair(codes, 2 * k4 + 1, 1), 8));
                 const int g = k4 / 4, k = NA == 2 ? (q / 2) % 2 : 0;
                 for (int r = 0; r < TR; r++)
                     s[r][g][k] = _mm512_dpbusd_epi32(s[r][g][k], w, _mm512_set1_epi32(x[r][b * (QK_BLOCK / 4) + k4]));
@@ -486,8 +492,7 @@ QG_ALWAYS_INLINE static inline void packed_rows_q6(const QArgs *a, const uint8_t
 #pragma GCC unroll 16
         for (int q = 0; q < 16; q++) {
             const int p = (q % 2) * 8 + q / 2;
-            __m512i w = q6_pair(codes, p, six, top);
-            if (SUB) w = _mm512_sub_epi16(w, thirty_two);
+            const __m512i w = q6_pair(codes, p, 0);
             const int g = p / 8, k = NA == 2 ? (q / 2) % 2 : 0;
             for (int r = 0; r < TR; r++)
                 s[r][g][k] = _mm512_dpwssd_epi32(s[r][g][k], w, _mm512_set1_epi32(x[r][b * (QK_BLOCK / 2) + p]));
@@ -499,11 +504,11 @@ QG_ALWAYS_INLINE static inline void packed_rows_q6(const QArgs *a, const uint8_t
             ds[g] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
         }
         for (int r = 0; r < TR; r++) {
-            const int32_t *isx = a->isx + (i0 + r) * (K / 16) + 2 * b;
+            const int32_t *isx = I8 ? a->isx + (i0 + r) * (K / 16) + 2 * b : NULL;
             __m512 f[2];
             for (int g = 0; g < 2; g++) {
                 __m512i sum = NA == 2 ? _mm512_add_epi32(s[r][g][0], s[r][g][1]) : s[r][g][0];
-                if (!SUB) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(32 * isx[g]));
+                if (I8) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(32 * isx[g]));  /* unsigned codes: q - 32 */
                 f[g] = _mm512_cvtepi32_ps(sum);
             }
             const __m512 t = _mm512_fmadd_ps(f[1], ds[1], _mm512_mul_ps(f[0], ds[0]));
