@@ -136,8 +136,10 @@ ctypedef int (*matmul_fn)(int layout, const void* x, int64_t x_stride, int64_t n
 
 cdef matmul_fn _matmul = NULL
 
-# The columns of a layer's row of the program (int64), one row per layer; the products' four
-# (qkv, o, gate_up, down) take PRODUCT_FIELDS columns each from PRODUCTS. The forward's rotary
+# The columns of a layer's row of the program (int64), one row per layer; the products' five
+# (qkv, o, gate_up, down, and a second part of qkv: rows 0 when it has none) take PRODUCT_FIELDS
+# columns each from PRODUCTS. A qkv in two parts (engine.models.quant.RowParts: a Q4_K_M file's Q4_K
+# q/k beside its Q6_K v) writes the second's outputs after the first's, in the same row of the buffer. The forward's rotary
 # tables (cos, sin, positions) x 2, its plans (block tables, their row stride, context lengths,
 # sequences, block size, sliding window) x 2 and its buffers.
 cdef enum:
@@ -148,7 +150,7 @@ cdef enum:
 cdef enum:
     C_ROPE_FIELDS = 3
     C_PLAN_FIELDS = 6
-    C_LAYER_FIELDS = C_PRODUCTS + 4 * C_PRODUCT_FIELDS
+    C_LAYER_FIELDS = C_PRODUCTS + 5 * C_PRODUCT_FIELDS
 cdef enum:
     C_B_H, C_B_QKV, C_B_ATTN, C_B_O, C_B_GATE_UP, C_B_ACT, C_B_DOWN, C_BUFFERS
 
@@ -163,10 +165,12 @@ B_H, B_QKV, B_ATTN, B_O, B_GATE_UP, B_ACT, B_DOWN, BUFFERS = (C_B_H, C_B_QKV, C_
 
 
 cdef inline int _product(const int64_t* p, const void* x, int64_t num_rows, void* y, int dtype,
-                         int* layout) noexcept nogil:
+                         int* layout, int64_t y_stride=0) noexcept nogil:
+    """y [T, N] (row stride y_stride, 0: N) = x @ W.T + bias for the product at p."""
     layout[0] = <int>p[C_P_LAYOUT]
     return _matmul(<int>p[C_P_LAYOUT], x, p[C_P_IN], num_rows, p[C_P_IN], <const void*>p[C_P_ROWS],
-                   <const void*>p[C_P_SCALES], p[C_P_OUT], <const float*>p[C_P_BIAS], y, p[C_P_OUT], dtype)
+                   <const void*>p[C_P_SCALES], p[C_P_OUT], <const float*>p[C_P_BIAS], y,
+                   y_stride if y_stride else p[C_P_OUT], dtype)
 
 
 cdef inline int _norm_in_place(int64_t at, int64_t width, int64_t weight, int64_t num_rows, int64_t heads,
@@ -239,7 +243,11 @@ def decode_layers(const int64_t[:, ::1] program, const double[::1] scales, intpt
                                 num_rows, hidden, eps, dtype)
             if rc != FK_OK:
                 break
-            rc = _product(row + C_PRODUCTS, <const void*>buf[C_B_H], num_rows, <void*>buf[C_B_QKV], dtype, &layout)
+            rc = _product(row + C_PRODUCTS, <const void*>buf[C_B_H], num_rows, <void*>buf[C_B_QKV], dtype, &layout,
+                          qkv_width)
+            if rc == 0 and row[C_PRODUCTS + 4 * C_PRODUCT_FIELDS + C_P_ROWS]:  # qkv's second part
+                rc = _product(row + C_PRODUCTS + 4 * C_PRODUCT_FIELDS, <const void*>buf[C_B_H], num_rows,
+                              <void*>(buf[C_B_QKV] + row[C_PRODUCTS + C_P_OUT] * elsize), dtype, &layout, qkv_width)
             if rc != 0:
                 failed_product = 1
                 break

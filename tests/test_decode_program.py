@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from model_fixtures import gemma3_gguf, qwen_gguf  # noqa: F401 (fixtures)
+from model_fixtures import gemma3_gguf, qwen15_gguf, qwen_gguf  # noqa: F401 (fixtures)
 
 from cext import ops
 from engine.batch import single_sequence_batch
@@ -86,6 +86,22 @@ def test_gemma3_norms_gelu_and_windows_decode_the_same_bits_in_one_call(gemma3_g
     assert layer.qk_norm is not None and layer.post_attn_norm is not None and layer.hidden_act != "silu"
     assert {layer.window is None for layer in model.layers} == {True, False}
     got, expected = _both(model, _prompts(model, [520, 8], seed=6), steps=3, seed=7)
+    assert torch.equal(got, expected)
+
+
+def test_qkv_in_two_formats_decodes_the_same_bits_in_one_call(qwen15_gguf):  # noqa: F811
+    """Qwen2.5-Coder-1.5B Q4_K_M: where the kernels take strips, half its layers' q/k (Q4_K) and v (Q6_K)
+    stay in their own codes as two parts of one qkv product (RowParts), the second writing after the
+    first in the same rows; the program runs them as the per-layer path does."""
+    from cext import cpu
+
+    model = load_model(qwen15_gguf)
+    formats = [layer.qkv_proj.format for layer in model.layers]
+    if "avx512_vnni" in cpu.features():
+        assert formats.count("parts") == 14
+        parts = next(layer.qkv_proj.parts for layer in model.layers if layer.qkv_proj.parts)
+        assert [p.format for p in parts] == ["int4", "q6"] and [p.out_features for p in parts] == [1792, 256]
+    got, expected = _both(model, _prompts(model, [6, 11], seed=8), steps=3, seed=9)
     assert torch.equal(got, expected)
 
 

@@ -18,7 +18,7 @@ from test_quant import _q6_k_rows
 from cext import cpu, qgemm
 from engine.models import linear as linear_module
 from engine.models.linear import Linear, packs
-from engine.models.quant import Int4Weight, Int8Weight, PackedQ6Weight, cat_rows
+from engine.models.quant import Int4Weight, Int8Weight, PackedQ6Weight, RowParts, cat_rows
 
 LAYOUT = qgemm.Q6 | qgemm.PACKED
 
@@ -194,14 +194,45 @@ def test_bad_layouts_and_shapes_are_errors():
 
 
 def test_strips_concatenate_and_mix_by_requantizing():
-    """Fused layers: Q6 strips beside Q6 strips stay Q6 (their strips in order); beside another format
-    the whole becomes int8 re-quantized, as any other mix does."""
+    """Fused layers: Q6 strips beside Q6 strips stay Q6 (their strips in order); beside a dense tensor
+    the whole becomes int8 re-quantized, as any other mix does (beside quantized rows: parts, below)."""
     a, b = _q6_k_rows(32, 1, seed=1), _q6_k_rows(16, 1, seed=2)
     joined = cat_rows([strips_of(a), strips_of(b)])
     assert isinstance(joined, PackedQ6Weight) and joined.shape == (48, 256)
     assert torch.equal(joined.dequantize(), torch.cat([strips_of(a).dequantize(), strips_of(b).dequantize()]))
-    mixed = cat_rows([Int4Weight.from_dense(torch.randn(16, 256)), strips_of(b)])
+    mixed = cat_rows([torch.randn(16, 256), strips_of(b)])
     assert isinstance(mixed, Int8Weight) and mixed.shape == (32, 256)
+    assert isinstance(cat_rows([Int8Weight.from_dense(torch.randn(16, 256)), strips_of(b)]), RowParts)
+
+
+def test_q6_strips_beside_another_format_stay_in_parts():
+    """A fused layer of Q4 rows and Q6_K strips (a Q4_K_M file's q/k beside its v) keeps both in their
+    codes: RowParts (the Q4 runs fused), one Linear whose output is each part's product in its columns,
+    bias and all, on every route the parts take; int8 activations reach every part."""
+    gen = torch.Generator().manual_seed(3)
+    q = Int4Weight.from_dense(torch.randn(32, 256, generator=gen))
+    k = Int4Weight.from_dense(torch.randn(16, 256, generator=gen))
+    v = strips_of(_q6_k_rows(16, 1, seed=4))
+    fused = cat_rows([q, k, v])
+    assert isinstance(fused, RowParts) and [type(p) for p in fused.parts] == [Int4Weight, PackedQ6Weight]
+    assert fused.shape == (64, 256)
+    bias = torch.randn(64, generator=gen)
+    layer = Linear(fused, bias)
+    assert layer.format == "parts" and [p.out_features for p in layer.parts] == [48, 16]
+    weights = torch.cat([q.dequantize(), k.dequantize(), v.dequantize()])
+    assert torch.equal(layer.dequantize(), weights)
+    for num_rows in (1, 3, 9):
+        x = torch.randn(num_rows, 256, generator=gen)
+        y = layer(x)
+        assert torch.equal(y, torch.cat([layer.parts[0](x), layer.parts[1](x)], dim=1))
+        # within the int16 activation codes' rounding (2^-16 of a block's largest |x|) of the exact product
+        exact = x.double() @ weights.double().T + bias.double()
+        assert ((y.double() - exact).abs() <= 2e-4 * (x.abs().double() @ weights.abs().double().T) + 1e-6).all()
+        out = torch.empty(num_rows, 64)
+        assert layer(x, out) is out and torch.equal(out, y)
+        assert torch.equal(layer.run(x, "blas"), torch.cat([p.run(x, "blas") for p in layer.parts], dim=1))
+    if layer.parts[0].is_packed_strips:
+        assert layer.use_int8_activations() and layer.int8_activations
 
 
 def test_loader_keeps_q6_k_tensors_in_their_codes(qwen_gguf):  # noqa: F811

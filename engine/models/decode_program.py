@@ -103,7 +103,8 @@ class DecodeProgram:
             row[ops.L_ROPE] = layer.rope_index
             row[ops.L_PLAN] = int(layer.window is not None)
             row[ops.L_ACT] = ops.ACT_SILU if layer.hidden_act == "silu" else ops.ACT_GELU_TANH
-            products = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+            qkv = layer.qkv_proj.parts or [layer.qkv_proj]  # a second part: products' fifth slot
+            products = (qkv[0], layer.o_proj, layer.gate_up_proj, layer.down_proj, *qkv[1:])
             for k, lin in enumerate(products):
                 at = ops.PRODUCTS + k * ops.PRODUCT_FIELDS
                 row[at + ops.P_LAYOUT] = lin.kernel_layout(lin._way(route_rows))  # as Linear.run
@@ -146,7 +147,9 @@ def layers_fit(model) -> bool:
                 or layer.qk_norm not in (None, "head", "all")
                 or (layer.qk_norm is not None and layer.q_norm.shape[0] != layer.k_norm.shape[0])):
             return False
-        for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
+        if layer.qkv_proj.parts is not None and len(layer.qkv_proj.parts) != 2:
+            return False
+        for lin in _products(layer):
             if lin.format == "dense" or lin.exact or lin.layout is None or lin._rows is None:
                 return False
     return True
@@ -180,8 +183,12 @@ def program_for(model, batch, kv_cache, plans) -> DecodeProgram | None:
 def _fits(model, route_rows: int) -> bool:
     """layers_fit, and every product on a C kernel route at route_rows rows."""
     return layers_fit(model) and all(
-        linear.is_kernel_route(lin._way(route_rows)) for layer in model.layers
-        for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj))
+        linear.is_kernel_route(lin._way(route_rows)) for layer in model.layers for lin in _products(layer))
+
+
+def _products(layer) -> list:
+    """A layer's product layers: qkv (or its parts), o, gate_up, down."""
+    return [*(layer.qkv_proj.parts or [layer.qkv_proj]), layer.o_proj, layer.gate_up_proj, layer.down_proj]
 
 
 MAX_PROGRAMS = 64  # programs kept per model (one per batch size seen, for its one KV cache)

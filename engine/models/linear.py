@@ -31,6 +31,7 @@ from engine.models.quant import (
     Int5Weight,
     Int8Weight,
     PackedInt8Weight,
+    RowParts,
     Weight,
     blocks_to_int4,
     dequantize_rows,
@@ -201,7 +202,7 @@ class Linear:
     """
 
     __slots__ = ("format", "out_features", "in_features", "bias", "dense", "dense_above_rows", "exact",
-                 "weight_dtype", "layout", "_rows", "_scales", "_int4", "_route_grid", "_route_best")
+                 "weight_dtype", "layout", "_rows", "_scales", "_int4", "_route_grid", "_route_best", "parts")
 
     def __init__(self, weight: Weight, bias: torch.Tensor | None = None, pack: bool = True,
                  keep_dense: bool = False, exact: bool = False, dense_above_rows: int | None = None):
@@ -212,6 +213,16 @@ class Linear:
         self.layout = None  # the qgemm layout of _rows (and _scales), None: no kernel layout
         self._rows = self._scales = self._int4 = None
         self._route_grid = self._route_best = None  # engine.models.routes' table; None: the fixed thresholds
+        self.parts = None  # RowParts: the parts' layers, each product into its columns of one output
+        if isinstance(weight, RowParts):
+            self.format, self.weight_dtype = "parts", None
+            self.bias = None if bias is None else bias.float().contiguous()
+            self.parts, first = [], 0
+            for part in weight.parts:
+                rows = part.shape[0]
+                self.parts.append(Linear(part, None if bias is None else bias[first:first + rows], pack, exact=exact))
+                first += rows
+            return
         if isinstance(weight, torch.Tensor):
             self.format = "dense"
             self.weight_dtype = weight.dtype
@@ -278,6 +289,8 @@ class Linear:
         """From now on quantize this layer's activations to int8 codes (qgemm.h's QG_INT8: twice the
         multiply-adds per instruction, llama.cpp's precision) where its rows are packed strips and its
         products are not exact -> whether it does (other layers keep their int16 codes)."""
+        if self.parts is not None:
+            return all([part.use_int8_activations() for part in self.parts])
         if self.int8_activations:
             return True
         if self.exact or not self.is_packed_strips:
@@ -288,6 +301,8 @@ class Linear:
 
     @property
     def int8_activations(self) -> bool:
+        if self.parts is not None:
+            return all(part.int8_activations for part in self.parts)
         return self.layout is not None and bool(self.layout & INT8)
 
     @property
@@ -325,6 +340,8 @@ class Linear:
     def dequantize(self, first_row: int = 0, end_row: int | None = None) -> torch.Tensor:
         """A quantized weight (or its output rows first_row .. end_row - 1) -> float32 [n, K] (new)."""
         end_row = self.out_features if end_row is None else end_row
+        if self.parts is not None:
+            return torch.cat([part.dequantize() for part in self.parts])[first_row:end_row]
         if self._int4 is not None:  # an Int4Weight the kernels cannot take
             return self._int4.map_rows(lambda t: t[first_row:end_row]).dequantize()
         if qgemm is None:
@@ -408,6 +425,8 @@ class Linear:
         return self._route_best[-1]
 
     def can_run(self, route: str, num_rows: int) -> bool:
+        if self.parts is not None:
+            return all(part.can_run(route, num_rows) for part in self.parts)
         if route == "blas":
             return True
         if self.layout is None or qgemm is None:
@@ -431,6 +450,8 @@ class Linear:
     def run(self, x: torch.Tensor, route: str, out: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, in] -> [T, out] through one route ("int16", "float", "amx_int", "strip", "amx" or "blas");
         ``out``: a float32 [T, out] tensor to write the result into (returned)."""
+        if self.parts is not None:
+            return _into(out, torch.cat([part.run(x, route) for part in self.parts], dim=1))
         num_rows = x.shape[0]
         if route in _KERNEL_ROUTES:
             code = _DTYPE_CODES.get(x.dtype)
@@ -495,6 +516,13 @@ class Linear:
         [T, out] tensor to write the result into (returned), e.g. the engine's logits buffer."""
         if self.format == "dense":
             return _into(out, self.dense(x))
+        if self.parts is not None:  # each part's product (its own routes) into its columns
+            y = torch.empty(x.shape[0], self.out_features, dtype=x.dtype) if out is None else out
+            first = 0
+            for part in self.parts:
+                y[:, first:first + part.out_features] = part(x)
+                first += part.out_features
+            return y
         num_rows = x.shape[0]
         route_rows = one_class_route_rows(num_rows)
         if route_rows is not None:  # one class of rows (a decode step): one product

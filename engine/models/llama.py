@@ -298,9 +298,10 @@ class LlamaModel(nn.Module):
         self.decode_programs = decode_program.Programs()
         self.decode_buffers = decode_program.DecodeBuffers()
         num_threads = torch.get_num_threads()
-        layers = [proj for layer in self.layers
+        layers = [part for layer in self.layers
                   for proj in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
-                  if proj is not None]  # MoE layers: no dense gate/up
+                  if proj is not None  # MoE layers: no dense gate/up
+                  for part in (proj.parts or [proj])]  # a fused layer in parts: each calibrated, each int8
         if activations not in ACTIVATIONS:
             raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
         self.activations = activations

@@ -411,7 +411,22 @@ class PackedQ6Weight(PackedInt8Weight):
                               (sum(p.shape[0] for p in parts), parts[0].shape[1]))
 
 
-Weight = torch.Tensor | Int4Weight | Int5Weight | Int8Weight | PackedInt8Weight
+class RowParts:
+    """Consecutive output rows in formats of their own (a fused layer whose parts would otherwise be
+    re-quantized to one format: Q4_K q/k beside a Q6_K v in a Q4_K_M file's layers). Linear runs each
+    part's product into its columns of one output."""
+
+    __slots__ = ("parts", "shape")
+
+    def __init__(self, parts: list):
+        self.parts = parts
+        self.shape = (sum(p.shape[0] for p in parts), parts[0].shape[1])
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.cat([p if isinstance(p, torch.Tensor) else p.dequantize() for p in self.parts])
+
+
+Weight = torch.Tensor | Int4Weight | Int5Weight | Int8Weight | PackedInt8Weight | RowParts
 
 
 class StripRows:
@@ -433,9 +448,19 @@ class StripRows:
 
 def cat_rows(parts: list[Weight]) -> Weight:
     """Concatenate weights along the output rows (fused QKV, gate/up). Parts of one format stay
-    in it (Q6_K strips: theirs concatenated); int4 beside int5 becomes int5 (exact), int5 (Q5_0)
+    in it (Q6_K strips: theirs concatenated); Q6_K strips beside other quantized formats stay apart
+    (RowParts: each run of one format fused); int4 beside int5 becomes int5 (exact), int5 (Q5_0)
     beside int8 (a Q8_0 V beside Q5_0 Q/K) becomes int8 (exact), any other mix int8 re-quantized."""
     kinds = {type(p) for p in parts}
+    if PackedQ6Weight in kinds and len(kinds) > 1 and PackedInt8Weight not in kinds and torch.Tensor not in kinds:
+        # Q6_K strips beside other quantized rows: each run of Q6 strips, or of the others, fused
+        runs: list[list] = []
+        for p in parts:
+            if runs and isinstance(runs[-1][0], PackedQ6Weight) == isinstance(p, PackedQ6Weight):
+                runs[-1].append(p)
+            else:
+                runs.append([p])
+        return RowParts([cat_rows(run) if len(run) > 1 else run[0] for run in runs])
     if kinds == {Int4Weight, Int5Weight}:
         parts = [Int5Weight.from_int4(p) if isinstance(p, Int4Weight) else p for p in parts]
         kinds = {Int5Weight}
