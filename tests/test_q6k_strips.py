@@ -265,3 +265,32 @@ def test_loader_keeps_q6_k_tensors_in_their_codes(qwen_gguf):  # noqa: F811
     assert isinstance(weight, PackedQ6Weight) and torch.equal(weight.dequantize(), dense)
     x = torch.randn(3, dense.shape[1])
     torch.testing.assert_close(Linear(weight)(x).double(), x.double() @ dense.double().T, atol=1e-4, rtol=1e-4)
+
+
+def test_rows_reordered_after_load_fall_back_to_int8():
+    """A partial-rotary family reorders its fused qkv rows after load (engine.models.llama._map_rows:
+    Phi-4-mini's attn_qkv may be Q6_K): strips cannot be reordered, so the weight becomes int8
+    re-quantized, its rows in the new order."""
+    from engine.models.llama import _map_rows
+
+    v = strips_of(_q6_k_rows(32, 1, seed=6))
+    gen = torch.Generator().manual_seed(0)
+    for weight in (v, RowParts([Int4Weight.from_dense(torch.randn(16, 256, generator=gen)), v])):
+        dense = weight.dequantize()
+        order = torch.randperm(dense.shape[0], generator=gen)
+        moved = _map_rows(weight, order)
+        assert isinstance(moved, Int8Weight) and moved.shape == dense.shape
+        expected = dense[order].reshape(dense.shape[0], -1, 32)
+        step = expected.abs().amax(-1, keepdim=True) / 127
+        assert ((moved.dequantize().reshape(expected.shape) - expected).abs() <= step / 2 + 1e-5).all()
+
+
+def test_parts_keep_a_dense_copy_for_long_prompts():
+    """dense_above_rows on a layer in parts: beyond it the dense float32 copy runs (as for any layer)."""
+    q = Int4Weight.from_dense(torch.randn(16, 256, generator=torch.Generator().manual_seed(1)))
+    layer = Linear(RowParts([q, strips_of(_q6_k_rows(16, 1, seed=7))]), dense_above_rows=4)
+    assert layer.dense is not None
+    x = torch.randn(6, 256)
+    exact = x.double() @ layer.dequantize().double().T
+    torch.testing.assert_close(layer(x).double(), exact, atol=1e-3, rtol=1e-4)
+    assert torch.equal(layer(x[:4]), torch.cat([layer.parts[0](x[:4]), layer.parts[1](x[:4])], dim=1))

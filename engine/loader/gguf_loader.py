@@ -136,13 +136,12 @@ class GGUFStateDict(Mapping):
     quantization (engine.config.QUANTIZATIONS) picks each tensor's format:
     - "auto": Q4_0/Q4_1/Q4_K projections -> Int4Weight, Q5_0/Q5_1 -> Int5Weight (both exact; a
       fused layer mixing Q5_0 with Q8_0 becomes int8, still exact); Q6_K projections and head, where
-      the kernels take strips of 16 rows, -> PackedQ6Weight (the file's codes, exact); other quantized
-      projections and
-      the head -> Int8Weight with a scale per block of 32 (Q8_0: exact; other types re-quantized,
-      and then the head's refined logits and a tied embedding read their rows exactly from the
-      map), or, where the kernels take strips of 16 rows, PackedInt8Weight (the same codes packed a
-      chunk at a time); a quantized untied embedding -> MappedRows (map only);
-      unquantized tensors -> dense.
+      the kernels take strips of 16 rows, -> PackedQ6Weight (the file's codes, exact; fused beside
+      other formats: engine.models.quant.RowParts); other quantized projections and the head ->
+      Int8Weight with a scale per block of 32 (Q8_0: exact; other types re-quantized, and then the
+      head's refined logits and a tied embedding read their rows exactly from the map), or, where
+      the kernels take strips of 16 rows, PackedInt8Weight (the same codes packed a chunk at a time);
+      a quantized untied embedding -> MappedRows (map only); unquantized tensors -> dense.
     - "int4": every projection -> Int4Weight (Q4 exact, others re-quantized); embedding/head int8.
     - "bfloat16" / "float32": everything dense in `dtype` (exact dequantization in float32).
     """
@@ -193,7 +192,7 @@ class GGUFStateDict(Mapping):
         source = None if isinstance(info, _ExpertRows) else (self.gguf.path, info.offset)  # rows read with pread
         if self._takes_q6_strips(name, info):
             weight = self._q6_strips(raw, info)
-            if not is_projection:  # the head (tied: the embedding): lookups and refined logits from the file
+            if not is_projection:  # the head (tied: the embedding): lookups read the file's rows
                 weight.exact_rows = MappedRows(raw, info.ggml_type, info.shape, source=source)
             return weight
         rows = MappedRows(raw, info.ggml_type, info.shape, source=source)

@@ -222,6 +222,8 @@ class Linear:
                 rows = part.shape[0]
                 self.parts.append(Linear(part, None if bias is None else bias[first:first + rows], pack, exact=exact))
                 first += rows
+            if dense_above_rows is not None:
+                self.dense = DenseLinear(weight.dequantize(), self.bias, pack)
             return
         if isinstance(weight, torch.Tensor):
             self.format = "dense"
@@ -516,6 +518,8 @@ class Linear:
         [T, out] tensor to write the result into (returned), e.g. the engine's logits buffer."""
         if self.format == "dense":
             return _into(out, self.dense(x))
+        if self.parts is not None and self.dense is not None and x.shape[0] > self.dense_above_rows:
+            return self._product(x, "dense", out)
         if self.parts is not None:  # each part's product (its own routes) into its columns
             y = torch.empty(x.shape[0], self.out_features, dtype=x.dtype) if out is None else out
             first = 0

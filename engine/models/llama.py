@@ -243,8 +243,8 @@ class LlamaModel(nn.Module):
         llama.cpp's 3rd and 4th token, tests/test_parity_engine.py). The routes chosen are in
         ``product_routes``. activations: "int16" (the default) or "int8": the integer codes the
         packed (AVX-512 VNNI) projections and head quantize their activations to (engine.config's
-        ACTIVATIONS; int8 is llama.cpp's precision at about 1.6x the multi-row products' speed;
-        Q6_K layers in their own codes keep int16); ``int8_layers`` counts the layers that took int8."""
+        ACTIVATIONS; int8 is llama.cpp's precision at about 1.6x the multi-row products' speed);
+        ``int8_layers`` counts the layers that took int8."""
         super().__init__()
         self.config = config
         self.dtype = resolve_dtype(dtype)
@@ -583,4 +583,6 @@ def _interleave_partial_rotary(weights: dict, config: ModelConfig) -> None:
 def _map_rows(weight: Weight, rows: torch.Tensor) -> Weight:
     if isinstance(weight, torch.Tensor):
         return weight[rows].contiguous()
+    if not hasattr(weight, "map_rows"):  # Q6_K strips (or parts with them) keep whole strips: int8, reordered
+        weight = Int8Weight.from_dense(weight.dequantize())
     return weight.map_rows(lambda t: t[rows].contiguous())
