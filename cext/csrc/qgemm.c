@@ -285,23 +285,25 @@ static inline int packed_code(int packed, const uint8_t *strip, int64_t b, int j
     return (strip[at] >> bit) & 1 ? low - 16 : low;
 }
 
-/* Where input e (0..31) of block b, row j of a PACKED_Q6 strip keeps its code (qgemm.h): pair p = e / 2
- * in half h = e % 2 of 32-bit lane j of word u of the block's six; pairs 0-11 whole (word p / 2, bits
- * 16 h + 6 (p % 2)), pairs 12 + m its low 4 bits at bits 16 h + 12 of word m and its high 2 bits at
- * bits 16 h + 12 + 2 (m % 2) of word 4 + m / 2. -> the code q - 32 (-32..31). */
-static inline int q6_packed_code(const uint8_t *strip, int64_t b, int j, int e) {
-    const int p = e / 2, h = e % 2;
-    uint32_t w;
-    if (p < 12) {
-        memcpy(&w, strip + b * 384 + (p / 2) * 64 + 4 * j, 4);
-        return (int)(((w >> (16 * h + 6 * (p % 2))) & 0x3F) ^ 32) - 32;
+/* Block b of row j of a PACKED_Q6 strip -> its 32 codes q - 32 (-32..31), the six words read once.
+ * Input e keeps its code (qgemm.h) as pair p = e / 2 in half h = e % 2 of 32-bit lane j of word u of
+ * the block's six, q ^ 32 in 6-bit fields: pairs 0-11 whole (word p / 2, bits 16 h + 6 (p % 2)), pairs
+ * 12 + m their low 4 bits at bits 16 h + 12 of word m and their high 2 bits at bits 16 h + 12 + 2 (m % 2)
+ * of word 4 + m / 2. */
+static inline void q6_packed_block(const uint8_t *strip, int64_t b, int j, int *codes) {
+    uint32_t w[6];
+    for (int u = 0; u < 6; u++) memcpy(&w[u], strip + b * 384 + u * 64 + 4 * j, 4);
+    for (int e = 0; e < QK_BLOCK; e++) {
+        const int p = e / 2, h = e % 2;
+        int field;
+        if (p < 12) {
+            field = (int)(w[p / 2] >> (16 * h + 6 * (p % 2))) & 0x3F;
+        } else {
+            const int m = p - 12;
+            field = ((int)(w[m] >> (16 * h + 12)) & 0x0F) | ((int)(w[4 + m / 2] >> (16 * h + 12 + 2 * (m % 2))) & 3) << 4;
+        }
+        codes[e] = (field ^ 32) - 32;
     }
-    const int m = p - 12;
-    uint32_t hi;
-    memcpy(&w, strip + b * 384 + m * 64 + 4 * j, 4);
-    memcpy(&hi, strip + b * 384 + (4 + m / 2) * 64 + 4 * j, 4);
-    const int low = (int)(w >> (16 * h + 12)) & 0x0F, high = (int)(hi >> (16 * h + 12 + 2 * (m % 2))) & 3;
-    return ((low | high << 4) ^ 32) - 32;
 }
 
 /* Group g (16 inputs) of row j of a PACKED_Q6 strip: d * s[g] (exact in float32). */
@@ -348,10 +350,12 @@ static void packed_range_scalar(const void *p, int64_t s0, int64_t s1, float *sc
                 float acc = 0.0f;
                 for (int64_t b = 0; b < nb && packed == PACKED_Q6; b++) {  /* a sum per group of 16 */
                     float f[2];
+                    int codes[QK_BLOCK];
+                    q6_packed_block(strip, b, j, codes);
                     for (int g = 0; g < 2; g++) {
                         const int16_t *xq = a->qx + i * K + b * QK_BLOCK + 16 * g;
                         int32_t dot = 0;
-                        for (int e = 0; e < 16; e++) dot += q6_packed_code(strip, b, j, 16 * g + e) * xq[e];
+                        for (int e = 0; e < 16; e++) dot += codes[16 * g + e] * xq[e];
                         f[g] = (float)dot;
                     }
                     const float t = fmaf(f[1], q6_packed_scale(strip, nb, 2 * b + 1, j),
@@ -381,8 +385,11 @@ static void dequantize_packed(int packed, const uint8_t *w, int half, int has_mi
         const uint8_t *strip = w + (n / 16) * packed_strip_bytes(packed, nb, half, has_mins);
         const int j = (int)(n % 16);
         for (int64_t b = 0; b < nb && packed == PACKED_Q6; b++) {  /* (d * s) * c, as ggml's d * sc * q */
+            int codes[QK_BLOCK];
+            q6_packed_block(strip, b, j, codes);
+            const float scale[2] = {q6_packed_scale(strip, nb, 2 * b, j), q6_packed_scale(strip, nb, 2 * b + 1, j)};
             for (int e = 0; e < QK_BLOCK; e++) {
-                const float value = q6_packed_scale(strip, nb, 2 * b + e / 16, j) * (float)q6_packed_code(strip, b, j, e);
+                const float value = scale[e / 16] * (float)codes[e];
                 const int64_t at = (n - first) * num_cols + b * QK_BLOCK + e;
                 if (out_dtype == DT_FLOAT32) ((float *)out)[at] = value;
                 else ((uint16_t *)out)[at] = dt_f32_to_bf16(value);
@@ -885,7 +892,7 @@ int qg_q5_pack(const uint8_t *packed, const uint8_t *high, int64_t num_rows, int
 }
 
 /* Strips s0 .. s1 - 1 of qg_q6k_pack: per row its codes (0..63, ggml's element order) into scratch, then
- * placed as q6_packed_code reads them; the scales and d copied. */
+ * placed as q6_packed_block reads them; the scales and d copied. */
 static void q6k_pack_range(const void *p, int64_t s0, int64_t s1, float *scratch) {
     const PackArgs *a = (const PackArgs *)p;
     const int64_t K = a->num_cols, nb = K / QK_BLOCK, nsb = K / 256;
@@ -914,7 +921,7 @@ static void q6k_pack_range(const void *p, int64_t s0, int64_t s1, float *scratch
             }
             for (int64_t b = 0; b < nb; b++) {
                 uint32_t words[6] = {0};
-                for (int e = 0; e < QK_BLOCK; e++) {  /* q6_packed_code's places */
+                for (int e = 0; e < QK_BLOCK; e++) {  /* q6_packed_block's places */
                     const uint32_t c = q[b * QK_BLOCK + e] ^ 32u;  /* q - 32 as 6-bit two's complement */
                     const int p = e / 2, h = e % 2;
                     if (p < 12) {
