@@ -10,7 +10,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
-from model_fixtures import qwen_gguf  # noqa: F401 (fixtures)
+from model_fixtures import gemma3_gguf, qwen_gguf  # noqa: F401 (fixtures)
 from test_fused_kernels import ALL_ISAS, use_isa
 from test_qgemm import quantize_activations
 from test_quant import _q6_k_rows
@@ -294,3 +294,23 @@ def test_parts_keep_a_dense_copy_for_long_prompts():
     exact = x.double() @ layer.dequantize().double().T
     torch.testing.assert_close(layer(x).double(), exact, atol=1e-3, rtol=1e-4)
     assert torch.equal(layer(x[:4]), torch.cat([layer.parts[0](x[:4]), layer.parts[1](x[:4])], dim=1))
+
+
+def test_q5_0_beside_q8_0_stays_in_parts_with_the_same_bits(gemma3_gguf):  # noqa: F811
+    """Gemma 3's Q5_0 q/k beside a Q8_0 v: two parts (int5 strips and int8 strips, 5.5 and 8.5 bits a
+    weight) where the whole was int8 (q - 16); the products are the same bits as the int8 form's."""
+    from engine.gguf_file import GGUFFile
+    from engine.loader.gguf_loader import GGUFStateDict, read_config
+    from engine.models.quant import Int5Weight
+
+    with GGUFFile(gemma3_gguf, with_vocabulary=False) as f:
+        state = GGUFStateDict(f, read_config(f), "auto", torch.float32)
+        q, k, v = (state[f"model.layers.0.self_attn.{n}_proj.weight"] for n in "qkv")
+    assert isinstance(q, Int5Weight) and isinstance(v, Int8Weight) and v.is_exact
+    fused = cat_rows([q, k, v])
+    assert isinstance(fused, RowParts) and [type(p) for p in fused.parts] == [Int5Weight, Int8Weight]
+    assert isinstance(cat_rows([q, v, k]), Int8Weight)  # three runs: the int8 form, as before
+    parts, whole = Linear(fused), Linear(Int8Weight.cat([q.to_int8(), k.to_int8(), v]))
+    for num_rows in (1, 3, 8, 17):
+        x = torch.randn(num_rows, q.shape[1], generator=torch.Generator().manual_seed(num_rows))
+        assert torch.equal(parts(x), whole(x))

@@ -448,19 +448,25 @@ class StripRows:
 
 def cat_rows(parts: list[Weight]) -> Weight:
     """Concatenate weights along the output rows (fused QKV, gate/up). Parts of one format stay
-    in it (Q6_K strips: theirs concatenated); Q6_K strips beside other quantized formats stay apart
-    (RowParts: each run of one format fused); int4 beside int5 becomes int5 (exact), int5 (Q5_0)
-    beside int8 (a Q8_0 V beside Q5_0 Q/K) becomes int8 (exact), any other mix int8 re-quantized."""
+    in it (Q6_K strips: theirs concatenated); Q6_K strips beside other quantized formats, and int5 beside
+    an exact int8 (a Q8_0 V beside Q5_0 Q/K), stay apart in at most two parts (RowParts: each run of one
+    kind fused); int4 beside int5 becomes int5 (exact), int5 beside int8 in more runs becomes int8 (exact
+    where the int8 is), any other mix int8 re-quantized."""
     kinds = {type(p) for p in parts}
-    if PackedQ6Weight in kinds and len(kinds) > 1 and PackedInt8Weight not in kinds and torch.Tensor not in kinds:
-        # Q6_K strips beside other quantized rows: each run of Q6 strips, or of the others, fused
+    q6_mix = PackedQ6Weight in kinds and len(kinds) > 1 and not kinds & {PackedInt8Weight, torch.Tensor}
+    exact_mix = kinds == {Int5Weight, Int8Weight} and all(p.is_exact for p in parts if isinstance(p, Int8Weight))
+    if q6_mix or exact_mix:
+        # Q6_K strips beside other quantized rows, or Q5_0 beside Q8_0 (Gemma 3's and Qwen2.5's q/k beside
+        # v): each run of one kind fused, at most two parts (what the decode program takes); more runs
+        # take the rules below
         runs: list[list] = []
         for p in parts:
-            if runs and isinstance(runs[-1][0], PackedQ6Weight) == isinstance(p, PackedQ6Weight):
+            if runs and _part_kind(runs[-1][0], q6_mix) == _part_kind(p, q6_mix):
                 runs[-1].append(p)
             else:
                 runs.append([p])
-        return RowParts([cat_rows(run) if len(run) > 1 else run[0] for run in runs])
+        if len(runs) <= 2:
+            return RowParts([cat_rows(run) if len(run) > 1 else run[0] for run in runs])
     if kinds == {Int4Weight, Int5Weight}:
         parts = [Int5Weight.from_int4(p) if isinstance(p, Int4Weight) else p for p in parts]
         kinds = {Int5Weight}
@@ -471,6 +477,14 @@ def cat_rows(parts: list[Weight]) -> Weight:
         return torch.cat(parts) if kind is torch.Tensor else kind.cat(parts)
     dense = [p if isinstance(p, torch.Tensor) else p.dequantize() for p in parts]
     return Int8Weight.from_dense(torch.cat(dense))
+
+
+def _part_kind(weight, q6_mix: bool) -> type:
+    """What cat_rows fuses into one part: beside Q6_K strips every other format together (cat_rows joins
+    them by its rules), else each type apart."""
+    if isinstance(weight, PackedQ6Weight):
+        return PackedQ6Weight
+    return object if q6_mix else type(weight)
 
 
 def blocks_to_int4(blocks: torch.Tensor, num_cols: int, half: bool = False) -> Int4Weight:
