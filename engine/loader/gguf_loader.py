@@ -135,9 +135,9 @@ class GGUFStateDict(Mapping):
 
     quantization (engine.config.QUANTIZATIONS) picks each tensor's format:
     - "auto": Q4_0/Q4_1/Q4_K projections -> Int4Weight, Q5_0/Q5_1 -> Int5Weight (both exact; a
-      fused layer mixing Q5_0 with Q8_0 becomes int8, still exact); Q6_K projections and head, where
-      the kernels take strips of 16 rows, -> PackedQ6Weight (the file's codes, exact; fused beside
-      other formats: engine.models.quant.RowParts); other quantized projections and the head ->
+      fused layer mixing Q5_0 with Q8_0 stays in two parts, engine.models.quant.RowParts); Q6_K
+      projections and head, where the kernels take strips of 16 rows, -> PackedQ6Weight (the file's
+      codes, exact; fused beside other formats: RowParts too); other quantized projections and the head ->
       Int8Weight with a scale per block of 32 (Q8_0: exact; other types re-quantized, and then the
       head's refined logits and a tied embedding read their rows exactly from the map), or, where
       the kernels take strips of 16 rows, PackedInt8Weight (the same codes packed a chunk at a time);
