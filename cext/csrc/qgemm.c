@@ -348,22 +348,22 @@ static void packed_range_scalar(const void *p, int64_t s0, int64_t s1, float *sc
             const float bias = a->bias ? a->bias[n] : 0.0f;
             for (int64_t i = 0; i < a->num_rows; i++) {
                 float acc = 0.0f;
-                for (int64_t b = 0; b < nb && packed == PACKED_Q6; b++) {  /* a sum per group of 16 */
-                    float f[2];
-                    int codes[QK_BLOCK];
-                    q6_packed_block(strip, b, j, codes);
-                    for (int g = 0; g < 2; g++) {
-                        const int16_t *xq = a->qx + i * K + b * QK_BLOCK + 16 * g;
-                        int32_t dot = 0;
-                        for (int e = 0; e < 16; e++) dot += codes[16 * g + e] * xq[e];
-                        f[g] = (float)dot;
-                    }
-                    const float t = fmaf(f[1], q6_packed_scale(strip, nb, 2 * b + 1, j),
-                                         f[0] * q6_packed_scale(strip, nb, 2 * b, j));
-                    acc = fmaf(t, a->dx[i * nb + b], acc);
-                }
-                for (int64_t b = 0; b < nb && packed != PACKED_Q6; b++) {
+                for (int64_t b = 0; b < nb; b++) {
                     const int16_t *xq = a->qx + i * K + b * QK_BLOCK;
+                    if (packed == PACKED_Q6) {  /* a sum per group of 16 */
+                        float f[2];
+                        int codes[QK_BLOCK];
+                        q6_packed_block(strip, b, j, codes);
+                        for (int g = 0; g < 2; g++) {
+                            int32_t dot = 0;
+                            for (int e = 0; e < 16; e++) dot += codes[16 * g + e] * xq[16 * g + e];
+                            f[g] = (float)dot;
+                        }
+                        const float t = fmaf(f[1], q6_packed_scale(strip, nb, 2 * b + 1, j),
+                                             f[0] * q6_packed_scale(strip, nb, 2 * b, j));
+                        acc = fmaf(t, a->dx[i * nb + b], acc);
+                        continue;
+                    }
                     int32_t dot = 0;
                     for (int e = 0; e < QK_BLOCK; e++) dot += packed_code(packed, strip, b, j, e) * xq[e];
                     const float scale = packed_scale(packed, strip, nb, b, j, a->half, 0) * a->dx[i * nb + b];
@@ -384,26 +384,25 @@ static void dequantize_packed(int packed, const uint8_t *w, int half, int has_mi
     for (int64_t n = first; n < first + count; n++) {
         const uint8_t *strip = w + (n / 16) * packed_strip_bytes(packed, nb, half, has_mins);
         const int j = (int)(n % 16);
-        for (int64_t b = 0; b < nb && packed == PACKED_Q6; b++) {  /* (d * s) * c, as ggml's d * sc * q */
-            int codes[QK_BLOCK];
-            q6_packed_block(strip, b, j, codes);
-            const float scale[2] = {q6_packed_scale(strip, nb, 2 * b, j), q6_packed_scale(strip, nb, 2 * b + 1, j)};
-            for (int e = 0; e < QK_BLOCK; e++) {
-                const float value = scale[e / 16] * (float)codes[e];
-                const int64_t at = (n - first) * num_cols + b * QK_BLOCK + e;
-                if (out_dtype == DT_FLOAT32) ((float *)out)[at] = value;
-                else ((uint16_t *)out)[at] = dt_f32_to_bf16(value);
+        for (int64_t b = 0; b < nb; b++) {
+            float v[QK_BLOCK];
+            if (packed == PACKED_Q6) {  /* (d * s) * c, as ggml's d * sc * q */
+                int codes[QK_BLOCK];
+                q6_packed_block(strip, b, j, codes);
+                const float scale[2] = {q6_packed_scale(strip, nb, 2 * b, j), q6_packed_scale(strip, nb, 2 * b + 1, j)};
+                for (int e = 0; e < QK_BLOCK; e++) v[e] = scale[e / 16] * (float)codes[e];
+            } else {
+                const float d = packed_scale(packed, strip, nb, b, j, half, 0);
+                const float m = packed_mins(packed, has_mins) ? packed_scale(packed, strip, nb, b, j, half, 1) : 0.0f;
+                for (int e = 0; e < QK_BLOCK; e++) {
+                    v[e] = d * (float)packed_code(packed, strip, b, j, e);
+                    if (packed != PACKED_Q8) v[e] = v[e] + m;  /* as the row layouts dequantize */
+                }
             }
-        }
-        for (int64_t b = 0; b < nb && packed != PACKED_Q6; b++) {
-            const float d = packed_scale(packed, strip, nb, b, j, half, 0);
-            const float m = packed_mins(packed, has_mins) ? packed_scale(packed, strip, nb, b, j, half, 1) : 0.0f;
+            const int64_t at = (n - first) * num_cols + b * QK_BLOCK;
             for (int e = 0; e < QK_BLOCK; e++) {
-                const float v = d * (float)packed_code(packed, strip, b, j, e);
-                const int64_t at = (n - first) * num_cols + b * QK_BLOCK + e;
-                const float value = packed == PACKED_Q8 ? v : v + m;  /* as the row layouts dequantize */
-                if (out_dtype == DT_FLOAT32) ((float *)out)[at] = value;
-                else ((uint16_t *)out)[at] = dt_f32_to_bf16(value);
+                if (out_dtype == DT_FLOAT32) ((float *)out)[at + e] = v[e];
+                else ((uint16_t *)out)[at + e] = dt_f32_to_bf16(v[e]);
             }
         }
     }
@@ -549,27 +548,16 @@ static int run_packed(QArgs *a, const void *x, int64_t x_stride) {
             int32_t *isx = (int32_t *)(qx8 + M * K);
             strip_quantize_rows8(x, x_stride, M, K, a->dtype, a->packed != PACKED_Q8 && a->packed != PACKED_Q6, qx8, dx,
                                  sx, isx);
+            if (a->packed == PACKED_Q6) {  /* the sums per group of 16 in their place (K + 4 K / 16 < 2 K bytes): */
+                for (int64_t g = 0; g < M * K / 16; g++) {  /* packed_rows_q6 takes 32 x them off */
+                    int32_t sum = 0;
+                    for (int e = 0; e < 16; e++) sum += qx8[g * 16 + e];  /* a group's 16 bytes, in any order */
+                    isx[g] = sum;
+                }
+            }
             a->qx8 = qx8; a->isx = isx;
         } else {
             strip_quantize_rows(x, x_stride, M, K, a->dtype, qx, dx, sx);
-        }
-        if (a->packed == PACKED_Q6 && a->int8) {  /* the groups' code sums (packed_rows_q6 takes 32 x them off) */
-            int32_t *isx = (int32_t *)malloc(sizeof(int32_t) * (size_t)(M * K / 16));
-            if (isx == NULL) {
-                free(buf);
-                return QG_NO_MEMORY;
-            }
-            for (int64_t g = 0; g < M * K / 16; g++) {  /* int8 codes: 16 bytes, in their order */
-                int32_t sum = 0;
-                for (int e = 0; e < 16; e++) sum += a->qx8[g * 16 + e];
-                isx[g] = sum;
-            }
-            a->isx = isx;
-            a->qx = qx; a->dx = dx; a->sx = sx;
-            int rc = cpu_parallel_for(packed_range_avx512, a, a->num_out / 16, M * a->num_out * K, 0);
-            free(isx);
-            free(buf);
-            return rc;
         }
         fn = packed_range_avx512;
     } else

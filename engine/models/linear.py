@@ -31,6 +31,7 @@ from engine.models.quant import (
     Int5Weight,
     Int8Weight,
     PackedInt8Weight,
+    PackedQ6Weight,
     RowParts,
     Weight,
     blocks_to_int4,
@@ -98,7 +99,7 @@ KERNEL_BLOCK_ROWS = 256
 INT_KERNEL_MAX_ROWS = 16  # without AVX2 there is no float path: the scalar kernels up to here
 # The kernels' layout codes (cext/csrc/qgemm.h's QG_*; tests/test_qgemm.py checks they agree).
 Q4, Q5, Q8, HALF, NO_MINS, ROUTE_INT, ROUTE_FLOAT, SUPER, ROUTE_AMX, ROUTE_STRIP = 0, 1, 2, 4, 8, 16, 32, 64, 128, 256
-Q6, Q_FORMAT_MASK = 3, 3  # Q6_K's own codes, in strips only (qgemm.h's QG_Q6)
+Q6 = 3  # Q6_K's own codes, in strips only (qgemm.h's QG_Q6)
 PACKED = 512  # quantized rows stored in strips of 16 for the strip route (qgemm.h's QG_PACKED)
 INT8 = 1024  # packed products with int8 activation codes (qgemm.h's QG_INT8)
 # The C kernels' routes (cext/csrc/qgemm.h): amx_int is int16's integer sums on AMX-INT8 tiles,
@@ -260,7 +261,7 @@ class Linear:
             else:  # no kernel layout: the product dequantizes per call
                 self._int4 = weight
         elif isinstance(weight, PackedInt8Weight):  # packed by the loader, a chunk of rows at a time
-            self.format = "q6" if weight.layout & Q_FORMAT_MASK == Q6 else "int8"
+            self.format = "q6" if isinstance(weight, PackedQ6Weight) else "int8"
             self._rows, self.layout = weight.strips, weight.layout | PACKED
         elif isinstance(weight, Int8Weight):
             self.format = "int8"
@@ -291,7 +292,7 @@ class Linear:
         """From now on quantize this layer's activations to int8 codes (qgemm.h's QG_INT8: twice the
         multiply-adds per instruction, llama.cpp's precision) where its rows are packed strips and its
         products are not exact -> whether it does (other layers keep their int16 codes)."""
-        if self.parts is not None:
+        if self.parts is not None:  # a list, not a generator: every part is switched, not just up to a refusal
             return all([part.use_int8_activations() for part in self.parts])
         if self.int8_activations:
             return True
