@@ -9,6 +9,7 @@ the waiting, shared with the async twin (engine/async_stream.py).
 from __future__ import annotations
 
 import queue
+import time
 from collections.abc import Callable
 
 from .core.runtime import FINISHED, EngineCore
@@ -133,6 +134,16 @@ class BaseRequestStream:
         return self.collect() if self.num_choices == 1 else self.collect_choices()
 
 
+def pace(events_due: Callable[[], float]) -> None:
+    """Sleep until the engine's next events are due, if its ticks are short and steady
+    (``EngineCore.events_due``): the put then finds nobody to wake."""
+    due = events_due()  # at most PACE_MAX_PERIOD_S + PACE_MARGIN_S ahead (engine.core.runtime)
+    if due:
+        wait = due - time.perf_counter()
+        if wait > 0.0:
+            time.sleep(wait)
+
+
 class RequestStream(BaseRequestStream):
     """Iterator over one request's StreamEvents. Closing it (or dropping it) aborts the request.
 
@@ -148,6 +159,8 @@ class RequestStream(BaseRequestStream):
         if self._done:
             raise StopIteration
         outputs = self._outputs
+        if outputs.empty():
+            pace(self._core.events_due)
         while True:
             try:
                 item = outputs.get(timeout=1.0)

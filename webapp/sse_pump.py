@@ -23,6 +23,8 @@ import logging
 import threading
 import weakref
 
+from engine.request_stream import pace
+
 from .sse import end_chunk, error_end, events_chunk
 
 log = logging.getLogger("webapp")
@@ -104,8 +106,9 @@ def _is_disconnect(exc: BaseException) -> bool:
 class SSEPump:
     """The writer thread of one engine's streams (``for_engine``)."""
 
-    def __init__(self, num_running=lambda: 2):
+    def __init__(self, num_running=lambda: 2, events_due=lambda: 0.0):
         self._num_running = num_running  # () -> sequences the engine runs (read without a lock)
+        self._events_due = events_due  # EngineCore.events_due
         self.num_streams = 0  # streams attached (written by the pump thread, read by any)
         self._wake = threading.Event()
         self._lock = threading.Lock()  # guards _new (handlers append, the pump takes)
@@ -126,7 +129,7 @@ class SSEPump:
         with _PUMPS_LOCK:
             pump = _PUMPS.get(engine)
             if pump is None:
-                pump = cls(lambda: len(core.scheduler.running))
+                pump = cls(lambda: len(core.scheduler.running), core.events_due)
                 core.add_tick_listener(pump._wake.set)
                 _PUMPS[engine] = pump
         return pump
@@ -163,7 +166,9 @@ class SSEPump:
                     self._thread = None
                     self.num_streams = 0
                     return
-            wake.wait(IDLE_WAIT_S)
+            if not wake.is_set():  # paced by the ticks (engine.request_stream.pace), else woken by them
+                pace(self._events_due)
+                wake.wait(IDLE_WAIT_S)
             wake.clear()
             self.num_streams = len(streams)
             ended = [h for h in streams if h.pump()]  # every stream, each time

@@ -48,6 +48,19 @@ log = logging.getLogger("engine")
 
 FINISHED = object()  # queue sentinel after the last event
 
+# A consumer that finds its queue empty while ticks run short and steady sleeps until the next
+# tick's events should be there (EngineCore.events_due) instead of blocking on the queue: then the
+# engine's put wakes nobody. On the 2-vCPU VMs a put that wakes a blocked thread costs the engine
+# thread 10-15 us (the wake-up of an idle virtual CPU), a third of a lone HTTP stream's host time
+# per token at 650 tok/s (benchmarks/host_path.py). Paced only while ticks are at most
+# PACE_MAX_PERIOD_S apart (a wake costs nothing beside a slower tick) and forwards last at least
+# PACE_MIN_FORWARD_S (the consumer runs while the forward has the GIL released); it wakes
+# PACE_MARGIN_S after the next forward should have started, when the events are queued and the
+# GIL is free. A guess that misses costs only the wake it meant to save: the consumer then blocks.
+PACE_MAX_PERIOD_S = 0.005
+PACE_MIN_FORWARD_S = 0.0003
+PACE_MARGIN_S = 0.00005
+
 
 class _TickRequests:
     """The requests of a tick's sampled rows and what the sampler takes from them, made once per
@@ -129,6 +142,8 @@ class EngineCore:
         self.defer_min_forward_s = DEFER_MIN_FORWARD_S
         self.defer_min_rows = DEFER_MIN_ROWS
         self._last_forward_s = 0.0
+        self._forward_start = -math.inf  # perf_counter() at the last plain forward's start (events_due)
+        self._tick_period = math.inf  # seconds between the last two plain forwards' starts
         self._output = OutputWorker(self._tick_listeners)  # not the core: a dropped engine is collected
         self._thread = threading.Thread(target=self._run, name="engine-core", daemon=True)
         self._thread.start()
@@ -261,6 +276,17 @@ class EngineCore:
         for fn in self._tick_listeners:
             fn()
 
+    def events_due(self) -> float:
+        """When (``time.perf_counter()``) the next tick's events should be on their queues and the
+        engine thread in its forward, for a consumer whose queue is empty (see PACE_MAX_PERIOD_S);
+        0.0 when ticks are not short and steady, or the last tick's output runs on the worker
+        (its puts wake the consumer off the engine thread). Read without a lock."""
+        period = self._tick_period
+        if (period > PACE_MAX_PERIOD_S or self._last_forward_s < PACE_MIN_FORWARD_S
+                or self._output.is_pending):
+            return 0.0
+        return self._forward_start + period + PACE_MARGIN_S
+
     def wake(self) -> None:
         """New work for the engine thread (a caller that queued it elsewhere, e.g. TickRows)."""
         self._wake.set()
@@ -373,6 +399,8 @@ class EngineCore:
         else:
             self.num_ticks += 1
             start = time.perf_counter()
+            self._tick_period = start - self._forward_start
+            self._forward_start = start
             out.batch.logits_out = self._logits_buffer  # sampled before the next forward
             try:
                 logits = self.model.forward(out.batch, self.kv_cache)  # [S, V]

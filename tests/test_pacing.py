@@ -1,0 +1,110 @@
+"""A consumer paced by the engine's ticks (EngineCore.events_due, engine.request_stream.pace):
+it sleeps until the next tick's events are due instead of blocking on its queue, so the engine's
+put wakes nobody. What is tested here is that the pace is computed as documented and that paced
+streams, in-process and over HTTP (a lone handler, and the pump writing several), lose, reorder
+or duplicate nothing; what the pace saves is measured by benchmarks/host_path.py."""
+import math
+import threading
+import types
+
+import pytest
+
+import engine
+import engine.request_stream as request_stream
+from engine.core import runtime
+from engine.params import SamplingParams
+from engine.testing import ScriptedModel
+from tests.server_fixtures import LiveServer, default_tokenizer, script_ids
+from webapp.sse_pump import SSEPump
+
+COMPLETIONS = "/v1/completions"
+
+
+def test_pace_sleeps_only_until_a_due_time_ahead(monkeypatch):
+    slept = []
+    monkeypatch.setattr(request_stream, "time", types.SimpleNamespace(perf_counter=lambda: 10.0,
+                                                                      sleep=slept.append))
+    for due in (0.0, 9.0, 10.0):  # not paced, already past, now: no sleep
+        request_stream.pace(lambda due=due: due)
+    assert slept == []
+    request_stream.pace(lambda: 10.003)
+    assert slept == [pytest.approx(0.003)]
+
+
+def test_events_due_only_while_ticks_are_short_and_steady():
+    tok = default_tokenizer()
+    ids = script_ids()
+    with engine.Engine(ScriptedModel(ids, tok.vocab_size, step_seconds=0.001), tok, max_model_len=256,
+                       speculative=None) as eng:
+        core = eng._core
+        assert core.events_due() == 0.0  # no tick yet
+        eng.generate([[1, 2, 3]], SamplingParams(max_tokens=6, temperature=0))
+        # the ticks set both (the double paces a forward to ~1 ms, its own work included)
+        assert runtime.PACE_MIN_FORWARD_S < core._last_forward_s and runtime.PACE_MIN_FORWARD_S < core._tick_period < math.inf
+        # The engine is idle now (its thread waits): set the last ticks' figures directly.
+        core._forward_start, core._tick_period, core._last_forward_s = 100.0, 0.002, 0.0015
+        assert core.events_due() == pytest.approx(100.0 + 0.002 + runtime.PACE_MARGIN_S)
+        core._tick_period = runtime.PACE_MAX_PERIOD_S * 2  # slow ticks: a wake costs nothing beside them
+        assert core.events_due() == 0.0
+        core._tick_period, core._last_forward_s = 0.002, runtime.PACE_MIN_FORWARD_S / 2  # no GIL-free forward
+        assert core.events_due() == 0.0
+        core._last_forward_s = 0.0015
+        core._output._job = object()  # the last tick's output runs on the worker, whose puts wake
+        try:
+            assert core.events_due() == 0.0
+        finally:
+            core._output._job = None
+
+
+class _CountedDue:
+    """Wraps a core's events_due: how often it paced (returned a time)."""
+
+    def __init__(self, core):
+        self.inner, self.paced = core.events_due, 0
+        core.events_due = self
+
+    def __call__(self) -> float:
+        due = self.inner()
+        self.paced += due > 0.0
+        return due
+
+
+def test_paced_streams_are_exact_in_process_and_over_http(monkeypatch):
+    """Forwards of 1 ms: every stream (in-process, a lone HTTP stream, four written by the pump)
+    has exactly the scripted text, paced (the ticks' bound raised so a loaded machine's slower
+    ticks still pace)."""
+    monkeypatch.setattr(runtime, "PACE_MAX_PERIOD_S", 1.0)
+    tok = default_tokenizer()
+    ids = script_ids(with_eos=False)
+    num = len(ids)
+    want = tok.decode(ids[:num])
+    params = SamplingParams(max_tokens=num, temperature=0, ignore_eos=True)
+    with engine.Engine(ScriptedModel(ids, tok.vocab_size, step_seconds=0.001), tok, max_model_len=256,
+                       speculative=None) as eng:
+        due = _CountedDue(eng._core)
+        events = list(eng.stream("Go.", params))
+        assert "".join(e.text for e in events) == want
+        assert [t for e in events for t in e.token_ids] == ids[:num]
+        assert due.paced > 0
+        body = {"prompt": "Go.", "max_tokens": num, "temperature": 0, "ignore_eos": True, "stream": True}
+        with LiveServer(eng, threads=16) as live:
+            paced = due.paced
+            status, frames = live.stream_events(COMPLETIONS, body)
+            assert status == 200 and frames[-1] == "[DONE]"
+            assert "".join(f["choices"][0]["text"] for f in frames[:-1]) == want
+            assert due.paced > paced
+            results = [None] * 4
+
+            def run(i):
+                results[i] = live.stream_events(COMPLETIONS, body)
+
+            threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+            for status, frames in results:
+                assert status == 200 and frames[-1] == "[DONE]"
+                assert "".join(f["choices"][0]["text"] for f in frames[:-1]) == want
+            pump = SSEPump.for_engine(eng)
+            assert pump._events_due is due  # the pump paces by the same ticks
