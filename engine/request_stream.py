@@ -9,9 +9,9 @@ the waiting, shared with the async twin (engine/async_stream.py).
 from __future__ import annotations
 
 import queue
-import time
 from collections.abc import Callable
 
+from .core.pacing import pace
 from .core.runtime import FINISHED, EngineCore
 from .errors import EngineDead, InvalidParameterError
 from .outputs import Completion, CompletionFold, StreamEvent, TokenLogprob
@@ -132,16 +132,6 @@ class BaseRequestStream:
     def collect_reply(self):
         """``collect()`` for one choice, else ``collect_choices()`` (Engine.chat / achat)."""
         return self.collect() if self.num_choices == 1 else self.collect_choices()
-
-
-def pace(events_due: Callable[[], float]) -> None:
-    """Sleep until the engine's next events are due, if its ticks are short and steady
-    (``EngineCore.events_due``): the put then finds nobody to wake."""
-    due = events_due()  # at most PACE_MAX_PERIOD_S + PACE_MARGIN_S ahead (engine.core.runtime)
-    if due:
-        wait = due - time.perf_counter()
-        if wait > 0.0:
-            time.sleep(wait)
 
 
 class RequestStream(BaseRequestStream):

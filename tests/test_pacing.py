@@ -1,4 +1,4 @@
-"""A consumer paced by the engine's ticks (EngineCore.events_due, engine.request_stream.pace):
+"""Threads paced by the engine's ticks (engine/core/pacing.py: EngineCore.events_due for consumers):
 it sleeps until the next tick's events are due instead of blocking on its queue, so the engine's
 put wakes nobody. What is tested here is that the pace is computed as documented and that paced
 streams, in-process and over HTTP (a lone handler, and the pump writing several), lose, reorder
@@ -10,8 +10,7 @@ import types
 import pytest
 
 import engine
-import engine.request_stream as request_stream
-from engine.core import runtime
+from engine.core import pacing
 from engine.params import SamplingParams
 from engine.testing import ScriptedModel
 from tests.server_fixtures import LiveServer, default_tokenizer, script_ids
@@ -22,33 +21,42 @@ COMPLETIONS = "/v1/completions"
 
 def test_pace_sleeps_only_until_a_due_time_ahead(monkeypatch):
     slept = []
-    monkeypatch.setattr(request_stream, "time", types.SimpleNamespace(perf_counter=lambda: 10.0,
-                                                                      sleep=slept.append))
+    monkeypatch.setattr(pacing, "time", types.SimpleNamespace(perf_counter=lambda: 10.0, sleep=slept.append))
     for due in (0.0, 9.0, 10.0):  # not paced, already past, now: no sleep
-        request_stream.pace(lambda due=due: due)
+        pacing.pace(lambda due=due: due)
     assert slept == []
-    request_stream.pace(lambda: 10.003)
+    pacing.pace(lambda: 10.003)
     assert slept == [pytest.approx(0.003)]
 
 
-def test_events_due_only_while_ticks_are_short_and_steady():
+def test_tick_clock_paces_only_short_steady_forwards():
+    clock = pacing.TickClock()
+    assert clock.next_forward() == 0.0  # no forward yet
+    clock.forward_started(100.0)
+    clock.forward_s = 0.0015
+    assert clock.next_forward() == 0.0  # one forward: no period yet
+    clock.forward_started(100.002)
+    assert clock.period == pytest.approx(0.002)
+    assert clock.next_forward() == pytest.approx(100.004 + pacing.PACE_MARGIN_S)
+    clock.forward_started(100.002 + pacing.PACE_MAX_PERIOD_S * 2)  # slow ticks: a wake costs nothing beside them
+    assert clock.next_forward() == 0.0
+    clock.forward_started(clock.start + 0.002)
+    clock.forward_s = pacing.PACE_MIN_FORWARD_S / 2  # a forward too short to run a woken thread beside it
+    assert clock.next_forward() == 0.0
+
+
+def test_engine_ticks_drive_the_clock_and_a_pending_output_defers_to_the_worker():
     tok = default_tokenizer()
-    ids = script_ids()
-    with engine.Engine(ScriptedModel(ids, tok.vocab_size, step_seconds=0.001), tok, max_model_len=256,
+    with engine.Engine(ScriptedModel(script_ids(), tok.vocab_size, step_seconds=0.001), tok, max_model_len=256,
                        speculative=None) as eng:
         core = eng._core
         assert core.events_due() == 0.0  # no tick yet
         eng.generate([[1, 2, 3]], SamplingParams(max_tokens=6, temperature=0))
-        # the ticks set both (the double paces a forward to ~1 ms, its own work included)
-        assert runtime.PACE_MIN_FORWARD_S < core._last_forward_s and runtime.PACE_MIN_FORWARD_S < core._tick_period < math.inf
-        # The engine is idle now (its thread waits): set the last ticks' figures directly.
-        core._forward_start, core._tick_period, core._last_forward_s = 100.0, 0.002, 0.0015
-        assert core.events_due() == pytest.approx(100.0 + 0.002 + runtime.PACE_MARGIN_S)
-        core._tick_period = runtime.PACE_MAX_PERIOD_S * 2  # slow ticks: a wake costs nothing beside them
-        assert core.events_due() == 0.0
-        core._tick_period, core._last_forward_s = 0.002, runtime.PACE_MIN_FORWARD_S / 2  # no GIL-free forward
-        assert core.events_due() == 0.0
-        core._last_forward_s = 0.0015
+        clock = core.clock  # the double paces a forward to ~1 ms, its own work included
+        assert pacing.PACE_MIN_FORWARD_S < clock.forward_s and pacing.PACE_MIN_FORWARD_S < clock.period < math.inf
+        # The engine is idle now (its thread waits): set the last forwards' figures directly.
+        clock.start, clock.period, clock.forward_s = 100.0, 0.002, 0.0015
+        assert core.events_due() == clock.next_forward() > 0.0
         core._output._job = object()  # the last tick's output runs on the worker, whose puts wake
         try:
             assert core.events_due() == 0.0
@@ -69,11 +77,13 @@ class _CountedDue:
         return due
 
 
-def test_paced_streams_are_exact_in_process_and_over_http(monkeypatch):
+@pytest.mark.parametrize("defer", [False, True])
+def test_paced_streams_are_exact_in_process_and_over_http(monkeypatch, defer):
     """Forwards of 1 ms: every stream (in-process, a lone HTTP stream, four written by the pump)
     has exactly the scripted text, paced (the ticks' bound raised so a loaded machine's slower
-    ticks still pace)."""
-    monkeypatch.setattr(runtime, "PACE_MAX_PERIOD_S", 1.0)
+    ticks still pace); with ``defer`` every steady tick's output runs on the output worker, which
+    paces itself (its puts then wake the consumers)."""
+    monkeypatch.setattr(pacing, "PACE_MAX_PERIOD_S", 1.0)
     tok = default_tokenizer()
     ids = script_ids(with_eos=False)
     num = len(ids)
@@ -81,18 +91,22 @@ def test_paced_streams_are_exact_in_process_and_over_http(monkeypatch):
     params = SamplingParams(max_tokens=num, temperature=0, ignore_eos=True)
     with engine.Engine(ScriptedModel(ids, tok.vocab_size, step_seconds=0.001), tok, max_model_len=256,
                        speculative=None) as eng:
+        if defer:
+            eng._core.defer_min_forward_s, eng._core.defer_min_rows = 0.0, 1
         due = _CountedDue(eng._core)
         events = list(eng.stream("Go.", params))
         assert "".join(e.text for e in events) == want
         assert [t for e in events for t in e.token_ids] == ids[:num]
-        assert due.paced > 0
+        assert eng._core.clock.next_forward() > 0.0  # the forwards were paced ones
+        assert (eng._core._output.num_handed_off > 5) == defer
+        assert defer or due.paced > 0
         body = {"prompt": "Go.", "max_tokens": num, "temperature": 0, "ignore_eos": True, "stream": True}
         with LiveServer(eng, threads=16) as live:
             paced = due.paced
             status, frames = live.stream_events(COMPLETIONS, body)
             assert status == 200 and frames[-1] == "[DONE]"
             assert "".join(f["choices"][0]["text"] for f in frames[:-1]) == want
-            assert due.paced > paced
+            assert defer or due.paced > paced
             results = [None] * 4
 
             def run(i):

@@ -23,7 +23,7 @@ import logging
 import threading
 import weakref
 
-from engine.request_stream import pace
+from engine.core.pacing import pace
 
 from .sse import end_chunk, error_end, events_chunk
 
@@ -166,7 +166,7 @@ class SSEPump:
                     self._thread = None
                     self.num_streams = 0
                     return
-            if not wake.is_set():  # paced by the ticks (engine.request_stream.pace), else woken by them
+            if not wake.is_set():  # paced by the ticks (engine/core/pacing.py), else woken by them
                 pace(self._events_due)
                 wake.wait(IDLE_WAIT_S)
             wake.clear()

@@ -27,6 +27,7 @@ import threading
 from cext.emit import emit_rows
 
 from ..outputs import StreamEvent
+from .pacing import TickClock, pace
 
 log = logging.getLogger("engine")
 
@@ -54,8 +55,9 @@ class Deferred:
 class OutputWorker:
     """A daemon thread that runs one Deferred at a time (``hand_off``), ``join``ed by the engine."""
 
-    def __init__(self, listeners: list):
+    def __init__(self, listeners: list, clock: TickClock | None = None):
         self._listeners = listeners  # the engine's tick listeners, called once the events are queued
+        self._clock = clock or TickClock()  # the engine's forwards: the worker paces by them (pacing.py)
         self._job: Deferred | None = None
         # Two locks as binary semaphores (a C call each way, where an Event is Python code around a
         # Condition): the worker blocks on _ready until hand_off releases it; _done is held from
@@ -99,7 +101,10 @@ class OutputWorker:
             self._ready.release()
 
     def _run(self) -> None:
+        next_forward = self._clock.next_forward
         while True:
+            if self._ready.locked():  # no job yet: the next is handed off before the next forward
+                pace(next_forward)
             self._ready.acquire()
             if self._stopping:
                 return

@@ -36,6 +36,7 @@ from ..tokenizer.token_bytes import TokenPieces
 from .block_manager import prefix_block_hashes
 from .draft import DraftModel
 from .output_worker import DEFER_MIN_FORWARD_S, DEFER_MIN_ROWS, Deferred, OutputWorker
+from .pacing import TickClock
 from .prefix_disk import make_prefix_disk_cache
 from .request import Request, RequestGroup
 from .scheduler import Scheduler, SchedulerConfig
@@ -47,19 +48,6 @@ TRIM_HEAP_INTERVAL_S = 1.0
 log = logging.getLogger("engine")
 
 FINISHED = object()  # queue sentinel after the last event
-
-# A consumer that finds its queue empty while ticks run short and steady sleeps until the next
-# tick's events should be there (EngineCore.events_due) instead of blocking on the queue: then the
-# engine's put wakes nobody. On the 2-vCPU VMs a put that wakes a blocked thread costs the engine
-# thread 10-15 us (the wake-up of an idle virtual CPU), a third of a lone HTTP stream's host time
-# per token at 650 tok/s (benchmarks/host_path.py). Paced only while ticks are at most
-# PACE_MAX_PERIOD_S apart (a wake costs nothing beside a slower tick) and forwards last at least
-# PACE_MIN_FORWARD_S (the consumer runs while the forward has the GIL released); it wakes
-# PACE_MARGIN_S after the next forward should have started, when the events are queued and the
-# GIL is free. A guess that misses costs only the wake it meant to save: the consumer then blocks.
-PACE_MAX_PERIOD_S = 0.005
-PACE_MIN_FORWARD_S = 0.0003
-PACE_MARGIN_S = 0.00005
 
 
 class _TickRequests:
@@ -141,10 +129,8 @@ class EngineCore:
         # tick, an infinite time to defer none.
         self.defer_min_forward_s = DEFER_MIN_FORWARD_S
         self.defer_min_rows = DEFER_MIN_ROWS
-        self._last_forward_s = 0.0
-        self._forward_start = -math.inf  # perf_counter() at the last plain forward's start (events_due)
-        self._tick_period = math.inf  # seconds between the last two plain forwards' starts
-        self._output = OutputWorker(self._tick_listeners)  # not the core: a dropped engine is collected
+        self.clock = TickClock()  # the forwards' starts and length: threads paced by them (engine/core/pacing.py)
+        self._output = OutputWorker(self._tick_listeners, self.clock)  # not the core: a dropped engine is collected
         self._thread = threading.Thread(target=self._run, name="engine-core", daemon=True)
         self._thread.start()
 
@@ -278,14 +264,10 @@ class EngineCore:
 
     def events_due(self) -> float:
         """When (``time.perf_counter()``) the next tick's events should be on their queues and the
-        engine thread in its forward, for a consumer whose queue is empty (see PACE_MAX_PERIOD_S);
-        0.0 when ticks are not short and steady, or the last tick's output runs on the worker
+        engine thread in its forward, for a consumer whose queue is empty (engine/core/pacing.py);
+        0.0 when forwards are not short and steady, or the last tick's output runs on the worker
         (its puts wake the consumer off the engine thread). Read without a lock."""
-        period = self._tick_period
-        if (period > PACE_MAX_PERIOD_S or self._last_forward_s < PACE_MIN_FORWARD_S
-                or self._output.is_pending):
-            return 0.0
-        return self._forward_start + period + PACE_MARGIN_S
+        return 0.0 if self._output.is_pending else self.clock.next_forward()
 
     def wake(self) -> None:
         """New work for the engine thread (a caller that queued it elsewhere, e.g. TickRows)."""
@@ -399,8 +381,7 @@ class EngineCore:
         else:
             self.num_ticks += 1
             start = time.perf_counter()
-            self._tick_period = start - self._forward_start
-            self._forward_start = start
+            self.clock.forward_started(start)
             out.batch.logits_out = self._logits_buffer  # sampled before the next forward
             try:
                 logits = self.model.forward(out.batch, self.kv_cache)  # [S, V]
@@ -408,7 +389,7 @@ class EngineCore:
                 log.exception("forward failed")
                 self._fail_tick(out, exc)
                 return
-            self._last_forward_s = time.perf_counter() - start
+            self.clock.forward_s = time.perf_counter() - start
             self._after_forward(out, logits)
             self._trim_after()
             if self.spec is not None:  # the step times of decode rows and proposals: the verify budget
@@ -428,7 +409,7 @@ class EngineCore:
         start = time.perf_counter()
         try:
             logits, hidden = self.model.forward_with_hidden(batch, self.kv_cache, part.hidden_rows)
-            self._last_forward_s = time.perf_counter() - start
+            self.clock.forward_s = time.perf_counter() - start
             rows.put(part, hidden, bm)
         except Exception as exc:
             log.exception("forward with embedding rows failed")
@@ -493,7 +474,7 @@ class EngineCore:
             return
         self.num_generated_tokens += len(token_ids)
         if out.is_decode_only and tick_reqs.is_plain:
-            if (self._last_forward_s >= self.defer_min_forward_s and len(token_ids) >= self.defer_min_rows
+            if (self.clock.forward_s >= self.defer_min_forward_s and len(token_ids) >= self.defer_min_rows
                     and self.scheduler.num_ending == 0):
                 self._output.hand_off(Deferred(reqs, token_ids, self.scheduler.state.finish_codes[:len(token_ids)]))
             else:
