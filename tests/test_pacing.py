@@ -29,20 +29,18 @@ def test_pace_sleeps_only_until_a_due_time_ahead(monkeypatch):
     assert slept == [pytest.approx(0.003)]
 
 
-def test_tick_clock_paces_only_short_steady_forwards():
+def test_tick_clock_paces_only_short_steady_ticks():
     clock = pacing.TickClock()
     assert clock.next_forward() == 0.0  # no forward yet
     clock.forward_started(100.0)
-    clock.forward_s = 0.0015
     assert clock.next_forward() == 0.0  # one forward: no period yet
     clock.forward_started(100.002)
     assert clock.period == pytest.approx(0.002)
     assert clock.next_forward() == pytest.approx(100.004 + pacing.PACE_MARGIN_S)
     clock.forward_started(100.002 + pacing.PACE_MAX_PERIOD_S * 2)  # slow ticks: a wake costs nothing beside them
     assert clock.next_forward() == 0.0
-    clock.forward_started(clock.start + 0.002)
-    clock.forward_s = pacing.PACE_MIN_FORWARD_S / 2  # a forward too short to run a woken thread beside it
-    assert clock.next_forward() == 0.0
+    clock.forward_started(clock.start + 0.00002)  # a no-compute double's ticks: several a wake-up
+    assert clock.next_forward() == pytest.approx(clock.start + pacing.PACE_MIN_WAIT_S + pacing.PACE_MARGIN_S)
 
 
 def test_engine_ticks_drive_the_clock_and_a_pending_output_defers_to_the_worker():
@@ -53,9 +51,9 @@ def test_engine_ticks_drive_the_clock_and_a_pending_output_defers_to_the_worker(
         assert core.events_due() == 0.0  # no tick yet
         eng.generate([[1, 2, 3]], SamplingParams(max_tokens=6, temperature=0))
         clock = core.clock  # the double paces a forward to ~1 ms, its own work included
-        assert pacing.PACE_MIN_FORWARD_S < clock.forward_s and pacing.PACE_MIN_FORWARD_S < clock.period < math.inf
+        assert 0.0005 < clock.period < math.inf and clock.start > 0.0
         # The engine is idle now (its thread waits): set the last forwards' figures directly.
-        clock.start, clock.period, clock.forward_s = 100.0, 0.002, 0.0015
+        clock.start, clock.period = 100.0, 0.002
         assert core.events_due() == clock.next_forward() > 0.0
         core._output._job = object()  # the last tick's output runs on the worker, whose puts wake
         try:

@@ -129,7 +129,8 @@ class EngineCore:
         # tick, an infinite time to defer none.
         self.defer_min_forward_s = DEFER_MIN_FORWARD_S
         self.defer_min_rows = DEFER_MIN_ROWS
-        self.clock = TickClock()  # the forwards' starts and length: threads paced by them (engine/core/pacing.py)
+        self._last_forward_s = 0.0
+        self.clock = TickClock()  # when forwards start: threads paced by them (engine/core/pacing.py)
         self._output = OutputWorker(self._tick_listeners, self.clock)  # not the core: a dropped engine is collected
         self._thread = threading.Thread(target=self._run, name="engine-core", daemon=True)
         self._thread.start()
@@ -389,7 +390,7 @@ class EngineCore:
                 log.exception("forward failed")
                 self._fail_tick(out, exc)
                 return
-            self.clock.forward_s = time.perf_counter() - start
+            self._last_forward_s = time.perf_counter() - start
             self._after_forward(out, logits)
             self._trim_after()
             if self.spec is not None:  # the step times of decode rows and proposals: the verify budget
@@ -409,7 +410,7 @@ class EngineCore:
         start = time.perf_counter()
         try:
             logits, hidden = self.model.forward_with_hidden(batch, self.kv_cache, part.hidden_rows)
-            self.clock.forward_s = time.perf_counter() - start
+            self._last_forward_s = time.perf_counter() - start
             rows.put(part, hidden, bm)
         except Exception as exc:
             log.exception("forward with embedding rows failed")
@@ -474,7 +475,7 @@ class EngineCore:
             return
         self.num_generated_tokens += len(token_ids)
         if out.is_decode_only and tick_reqs.is_plain:
-            if (self.clock.forward_s >= self.defer_min_forward_s and len(token_ids) >= self.defer_min_rows
+            if (self._last_forward_s >= self.defer_min_forward_s and len(token_ids) >= self.defer_min_rows
                     and self.scheduler.num_ending == 0):
                 self._output.hand_off(Deferred(reqs, token_ids, self.scheduler.state.finish_codes[:len(token_ids)]))
             else:
