@@ -2,10 +2,11 @@
 
 The engine thread still does one ``put`` per event on the request's own queue. The queue
 here is a SimpleQueue that, after the put, wakes the event loop only when the consumer is
-parked (``loop.call_soon_threadsafe`` on a future): a consumer that keeps up costs one wake
-per event, one that fell behind drains what queued up without waking (yielding to the loop
-every READY_BURST events). No thread of an executor is held per stream, so thousands of streams
-can wait on one loop.
+parked (``loop.call_soon_threadsafe`` on a future): a consumer that fell behind drains what
+queued up without waking (yielding to the loop every READY_BURST events), and one that keeps up
+first sleeps on the loop's timer until the next tick's events are due (engine/core/pacing.py),
+so while ticks are short and steady it finds them queued and costs the engine thread no wake.
+No thread of an executor is held per stream, so thousands of streams can wait on one loop.
 
 Cancelling the task that awaits (``task.cancel()``, a client that went away in an ASGI app,
 ``asyncio.timeout``) closes the stream, which aborts the request and frees its KV blocks.
@@ -15,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import queue
 
+from .core.pacing import time_to
 from .errors import EngineDead
 from .outputs import Completion, StreamEvent
 from .request_stream import BaseRequestStream
@@ -53,8 +55,13 @@ class LoopQueue(queue.SimpleQueue):
             except RuntimeError:  # the loop is closed: nobody is waiting any more
                 pass
 
-    async def next_item(self, is_alive) -> object:
-        """The next item, parked on the loop (never blocking it) until the engine puts one."""
+    async def next_item(self, is_alive, events_due) -> object:
+        """The next item, parked on the loop (never blocking it) until the engine puts one;
+        ``events_due``: EngineCore.events_due, when the next tick's events should be queued."""
+        if self.empty():
+            wait = time_to(events_due)
+            if wait:
+                await asyncio.sleep(wait)
         while True:
             future = self.loop.create_future()
             self.waiter = future
@@ -94,7 +101,7 @@ class AsyncRequestStream(BaseRequestStream):
         if self._done:
             raise StopAsyncIteration
         try:
-            item = await self._outputs.next_item(self._core.is_alive)
+            item = await self._outputs.next_item(self._core.is_alive, self._core.events_due)
         except BaseException as exc:  # cancelled (or the engine died): the request goes too
             self.close()
             if isinstance(exc, EngineDead):

@@ -120,3 +120,25 @@ def test_paced_streams_are_exact_in_process_and_over_http(monkeypatch, defer):
                 assert "".join(f["choices"][0]["text"] for f in frames[:-1]) == want
             pump = SSEPump.for_engine(eng)
             assert pump._events_due is due  # the pump paces by the same ticks
+
+
+def test_paced_async_stream_is_exact(monkeypatch):
+    """An asyncio consumer paces on the loop's timer (engine/async_stream.py): the same events."""
+    import asyncio
+
+    monkeypatch.setattr(pacing, "PACE_MAX_PERIOD_S", 1.0)
+    tok = default_tokenizer()
+    ids = script_ids(with_eos=False)
+    params = SamplingParams(max_tokens=len(ids), temperature=0, ignore_eos=True)
+    with engine.Engine(ScriptedModel(ids, tok.vocab_size, step_seconds=0.001), tok, max_model_len=256,
+                       speculative=None) as eng:
+        due = _CountedDue(eng._core)
+
+        async def run():
+            return [e async for e in eng.astream("Go.", params)]
+
+        events = asyncio.run(run())
+        assert [t for e in events for t in e.token_ids] == ids
+        assert "".join(e.text for e in events) == tok.decode(ids)
+        assert due.paced > 0
+    assert pacing.time_to(lambda: 0.0) == 0.0 and pacing.time_to(lambda: 1.0) == 0.0  # not paced; past

@@ -45,11 +45,16 @@ class TickClock:
         return self.start + max(self.period, PACE_MIN_WAIT_S) + PACE_MARGIN_S
 
 
-def pace(due: Callable[[], float]) -> None:
-    """Sleep until ``due()`` (a ``time.perf_counter()`` time, at most PACE_MAX_PERIOD_S +
-    PACE_MARGIN_S ahead; 0.0: not paced) if it is ahead."""
+def time_to(due: Callable[[], float]) -> float:
+    """Seconds until ``due()`` (a ``time.perf_counter()`` time, at most PACE_MAX_PERIOD_S +
+    PACE_MARGIN_S ahead; 0.0: not paced), 0.0 if it is not ahead."""
     when = due()
-    if when:
-        wait = when - time.perf_counter()
-        if wait > 0.0:
-            time.sleep(wait)
+    return max(when - time.perf_counter(), 0.0) if when else 0.0
+
+
+def pace(due: Callable[[], float]) -> None:
+    """Sleep until ``due()`` if it is ahead (``time_to``); an asyncio consumer awaits
+    ``asyncio.sleep(time_to(due))`` instead (engine/async_stream.py)."""
+    wait = time_to(due)
+    if wait:
+        time.sleep(wait)
