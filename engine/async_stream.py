@@ -58,10 +58,9 @@ class LoopQueue(queue.SimpleQueue):
     async def next_item(self, is_alive, events_due) -> object:
         """The next item, parked on the loop (never blocking it) until the engine puts one;
         ``events_due``: EngineCore.events_due, when the next tick's events should be queued."""
-        if self.empty():
-            wait = time_to(events_due)
-            if wait:
-                await asyncio.sleep(wait)
+        wait = time_to(events_due, self.empty)
+        if wait:
+            await asyncio.sleep(wait)
         while True:
             future = self.loop.create_future()
             self.waiter = future

@@ -149,8 +149,7 @@ class RequestStream(BaseRequestStream):
         if self._done:
             raise StopIteration
         outputs = self._outputs
-        if outputs.empty():
-            pace(self._core.events_due)
+        pace(self._core.events_due, outputs.empty)
         while True:
             try:
                 item = outputs.get(timeout=1.0)

@@ -19,14 +19,19 @@ from webapp.sse_pump import SSEPump
 COMPLETIONS = "/v1/completions"
 
 
-def test_pace_sleeps_only_until_a_due_time_ahead(monkeypatch):
+def test_pace_sleeps_only_until_a_due_time_ahead_and_while_nothing_is_there(monkeypatch):
     slept = []
     monkeypatch.setattr(pacing, "time", types.SimpleNamespace(perf_counter=lambda: 10.0, sleep=slept.append))
     for due in (0.0, 9.0, 10.0):  # not paced, already past, now: no sleep
-        pacing.pace(lambda due=due: due)
+        pacing.pace(lambda due=due: due, lambda: True)
     assert slept == []
-    pacing.pace(lambda: 10.003)
+    pacing.pace(lambda: 10.003, lambda: False)  # something to take already: no sleep
+    assert slept == []
+    pacing.pace(lambda: 10.003, lambda: True)
     assert slept == [pytest.approx(0.003)]
+    order = []  # the due time is read before the emptiness (see pacing.time_to)
+    pacing.time_to(lambda: order.append("due") or 10.003, lambda: order.append("empty") or True)
+    assert order == ["due", "empty"]
 
 
 def test_tick_clock_paces_only_short_steady_ticks():
@@ -141,4 +146,3 @@ def test_paced_async_stream_is_exact(monkeypatch):
         assert [t for e in events for t in e.token_ids] == ids
         assert "".join(e.text for e in events) == tok.decode(ids)
         assert due.paced > 0
-    assert pacing.time_to(lambda: 0.0) == 0.0 and pacing.time_to(lambda: 1.0) == 0.0  # not paced; past

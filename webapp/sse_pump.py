@@ -157,6 +157,10 @@ class SSEPump:
     def _run(self) -> None:
         streams: list[Handoff] = []
         wake = self._wake
+
+        def not_woken() -> bool:
+            return not wake.is_set()
+
         while True:
             with self._lock:
                 if self._new:
@@ -166,9 +170,8 @@ class SSEPump:
                     self._thread = None
                     self.num_streams = 0
                     return
-            if not wake.is_set():  # paced by the ticks (engine/core/pacing.py), else woken by them
-                pace(self._events_due)
-                wake.wait(IDLE_WAIT_S)
+            pace(self._events_due, not_woken)  # paced by the ticks (engine/core/pacing.py), else woken by them
+            wake.wait(IDLE_WAIT_S)
             wake.clear()
             self.num_streams = len(streams)
             ended = [h for h in streams if h.pump()]  # every stream, each time

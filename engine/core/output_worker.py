@@ -101,10 +101,9 @@ class OutputWorker:
             self._ready.release()
 
     def _run(self) -> None:
-        next_forward = self._clock.next_forward
+        next_forward, no_job = self._clock.next_forward, self._ready.locked
         while True:
-            if self._ready.locked():  # no job yet: the next is handed off before the next forward
-                pace(next_forward)
+            pace(next_forward, no_job)  # a job is handed off before the next forward starts
             self._ready.acquire()
             if self._stopping:
                 return

@@ -45,16 +45,21 @@ class TickClock:
         return self.start + max(self.period, PACE_MIN_WAIT_S) + PACE_MARGIN_S
 
 
-def time_to(due: Callable[[], float]) -> float:
-    """Seconds until ``due()`` (a ``time.perf_counter()`` time, at most PACE_MAX_PERIOD_S +
-    PACE_MARGIN_S ahead; 0.0: not paced), 0.0 if it is not ahead."""
+def time_to(due: Callable[[], float], is_empty: Callable[[], bool]) -> float:
+    """Seconds a waiting thread sleeps before it waits for the engine's output: until ``due()`` (a
+    ``time.perf_counter()`` time at most PACE_MAX_PERIOD_S + PACE_MARGIN_S ahead; 0.0: not paced)
+    while ``is_empty()`` (nothing to take yet), else 0.0. ``due`` is read first: the engine queues
+    a tick's output before it starts the next forward, so a due time read after that start finds
+    the output where ``is_empty`` looks, and no thread sleeps past output that was already there."""
     when = due()
-    return max(when - time.perf_counter(), 0.0) if when else 0.0
+    if not when or not is_empty():
+        return 0.0
+    return max(when - time.perf_counter(), 0.0)
 
 
-def pace(due: Callable[[], float]) -> None:
-    """Sleep until ``due()`` if it is ahead (``time_to``); an asyncio consumer awaits
-    ``asyncio.sleep(time_to(due))`` instead (engine/async_stream.py)."""
-    wait = time_to(due)
+def pace(due: Callable[[], float], is_empty: Callable[[], bool]) -> None:
+    """Sleep for ``time_to(due, is_empty)``; an asyncio consumer awaits ``asyncio.sleep`` of it
+    instead (engine/async_stream.py)."""
+    wait = time_to(due, is_empty)
     if wait:
         time.sleep(wait)
