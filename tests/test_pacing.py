@@ -1,8 +1,9 @@
-"""Threads paced by the engine's ticks (engine/core/pacing.py: EngineCore.events_due for consumers):
-it sleeps until the next tick's events are due instead of blocking on its queue, so the engine's
-put wakes nobody. What is tested here is that the pace is computed as documented and that paced
-streams, in-process and over HTTP (a lone handler, and the pump writing several), lose, reorder
-or duplicate nothing; what the pace saves is measured by benchmarks/host_path.py."""
+"""Threads paced by the engine's ticks (engine/core/pacing.py; EngineCore.events_due for consumers):
+a waiting thread sleeps until the next tick's output is due instead of blocking on it, so the
+engine's put wakes nobody. Tested here: the pace is computed as documented, and paced streams
+(in-process, over HTTP through a lone handler and through the pump, asyncio; with the tick's
+output on the engine thread or on the paced output worker) lose, reorder or duplicate nothing.
+What the pace saves is measured by benchmarks/host_path.py."""
 import math
 import threading
 import types
