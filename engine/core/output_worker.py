@@ -55,9 +55,9 @@ class Deferred:
 class OutputWorker:
     """A daemon thread that runs one Deferred at a time (``hand_off``), ``join``ed by the engine."""
 
-    def __init__(self, listeners: list, clock: TickClock | None = None):
+    def __init__(self, listeners: list, clock: TickClock):
         self._listeners = listeners  # the engine's tick listeners, called once the events are queued
-        self._clock = clock or TickClock()  # the engine's forwards: the worker paces by them (pacing.py)
+        self._clock = clock  # the engine's forwards: the worker paces by them (pacing.py)
         self._job: Deferred | None = None
         # Two locks as binary semaphores (a C call each way, where an Event is Python code around a
         # Condition): the worker blocks on _ready until hand_off releases it; _done is held from

@@ -519,9 +519,9 @@ class Linear:
         [T, out] tensor to write the result into (returned), e.g. the engine's logits buffer."""
         if self.format == "dense":
             return _into(out, self.dense(x))
-        if self.parts is not None and self.dense is not None and x.shape[0] > self.dense_above_rows:
-            return self._product(x, "dense", out)
         if self.parts is not None:  # each part's product (its own routes) into its columns
+            if self.dense is not None and x.shape[0] > self.dense_above_rows:
+                return self._product(x, "dense", out)
             y = torch.empty(x.shape[0], self.out_features, dtype=x.dtype) if out is None else out
             first = 0
             for part in self.parts:

@@ -423,7 +423,7 @@ class RowParts:
         self.shape = (sum(p.shape[0] for p in parts), parts[0].shape[1])
 
     def dequantize(self) -> torch.Tensor:
-        return torch.cat([p if isinstance(p, torch.Tensor) else p.dequantize() for p in self.parts])
+        return torch.cat([p.dequantize() for p in self.parts])  # quantized parts only (cat_rows)
 
 
 Weight = torch.Tensor | Int4Weight | Int5Weight | Int8Weight | PackedInt8Weight | RowParts
