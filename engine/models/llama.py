@@ -36,6 +36,12 @@ from engine.models.quant import Int8Weight, PackedInt8Weight, StripRows, Weight,
 from engine.models.rope import RotaryTable, apply_rope
 
 log = logging.getLogger("engine")
+
+# Architectures whose products keep the float32 routes even when approximate (bfloat16) products
+# are allowed: measured against llama.cpp with every decoder product on the amx route, Gemma 3
+# 270M's max |dlogprob| went 0.326 (float route) -> 0.356, past the parity bound of 0.35
+# (tests/test_parity_llamacpp.py), on the AMX Xeon of 2026-12-05.
+EXACT_ONLY_ARCHITECTURES = {"gemma3": "bfloat16 products exceed the llama.cpp parity bound (0.356 > 0.35)"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 REFINE_TOP_K = 64  # bfloat16: logits recomputed in float32 for this many best tokens per row
 
@@ -241,7 +247,9 @@ class LlamaModel(nn.Module):
         measured fastest (engine.models.routes); the head's never do. None (the default): only
         with ``ENGINE_AMX=1`` in the environment (opt-in: at a near-tie its rounding can swap
         llama.cpp's 3rd and 4th token, tests/test_parity_engine.py). The routes chosen are in
-        ``product_routes``. activations: "int16" (the default) or "int8": the integer codes the
+        ``product_routes``. Never for the architectures in EXACT_ONLY_ARCHITECTURES (Gemma 3):
+        True raises ValueError, ``ENGINE_AMX=1`` logs and keeps them exact.
+        activations: "int16" (the default) or "int8": the integer codes the
         packed (AVX-512 VNNI) projections and head quantize their activations to (engine.config's
         ACTIVATIONS; int8 is llama.cpp's precision at about 1.6x the multi-row products' speed);
         ``int8_layers`` counts the layers that took int8."""
@@ -314,13 +322,25 @@ class LlamaModel(nn.Module):
             # product's codes, so int8 codes change only the tail's values (already re-quantized
             # weights'): Qwen2.5-Coder-1.5B's head at 16 rows 22.7 -> ~13 ms of a ~170 ms step.
             self.head_proj.use_int8_activations()
-        if approximate_products is None:
-            approximate_products = os.environ.get("ENGINE_AMX") == "1"
-        allow_amx = approximate_products and not exact_products
+        allow_amx = self._allows_approximate(approximate_products) and not exact_products
         self.product_routes = routes.calibrate(layers, allow_amx, num_threads)
         self.product_routes.update(routes.calibrate([self.head_proj], False, num_threads))
         if self.product_routes:
             log.info("product routes (rows: route): %s", routes.describe(self.product_routes))
+
+    def _allows_approximate(self, asked: bool | None) -> bool:
+        """Whether the amx route may run this model's products: ``asked`` (None: ``ENGINE_AMX=1``
+        in the environment), never for EXACT_ONLY_ARCHITECTURES (asked by argument: ValueError;
+        by the environment, which covers every model a process loads: logged, kept exact)."""
+        why = EXACT_ONLY_ARCHITECTURES.get(self.config.architecture)
+        if asked is None:
+            asked = os.environ.get("ENGINE_AMX") == "1"
+            if asked and why:
+                log.warning("ENGINE_AMX=1: %s keeps its exact routes (%s)", self.config.architecture, why)
+                return False
+        elif asked and why:
+            raise ValueError(f"approximate_products: not for {self.config.architecture} models ({why})")
+        return asked
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [T] -> [T, E] in the model dtype."""
