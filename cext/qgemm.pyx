@@ -4,7 +4,8 @@ engine.models.quant), named by ``layout`` = Q4, Q5, Q8 or Q6 (Q6_K's own codes, 
 Q4_K stores them: uint8 multiples of an fp16 factor per 256 inputs) and NO_MINS (Q5 rows without mins), and for matmul optionally the route: ROUTE_INT (int16 activation codes)
 or ROUTE_FLOAT (float32 FMAs over decoded weights; AVX2 and up) or ROUTE_AMX (the integer route's sums on AMX-INT8 tiles) or ROUTE_STRIP (the integer route's sums with
 AVX-512 VNNI, 16 outputs per vector; N a multiple of 16). PACKED: Q4, Q5 or Q8 rows stored in strips of 16 for
-the strip route (``pack`` makes them; matmul with no route or ROUTE_STRIP, and dequantize). INT8 (with PACKED,
+the strip route (``pack`` makes them; matmul with no route or ROUTE_STRIP, or ROUTE_AMX: the amx3 route, three bfloat16
+products of the split weights and activations on AMX-BF16 tiles; and dequantize). INT8 (with PACKED,
 matmul only): int8 activation codes where the default is int16 (twice the multiply-adds per instruction).
 
 Arguments are raw addresses (``tensor.data_ptr()``) and sizes; the caller
@@ -48,7 +49,8 @@ _ERRORS = {
     QG_BAD_LENGTH: "K (num_cols) must be a multiple of 32 (Q8), of 64 (Q4, Q5) or of 256 (SUPER, Q6)",
     QG_BAD_LAYOUT: "unknown layout (or SUPER on a layout other than Q4 without HALF, or ROUTE_AMX / ROUTE_STRIP "
                    "with num_out not a multiple of 16, or ROUTE_AMX without AMX-INT8, or PACKED with a route other "
-                   "than ROUTE_STRIP or a row count not a multiple of 16, or INT8 without PACKED, or Q6 without PACKED or "
+                   "than ROUTE_STRIP or ROUTE_AMX or a row count not a multiple of 16, or PACKED with ROUTE_AMX without "
+                   "AMX-BF16 or with INT8, or INT8 without PACKED, or Q6 without PACKED or "
                    "with HALF, SUPER or NO_MINS)",
 }
 

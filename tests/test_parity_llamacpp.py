@@ -157,14 +157,15 @@ def _max_logprob_diff(entry, logprobs) -> float:
                for i, (token, top5) in enumerate(zip(entry["greedy_ids"], entry["top5"])))
 
 
-@pytest.mark.parametrize("route", ["amx", "float", "strip"])
+@pytest.mark.parametrize("route", ["amx", "float", "strip", "amx3"])
 @pytest.mark.parametrize("name", FULL)
 def test_each_prompt_route_keeps_the_parity_bounds(name, route):
     """Every decoder product forced onto one route at every row count (the default weights):
     amx (bfloat16 weights, activations and outputs on AMX tiles, float32 sums) must keep the
     same bounds as the exact float route where the model allows it, and so must strip (int16
-    activation codes, the sums 16 outputs per AVX-512 vector); the head keeps its own routes
-    (never amx). A model that does not allow amx (Gemma 3: 0.356 on it, the float route 0.326)
+    activation codes, the sums 16 outputs per AVX-512 vector) and amx3 (weights and activations
+    split into two bfloat16 each, three products on AMX tiles); the head keeps its own routes
+    (never amx). A model that does not allow amx (Gemma 3: up to 0.356 on it, the float route 0.326)
     must keep its exact routes under ``ENGINE_AMX=1`` and refuse ``approximate_products``."""
     from cext import cpu
     from engine.models import routes
@@ -174,12 +175,16 @@ def test_each_prompt_route_keeps_the_parity_bounds(name, route):
         pytest.skip("CPU lacks AMX bf16")
     if route == "strip" and "avx512_vnni" not in cpu.features():
         pytest.skip("CPU lacks AVX-512 VNNI")
+    if route == "amx3" and "amx_bf16" not in cpu.features():
+        pytest.skip("CPU lacks AMX bf16")
     model = load_model(model_path(name))
     barred = route == "amx" and model.config.architecture in EXACT_ONLY_ARCHITECTURES
     for layer in model.layers:
         for proj in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
-            if proj is not None and proj.layout is not None:
-                proj.set_routes(routes.ROW_GRID, [route] * len(routes.ROW_GRID))
+            for part in (proj.parts or [proj]) if proj is not None else ():
+                if part.layout is not None:
+                    assert route != "amx3" or part.can_run(route, 64), part.format  # every layer packed
+                    part.set_routes(routes.ROW_GRID, [route] * len(routes.ROW_GRID))
     failures, worst = [], 0.0
     for entry in REFERENCES[name]:
         logprobs = teacher_forced_logprobs(model, entry)

@@ -516,8 +516,9 @@ void qg_set_prefetch_spread(int on) { (void)on; }
 #if defined(__GNUC__) && (__GNUC__ >= 11 || defined(__clang__))
 #define QG_HAVE_AMX 1
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16,avx2,fma,f16c,amx-tile,amx-int8")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16,avx2,fma,f16c,amx-tile,amx-int8,amx-bf16")
 #include "qgemm_amx.h"
+#include "qgemm_amx3.h"
 #pragma GCC pop_options
 #endif
 #endif
@@ -573,7 +574,14 @@ static int run(QArgs *a, const void *x, int64_t x_stride, int is_q4, int route) 
     const int64_t M = a->num_rows, K = a->num_cols, nb = K / QK_BLOCK;
     if (K <= 0 || K % (is_q4 ? 2 * QK_BLOCK : QK_BLOCK) != 0) return QG_BAD_LENGTH;
     if (M <= 0 || a->num_out <= 0) return QG_OK;
-    if (a->packed) return run_packed(a, x, x_stride);
+    if (a->packed) {
+        if (route != QG_ROUTE_AMX) return run_packed(a, x, x_stride);
+#ifdef QG_HAVE_AMX
+        return run_amx3(a, x, x_stride);
+#else
+        return QG_BAD_LAYOUT;
+#endif
+    }
     if (route == QG_ROUTE_STRIP) {  /* below AVX-512 VNNI (the switch set lower): the int16 route, same integers */
         if (a->num_out % 16 != 0) return QG_BAD_LAYOUT;
 #ifdef QG_HAVE_X86
@@ -629,7 +637,7 @@ int qg_matmul(int layout, const void *x, int64_t x_stride, int64_t num_rows, int
     if ((layout & QG_SUPER) && (format != QG_Q4 || (layout & QG_HALF))) return QG_BAD_LAYOUT;
     if ((layout & QG_SUPER) && num_cols % (8 * QK_BLOCK) != 0) return QG_BAD_LENGTH;
     const int packed = (layout & QG_PACKED) != 0;  /* strips: the strip route only, outputs in 16s */
-    if (packed && ((layout & QG_ROUTE_MASK & ~QG_ROUTE_STRIP) || num_out % 16 != 0)) return QG_BAD_LAYOUT;
+    if (packed && ((layout & QG_ROUTE_MASK & ~(QG_ROUTE_STRIP | QG_ROUTE_AMX)) || num_out % 16 != 0)) return QG_BAD_LAYOUT;
     const int int8 = (layout & QG_INT8) != 0;  /* packed layouts only */
     if (int8 && !packed) return QG_BAD_LAYOUT;
     if (format == QG_Q6) {  /* strips only */

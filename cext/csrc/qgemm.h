@@ -105,9 +105,11 @@ enum { QG_Q4 = 0, QG_Q5 = 1, QG_Q8 = 2, QG_Q6 = 3 };
  * integer route runs (the same integers). */
 #define QG_ROUTE_STRIP 256
 #define QG_ROUTE_MASK (QG_ROUTE_INT | QG_ROUTE_FLOAT | QG_ROUTE_AMX | QG_ROUTE_STRIP)
-/* Rows in strips of 16 (the layout above): with no route or QG_ROUTE_STRIP only (else
- * QG_BAD_LAYOUT); N a multiple of 16. Without AVX-512 VNNI (or with the switch below AVX-512) a
- * portable kernel computes the same numbers, bit for bit. */
+/* Rows in strips of 16 (the layout above): with no route or QG_ROUTE_STRIP (else QG_BAD_LAYOUT); N a
+ * multiple of 16. Without AVX-512 VNNI (or with the switch below AVX-512) a portable kernel computes the
+ * same numbers, bit for bit. With QG_ROUTE_AMX (where the CPU has AMX-BF16, not with QG_INT8) the amx3
+ * route (qgemm_amx3.h): each weight as qg_dequantize gives it and each activation split into two
+ * bfloat16, three bfloat16 products on AMX tiles with float32 sums over the whole of K. */
 #define QG_PACKED 512
 /* With QG_PACKED only (else QG_BAD_LAYOUT): the activations quantized to int8 codes (|q| <= 127, dx =
  * max|x| / 127, the same rounding) where the default is int16, so the strip route's AVX-512 kernel

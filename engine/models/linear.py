@@ -54,7 +54,7 @@ _ROW_ROUTES = _RowRoutes()
 # Routes whose rows are computed independently of each other (the C kernels: int16 codes and
 # float32 sums per row): spans that take one of them may share a call. A BLAS may block a product
 # by its row count, so spans on the others run as products of their own.
-ROW_INDEPENDENT = ("int16", "float", "amx_int", "strip")
+ROW_INDEPENDENT = ("int16", "float", "amx_int", "strip", "amx3")
 
 
 class row_routes:
@@ -103,8 +103,11 @@ Q6 = 3  # Q6_K's own codes, in strips only (qgemm.h's QG_Q6)
 PACKED = 512  # quantized rows stored in strips of 16 for the strip route (qgemm.h's QG_PACKED)
 INT8 = 1024  # packed products with int8 activation codes (qgemm.h's QG_INT8)
 # The C kernels' routes (cext/csrc/qgemm.h): amx_int is int16's integer sums on AMX-INT8 tiles,
-# strip the same sums with AVX-512 VNNI, 16 outputs per vector.
-_KERNEL_ROUTES = {"int16": ROUTE_INT, "float": ROUTE_FLOAT, "amx_int": ROUTE_AMX, "strip": ROUTE_STRIP}
+# strip the same sums with AVX-512 VNNI, 16 outputs per vector; amx3 (packed strips only, the same
+# route bit as amx_int) three bfloat16 products of the split weights and activations on AMX-BF16
+# tiles (cext/csrc/qgemm_amx3.h).
+_KERNEL_ROUTES = {"int16": ROUTE_INT, "float": ROUTE_FLOAT, "amx_int": ROUTE_AMX, "strip": ROUTE_STRIP,
+                  "amx3": ROUTE_AMX}
 AMX_ROWS = 1024  # output rows dequantized to bfloat16 at once on the amx route (1.8 MB at K = 896)
 # float32 elements of a weight dequantized at once on the blas route (16 MB: all of a SmolLM2
 # layer's weight in one product, Qwen2.5-0.5B's gate/up in 3), into a per-thread scratch reused
@@ -310,7 +313,7 @@ class Linear:
 
     @property
     def is_packed_strips(self) -> bool:
-        """Whether the rows are stored in strips of 16 (only strip, blas and amx can run them)."""
+        """Whether the rows are stored in strips of 16 (only strip, amx3, blas and amx can run them)."""
         return self.layout is not None and bool(self.layout & PACKED)
 
     @property
@@ -435,9 +438,13 @@ class Linear:
         if self.layout is None or qgemm is None:
             return False
         if self.is_packed_strips:  # strip at any ISA (below AVX-512 VNNI a portable kernel, same bits)
+            if route == "amx3":  # not over int8 strips (their Q5 sign masks are the int8 kernel's)
+                return cpu.allows("amx_bf16") and not self.int8_activations
             return route == "strip" or (route == "amx" and cpu.allows("amx_bf16"))
         if route == "float":
             return cpu.get_isa() != "baseline"
+        if route == "amx3":
+            return False
         if route == "amx":
             return cpu.allows("amx_bf16")
         if route == "amx_int":
@@ -451,7 +458,8 @@ class Linear:
         return self.layout | _KERNEL_ROUTES[route]
 
     def run(self, x: torch.Tensor, route: str, out: torch.Tensor | None = None) -> torch.Tensor:
-        """x [T, in] -> [T, out] through one route ("int16", "float", "amx_int", "strip", "amx" or "blas");
+        """x [T, in] -> [T, out] through one route ("int16", "float", "amx_int", "strip", "amx3", "amx" or
+        "blas");
         ``out``: a float32 [T, out] tensor to write the result into (returned)."""
         if self.parts is not None:
             return _into(out, torch.cat([part.run(x, route) for part in self.parts], dim=1))

@@ -16,8 +16,14 @@ A quantized layer's product of M rows can run as:
   are a multiple of 16;
 - a layer whose weights Linear packed into strips of 16 rows (qgemm.h's QG_PACKED: Q4, Q5 and Q8
   where the CPU has AVX-512 VNNI) runs ``strip`` over them in place at every row count (one row at
-  1.5-2.5x int16's rate), or ``blas``/``amx`` through their dequantization; the table times only
-  those, and its one-row route is strip, so its decode batches round alike at any size;
+  1.5-2.5x int16's rate), or ``amx3`` over them, or ``blas``/``amx`` through their dequantization;
+  the table times only those, and its one-row route is strip, so its decode batches round alike at
+  any size;
+- ``amx3`` (packed strips, where the CPU has AMX-BF16; cext/csrc/qgemm_amx3.h): each weight as the
+  float route dequantizes it and each activation split into two bfloat16 (w = wh + wl, x = xh +
+  xl: 16 significant bits each), y = xh.wh + xh.wl + xl.wh on AMX-BF16 tiles with float32 sums
+  over the whole of K (no per-block epilogue): as close to the float32 product as the int16 route
+  (measured 1-3e-6 of |x| . |w| against its 4-10e-6), 2-2.7x strip's rate at 256 rows;
 - ``amx``: the weights dequantized to bfloat16 a slice of rows at a time (C, all threads)
   and oneDNN's bfloat16 matmul through torch, which runs on AMX tiles where the CPU has them:
   bfloat16 weights, activations and outputs, float32 sums (not exact: see ``APPROXIMATE``;
@@ -31,8 +37,9 @@ on the quiet 2-vCPU Xeon) and keeps the fastest per row count; the table is cach
 a table measured while the load average exceeded the cores, or while other processes used
 more than a quarter of a core (``neighbours_were_busy``), is measured again by the first load on a
 quieter machine.
-``ENGINE_AMX_INT=0`` leaves the amx_int route out of the table, ``ENGINE_STRIP=0`` the strip route (and
-the packed strips); ``ENGINE_PACKED=0`` keeps the row layouts (every route but packed).
+``ENGINE_AMX_INT=0`` leaves the amx_int route out of the table, ``ENGINE_AMX3=0`` the amx3 route,
+``ENGINE_STRIP=0`` the strip route (and the packed strips); ``ENGINE_PACKED=0`` keeps the row layouts
+(every route but packed).
 ``ENGINE_ROUTES=fixed`` keeps the fixed thresholds (engine.models.linear),
 ``ENGINE_ROUTES=recalibrate`` measures again, and ``ENGINE_ROUTES=fastest`` takes the measured
 route at every row count, 2-16 included (see ``same_route_up_to`` for what that gives up).
@@ -52,12 +59,13 @@ import torch
 log = logging.getLogger("engine")
 
 ROW_GRID = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-# int16, amx_int and strip: activations within 2^-15 per element
-EXACT_ROUTES = ("int16", "float", "amx_int", "strip", "blas")
+# int16, amx_int and strip: activations within 2^-15 per element; amx3: x and w within 2^-17 (each split
+# into two bfloat16), float32 sums
+EXACT_ROUTES = ("int16", "float", "amx_int", "strip", "amx3", "blas")
 APPROXIMATE = ("amx",)  # bfloat16 weights and activations: 8 mantissa bits
-CACHE_VERSION = 12  # 7: routes the whole layer can run (6 gave amx_int to outputs not in 16s); 8: L2 prefetch
+CACHE_VERSION = 13  # 7: routes the whole layer can run (6 gave amx_int to outputs not in 16s); 8: L2 prefetch
 # on AMD; 9: decode steps spread their weight prefetch over each pass; 10: int16 products of 3-5 rows
-# read their codes in place; 11: the strip route; 12: Q4 layers in strips of 16 (QG_PACKED)
+# read their codes in place; 11: the strip route; 12: Q4 layers in strips of 16 (QG_PACKED); 13: amx3
 PROXY_ROWS = 256  # fewest output rows a shape is timed on
 PROXY_MACS = 1 << 23  # and enough rows for this many multiply-adds (a decode row: whole layers)
 MIN_TIMED_SECONDS = 0.002  # a timing repeats its call until it lasts this long
@@ -65,7 +73,8 @@ MIN_TIMED_SECONDS = 0.002  # a timing repeats its call until it lasts this long
 
 def available_routes(allow_approximate: bool) -> tuple[str, ...]:
     """The routes this CPU and build can run (strip: the CPU has AVX-512 VNNI and the switch allows
-    it; amx_int: the CPU has AMX-INT8; amx: AMX bf16 and torch's oneDNN)."""
+    it; amx_int: the CPU has AMX-INT8; amx3: AMX-BF16, packed strips; amx: AMX bf16 and torch's
+    oneDNN)."""
     try:
         from cext import cpu
     except ImportError:
@@ -75,6 +84,8 @@ def available_routes(allow_approximate: bool) -> tuple[str, ...]:
         routes.append("strip")
     if cpu.allows("amx_int8") and os.environ.get("ENGINE_AMX_INT", "1") != "0":
         routes.append("amx_int")
+    if cpu.allows("amx_bf16") and os.environ.get("ENGINE_AMX3", "1") != "0":
+        routes.append("amx3")
     if allow_approximate and cpu.allows("amx_bf16") and torch.backends.mkldnn.is_available():
         routes.append("amx")
     return tuple(routes)

@@ -1,0 +1,285 @@
+/* The amx3 route of qgemm.c over QG_PACKED strips (included once, inside a `#pragma GCC target`
+ * region with AVX-512 BF16 and AMX-BF16, after qgemm_strip.h and qgemm_amx.h): three bfloat16
+ * products on AMX tiles, float32 sums over the whole of K.
+ *
+ * Why not integer tiles: their block scales change every 32 inputs, so each block's int32 tiles
+ * must leave the tile registers to be scaled (qgemm_amx.h), and that epilogue, not the multiply,
+ * sets the pace. Here the scales go into the weights instead: each weight w = d * c (+ m), as the
+ * float route dequantizes it in float32, is split into two bfloat16, w = wh + wl (wh = w rounded to
+ * bfloat16, wl = w - wh rounded again), and so is each activation, x = xh + xl. Then
+ *     y = xh . wh + xh . wl + xl . wh
+ * on `tdpbf16ps`, which sums in float32; the C tiles stay in their registers from the first
+ * block to the last, and only the final 16 x 16 sums are stored. Each of w and x keeps 16
+ * significant bits (relative error <= 2^-17; the weights of Q4, Q5, Q8 and Q6 codes times fp16
+ * scales have at most 15-17), and the dropped xl . wl is below 2^-16 of each term: the same order
+ * as the int16 route's rounding of x to 2^-16 of its block's largest value. Every row's sums run
+ * in the same order whatever the row count (rows of padding are zero), so a row's output does not
+ * depend on the others.
+ *
+ * Work: output strips of 16 across cpu.h's pool; per group of strips their weights are laid out
+ * once per call as bfloat16 tiles (a panel per strip: per block of 32 inputs a 16 x 64-byte tile
+ * of wh, then one of wl, the tiles' pairs order: row p = inputs 2p, 2p + 1 of the 16 outputs), then
+ * every 16-row tile of activations runs against the group's strips two at a time (8 tiles: C for
+ * two strips, xh and xl, wh and wl of each strip). */
+
+#define Q3_TILE 16
+#define Q3_PANEL_BYTES (1 << 20)  /* a group's panels at most (L2), at least two strips */
+
+typedef struct {
+    const QArgs *q;
+    const uint16_t *xh, *xl;  /* [Mp, K] bfloat16 bits */
+    int64_t padded_rows;
+    int64_t group;            /* strips per panel group (even) */
+} Amx3Args;
+
+/* Tiles: 0, 1 C (16 x 16 float32); 2, 3 A (xh, xl: 16 rows x 32 bfloat16); 4, 5 B of the first
+ * strip (wh, wl: 16 pairs x 16 outputs), 6, 7 B of the second. */
+static void amx3_configure(void) {
+    AmxConfig cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
+    _tile_loadconfig(&cfg);
+}
+
+/* float32 -> bfloat16 bits (round to nearest even) and the bits back as float32. */
+QG_ALWAYS_INLINE static inline __m256i q3_bf16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
+QG_ALWAYS_INLINE static inline __m512 q3_widen(__m256i h) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* x [M, K] -> xh, xl [Mp, K] bfloat16 (rows M .. Mp - 1 zero). bfloat16 x: xl = 0. */
+static void amx3_split_rows(const void *x, int64_t x_stride, int64_t num_rows, int64_t padded_rows, int64_t num_cols,
+                            int dtype, uint16_t *xh, uint16_t *xl) {
+    for (int64_t i = 0; i < num_rows; i++) {
+        uint16_t *h = xh + i * num_cols, *l = xl + i * num_cols;
+        if (dtype != DT_FLOAT32) {
+            memcpy(h, (const uint16_t *)x + i * x_stride, sizeof(uint16_t) * (size_t)num_cols);
+            memset(l, 0, sizeof(uint16_t) * (size_t)num_cols);
+            continue;
+        }
+        const float *row = (const float *)x + i * x_stride;
+        for (int64_t k = 0; k < num_cols; k += 16) {  /* K is a multiple of 32 */
+            const __m512 v = _mm512_loadu_ps(row + k);
+            const __m256i hi = q3_bf16(v);
+            _mm256_storeu_si256((__m256i *)(h + k), hi);
+            _mm256_storeu_si256((__m256i *)(l + k), q3_bf16(_mm512_sub_ps(v, q3_widen(hi))));
+        }
+    }
+    const size_t pad = (size_t)((padded_rows - num_rows) * num_cols);
+    memset(xh + num_rows * num_cols, 0, sizeof(uint16_t) * pad);
+    memset(xl + num_rows * num_cols, 0, sizeof(uint16_t) * pad);
+}
+
+/* Rows [Mp, K] -> tiles: per row tile t and block b the tile's 16 rows x 32 values contiguous, at
+ * (t * nb + b) * 512 (a tile load then reads 1 KB in order). */
+static void amx3_tile_order(const uint16_t *rows, int64_t padded_rows, int64_t num_cols, uint16_t *tiles) {
+    const int64_t nb = num_cols / QK_BLOCK;
+    for (int64_t i = 0; i < padded_rows; i++)
+        for (int64_t b = 0; b < nb; b++)
+            memcpy(tiles + ((i / Q3_TILE) * nb + b) * 512 + (i % Q3_TILE) * QK_BLOCK, rows + i * num_cols + b * QK_BLOCK,
+                   sizeof(uint16_t) * QK_BLOCK);
+}
+
+/* Pair p of a block as int16 pairs of the 16 rows (even input in each lane's low half) -> the
+ * weights d * c + m (multiply, then add: as dequantize_packed) split into the panel's row p of
+ * its wh tile and of its wl tile. */
+QG_ALWAYS_INLINE static inline void q3_store_pair(__m512i pair, __m512 d, __m512 m, int mins, uint8_t *wh,
+                                                 uint8_t *wl, int p) {
+    __m512 even = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(pair, 16), 16)), d);
+    __m512 odd = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srai_epi32(pair, 16)), d);
+    if (mins) { even = _mm512_add_ps(even, m); odd = _mm512_add_ps(odd, m); }
+    const __m256i he = q3_bf16(even), ho = q3_bf16(odd);
+    const __m256i le = q3_bf16(_mm512_sub_ps(even, q3_widen(he))), lo = q3_bf16(_mm512_sub_ps(odd, q3_widen(ho)));
+    _mm512_store_si512((void *)(wh + 64 * p),
+                       _mm512_or_si512(_mm512_cvtepu16_epi32(he), _mm512_slli_epi32(_mm512_cvtepu16_epi32(ho), 16)));
+    _mm512_store_si512((void *)(wl + 64 * p),
+                       _mm512_or_si512(_mm512_cvtepu16_epi32(le), _mm512_slli_epi32(_mm512_cvtepu16_epi32(lo), 16)));
+}
+
+/* One strip -> its panel: per block b, at panel + 2048 b, the wh tile then the wl tile. */
+static void amx3_build_panel(const QArgs *a, const uint8_t *strip, uint8_t *panel) {
+    const int64_t nb = a->num_cols / QK_BLOCK;
+    const int packed = a->packed, half = a->half;
+    const __m512i mask = _mm512_set1_epi32(0x000F000F), sixteen = _mm512_set1_epi16(16);
+    if (packed == PACKED_Q6) {
+        const uint8_t *sc = strip + nb * 384, *dd = sc + 2 * nb * 16;
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t *wh = panel + 2048 * b, *wl = wh + 1024;
+            for (int g = 0; g < 2; g++) {  /* d * s per group of 16 inputs (pairs 8 g .. 8 g + 7) */
+                const int64_t group = 2 * b + g;
+                const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dd + (group / 16) * 32)));
+                const __m512 s = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(sc + group * 16))));
+                const __m512 scale = _mm512_mul_ps(d, s);
+                for (int p = 8 * g; p < 8 * g + 8; p++)
+                    q3_store_pair(q6_pair(strip + b * 384, p, 0), scale, scale, 0, wh, wl, p);
+            }
+        }
+        return;
+    }
+    const int mins = packed_mins(packed, a->has_mins);
+    const int64_t code_bytes = packed_code_bytes(packed);
+    const uint8_t *dsc = strip + nb * code_bytes, *msc = dsc + packed_scale_bytes(nb, half);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *codes = strip + b * code_bytes;
+        uint8_t *wh = panel + 2048 * b, *wl = wh + 1024;
+        const __m512 d = packed_block_scales(dsc, b, half);
+        const __m512 m = mins ? packed_block_scales(msc, b, half) : _mm512_setzero_ps();
+        if (packed == PACKED_Q8) {  /* vector u: pairs 2u (bytes 0, 2 of each lane) and 2u + 1 (1, 3) */
+            for (int u = 0; u < 8; u++) {
+                const __m512i c = _mm512_loadu_si512((const void *)(codes + 64 * u));
+                q3_store_pair(_mm512_srai_epi16(_mm512_slli_epi16(c, 8), 8), d, m, 0, wh, wl, 2 * u);
+                q3_store_pair(_mm512_srai_epi16(c, 8), d, m, 0, wh, wl, 2 * u + 1);
+            }
+            continue;
+        }
+        for (int v = 0; v < 4; v++) {  /* Q4, Q5: vector v, nibble pair t = pair 4 v + t */
+            const __m512i c = _mm512_loadu_si512((const void *)(codes + 64 * v));
+            for (int t = 0; t < 4; t++) {
+                __m512i w = _mm512_and_si512(_mm512_srli_epi32(c, 4 * t), mask);
+                if (packed == PACKED_Q5) {
+                    const uint32_t *sign = (const uint32_t *)(codes + 256) + 4 * v;
+                    w = _mm512_mask_sub_epi16(w, _cvtu32_mask32(sign[t]), w, sixteen);
+                }
+                q3_store_pair(w, d, m, mins, wh, wl, 4 * v + t);
+            }
+        }
+    }
+}
+
+/* y rows i0 .. i0 + 15 (those below M), outputs n0 .. n0 + 15, from the stored C tile c. */
+static void amx3_store(const QArgs *a, const float *c, int64_t i0, int64_t n0) {
+    const __m512 bias = a->bias ? _mm512_loadu_ps(a->bias + n0) : _mm512_setzero_ps();
+    for (int r = 0; r < Q3_TILE && i0 + r < a->num_rows; r++) {
+        const __m512 out = _mm512_add_ps(_mm512_load_ps(c + 16 * r), bias);
+        if (a->dtype == DT_FLOAT32) {
+            _mm512_storeu_ps((float *)a->y + (i0 + r) * a->y_stride + n0, out);
+        } else {
+            _mm256_storeu_si256((__m256i *)((uint16_t *)a->y + (i0 + r) * a->y_stride + n0), q3_bf16(out));
+        }
+    }
+}
+
+/* One 16-row tile of activations against two strips' panels (p1 NULL: one strip), in the order
+ * amx3_tile_rows2 sums each C tile (xh . wl, xh . wh, xl . wh per block): the same bits a row. */
+static void amx3_tile_rows(const Amx3Args *aa, int64_t i0, int64_t n0, const uint8_t *p0, const uint8_t *p1,
+                           float *c) {
+    const QArgs *a = aa->q;
+    const int64_t K = a->num_cols, nb = K / QK_BLOCK;
+    const uint16_t *xh = aa->xh + i0 * K, *xl = aa->xl + i0 * K;  /* tile order: block b at b * 512 */
+    _tile_zero(0);
+    if (p1 != NULL) {
+        _tile_zero(1);
+        for (int64_t b = 0; b < nb; b++) {
+            _tile_loadd(4, xh + b * 512, 64);
+            _tile_loadd(5, xl + b * 512, 64);
+            _tile_loadd(6, p0 + 2048 * b + 1024, 64);
+            _tile_loadd(7, p1 + 2048 * b + 1024, 64);
+            _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7);
+            _tile_loadd(6, p0 + 2048 * b, 64);
+            _tile_loadd(7, p1 + 2048 * b, 64);
+            _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(0, 5, 6); _tile_dpbf16ps(1, 5, 7);
+        }
+        _tile_stored(0, c, 64);
+        _tile_stored(1, c + 256, 64);
+        amx3_store(a, c, i0, n0);
+        amx3_store(a, c + 256, i0, n0 + 16);
+        return;
+    }
+    for (int64_t b = 0; b < nb; b++) {
+        _tile_loadd(4, xh + b * 512, 64);
+        _tile_loadd(5, xl + b * 512, 64);
+        _tile_loadd(7, p0 + 2048 * b + 1024, 64);
+        _tile_loadd(6, p0 + 2048 * b, 64);
+        _tile_dpbf16ps(0, 4, 7);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(0, 5, 6);
+    }
+    _tile_stored(0, c, 64);
+    amx3_store(a, c, i0, n0);
+}
+
+/* Two 16-row tiles of activations (rows i0 .. i0 + 31) against two strips' panels: four C tiles,
+ * each block's tiles loaded into the four operand registers in an order that keeps each loaded
+ * tile for two or four products (8 loads for 12 products): xh . wl, then xh . wh, then xl . wh. */
+static void amx3_tile_rows2(const Amx3Args *aa, int64_t i0, int64_t n0, const uint8_t *p0, const uint8_t *p1,
+                            float *c) {
+    const QArgs *a = aa->q;
+    const int64_t K = a->num_cols, nb = K / QK_BLOCK;
+    const uint16_t *xh0 = aa->xh + i0 * K, *xl0 = aa->xl + i0 * K;
+    const uint16_t *xh1 = xh0 + Q3_TILE * K, *xl1 = xl0 + Q3_TILE * K;
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);  /* C (row tile, strip): 0 (0, 0), 1 (0, 1), 2 (1, 0), 3 (1, 1) */
+    for (int64_t b = 0; b < nb; b++) {
+        _tile_loadd(4, xh0 + b * 512, 64);
+        _tile_loadd(5, xh1 + b * 512, 64);
+        _tile_loadd(6, p0 + 2048 * b + 1024, 64);
+        _tile_loadd(7, p1 + 2048 * b + 1024, 64);
+        _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7); _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
+        _tile_loadd(6, p0 + 2048 * b, 64);
+        _tile_loadd(7, p1 + 2048 * b, 64);
+        _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7); _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
+        _tile_loadd(4, xl0 + b * 512, 64);
+        _tile_loadd(5, xl1 + b * 512, 64);
+        _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7); _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
+    }
+    for (int t = 0; t < 4; t++) {
+        switch (t) {  /* _tile_stored takes a constant tile number */
+            case 0: _tile_stored(0, c, 64); break;
+            case 1: _tile_stored(1, c, 64); break;
+            case 2: _tile_stored(2, c, 64); break;
+            default: _tile_stored(3, c, 64); break;
+        }
+        amx3_store(a, c, i0 + Q3_TILE * (t / 2), n0 + Q3_TILE * (t % 2));
+    }
+}
+
+/* Strips s0 .. s1 - 1: in groups of aa->group, their panels built, then every row tile against
+ * the group's strips two at a time. */
+static void amx3_range(const void *p, int64_t s0, int64_t s1, float *scratch) {
+    const Amx3Args *aa = (const Amx3Args *)p;
+    const QArgs *a = aa->q;
+    const int64_t nb = a->num_cols / QK_BLOCK;
+    const int64_t strip_bytes = packed_strip_bytes(a->packed, nb, a->half, a->has_mins);
+    float *c = (float *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);  /* two C tiles, 2 KB */
+    uint8_t *panels = (uint8_t *)(c + 512);
+    amx3_configure();
+    for (int64_t g0 = s0; g0 < s1; g0 += aa->group) {
+        const int64_t g1 = g0 + aa->group < s1 ? g0 + aa->group : s1;
+        for (int64_t s = g0; s < g1; s++) amx3_build_panel(a, a->blocks + s * strip_bytes, panels + (s - g0) * nb * 2048);
+        for (int64_t i0 = 0; i0 < aa->padded_rows; i0 += 2 * Q3_TILE) {
+            const int two_tiles = i0 + Q3_TILE < aa->padded_rows;
+            for (int64_t s = g0; s < g1; s += 2) {
+                const uint8_t *p0 = panels + (s - g0) * nb * 2048, *p1 = s + 1 < g1 ? p0 + nb * 2048 : NULL;
+                if (two_tiles && p1 != NULL) {
+                    amx3_tile_rows2(aa, i0, s * Q3_TILE, p0, p1, c);
+                } else {
+                    amx3_tile_rows(aa, i0, s * Q3_TILE, p0, p1, c);
+                    if (two_tiles) amx3_tile_rows(aa, i0 + Q3_TILE, s * Q3_TILE, p0, p1, c);
+                }
+            }
+        }
+    }
+    _tile_release();
+}
+
+/* The amx3 route of qg_matmul over packed strips (QG_PACKED | QG_ROUTE_AMX): QG_BAD_LAYOUT where the
+ * CPU lacks AMX-BF16 or the strips are QG_INT8's. */
+static int run_amx3(QArgs *a, const void *x, int64_t x_stride) {
+    const int64_t M = a->num_rows, K = a->num_cols, nb = K / QK_BLOCK;
+    if (!cpu_allows(CPU_HAS_AMX_BF16) || a->int8) return QG_BAD_LAYOUT;
+    const int64_t Mp = (M + Q3_TILE - 1) / Q3_TILE * Q3_TILE;
+    uint16_t *buf = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * 4 * (size_t)(Mp * K));
+    if (buf == NULL) return QG_NO_MEMORY;
+    uint16_t *xh = buf, *xl = buf + Mp * K, *rows = buf + 2 * Mp * K;
+    amx3_split_rows(x, x_stride, M, Mp, K, a->dtype, rows, rows + Mp * K);
+    amx3_tile_order(rows, Mp, K, xh);
+    amx3_tile_order(rows + Mp * K, Mp, K, xl);
+    int64_t group = Q3_PANEL_BYTES / (nb * 2048);
+    group = group < 2 ? 2 : group / 2 * 2;
+    Amx3Args aa = {a, xh, xl, Mp, group};
+    const size_t floats = 16 + 512 + (size_t)(group * nb * 2048 / 4);
+    int rc = cpu_parallel_for(amx3_range, &aa, a->num_out / Q3_TILE, Mp * a->num_out * K, floats);
+    free(buf);
+    return rc;
+}
