@@ -83,18 +83,23 @@ static void amx3_tile_order(const uint16_t *rows, int64_t padded_rows, int64_t n
 
 /* Pair p of a block as int16 pairs of the 16 rows (even input in each lane's low half) -> the
  * weights d * c + m (multiply, then add: as dequantize_packed) split into the panel's row p of
- * its wh tile and of its wl tile. */
+ * its wh tile and of its wl tile: bfloat16 pairs (even input in the low half of each 32-bit lane),
+ * from vcvtne2ps2bf16's halves put in that order by one vpermw. */
 QG_ALWAYS_INLINE static inline void q3_store_pair(__m512i pair, __m512 d, __m512 m, int mins, uint8_t *wh,
                                                  uint8_t *wl, int p) {
+    const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                           23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i high_half = _mm512_set1_epi32((int)0xFFFF0000u);
     __m512 even = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(pair, 16), 16)), d);
     __m512 odd = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srai_epi32(pair, 16)), d);
     if (mins) { even = _mm512_add_ps(even, m); odd = _mm512_add_ps(odd, m); }
-    const __m256i he = q3_bf16(even), ho = q3_bf16(odd);
-    const __m256i le = q3_bf16(_mm512_sub_ps(even, q3_widen(he))), lo = q3_bf16(_mm512_sub_ps(odd, q3_widen(ho)));
-    _mm512_store_si512((void *)(wh + 64 * p),
-                       _mm512_or_si512(_mm512_cvtepu16_epi32(he), _mm512_slli_epi32(_mm512_cvtepu16_epi32(ho), 16)));
-    _mm512_store_si512((void *)(wl + 64 * p),
-                       _mm512_or_si512(_mm512_cvtepu16_epi32(le), _mm512_slli_epi32(_mm512_cvtepu16_epi32(lo), 16)));
+    const __m512i hi = _mm512_permutexvar_epi16(order, (__m512i)_mm512_cvtne2ps_pbh(odd, even));
+    const __m512 he = _mm512_castsi512_ps(_mm512_slli_epi32(hi, 16));  /* wh as float32 */
+    const __m512 ho = _mm512_castsi512_ps(_mm512_and_si512(hi, high_half));
+    const __m512i lo = _mm512_permutexvar_epi16(
+        order, (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(odd, ho), _mm512_sub_ps(even, he)));
+    _mm512_store_si512((void *)(wh + 64 * p), hi);
+    _mm512_store_si512((void *)(wl + 64 * p), lo);
 }
 
 /* One strip -> its panel: per block b, at panel + 2048 b, the wh tile then the wl tile. */
