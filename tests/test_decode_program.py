@@ -59,7 +59,7 @@ def default_model():
     return load_model(None)
 
 
-@pytest.mark.parametrize("lengths", [[7], [5, 23, 12], [3] * 9])
+@pytest.mark.parametrize("lengths", [[7], [5, 23, 12], [3] * 9, [2] * 40])  # 40 rows: amx3 where AMX is
 def test_the_default_model_decodes_the_same_bits_in_one_call(default_model, lengths):
     got, expected = _both(default_model, _prompts(default_model, lengths, seed=len(lengths)), steps=5, seed=3)
     assert torch.equal(got, expected)
