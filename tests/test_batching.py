@@ -159,8 +159,11 @@ def quantized_model():
 
 def test_packed_strips_give_rows_the_same_numbers_in_any_batch():
     """With the default model's products packed in strips (the strip route at every row count, where
-    the CPU has AVX-512 VNNI), a decode row's logits are bit-equal alone, beside another decode and
-    a prompt chunk, and inside 72 rows of one class, which on row layouts take another route."""
+    the CPU has AVX-512 VNNI and no AMX), a decode row's logits are bit-equal alone, beside another
+    decode and a prompt chunk, and inside 72 rows of one class, which on row layouts take another
+    route. With AMX bf16 the table may put 72 rows on amx3 (its rounding, not strip's): there the
+    row equals itself in any other 72-row tick (its numbers follow its route, not its neighbours)
+    and its solo run within the two routes' roundings (measured 0.004 on logits up to ~20)."""
     import torch
 
     from cext import cpu
@@ -180,7 +183,16 @@ def test_packed_strips_give_rows_the_same_numbers_in_any_batch():
     neighbours = [([2030], 30, tables[1]), (list(range(3000, 3010)), 0, [6])]
     beside = run(neighbours)
     merged = run(neighbours + [(list(range(4000, 4060)), 0, [9, 10, 11, 12])])
-    assert torch.equal(beside[:1], alone) and torch.equal(merged[:1], alone)
+    assert torch.equal(beside[:1], alone)
+    layers = [proj for layer in model.layers for proj in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj,
+                                                          layer.down_proj)]
+    if all(proj.route(72) == "strip" for proj in layers):
+        assert torch.equal(merged[:1], alone)
+    else:
+        assert any(proj.route(72) == "amx3" for proj in layers)
+        other = run([(list(range(5000, 5071)), 0, [9, 10, 11, 12, 13])])  # 72 rows again, other neighbours
+        assert torch.equal(merged[:1], other[:1])
+        torch.testing.assert_close(merged[:1], alone, atol=1e-2, rtol=0)  # routes apart: int16 codes vs split bf16
 
 
 def test_decode_rows_bit_equal_as_verification_and_beside_embedding_rows(quantized_model):

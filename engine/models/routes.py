@@ -18,7 +18,7 @@ A quantized layer's product of M rows can run as:
   where the CPU has AVX-512 VNNI) runs ``strip`` over them in place at every row count (one row at
   1.5-2.5x int16's rate), or ``amx3`` over them, or ``blas``/``amx`` through their dequantization;
   the table times only those, and its one-row route is strip, so its decode batches round alike at
-  any size;
+  any size up to where amx3 (with AMX bf16) takes over;
 - ``amx3`` (packed strips, where the CPU has AMX-BF16; cext/csrc/qgemm_amx3.h): each weight as the
   float route dequantizes it and each activation split into two bfloat16 (w = wh + wl, x = xh +
   xl: 16 significant bits each), y = xh.wh + xh.wl + xl.wh on AMX-BF16 tiles with float32 sums
