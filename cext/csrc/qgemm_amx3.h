@@ -48,37 +48,32 @@ QG_ALWAYS_INLINE static inline __m512 q3_widen(__m256i h) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-/* x [M, K] -> xh, xl [Mp, K] bfloat16 (rows M .. Mp - 1 zero). bfloat16 x: xl = 0. */
+/* x [M, K] -> xh, xl bfloat16 in tile order: row i's block b (32 values) at ((i / 16) nb + b) 512 +
+ * (i % 16) 32, so a tile load reads 1 KB in order; rows M .. Mp - 1 zero. bfloat16 x: xl = 0. */
 static void amx3_split_rows(const void *x, int64_t x_stride, int64_t num_rows, int64_t padded_rows, int64_t num_cols,
                             int dtype, uint16_t *xh, uint16_t *xl) {
-    for (int64_t i = 0; i < num_rows; i++) {
-        uint16_t *h = xh + i * num_cols, *l = xl + i * num_cols;
-        if (dtype != DT_FLOAT32) {
-            memcpy(h, (const uint16_t *)x + i * x_stride, sizeof(uint16_t) * (size_t)num_cols);
-            memset(l, 0, sizeof(uint16_t) * (size_t)num_cols);
-            continue;
-        }
-        const float *row = (const float *)x + i * x_stride;
-        for (int64_t k = 0; k < num_cols; k += 16) {  /* K is a multiple of 32 */
-            const __m512 v = _mm512_loadu_ps(row + k);
-            const __m256i hi = q3_bf16(v);
-            _mm256_storeu_si256((__m256i *)(h + k), hi);
-            _mm256_storeu_si256((__m256i *)(l + k), q3_bf16(_mm512_sub_ps(v, q3_widen(hi))));
+    const int64_t nb = num_cols / QK_BLOCK;
+    for (int64_t i = 0; i < padded_rows; i++) {
+        for (int64_t b = 0; b < nb; b++) {
+            const int64_t at = ((i / Q3_TILE) * nb + b) * 512 + (i % Q3_TILE) * QK_BLOCK;
+            uint16_t *h = xh + at, *l = xl + at;
+            if (i >= num_rows) {
+                memset(h, 0, sizeof(uint16_t) * QK_BLOCK);
+                memset(l, 0, sizeof(uint16_t) * QK_BLOCK);
+            } else if (dtype != DT_FLOAT32) {
+                memcpy(h, (const uint16_t *)x + i * x_stride + b * QK_BLOCK, sizeof(uint16_t) * QK_BLOCK);
+                memset(l, 0, sizeof(uint16_t) * QK_BLOCK);
+            } else {
+                const float *row = (const float *)x + i * x_stride + b * QK_BLOCK;
+                for (int k = 0; k < QK_BLOCK; k += 16) {
+                    const __m512 v = _mm512_loadu_ps(row + k);
+                    const __m256i hi = q3_bf16(v);
+                    _mm256_storeu_si256((__m256i *)(h + k), hi);
+                    _mm256_storeu_si256((__m256i *)(l + k), q3_bf16(_mm512_sub_ps(v, q3_widen(hi))));
+                }
+            }
         }
     }
-    const size_t pad = (size_t)((padded_rows - num_rows) * num_cols);
-    memset(xh + num_rows * num_cols, 0, sizeof(uint16_t) * pad);
-    memset(xl + num_rows * num_cols, 0, sizeof(uint16_t) * pad);
-}
-
-/* Rows [Mp, K] -> tiles: per row tile t and block b the tile's 16 rows x 32 values contiguous, at
- * (t * nb + b) * 512 (a tile load then reads 1 KB in order). */
-static void amx3_tile_order(const uint16_t *rows, int64_t padded_rows, int64_t num_cols, uint16_t *tiles) {
-    const int64_t nb = num_cols / QK_BLOCK;
-    for (int64_t i = 0; i < padded_rows; i++)
-        for (int64_t b = 0; b < nb; b++)
-            memcpy(tiles + ((i / Q3_TILE) * nb + b) * 512 + (i % Q3_TILE) * QK_BLOCK, rows + i * num_cols + b * QK_BLOCK,
-                   sizeof(uint16_t) * QK_BLOCK);
 }
 
 /* Pair p of a block as int16 pairs of the 16 rows (even input in each lane's low half) -> the
@@ -274,12 +269,10 @@ static int run_amx3(QArgs *a, const void *x, int64_t x_stride) {
     const int64_t M = a->num_rows, K = a->num_cols, nb = K / QK_BLOCK;
     if (!cpu_allows(CPU_HAS_AMX_BF16) || a->int8) return QG_BAD_LAYOUT;
     const int64_t Mp = (M + Q3_TILE - 1) / Q3_TILE * Q3_TILE;
-    uint16_t *buf = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * 4 * (size_t)(Mp * K));
+    uint16_t *buf = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * 2 * (size_t)(Mp * K));
     if (buf == NULL) return QG_NO_MEMORY;
-    uint16_t *xh = buf, *xl = buf + Mp * K, *rows = buf + 2 * Mp * K;
-    amx3_split_rows(x, x_stride, M, Mp, K, a->dtype, rows, rows + Mp * K);
-    amx3_tile_order(rows, Mp, K, xh);
-    amx3_tile_order(rows + Mp * K, Mp, K, xl);
+    uint16_t *xh = buf, *xl = buf + Mp * K;
+    amx3_split_rows(x, x_stride, M, Mp, K, a->dtype, xh, xl);
     int64_t group = Q3_PANEL_BYTES / (nb * 2048);
     group = group < 2 ? 2 : group / 2 * 2;
     Amx3Args aa = {a, xh, xl, Mp, group};
