@@ -67,9 +67,10 @@ def test_every_packed_format_is_the_exact_product(kind, threads, monkeypatch):
 
 
 @needs_amx
-def test_wide_rows_take_panel_groups_of_two_strips(monkeypatch):
-    """K = 8,448 (264 blocks: two strips' panels fill the 1 MB a group may take) and 80 outputs
-    (five strips: groups of two and a last lone strip)."""
+def test_wide_rows_take_k_in_chunks(monkeypatch):
+    """K = 8,448 (264 blocks) at 35 rows: the activations' tiles (1.6 MB) pass the 1 MB of one
+    chunk, so K runs in chunks with each C tile's sums stored between them; 80 outputs (five
+    strips: pairs and a last lone strip)."""
     bias = torch.zeros(80)
     layer = _layer("int4_half", 80, 8448, bias, monkeypatch)
     x = torch.randn(35, 8448, generator=torch.Generator().manual_seed(1))
@@ -77,13 +78,15 @@ def test_wide_rows_take_panel_groups_of_two_strips(monkeypatch):
 
 
 @needs_amx
-@pytest.mark.parametrize("kind", ["int5_0", "q6"])
-def test_rows_do_not_depend_on_the_batch(kind, monkeypatch):
+@pytest.mark.parametrize(("kind", "num_cols"), [("int5_0", 512), ("q6", 512), ("int4_half", 8448)])
+def test_rows_do_not_depend_on_the_batch(kind, num_cols, monkeypatch):
     """A row's outputs have the same bits alone, in a pair of row tiles, in a lone tile after
-    pairs, or beside padding."""
-    layer = _layer(kind, 32, 512, torch.zeros(32), monkeypatch)
-    x = torch.randn(70, 512, generator=torch.Generator().manual_seed(2))
+    pairs, or beside padding; at K = 8,448 also whether K ran in one chunk (16 rows: their
+    activations' tiles fit the 1 MB of one) or in chunks with the sums kept between them (70)."""
+    layer = _layer(kind, 32, num_cols, torch.zeros(32), monkeypatch)
+    x = torch.randn(70, num_cols, generator=torch.Generator().manual_seed(2))
     whole = layer.run(x, "amx3")
+    _assert_close_to_exact(whole, x, layer, torch.zeros(32))
     for first, count in ((0, 1), (5, 1), (3, 16), (0, 17), (20, 33), (69, 1), (1, 69)):
         assert torch.equal(layer.run(x[first:first + count], "amx3"), whole[first:first + count]), (first, count)
 

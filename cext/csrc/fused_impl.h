@@ -524,28 +524,35 @@ static void FK_FN(attention_items)(const AttnArgs *a, int64_t begin, int64_t end
 static void FK_FN(silu_mul_rows)(const SiluArgs *a, int64_t begin, int64_t end, float *scratch) {
     const int64_t inter = a->inter;
     const size_t esize = a->dtype == FK_FLOAT32 ? 4 : 2;
-    float *gate = scratch;        /* [FK_CHUNK_COLS] */
-    float *up = scratch + FK_CHUNK_COLS;
     for (int64_t t = begin; t < end; t++) {
         const char *row = (const char *)a->gate_up + (size_t)(t * 2 * inter) * esize;
         char *out = (char *)a->out + (size_t)(t * inter) * esize;
         for (int64_t c0 = 0; c0 < inter; c0 += FK_CHUNK_COLS) {
             const int64_t n = inter - c0 < FK_CHUNK_COLS ? inter - c0 : FK_CHUNK_COLS;
-            FK_FN(load_row)(gate, row + (size_t)c0 * esize, n, a->dtype);
-            FK_FN(load_row)(up, row + (size_t)(inter + c0) * esize, n, a->dtype);
+            /* float32 in place (the rows are read and written where they are), else through the
+             * scratch's float32 copies [FK_CHUNK_COLS] of gate and up */
+            const float *gate = (const float *)(row + (size_t)c0 * esize);
+            const float *up = (const float *)(row + (size_t)(inter + c0) * esize);
+            float *dst = (float *)(out + (size_t)c0 * esize);
+            if (a->dtype != FK_FLOAT32) {
+                FK_FN(load_row)(scratch, row + (size_t)c0 * esize, n, a->dtype);
+                FK_FN(load_row)(scratch + FK_CHUNK_COLS, row + (size_t)(inter + c0) * esize, n, a->dtype);
+                gate = dst = scratch;
+                up = scratch + FK_CHUNK_COLS;
+            }
             if (a->act == FK_ACT_GELU_TANH) {
                 /* 0.5 g (1 + tanh(u)) = g * sigmoid(2 u), u = sqrt(2 / pi) (g + 0.044715 g^3) */
 #pragma omp simd
                 for (int64_t i = 0; i < n; i++) {
                     const float g = gate[i];
                     const float u2 = 1.5957691216057308f * (g + 0.044715f * g * g * g);
-                    gate[i] = g / (1.0f + FK_FN(fast_exp)(-u2)) * up[i];
+                    dst[i] = g / (1.0f + FK_FN(fast_exp)(-u2)) * up[i];
                 }
             } else {
 #pragma omp simd
-                for (int64_t i = 0; i < n; i++) gate[i] = gate[i] / (1.0f + FK_FN(fast_exp)(-gate[i])) * up[i];
+                for (int64_t i = 0; i < n; i++) dst[i] = gate[i] / (1.0f + FK_FN(fast_exp)(-gate[i])) * up[i];
             }
-            FK_FN(store_row)(out + (size_t)c0 * esize, gate, n, a->dtype);
+            if (a->dtype != FK_FLOAT32) FK_FN(store_row)(out + (size_t)c0 * esize, scratch, n, a->dtype);
         }
     }
 }

@@ -16,20 +16,29 @@
  * in the same order whatever the row count (rows of padding are zero), so a row's output does not
  * depend on the others.
  *
- * Work: output strips of 16 across cpu.h's pool; per group of strips their weights are laid out
- * once per call as bfloat16 tiles (a panel per strip: per block of 32 inputs a 16 x 64-byte tile
- * of wh, then one of wl, the tiles' pairs order: row p = inputs 2p, 2p + 1 of the 16 outputs), then
- * every 16-row tile of activations runs against the group's strips two at a time (8 tiles: C for
- * two strips, xh and xl, wh and wl of each strip). */
+ * Work: the activations are split across cpu.h's pool (row tiles), then pairs of output strips of
+ * 16. Per group of strips their weights are laid out once per call as bfloat16 tiles (a panel per
+ * strip: per block of 32 inputs a 16 x 64-byte tile of wh, then one of wl, the tiles' pairs order:
+ * row p = inputs 2p, 2p + 1 of the 16 outputs), then every 16-row tile of activations runs against
+ * the group's strips two at a time (8 tiles: C for two strips, xh and xl, wh and wl of each strip).
+ * Where the activations' tiles outgrow L2 (a long K: down products) K runs in chunks, each chunk
+ * against the whole group, and the C tiles' float32 sums wait in memory between chunks (stored and
+ * loaded as they are: the same bits as one pass). */
 
 #define Q3_TILE 16
-#define Q3_PANEL_BYTES (1 << 20)  /* a group's panels at most (L2), at least two strips */
+#define Q3_PANEL_BYTES (512 << 10)  /* a group's panels at most (L2), at least two strips */
+#define Q3_ACT_BYTES (1 << 20)    /* activations' tiles up to this: K in one chunk */
+#define Q3_GROUP_BYTES (4 << 20)  /* else a group's panels up to this, */
+#define Q3_CHUNK_BYTES (256 << 10)  /* and K in chunks of panels and activations up to this */
 
 typedef struct {
     const QArgs *q;
-    const uint16_t *xh, *xl;  /* [Mp, K] bfloat16 bits */
+    const void *x;            /* the activations, [M, K] at x_stride, float32 or bfloat16 */
+    int64_t x_stride;
+    uint16_t *xh, *xl;        /* [Mp, K] bfloat16 bits */
     int64_t padded_rows;
     int64_t group;            /* strips per panel group (even) */
+    int64_t chunk;            /* blocks of K per chunk */
 } Amx3Args;
 
 /* Tiles: 0, 1 C (16 x 16 float32); 2, 3 A (xh, xl: 16 rows x 32 bfloat16); 4, 5 B of the first
@@ -147,7 +156,7 @@ static void amx3_build_panel(const QArgs *a, const uint8_t *strip, uint8_t *pane
     }
 }
 
-/* y rows i0 .. i0 + 15 (those below M), outputs n0 .. n0 + 15, from the stored C tile c. */
+/* y rows i0 .. i0 + 15 (those below M), outputs n0 .. n0 + 15, from the sums c (16 rows of 16). */
 static void amx3_store(const QArgs *a, const float *c, int64_t i0, int64_t n0) {
     const __m512 bias = a->bias ? _mm512_loadu_ps(a->bias + n0) : _mm512_setzero_ps();
     for (int r = 0; r < Q3_TILE && i0 + r < a->num_rows; r++) {
@@ -160,17 +169,32 @@ static void amx3_store(const QArgs *a, const float *c, int64_t i0, int64_t n0) {
     }
 }
 
-/* One 16-row tile of activations against two strips' panels (p1 NULL: one strip), in the order
- * amx3_tile_rows2 sums each C tile (xh . wl, xh . wh, xl . wh per block): the same bits a row. */
-static void amx3_tile_rows(const Amx3Args *aa, int64_t i0, int64_t n0, const uint8_t *p0, const uint8_t *p1,
-                           float *c) {
+/* Where the C tiles of (strip s of the group, rows i0 .. i0 + 31) keep their sums between K chunks
+ * (K in one chunk: the same 2 KB for every strip, stored once each). */
+static inline float *q3_sums(const Amx3Args *aa, float *sums, int64_t s, int64_t i0) {
+    const int64_t nb = aa->q->num_cols / QK_BLOCK;
+    return aa->chunk >= nb ? sums + (s & 1) * 2 * 256 : sums + (s * aa->padded_rows + i0) * Q3_TILE;
+}
+
+/* Floats of a range's sums: [group][Mp][16], or four C tiles where K is one chunk. */
+static inline int64_t q3_sums_floats(const Amx3Args *aa) {
+    const int64_t nb = aa->q->num_cols / QK_BLOCK;
+    return aa->chunk >= nb ? 4 * 256 : aa->group * aa->padded_rows * Q3_TILE;
+}
+
+/* One 16-row tile of activations against one or two strips' panels (p1 NULL: one strip) over
+ * blocks b0 .. b1 - 1, in the order amx3_tile_rows2 sums each C tile (xh . wl, xh . wh, xl . wh per
+ * block): the same bits a row. The C tiles start at zero (b0 = 0) or from their sums (s0, s1) and
+ * end there, or in y after the last block. */
+static void amx3_tile_rows(const Amx3Args *aa, int64_t i0, int64_t n0, int64_t b0, int64_t b1, const uint8_t *p0,
+                           const uint8_t *p1, float *s0, float *s1) {
     const QArgs *a = aa->q;
     const int64_t K = a->num_cols, nb = K / QK_BLOCK;
     const uint16_t *xh = aa->xh + i0 * K, *xl = aa->xl + i0 * K;  /* tile order: block b at b * 512 */
-    _tile_zero(0);
+    if (b0 == 0) _tile_zero(0); else _tile_loadd(0, s0, 64);
     if (p1 != NULL) {
-        _tile_zero(1);
-        for (int64_t b = 0; b < nb; b++) {
+        if (b0 == 0) _tile_zero(1); else _tile_loadd(1, s1, 64);
+        for (int64_t b = b0; b < b1; b++) {
             _tile_loadd(4, xh + b * 512, 64);
             _tile_loadd(5, xl + b * 512, 64);
             _tile_loadd(6, p0 + 2048 * b + 1024, 64);
@@ -181,36 +205,40 @@ static void amx3_tile_rows(const Amx3Args *aa, int64_t i0, int64_t n0, const uin
             _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7);
             _tile_dpbf16ps(0, 5, 6); _tile_dpbf16ps(1, 5, 7);
         }
-        _tile_stored(0, c, 64);
-        _tile_stored(1, c + 256, 64);
-        amx3_store(a, c, i0, n0);
-        amx3_store(a, c + 256, i0, n0 + 16);
-        return;
+        _tile_stored(1, s1, 64);
+        if (b1 == nb) amx3_store(a, s1, i0, n0 + Q3_TILE);
+    } else {
+        for (int64_t b = b0; b < b1; b++) {
+            _tile_loadd(4, xh + b * 512, 64);
+            _tile_loadd(5, xl + b * 512, 64);
+            _tile_loadd(7, p0 + 2048 * b + 1024, 64);
+            _tile_loadd(6, p0 + 2048 * b, 64);
+            _tile_dpbf16ps(0, 4, 7);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(0, 5, 6);
+        }
     }
-    for (int64_t b = 0; b < nb; b++) {
-        _tile_loadd(4, xh + b * 512, 64);
-        _tile_loadd(5, xl + b * 512, 64);
-        _tile_loadd(7, p0 + 2048 * b + 1024, 64);
-        _tile_loadd(6, p0 + 2048 * b, 64);
-        _tile_dpbf16ps(0, 4, 7);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(0, 5, 6);
-    }
-    _tile_stored(0, c, 64);
-    amx3_store(a, c, i0, n0);
+    _tile_stored(0, s0, 64);
+    if (b1 == nb) amx3_store(a, s0, i0, n0);
 }
 
-/* Two 16-row tiles of activations (rows i0 .. i0 + 31) against two strips' panels: four C tiles,
- * each block's tiles loaded into the four operand registers in an order that keeps each loaded
- * tile for two or four products (8 loads for 12 products): xh . wl, then xh . wh, then xl . wh. */
-static void amx3_tile_rows2(const Amx3Args *aa, int64_t i0, int64_t n0, const uint8_t *p0, const uint8_t *p1,
-                            float *c) {
+/* Two 16-row tiles of activations (rows i0 .. i0 + 31) against two strips' panels over blocks
+ * b0 .. b1 - 1: four C tiles, each block's tiles loaded into the four operand registers in an
+ * order that keeps each loaded tile for two or four products (8 loads for 12 products): xh . wl,
+ * then xh . wh, then xl . wh. Sums of strip 0 at s0 (rows i0 ..), of strip 1 at s1. */
+static void amx3_tile_rows2(const Amx3Args *aa, int64_t i0, int64_t n0, int64_t b0, int64_t b1, const uint8_t *p0,
+                            const uint8_t *p1, float *s0, float *s1) {
     const QArgs *a = aa->q;
     const int64_t K = a->num_cols, nb = K / QK_BLOCK;
     const uint16_t *xh0 = aa->xh + i0 * K, *xl0 = aa->xl + i0 * K;
     const uint16_t *xh1 = xh0 + Q3_TILE * K, *xl1 = xl0 + Q3_TILE * K;
-    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);  /* C (row tile, strip): 0 (0, 0), 1 (0, 1), 2 (1, 0), 3 (1, 1) */
-    for (int64_t b = 0; b < nb; b++) {
+    float *c[4] = {s0, s1, s0 + 256, s1 + 256};  /* C (row tile, strip): 0 (0, 0), 1 (0, 1), 2 (1, 0), 3 (1, 1) */
+    if (b0 == 0) {
+        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    } else {
+        _tile_loadd(0, c[0], 64); _tile_loadd(1, c[1], 64); _tile_loadd(2, c[2], 64); _tile_loadd(3, c[3], 64);
+    }
+    for (int64_t b = b0; b < b1; b++) {
         _tile_loadd(4, xh0 + b * 512, 64);
         _tile_loadd(5, xh1 + b * 512, 64);
         _tile_loadd(6, p0 + 2048 * b + 1024, 64);
@@ -223,39 +251,40 @@ static void amx3_tile_rows2(const Amx3Args *aa, int64_t i0, int64_t n0, const ui
         _tile_loadd(5, xl1 + b * 512, 64);
         _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7); _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
     }
-    for (int t = 0; t < 4; t++) {
-        switch (t) {  /* _tile_stored takes a constant tile number */
-            case 0: _tile_stored(0, c, 64); break;
-            case 1: _tile_stored(1, c, 64); break;
-            case 2: _tile_stored(2, c, 64); break;
-            default: _tile_stored(3, c, 64); break;
-        }
-        amx3_store(a, c, i0 + Q3_TILE * (t / 2), n0 + Q3_TILE * (t % 2));
-    }
+    _tile_stored(0, c[0], 64); _tile_stored(1, c[1], 64); _tile_stored(2, c[2], 64); _tile_stored(3, c[3], 64);
+    if (b1 == nb)
+        for (int t = 0; t < 4; t++) amx3_store(a, c[t], i0 + Q3_TILE * (t / 2), n0 + Q3_TILE * (t % 2));
 }
 
-/* Strips s0 .. s1 - 1: in groups of aa->group, their panels built, then every row tile against
- * the group's strips two at a time. */
-static void amx3_range(const void *p, int64_t s0, int64_t s1, float *scratch) {
+/* Strip pairs p0 .. p1 - 1 (strips 2 p0 .. min(2 p1, strips) - 1): in groups of aa->group strips,
+ * their panels built, then per chunk of aa->chunk blocks of K every pair of strips against every
+ * row tile (two at a time), the C tiles' sums kept between chunks in the group's sums buffer. */
+static void amx3_range(const void *p, int64_t p0, int64_t p1, float *scratch) {
     const Amx3Args *aa = (const Amx3Args *)p;
     const QArgs *a = aa->q;
-    const int64_t nb = a->num_cols / QK_BLOCK;
+    const int64_t nb = a->num_cols / QK_BLOCK, strips = a->num_out / Q3_TILE, Mp = aa->padded_rows;
     const int64_t strip_bytes = packed_strip_bytes(a->packed, nb, a->half, a->has_mins);
-    float *c = (float *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);  /* two C tiles, 2 KB */
-    uint8_t *panels = (uint8_t *)(c + 512);
+    const int64_t s0 = 2 * p0, s1 = 2 * p1 < strips ? 2 * p1 : strips;
+    float *sums = (float *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);  /* [group][Mp][16] */
+    uint8_t *panels = (uint8_t *)(sums + q3_sums_floats(aa));
     amx3_configure();
     for (int64_t g0 = s0; g0 < s1; g0 += aa->group) {
         const int64_t g1 = g0 + aa->group < s1 ? g0 + aa->group : s1;
         for (int64_t s = g0; s < g1; s++) amx3_build_panel(a, a->blocks + s * strip_bytes, panels + (s - g0) * nb * 2048);
-        for (int64_t i0 = 0; i0 < aa->padded_rows; i0 += 2 * Q3_TILE) {
-            const int two_tiles = i0 + Q3_TILE < aa->padded_rows;
-            for (int64_t s = g0; s < g1; s += 2) {
-                const uint8_t *p0 = panels + (s - g0) * nb * 2048, *p1 = s + 1 < g1 ? p0 + nb * 2048 : NULL;
-                if (two_tiles && p1 != NULL) {
-                    amx3_tile_rows2(aa, i0, s * Q3_TILE, p0, p1, c);
-                } else {
-                    amx3_tile_rows(aa, i0, s * Q3_TILE, p0, p1, c);
-                    if (two_tiles) amx3_tile_rows(aa, i0 + Q3_TILE, s * Q3_TILE, p0, p1, c);
+        for (int64_t b0 = 0; b0 < nb; b0 += aa->chunk) {
+            const int64_t b1 = b0 + aa->chunk < nb ? b0 + aa->chunk : nb;
+            for (int64_t i0 = 0; i0 < Mp; i0 += 2 * Q3_TILE) {
+                const int two_tiles = i0 + Q3_TILE < Mp;
+                for (int64_t s = g0; s < g1; s += 2) {
+                    const uint8_t *q0 = panels + (s - g0) * nb * 2048, *q1 = s + 1 < g1 ? q0 + nb * 2048 : NULL;
+                    float *c0 = q3_sums(aa, sums, s - g0, i0), *c1 = q3_sums(aa, sums, s + 1 - g0, i0);
+                    if (two_tiles && q1 != NULL) {
+                        amx3_tile_rows2(aa, i0, s * Q3_TILE, b0, b1, q0, q1, c0, c1);
+                    } else {
+                        amx3_tile_rows(aa, i0, s * Q3_TILE, b0, b1, q0, q1, c0, c1);
+                        if (two_tiles)
+                            amx3_tile_rows(aa, i0 + Q3_TILE, s * Q3_TILE, b0, b1, q0, q1, c0 + 256, c1 + 256);
+                    }
                 }
             }
         }
@@ -263,21 +292,47 @@ static void amx3_range(const void *p, int64_t s0, int64_t s1, float *scratch) {
     _tile_release();
 }
 
+/* Row tiles t0 .. t1 - 1 of x split into xh and xl (amx3_split_rows). */
+static void amx3_split_range(const void *p, int64_t t0, int64_t t1, float *scratch) {
+    const Amx3Args *aa = (const Amx3Args *)p;
+    const QArgs *a = aa->q;
+    const int64_t K = a->num_cols, first = t0 * Q3_TILE;
+    const int64_t rows = a->num_rows - first < (t1 - t0) * Q3_TILE ? a->num_rows - first : (t1 - t0) * Q3_TILE;
+    (void)scratch;
+    amx3_split_rows((const char *)aa->x + first * aa->x_stride * (a->dtype == DT_FLOAT32 ? 4 : 2), aa->x_stride,
+                    rows, (t1 - t0) * Q3_TILE, K, a->dtype, aa->xh + first * K, aa->xl + first * K);
+}
+
 /* The amx3 route of qg_matmul over packed strips (QG_PACKED | QG_ROUTE_AMX): QG_BAD_LAYOUT where the
- * CPU lacks AMX-BF16 or the strips are QG_INT8's. */
+ * CPU lacks AMX-BF16 or the strips are QG_INT8's. Blocking: where all the activations' tiles fit
+ * Q3_ACT_BYTES (L2) the whole of K is one chunk and a group's panels take at most Q3_PANEL_BYTES;
+ * else (a long K, many rows) groups take up to Q3_GROUP_BYTES of panels and K goes in chunks
+ * whose activations and panels take Q3_CHUNK_BYTES, so that each chunk's activations are read
+ * from L2 for every strip of the group rather than from memory. */
 static int run_amx3(QArgs *a, const void *x, int64_t x_stride) {
     const int64_t M = a->num_rows, K = a->num_cols, nb = K / QK_BLOCK;
     if (!cpu_allows(CPU_HAS_AMX_BF16) || a->int8) return QG_BAD_LAYOUT;
-    const int64_t Mp = (M + Q3_TILE - 1) / Q3_TILE * Q3_TILE;
+    const int64_t Mp = (M + Q3_TILE - 1) / Q3_TILE * Q3_TILE, strips = a->num_out / Q3_TILE;
     uint16_t *buf = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * 2 * (size_t)(Mp * K));
     if (buf == NULL) return QG_NO_MEMORY;
-    uint16_t *xh = buf, *xl = buf + Mp * K;
-    amx3_split_rows(x, x_stride, M, Mp, K, a->dtype, xh, xl);
-    int64_t group = Q3_PANEL_BYTES / (nb * 2048);
-    group = group < 2 ? 2 : group / 2 * 2;
-    Amx3Args aa = {a, xh, xl, Mp, group};
-    const size_t floats = 16 + 512 + (size_t)(group * nb * 2048 / 4);
-    int rc = cpu_parallel_for(amx3_range, &aa, a->num_out / Q3_TILE, Mp * a->num_out * K, floats);
+    Amx3Args aa = {a, x, x_stride, buf, buf + Mp * K, Mp, 2, nb};
+    int rc = cpu_parallel_for(amx3_split_range, &aa, Mp / Q3_TILE, Mp * K, 0);
+    if (rc == CPU_OK) {
+        int64_t group, chunk = nb;
+        if (Mp * K * 4 <= Q3_ACT_BYTES) {
+            group = Q3_PANEL_BYTES / (nb * 2048);
+        } else {
+            group = Q3_GROUP_BYTES / (nb * 2048);
+            group = group < 2 ? 2 : group / 2 * 2;
+            chunk = Q3_CHUNK_BYTES / (group * 2048 + Mp * 128);
+            chunk = chunk < 1 ? 1 : chunk;
+        }
+        group = group > strips + 1 ? strips + 1 : group;  /* no more room than the strips take */
+        aa.group = group < 2 ? 2 : group / 2 * 2;
+        aa.chunk = chunk;
+        const size_t floats = 16 + (size_t)q3_sums_floats(&aa) + (size_t)(aa.group * nb * 2048 / 4);
+        rc = cpu_parallel_for(amx3_range, &aa, (strips + 1) / 2, Mp * a->num_out * K, floats);
+    }
     free(buf);
     return rc;
 }

@@ -63,9 +63,10 @@ ROW_GRID = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 # into two bfloat16), float32 sums
 EXACT_ROUTES = ("int16", "float", "amx_int", "strip", "amx3", "blas")
 APPROXIMATE = ("amx",)  # bfloat16 weights and activations: 8 mantissa bits
-CACHE_VERSION = 13  # 7: routes the whole layer can run (6 gave amx_int to outputs not in 16s); 8: L2 prefetch
+CACHE_VERSION = 14  # 7: routes the whole layer can run (6 gave amx_int to outputs not in 16s); 8: L2 prefetch
 # on AMD; 9: decode steps spread their weight prefetch over each pass; 10: int16 products of 3-5 rows
 # read their codes in place; 11: the strip route; 12: Q4 layers in strips of 16 (QG_PACKED); 13: amx3
+# 14: amx3 splits across the threads and runs a long K in chunks
 PROXY_ROWS = 256  # fewest output rows a shape is timed on
 PROXY_MACS = 1 << 23  # and enough rows for this many multiply-adds (a decode row: whole layers)
 MIN_TIMED_SECONDS = 0.002  # a timing repeats its call until it lasts this long
