@@ -81,7 +81,7 @@ test-large: install testdata
 SANITIZE_DIR := build/sanitize
 SANITIZE_TESTS := tests/test_fused_kernels.py tests/test_qgemm.py tests/test_fused_threads.py \
 	tests/test_sampler_kernel.py tests/test_utf8.py tests/test_stops.py tests/test_chunk.py \
-	tests/test_quant_gguf_file.py tests/test_model_files_fuzz.py tests/test_amx3.py
+	tests/test_quant_gguf_file.py tests/test_model_files_fuzz.py tests/test_amx3.py tests/test_prefill_attention.py
 SANITIZE_ENV := LD_PRELOAD=$$(gcc -print-file-name=libasan.so) PYTHONMALLOC=malloc \
 	ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:alloc_dealloc_mismatch=0:detect_odr_violation=0 \
 	UBSAN_OPTIONS=halt_on_error=1:abort_on_error=1:print_stacktrace=1 \

@@ -40,4 +40,5 @@ cdef extern from "csrc/prefill_attention.h" nogil:
                              int64_t table_stride, const int64_t* query_starts, const int64_t* context_lens,
                              const int64_t* positions, int num_seqs, int64_t num_rows, int num_heads,
                              int num_kv_heads, int head_dim, int64_t sliding_window, float scale, void* out,
-                             int64_t out_row_stride, int dtype, int cache_dtype)
+                             int64_t out_row_stride, int dtype, int cache_dtype, int tiles)
+    int fk_set_prefill_amx(int enabled)

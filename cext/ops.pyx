@@ -86,9 +86,11 @@ def prefill_attention(intptr_t q, int64_t q_row_stride, intptr_t k_cache, intptr
                       int64_t num_blocks, int block_size, intptr_t block_tables, int64_t table_stride,
                       intptr_t query_starts, intptr_t context_lens, intptr_t positions, int num_seqs,
                       int64_t num_rows, int num_heads, int num_kv_heads, int head_dim, int64_t sliding_window,
-                      float scale, intptr_t out, int64_t out_row_stride, int dtype, int cache_dtype):
+                      float scale, intptr_t out, int64_t out_row_stride, int dtype, int cache_dtype,
+                      bint tiles=False):
     """Prompt rows (query_starts [B + 1] per sequence, positions [T]) over their paged contexts, in
-    place (csrc/prefill_attention.h) -> out rows [H * D] at out_row_stride."""
+    place (csrc/prefill_attention.h) -> out rows [H * D] at out_row_stride. tiles: the products
+    may run on AMX-BF16 tiles (16 bits of each operand) where the CPU has them."""
     cdef int rc
     with nogil:
         rc = fk_prefill_attention(<const void*>q, q_row_stride, <const void*>k_cache, <const void*>v_cache,
@@ -96,8 +98,14 @@ def prefill_attention(intptr_t q, int64_t q_row_stride, intptr_t k_cache, intptr
                                   <const int64_t*>query_starts, <const int64_t*>context_lens,
                                   <const int64_t*>positions, num_seqs, num_rows, num_heads, num_kv_heads,
                                   head_dim, sliding_window, scale, <void*>out, out_row_stride, dtype,
-                                  cache_dtype)
+                                  cache_dtype, tiles)
     _check(rc)
+
+
+def set_prefill_amx(bint enabled) -> bool:
+    """Whether prefill_attention calls with tiles=True take the AMX-BF16 variant where the CPU has
+    it (the default) or the AVX-512 one; returns the previous setting."""
+    return fk_set_prefill_amx(enabled) != 0
 
 
 def silu_mul(intptr_t gate_up, intptr_t out, int64_t num_rows, int64_t inter, int dtype):

@@ -67,6 +67,19 @@ def test_fused_is_the_default_path():
     assert model.use_fused
 
 
+def test_prompt_attention_takes_tiles_only_beside_the_quantized_kernels():
+    """AMX prompt attention (16 bits of each operand) where the model's own products round (the
+    quantized kernels', bfloat16 weights); float32 attention beside float32 products (dense float32
+    weights, exact_products)."""
+    from engine.loader import default_model_path
+    from engine.loader.gguf_loader import load_gguf
+
+    assert not LlamaModel(tiny_config(), random_state_dict(tiny_config())).tile_attention
+    assert LlamaModel(tiny_config(), random_state_dict(tiny_config()), dtype="bfloat16").tile_attention
+    assert load_gguf(default_model_path(), dtype="float32").tile_attention
+    assert not load_gguf(default_model_path(), dtype="float32", exact_products=True).tile_attention
+
+
 @pytest.fixture(scope="module")
 def tiny_models():
     return {name: LlamaModel(tiny_config(**overrides), random_state_dict(tiny_config(**overrides), seed=i))

@@ -2,8 +2,9 @@
 against the exact float64 reference: random block tables with holes, several sequences per
 call, GQA groups, head_dim 64 / 128 (and odd sizes the kernel pads), float32 / bfloat16 /
 float16 caches, float32 and bfloat16 activations, sliding windows, strided query rows,
-arbitrary row positions, every instruction-set variant this CPU runs, one thread and the
-pool; and the model's attention plan (decode and prefill rows in one batch) fused vs torch."""
+arbitrary row positions, every instruction-set variant this CPU runs (with AMX-BF16 also the
+tiles' variant, within its own bound), one thread and the pool; and the model's attention plan
+(decode and prefill rows in one batch) fused vs torch."""
 from __future__ import annotations
 
 import pytest
@@ -12,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cext import cpu as cfused
+from cext import ops
 from engine.batch import ForwardBatch
 from engine.models import fused
 from engine.models.attention import paged_attention, plan_attention
@@ -26,6 +28,8 @@ def _runnable_isas() -> list[str]:
         except ValueError:
             pass
     cfused.set_isa("auto")
+    if "avx512" in isas and "amx_bf16" in cfused.features():
+        isas.append("amx")  # AVX-512 with the products on AMX-BF16 tiles (prefill_attention_amx.h)
     return isas
 
 
@@ -44,9 +48,46 @@ def test_isas_this_machine_runs():
 
 @pytest.fixture(params=ISAS)
 def isa(request):
-    cfused.set_isa(request.param)
+    cfused.set_isa("avx512" if request.param == "amx" else request.param)
+    old = ops.set_prefill_amx(request.param == "amx")
     yield request.param
+    ops.set_prefill_amx(old)
     cfused.set_isa("auto")
+
+
+def _amx_active() -> bool:
+    """Whether prefill_attention runs its AMX variant now (the CPU has it, the switch is on)."""
+    enabled = ops.set_prefill_amx(True)
+    ops.set_prefill_amx(enabled)
+    return enabled and "amx_bf16" in cfused.features() and cfused.get_isa() == "avx512"
+
+
+def _amx_bound(q, k_cache, v_cache, block_tables, query_starts, context_lens, positions, block_size,
+               sliding_window=None) -> torch.Tensor:
+    """The AMX variant's error bound per output [T, H * D]: each score within 2^-15 of
+    scale * sum_d |q_d| |k_d| (every operand split into two bfloat16 keeps 16 bits, and the dropped
+    ql . kl is below 2^-16 of each term) and each probability within 2^-16, so an output is within
+    (2 max|dS| + 2^-15) max|v| over the row's keys; twice that, plus float32's tolerance."""
+    num_rows, num_heads, head_dim = q.shape
+    groups = num_heads // k_cache.shape[1]
+    bound = torch.zeros(num_rows, num_heads, head_dim, dtype=torch.float64)
+    for b in range(query_starts.shape[0] - 1):
+        start, stop, length = int(query_starts[b]), int(query_starts[b + 1]), int(context_lens[b])
+        if stop == start:
+            continue
+        pos = torch.arange(length)
+        slots = block_tables[b, pos // block_size] * block_size + pos % block_size
+        k = k_cache[slots].double().abs().repeat_interleave(groups, dim=1)  # [C, H, D]
+        v = v_cache[slots].double().abs().amax(-1).repeat_interleave(groups, dim=1)  # [C, H]
+        rows = positions[start:stop, None]
+        allowed = pos[None, :] <= rows  # [R, C]
+        if sliding_window:
+            allowed &= pos[None, :] > rows - sliding_window
+        magnitude = torch.einsum("rhd,chd->rhc", q[start:stop].double().abs(), k) / head_dim ** 0.5
+        magnitude = magnitude.masked_fill(~allowed[:, None, :], 0).amax(-1)  # [R, H]
+        v_max = v.T[None].expand(stop - start, -1, -1).masked_fill(~allowed[:, None, :], 0).amax(-1)
+        bound[start:stop] = ((2 * 2.0 ** -15 * magnitude + 2.0 ** -15) * v_max)[..., None]
+    return 2 * bound.reshape(num_rows, num_heads * head_dim)
 
 
 @pytest.fixture
@@ -106,12 +147,27 @@ def _inputs(case):
             dtype=torch.int64), bs, case["sliding_window"])
 
 
+def _assert_plan_close(out, expected, args, tiles):
+    """The fused plan's output against the reference plan's (float32 SDPA): float32's tolerance,
+    plus the AMX variant's bound where the plan let it run (tiles) and it did."""
+    if tiles and _amx_active():
+        bound = _amx_bound(*args).view(out.shape) + 2e-5 + 1e-5 * expected.abs().double()
+        assert ((out.double() - expected.double()).abs() <= bound).all()
+        return
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)
+
+
 def _check(case):
     args = _inputs(case)
     out = fused.prefill_attention(*args)
     expected = fused.prefill_attention_reference(*args)  # float64
     tol = FLOAT32_TOL if case["dtype"] == torch.float32 else BF16_TOL
     assert out.dtype == case["dtype"]
+    if _amx_active():
+        err = (out.double() - expected).abs()
+        bound = _amx_bound(*args) + tol["atol"] + tol["rtol"] * expected.abs()
+        assert (err <= bound).all(), (err / bound).max()
+        return
     torch.testing.assert_close(out.double(), expected, **tol)
 
 
@@ -127,6 +183,43 @@ def test_prefill_attention_split_across_pool_threads(pooled, case):
     _check(case)
 
 
+def test_calls_without_tiles_keep_the_float32_products(isa):
+    """tiles=False (the models whose own products are float32) runs the AVX-512 kernel whatever the
+    CPU has: the same bits as with the AMX variant switched off."""
+    case = dict(block_size=16, context_lens=[300], num_rows=[100], is_scattered=False, num_kv_heads=2, groups=3,
+                head_dim=64, sliding_window=None, extra_blocks=2, q_extra_cols=1, cache_dtype=torch.float16,
+                dtype=torch.float32, seed=9)
+    args = _inputs(case)
+    untiled = fused.prefill_attention(*args, tiles=False)
+    old = ops.set_prefill_amx(False)
+    try:
+        assert torch.equal(untiled, fused.prefill_attention(*args))
+    finally:
+        ops.set_prefill_amx(old)
+
+
+def test_every_split_term_counts(isa):
+    """Values whose bfloat16 roundings all lean one way (1 + 3 2^-10 rounds to 1, leaving 2^-8.4
+    in the low part), so errors add up instead of cancelling: one query over two keys, 1.5 and
+    1 times a row of those values (scores ~1.5 and ~1, so the second key's probability e^-0.5 is
+    not a bfloat16), with values zero and a row of those values. An AMX variant that dropped any of
+    qh.kl, ql.kh, ph.vl, pl.vh would land 1.4-4.5x past its bound (each checked by removing it);
+    the float32 kernels are exact here to 1e-6."""
+    lean = 1 + 3 * 2.0 ** -10
+    D = 64
+    k_cache = torch.full((2, 1, D), lean)
+    k_cache[0] *= 1.5
+    v_cache = torch.zeros(2, 1, D)
+    v_cache[1] = lean
+    q = torch.full((1, 1, D), lean / 8)  # scale 1/8: scores 1.5 lean^2 and lean^2
+    args = (q, k_cache, v_cache, torch.tensor([[0, 1]]), torch.tensor([0, 1]), torch.tensor([2]),
+            torch.tensor([1]), 1, None)
+    out = fused.prefill_attention(*args).double()
+    expected = fused.prefill_attention_reference(*args)
+    bound = _amx_bound(*args) if _amx_active() else torch.zeros_like(expected)
+    assert ((out - expected).abs() <= bound + 1e-6).all(), (out - expected).abs().max()
+
+
 @pytest.mark.parametrize("head_dim,groups,cache_dtype,window", [
     (64, 3, torch.float16, None), (128, 7, torch.float32, None), (64, 7, torch.float16, 700),
     (128, 1, torch.bfloat16, 100),
@@ -139,7 +232,8 @@ def test_last_chunk_of_a_long_prompt(isa, head_dim, groups, cache_dtype, window)
     _check(case)
 
 
-def test_mixed_decode_and_prefill_batch_fused_vs_torch_plan(pooled):
+@pytest.mark.parametrize("tiles", [False, True])
+def test_mixed_decode_and_prefill_batch_fused_vs_torch_plan(pooled, tiles):
     """One tick's batch: 2 decode rows, a prompt chunk over earlier context and a whole short
     prompt; the fused plan (decode kernel + prefill kernel) against the reference plan (SDPA)."""
     g = torch.Generator().manual_seed(3)
@@ -169,11 +263,12 @@ def test_mixed_decode_and_prefill_batch_fused_vs_torch_plan(pooled):
     q = torch.randn(T, H, D, generator=g)
     k, v = k_cache[batch.slot_mapping], v_cache[batch.slot_mapping]  # the new rows, already in the cache
     for window in (None, 50):
-        fused_plan = plan_attention(batch, window, torch.float32, is_fused=True)
+        fused_plan = plan_attention(batch, window, torch.float32, is_fused=True, tiles=tiles)
         assert fused_plan.num_prefill_seqs == 2 and not fused_plan.prefills
         out = paged_attention(q, k, v, k_cache, v_cache, fused_plan)
         expected = paged_attention(q, k, v, k_cache, v_cache, plan_attention(batch, window, torch.float32))
-        torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)
+        _assert_plan_close(out, expected, (q, k_cache, v_cache, tables, batch.query_starts, batch.context_lens,
+                                           batch.positions, bs, window), tiles)
 
 
 SMALL_CASE = dict(block_size=4, context_lens=[5, 9], num_rows=[2, 3], is_scattered=False, num_kv_heads=1,
@@ -215,7 +310,8 @@ def test_bad_indices_raise_instead_of_reading_outside_the_cache():
         _small_call(q=torch.zeros(5, 2, 8, dtype=torch.float16))
 
 
-def test_whole_prompts_take_the_kernel_and_match_float64(pooled):
+@pytest.mark.parametrize("tiles", [False, True])
+def test_whole_prompts_take_the_kernel_and_match_float64(pooled, tiles):
     """A batch of whole prompts only (no earlier context, no decode rows): the fused plan gives
     them to the kernel (not SDPA), and its output is the float64 causal attention."""
     g = torch.Generator().manual_seed(4)
@@ -241,10 +337,9 @@ def test_whole_prompts_take_the_kernel_and_match_float64(pooled):
     q = torch.randn(T, H, D, generator=g)
     k, v = k_cache[batch.slot_mapping], v_cache[batch.slot_mapping]
     for window in (None, 50):
-        plan = plan_attention(batch, window, torch.float32, is_fused=True)
+        plan = plan_attention(batch, window, torch.float32, is_fused=True, tiles=tiles)
         assert plan.num_prefill_seqs == 2 and not plan.prefills
         out = paged_attention(q, k, v, k_cache, v_cache, plan)
-        expected = fused.prefill_attention_reference(
-            q, k_cache, v_cache, tables, torch.tensor(starts), torch.tensor(lens), torch.tensor(positions), bs,
-            window)
-        torch.testing.assert_close(out.double(), expected, **FLOAT32_TOL)
+        args = (q, k_cache, v_cache, tables, torch.tensor(starts), torch.tensor(lens), torch.tensor(positions), bs,
+                window)
+        _assert_plan_close(out.double(), fused.prefill_attention_reference(*args), args, tiles)

@@ -6,12 +6,15 @@
  * into items of (sequence, kv head, up to PA_TILE_ROWS rows), run in parallel on the fused
  * kernels' pool. Each item walks its keys once, PA_SPAN at a time straight from the blocks,
  * for all of its rows x G query heads together (float32 accumulation, online softmax), so a
- * chunk's attention costs what the same rows cost inside a whole-prompt forward. */
+ * chunk's attention costs what the same rows cost inside a whole-prompt forward. Where the CPU
+ * has AMX-BF16 (and fk_set_prefill_amx has not turned it off) the items run
+ * prefill_attention_amx.h's variant: the same items and spans, the products on tiles. */
 #include "prefill_attention.h"
 #include "cpu.h"
 #include "dtype.h"
 #include "fused_kernels.h"
 
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -35,6 +38,33 @@ struct PaArgs {
     const PaItem *items;
     void (*fn)(const PaArgs *args, int64_t begin, int64_t end, float *scratch);  /* the variant */
 };
+
+/* The query lanes m = g * rows + r of an item: last[m] the key its row sits at, first[m] the first
+ * key its window keeps; lanes m_real .. m_pad - 1 are padding (last -1, first pad_first). -> the
+ * item's keys lo .. hi, the least last and the greatest first over its real lanes. */
+static void pa_item_lanes(const PaArgs *a, const PaItem *it, int groups, int64_t m_pad, int32_t pad_first,
+                          int32_t *last, int32_t *first, int64_t *lo, int64_t *hi, int64_t *min_last,
+                          int64_t *max_first) {
+    const int rows = it->num_rows;
+    *lo = INT64_MAX; *hi = -1; *min_last = INT64_MAX; *max_first = -1;
+    for (int r = 0; r < rows; r++) {
+        const int64_t pos = a->positions[it->row0 + r];
+        const int64_t window = a->sliding_window;
+        const int64_t f = window > 0 && pos >= window ? pos - window + 1 : 0;
+        *lo = f < *lo ? f : *lo;
+        *hi = pos > *hi ? pos : *hi;
+        *min_last = pos < *min_last ? pos : *min_last;
+        *max_first = f > *max_first ? f : *max_first;
+        for (int g = 0; g < groups; g++) {
+            last[g * rows + r] = (int32_t)pos;
+            first[g * rows + r] = (int32_t)f;
+        }
+    }
+    for (int64_t m = (int64_t)rows * groups; m < m_pad; m++) {
+        last[m] = -1;
+        first[m] = pad_first;
+    }
+}
 
 #define PA_SUFFIX baseline
 #define PA_VW 4
@@ -72,15 +102,34 @@ struct PaArgs {
 #undef PA_VW
 #undef PA_SUFFIX
 #pragma GCC pop_options
+
+#if defined(__GNUC__) && (__GNUC__ >= 11 || defined(__clang__))
+#define PA_HAVE_AMX 1
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c,amx-tile,amx-bf16")
+#include "prefill_attention_amx.h"
+#pragma GCC pop_options
 #endif
+#endif
+
+static int pa_amx = 1;  /* fk_set_prefill_amx */
+
+int fk_set_prefill_amx(int enabled) {
+    const int old = pa_amx;
+    pa_amx = enabled != 0;
+    return old;
+}
 
 typedef void (*PaItemsFn)(const PaArgs *, int64_t, int64_t, float *);
 
-static PaItemsFn pa_kernel(int64_t *lanes_per_block) {
+static PaItemsFn pa_kernel(int64_t *lanes_per_block, int tiles) {
     const int isa = cpu_isa();
 #ifdef PA_HAVE_X86
     if (isa == CPU_ISA_AVX512) {
         *lanes_per_block = 16 * 4;
+#ifdef PA_HAVE_AMX
+        if (tiles && pa_amx && cpu_allows(CPU_HAS_AMX_BF16)) return prefill_items_amx;
+#endif
         return prefill_items_avx512;
     }
     if (isa == CPU_ISA_AVX2) {
@@ -89,6 +138,7 @@ static PaItemsFn pa_kernel(int64_t *lanes_per_block) {
     }
 #endif
     (void)isa;
+    (void)tiles;
     *lanes_per_block = 4 * 2;
     return prefill_items_baseline;
 }
@@ -103,7 +153,7 @@ int fk_prefill_attention(const void *q, int64_t q_row_stride, const void *k_cach
                          int64_t table_stride, const int64_t *query_starts, const int64_t *context_lens,
                          const int64_t *positions, int num_seqs, int64_t num_rows, int num_heads,
                          int num_kv_heads, int head_dim, int64_t sliding_window, float scale, void *out,
-                         int64_t out_row_stride, int dtype, int cache_dtype) {
+                         int64_t out_row_stride, int dtype, int cache_dtype, int tiles) {
     if (num_seqs < 0 || num_kv_heads < 1 || num_heads % num_kv_heads != 0 || head_dim < 1 || block_size < 1)
         return FK_BAD_LENGTH;
     if (sliding_window < 0) return FK_BAD_LENGTH;
@@ -145,14 +195,17 @@ int fk_prefill_attention(const void *q, int64_t q_row_stride, const void *k_cach
         }
     }
     int64_t lanes = 0;
-    const PaItemsFn fn = pa_kernel(&lanes);
+    const PaItemsFn fn = pa_kernel(&lanes, tiles);
     const int groups = num_heads / num_kv_heads;
     const int64_t dp = (head_dim + 3) & ~3;
     const int64_t mp = ((int64_t)PA_TILE_ROWS * groups + lanes - 1) / lanes * lanes;
     const PaArgs args = {q, q_row_stride, k_cache, v_cache, block_size, block_tables, table_stride, positions,
                          num_heads, num_kv_heads, head_dim, sliding_window, scale, out, out_row_stride, dtype,
                          cache_dtype, mp, items, fn};
-    const size_t floats = (size_t)(2 * dp * mp + 2 * PA_SPAN * dp + PA_SPAN * lanes + 4 * mp + dp);
+    size_t floats = (size_t)(2 * dp * mp + 2 * PA_SPAN * dp + PA_SPAN * lanes + 4 * mp + dp);
+#ifdef PA_HAVE_AMX
+    if (fn == prefill_items_amx) floats = px_scratch_floats(mp, (head_dim + 31) & ~31);
+#endif
     const int rc = cpu_parallel_for(pa_range, &args, num_items, work * num_heads * head_dim * 2, floats);
     free(items);
     return rc;

@@ -155,24 +155,8 @@ static void PA_FN(prefill_items)(const PaArgs *a, int64_t begin, int64_t end, fl
         const int rows = it.num_rows, kvh = it.kv_head;
         const int m_real = rows * groups;
         const int64_t m_pad = (m_real + MBLK - 1) / MBLK * MBLK;
-        int64_t lo = INT64_MAX, hi = -1, min_last = INT64_MAX, max_first = -1;
-        for (int r = 0; r < rows; r++) {
-            const int64_t pos = a->positions[it.row0 + r];
-            const int64_t window = a->sliding_window;
-            const int64_t f = window > 0 && pos >= window ? pos - window + 1 : 0;
-            lo = f < lo ? f : lo;
-            hi = pos > hi ? pos : hi;
-            min_last = pos < min_last ? pos : min_last;
-            max_first = f > max_first ? f : max_first;
-            for (int g = 0; g < groups; g++) {
-                last[g * rows + r] = (int32_t)pos;
-                first[g * rows + r] = (int32_t)f;
-            }
-        }
-        for (int64_t m = m_real; m < m_pad; m++) {
-            last[m] = -1;
-            first[m] = 0;
-        }
+        int64_t lo, hi, min_last, max_first;
+        pa_item_lanes(a, &it, groups, m_pad, 0, last, first, &lo, &hi, &min_last, &max_first);
         /* Qt: scaled queries, lanes past m_real zero. */
         memset(qt, 0, sizeof(float) * (size_t)dp * mp);
         memset(ot, 0, sizeof(float) * (size_t)dp * mp);

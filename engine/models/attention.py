@@ -139,6 +139,7 @@ class AttentionPlan:
     prefill_block_tables: torch.Tensor | None = None  # [P, max_blocks] int64, rows contiguous
     prefill_context_lens: torch.Tensor | None = None  # [P] int64
     positions: torch.Tensor | None = None  # [T] int64
+    tiles: bool = False  # the prefill kernel's products may run on AMX tiles (fused.prefill_attention)
 
     @property
     def has_prefill(self) -> bool:
@@ -160,8 +161,10 @@ def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def plan_attention(batch: ForwardBatch, sliding_window: int | None = None,
-                   dtype: torch.dtype = torch.float32, is_fused: bool = False) -> AttentionPlan:
-    """is_fused: decode rows go to the C kernel (no gather, no mask)."""
+                   dtype: torch.dtype = torch.float32, is_fused: bool = False, tiles: bool = False) -> AttentionPlan:
+    """is_fused: decode rows go to the C kernel (no gather, no mask); tiles: the prefill kernel's
+    products may run on AMX tiles (16 significant bits of each operand: models whose own products
+    are the quantized kernels')."""
     bs = batch.block_size
     offsets = torch.arange(bs, dtype=torch.int64)
     context_lens = batch.context_lens_list
@@ -261,7 +264,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
                                    plan.block_size, plan.sliding_window, out=out[:nd], scale=scale)
         return fused.prefill_attention(q, k_cache, v_cache, plan.prefill_block_tables,
                                        plan.prefill_query_starts, plan.prefill_context_lens, plan.positions,
-                                       plan.block_size, plan.sliding_window, out=out, scale=scale)
+                                       plan.block_size, plan.sliding_window, out=out, scale=scale,
+                                       tiles=plan.tiles)
     pieces = []
     if nd and plan.is_fused:
         if softcap is not None:

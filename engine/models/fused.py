@@ -182,12 +182,16 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       block_tables: torch.Tensor, query_starts: torch.Tensor, context_lens: torch.Tensor,
                       positions: torch.Tensor,
                       block_size: int, sliding_window: int | None = None,
-                      out: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
+                      out: torch.Tensor | None = None, scale: float | None = None,
+                      tiles: bool = True) -> torch.Tensor:
     """q [T, H, D] (rows may be strided, heads contiguous); sequence b owns rows
     query_starts[b]:query_starts[b + 1] ([B + 1] int64) and attends through block_tables[b]; row t
     sees keys (positions[t] - sliding_window, positions[t]] of its sequence, positions[t] <
     context_lens[b]. -> out [T, H * D] (rows outside every sequence are left as they were; softmax
-    scale: 1/sqrt(D) if None)."""
+    scale: 1/sqrt(D) if None). tiles: the products may run on AMX-BF16 tiles where the CPU has them
+    (cext/csrc/prefill_attention_amx.h: each operand split into two bfloat16, 16 significant bits,
+    scores within 2^-15 of |q|.|k|); False: float32 products (the models whose own products are
+    float32: dense weights, exact_products)."""
     num_rows, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     num_seqs = query_starts.shape[0] - 1
@@ -208,7 +212,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                           block_tables.shape[1], query_starts.data_ptr(), context_lens.data_ptr(),
                           positions.data_ptr(), num_seqs, num_rows, num_heads, num_kv_heads, head_dim,
                           sliding_window or 0, scale or 1.0 / math.sqrt(head_dim), out.data_ptr(), out.stride(0),
-                          code, cache_code)
+                          code, cache_code, tiles)
     return out
 
 

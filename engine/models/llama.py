@@ -323,6 +323,11 @@ class LlamaModel(nn.Module):
             # product's codes, so int8 codes change only the tail's values (already re-quantized
             # weights'): Qwen2.5-Coder-1.5B's head at 16 rows 22.7 -> ~13 ms of a ~170 ms step.
             self.head_proj.use_int8_activations()
+        # Prompt attention's products on AMX tiles where the CPU has them (16 significant bits of each
+        # operand, as the amx3 route keeps: engine.models.fused.prefill_attention) when this model's
+        # own products round (the quantized kernels', bfloat16 weights); float32 attention beside
+        # float32 products (dense float32 weights, exact_products).
+        self.tile_attention = any(not p.is_exact for p in layers)
         allow_amx = self._allows_approximate(approximate_products) and not exact_products
         self.product_routes = routes.calibrate(layers, allow_amx, num_threads)
         self.product_routes.update(routes.calibrate([self.head_proj], False, num_threads))
@@ -427,10 +432,10 @@ class LlamaModel(nn.Module):
         if batch.gen_rows > batch.num_decode_seqs:
             batch = verify_rows_as_decodes(batch)
         has_full = any(layer.window is None for layer in self.layers)
-        full = plan_attention(batch, None, self.dtype, is_fused) if has_full else None
+        full = plan_attention(batch, None, self.dtype, is_fused, self.tile_attention) if has_full else None
         if self.window is None:
             return full, full
-        return full, plan_attention(batch, self.window, self.dtype, is_fused)
+        return full, plan_attention(batch, self.window, self.dtype, is_fused, self.tile_attention)
 
     def _forward_fused(self, batch: ForwardBatch, kv_cache: PagedKVCache) -> torch.Tensor:
         plans = self._plans(batch, is_fused=self.fused_decode)
