@@ -74,10 +74,13 @@ def test_prompt_attention_takes_tiles_only_beside_the_quantized_kernels():
     from engine.loader import default_model_path
     from engine.loader.gguf_loader import load_gguf
 
-    assert not LlamaModel(tiny_config(), random_state_dict(tiny_config())).tile_attention
-    assert LlamaModel(tiny_config(), random_state_dict(tiny_config()), dtype="bfloat16").tile_attention
-    assert load_gguf(default_model_path(), dtype="float32").tile_attention
-    assert not load_gguf(default_model_path(), dtype="float32", exact_products=True).tile_attention
+    batch = make_batch([(list(range(1, 9)), 0, list(range(-(-8 // BLOCK_SIZE))))], BLOCK_SIZE)
+    for model, tiles in ((LlamaModel(tiny_config(), random_state_dict(tiny_config())), False),
+                         (LlamaModel(tiny_config(), random_state_dict(tiny_config()), dtype="bfloat16"), True),
+                         (load_gguf(default_model_path(), dtype="float32"), True),
+                         (load_gguf(default_model_path(), dtype="float32", exact_products=True), False)):
+        assert model.tile_attention == tiles
+        assert all(plan.tiles == tiles for plan in model._plans(batch, is_fused=True))  # what the kernel gets
 
 
 @pytest.fixture(scope="module")

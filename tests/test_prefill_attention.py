@@ -343,3 +343,4 @@ def test_whole_prompts_take_the_kernel_and_match_float64(pooled, tiles):
         args = (q, k_cache, v_cache, tables, torch.tensor(starts), torch.tensor(lens), torch.tensor(positions), bs,
                 window)
         _assert_plan_close(out.double(), fused.prefill_attention_reference(*args), args, tiles)
+        assert torch.equal(out, fused.prefill_attention(*args, tiles=tiles))  # the plan passes tiles on

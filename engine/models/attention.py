@@ -215,6 +215,7 @@ def plan_attention(batch: ForwardBatch, sliding_window: int | None = None,
         plan.slot_mapping = _int64_rows(batch.slot_mapping)
         plan.block_size = bs
         plan.sliding_window = sliding_window
+        plan.tiles = tiles
         if batch.num_seqs > num_decode and batch.num_tokens > num_decode:
             plan.num_prefill_seqs = batch.num_seqs - num_decode
             plan.prefill_query_starts = _int64_rows(batch.query_starts[num_decode:])
