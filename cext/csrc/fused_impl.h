@@ -93,13 +93,21 @@ static void FK_FN(add_rmsnorm_rows)(const AddNormArgs *a, int64_t begin, int64_t
     FK_FN(load_row)(w, a->weight, dim, a->dtype);
     for (int64_t t = begin; t < end; t++) {
         float *x = a->resid + t * dim;
-        if (a->delta != NULL) {
-            FK_FN(load_row)(delta, (const char *)a->delta + (size_t)(t * dim) * esize, dim, a->dtype);
+        if (a->delta != NULL) {  /* float32 rows read and written in place, else through the scratch */
+            const float *d = (const float *)a->delta + t * dim;
+            if (a->dtype != FK_FLOAT32) {
+                FK_FN(load_row)(delta, (const char *)a->delta + (size_t)(t * dim) * esize, dim, a->dtype);
+                d = delta;
+            }
 #pragma omp simd
-            for (int64_t i = 0; i < dim; i++) x[i] += delta[i];
+            for (int64_t i = 0; i < dim; i++) x[i] += d[i];
         }
-        FK_FN(rms_scale)(x, w, dim, a->eps, delta);
-        FK_FN(store_row)((char *)a->out + (size_t)(t * dim) * esize, delta, dim, a->dtype);
+        if (a->dtype == FK_FLOAT32) {
+            FK_FN(rms_scale)(x, w, dim, a->eps, (float *)a->out + t * dim);
+        } else {
+            FK_FN(rms_scale)(x, w, dim, a->eps, delta);
+            FK_FN(store_row)((char *)a->out + (size_t)(t * dim) * esize, delta, dim, a->dtype);
+        }
     }
 }
 
