@@ -150,9 +150,12 @@ def routes() -> dict:
     except ImportError:  # a tree from before cext.cpu
         from cext import fused as isa_switch
     is_fused = fused.default_enabled()
+    in_place = is_fused and hasattr(fused, "prefill_attention") and \
+        "num_prefill_seqs" in attention.AttentionPlan.__dataclass_fields__
+    tiles = in_place and "tiles" in attention.AttentionPlan.__dataclass_fields__ and isa_switch.allows("amx_bf16")
     return {"isa": isa_switch.get_isa() if is_fused else None,
-            "prefill_attention": "C kernel in place" if is_fused and hasattr(fused, "prefill_attention")
-            and "num_prefill_seqs" in attention.AttentionPlan.__dataclass_fields__ else "SDPA per sequence"}
+            "prefill_attention": ("C kernel in place" + (", AMX tiles" if tiles else "")) if in_place
+            else "SDPA per sequence"}
 
 
 def child_main(args) -> None:
