@@ -107,6 +107,7 @@ static void pa_item_lanes(const PaArgs *a, const PaItem *it, int groups, int64_t
 #define PA_HAVE_AMX 1
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c,amx-tile,amx-bf16")
+#include "amx_tiles.h"
 #include "prefill_attention_amx.h"
 #pragma GCC pop_options
 #endif

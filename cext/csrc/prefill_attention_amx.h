@@ -21,31 +21,6 @@
 #define PX_T 16
 #define PX_KT (PA_SPAN / PX_T)  /* key tiles of a span */
 
-typedef struct {
-    uint8_t palette, start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((aligned(64))) PxConfig;
-
-static void px_configure(void) {
-    PxConfig cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
-    _tile_loadconfig(&cfg);
-}
-
-/* 32 float32 (two vectors, in order) -> their bfloat16 high parts h (32 values, in order) and the
- * residuals' l. */
-static inline void px_split32(__m512 a, __m512 b, __m512i *h, __m512i *l) {
-    const __m512i hi = (__m512i)_mm512_cvtne2ps_pbh(b, a);
-    const __m512 ah = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(hi)), 16));
-    const __m512 bh = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(hi, 1)), 16));
-    *h = hi;
-    *l = (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(b, bh), _mm512_sub_ps(a, ah));
-}
-
 /* 16 values of a cache or activation row at src (dtype) as float32; n < 16: the rest zero. */
 static inline __m512 px_load16(const void *src, int n, int dtype) {
     const __mmask16 k = n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1);
@@ -79,25 +54,8 @@ static inline void px_transpose16(__m512i r[16]) {
     }
 }
 
-/* fused_impl.h's fast_exp on 16 lanes (the vector kernel's polynomial; 0 below -87.3). */
-static inline __m512 px_exp(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-88.3762626647949f));
-    const __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3365447504f), _CMP_LT_OQ);
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3365447504f));
-    const __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(12582912.0f)),
-                                   _mm512_set1_ps(12582912.0f));
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_maskz_mul_ps((__mmask16)~tiny, p, _mm512_castsi512_ps(e));
-}
+/* The vector kernel's exp (prefill_attention_impl.h's, AVX-512 variant) on a __m512. */
+static inline __m512 px_exp(__m512 x) { return (__m512)vexp_avx512((vf_avx512)x); }
 
 #define PX_TAU 8.0f  /* a row's reference max moves only when a score passes it by this (e^8 fits) */
 
@@ -111,14 +69,19 @@ static inline size_t px_scratch_floats(int64_t mp, int dq) {
            + 2 * (size_t)PX_T * PA_SPAN         /* P, two q tiles' (2 key chunks x h, l: 16 x 32 bfloat16) */
            + (size_t)mp * 16                    /* running sums, a vector a row */
            + 3 * (size_t)mp                     /* running max, first, last */
-           + (size_t)mp / PX_T * 2;             /* the q tiles a span reaches (int64) */
+           + (size_t)mp / PX_T * 2              /* the q tiles a span reaches (int64) */
+           + (size_t)mp / PX_T * 4;             /* each q tile's key bounds (PX_BOUNDS) */
 }
+
+/* A q tile's key bounds over its real rows, set once per item: the last key any row sees, the
+ * first, the least last and the greatest first (spans between the last two need no mask). */
+enum { PX_Q_LAST, PX_Q_FIRST, PX_MIN_LAST, PX_MAX_FIRST, PX_BOUNDS };
 
 /* One span of one item: what the three stages of a q tile read. */
 typedef struct {
     const uint16_t *qa, *kb, *vb;
     float *o, *run_max, *run_sum;
-    const int32_t *first, *last;
+    const int32_t *first, *last, *bounds;  /* bounds: [Mp / 16][PX_BOUNDS] */
     int64_t k0;
     int n, dq, nd;
 } PxSpan;
@@ -151,13 +114,8 @@ static inline void px_scores(const PxSpan *sp, int64_t q0, float *s) {
 static inline void px_softmax(const PxSpan *sp, int64_t q0, const float *s, uint16_t *pa) {
     const int64_t k0 = sp->k0;
     const int n = sp->n, dq = sp->dq;
-    int32_t min_last = INT32_MAX, max_first = -1;
-    for (int i = 0; i < PX_T; i++) {
-        if (sp->last[q0 + i] < 0) continue;
-        min_last = sp->last[q0 + i] < min_last ? sp->last[q0 + i] : min_last;
-        max_first = sp->first[q0 + i] > max_first ? sp->first[q0 + i] : max_first;
-    }
-    const int is_masked = k0 + n - 1 > min_last || k0 < max_first || n < PA_SPAN;  /* n: keys past hi */
+    const int32_t *b = sp->bounds + (q0 / PX_T) * PX_BOUNDS;
+    const int is_masked = k0 + n - 1 > b[PX_MIN_LAST] || k0 < b[PX_MAX_FIRST] || n < PA_SPAN;  /* n: keys past hi */
     const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     const __m512 ninf = _mm512_set1_ps(-__builtin_inff());
     for (int i = 0; i < PX_T; i++) {
@@ -198,7 +156,7 @@ static inline void px_softmax(const PxSpan *sp, int64_t q0, const float *s, uint
         _mm512_store_ps(sum_row, sum);
         for (int kc = 0; kc < 2; kc++) {
             __m512i h, l;
-            px_split32(x[2 * kc], x[2 * kc + 1], &h, &l);
+            amx_split32(x[2 * kc], x[2 * kc + 1], &h, &l);
             _mm512_store_si512((void *)(prow + kc * 1024), h);
             _mm512_store_si512((void *)(prow + kc * 1024 + 512), l);
         }
@@ -252,7 +210,8 @@ static void prefill_items_amx(const PaArgs *a, int64_t begin, int64_t end, float
     float *run_max = run_sum + mp * 16;
     int32_t *last = (int32_t *)(run_max + mp), *first = last + mp;
     int64_t *active = (int64_t *)(first + mp);  /* [Mp / 16] */
-    px_configure();
+    int32_t *bounds = (int32_t *)(active + mp / PX_T);  /* [Mp / 16][PX_BOUNDS] */
+    amx_configure_square();
     for (int64_t item = begin; item < end; item++) {
         const PaItem it = a->items[item];
         const int64_t *table = a->block_tables + it.seq * a->table_stride;
@@ -261,6 +220,18 @@ static void prefill_items_amx(const PaArgs *a, int64_t begin, int64_t end, float
         const int64_t m_pad = (m_real + PX_T - 1) / PX_T * PX_T;
         int64_t lo, hi, min_last, max_first;  /* the q tiles take their own bounds */
         pa_item_lanes(a, &it, groups, m_pad, INT32_MAX, last, first, &lo, &hi, &min_last, &max_first);
+        for (int64_t q0 = 0; q0 < m_pad; q0 += PX_T) {
+            int32_t *b = bounds + (q0 / PX_T) * PX_BOUNDS;
+            b[PX_Q_LAST] = -1; b[PX_Q_FIRST] = INT32_MAX; b[PX_MIN_LAST] = INT32_MAX; b[PX_MAX_FIRST] = -1;
+            for (int i = 0; i < PX_T; i++) {
+                const int32_t la = last[q0 + i], fi = first[q0 + i];
+                if (la < 0) continue;  /* padding */
+                b[PX_Q_LAST] = la > b[PX_Q_LAST] ? la : b[PX_Q_LAST];
+                b[PX_Q_FIRST] = fi < b[PX_Q_FIRST] ? fi : b[PX_Q_FIRST];
+                b[PX_MIN_LAST] = la < b[PX_MIN_LAST] ? la : b[PX_MIN_LAST];
+                b[PX_MAX_FIRST] = fi > b[PX_MAX_FIRST] ? fi : b[PX_MAX_FIRST];
+            }
+        }
         /* Qa: the scaled queries split, rows past m_real and d past dim zero. */
         const __m512 scale = _mm512_set1_ps(a->scale);
         for (int64_t m = 0; m < m_pad; m++) {
@@ -277,7 +248,7 @@ static void prefill_items_amx(const PaArgs *a, int64_t begin, int64_t end, float
                         x1 = _mm512_mul_ps(px_load16(q_row + (size_t)(d0 + 16) * esize, dim - d0 - 16, a->dtype), scale);
                 }
                 __m512i h, l;
-                px_split32(x0, x1, &h, &l);
+                amx_split32(x0, x1, &h, &l);
                 uint16_t *t = qa + ((size_t)((m / PX_T) * nd + dc) * 2) * 512 + (m % PX_T) * 32;
                 _mm512_store_si512((void *)t, h);
                 _mm512_store_si512((void *)(t + 512), l);
@@ -303,7 +274,7 @@ static void prefill_items_amx(const PaArgs *a, int64_t begin, int64_t end, float
                             x0 = px_load16(kr + (size_t)d0 * cache_esize, dim - d0, a->cache_dtype);
                             if (dim - d0 > 16) x1 = px_load16(kr + (size_t)(d0 + 16) * cache_esize, dim - d0 - 16, a->cache_dtype);
                         }
-                        px_split32(x0, x1, &th[j], &tl[j]);  /* key j's 16 pairs (32-bit) of h, of l */
+                        amx_split32(x0, x1, &th[j], &tl[j]);  /* key j's 16 pairs (32-bit) of h, of l */
                     }
                     px_transpose16(th);
                     px_transpose16(tl);
@@ -333,7 +304,7 @@ static void prefill_items_amx(const PaArgs *a, int64_t begin, int64_t end, float
                     const __m512 v1 = vr[1] != NULL && d0 < dim ? px_load16(vr[1] + (size_t)d0 * cache_esize, dim - d0, a->cache_dtype)
                                                                  : _mm512_setzero_ps();
                     __m512i h, l;
-                    px_split32(v0, v1, &h, &l);  /* [key 2p: 16 d | key 2p + 1: 16 d] */
+                    amx_split32(v0, v1, &h, &l);  /* [key 2p: 16 d | key 2p + 1: 16 d] */
                     uint16_t *t = vb + ((size_t)((j / 32) * (dq / 16) + dt) * 2) * 512 + ((j % 32) / 2) * 32;
                     _mm512_store_si512((void *)t, _mm512_permutexvar_epi16(order, h));
                     _mm512_store_si512((void *)(t + 512), _mm512_permutexvar_epi16(order, l));
@@ -345,15 +316,10 @@ static void prefill_items_amx(const PaArgs *a, int64_t begin, int64_t end, float
              * an iteration earlier, not what its own stores have just left in flight) */
             int na = 0;
             for (int64_t q0 = 0; q0 < m_pad; q0 += PX_T) {
-                int32_t q_last = -1, q_first = INT32_MAX;
-                for (int i = 0; i < PX_T; i++) {
-                    if (last[q0 + i] < 0) continue;
-                    q_last = last[q0 + i] > q_last ? last[q0 + i] : q_last;
-                    q_first = first[q0 + i] < q_first ? first[q0 + i] : q_first;
-                }
-                if (q_last >= k0 && (int64_t)q_first <= k0 + n - 1) active[na++] = q0;
+                const int32_t *b = bounds + (q0 / PX_T) * PX_BOUNDS;
+                if (b[PX_Q_LAST] >= k0 && (int64_t)b[PX_Q_FIRST] <= k0 + n - 1) active[na++] = q0;
             }
-            const PxSpan sp = {qa, kb, vb, o, run_max, run_sum, first, last, k0, n, dq, nd};
+            const PxSpan sp = {qa, kb, vb, o, run_max, run_sum, first, last, bounds, k0, n, dq, nd};
             for (int i = 0; i < na + 2; i++) {
                 if (i < na) px_scores(&sp, active[i], s + (i & 1) * PX_T * PA_SPAN);
                 if (i >= 1 && i <= na)

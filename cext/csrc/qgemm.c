@@ -517,6 +517,7 @@ void qg_set_prefetch_spread(int on) { (void)on; }
 #define QG_HAVE_AMX 1
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16,avx2,fma,f16c,amx-tile,amx-int8,amx-bf16")
+#include "amx_tiles.h"
 #include "qgemm_amx.h"
 #include "qgemm_amx3.h"
 #pragma GCC pop_options

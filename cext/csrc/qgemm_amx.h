@@ -28,12 +28,6 @@ typedef struct {
     int is_q4;
 } AmxArgs;
 
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((aligned(64))) AmxConfig;
-
 /* Tiles: 0, 1, 5, 6 C (hi, lo sums; 16 x 16 int32), 2, 3 A (hi, lo; 16 rows x 32 bytes), 4, 7 B
  * (8 rows of 16 x 4 bytes: 32 inputs x 16 outputs). */
 static void amx_configure(void) {

@@ -41,21 +41,8 @@ typedef struct {
     int64_t chunk;            /* blocks of K per chunk */
 } Amx3Args;
 
-/* Tiles: 0, 1 C (16 x 16 float32); 2, 3 A (xh, xl: 16 rows x 32 bfloat16); 4, 5 B of the first
- * strip (wh, wl: 16 pairs x 16 outputs), 6, 7 B of the second. */
-static void amx3_configure(void) {
-    AmxConfig cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
-    _tile_loadconfig(&cfg);
-}
-
-/* float32 -> bfloat16 bits (round to nearest even) and the bits back as float32. */
+/* float32 -> bfloat16 bits (round to nearest even). */
 QG_ALWAYS_INLINE static inline __m256i q3_bf16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
-QG_ALWAYS_INLINE static inline __m512 q3_widen(__m256i h) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
 
 /* x [M, K] -> xh, xl bfloat16 in tile order: row i's block b (32 values) at ((i / 16) nb + b) 512 +
  * (i % 16) 32, so a tile load reads 1 KB in order; rows M .. Mp - 1 zero. bfloat16 x: xl = 0. */
@@ -74,12 +61,10 @@ static void amx3_split_rows(const void *x, int64_t x_stride, int64_t num_rows, i
                 memset(l, 0, sizeof(uint16_t) * QK_BLOCK);
             } else {
                 const float *row = (const float *)x + i * x_stride + b * QK_BLOCK;
-                for (int k = 0; k < QK_BLOCK; k += 16) {
-                    const __m512 v = _mm512_loadu_ps(row + k);
-                    const __m256i hi = q3_bf16(v);
-                    _mm256_storeu_si256((__m256i *)(h + k), hi);
-                    _mm256_storeu_si256((__m256i *)(l + k), q3_bf16(_mm512_sub_ps(v, q3_widen(hi))));
-                }
+                __m512i hv, lv;
+                amx_split32(_mm512_loadu_ps(row), _mm512_loadu_ps(row + 16), &hv, &lv);
+                _mm512_storeu_si512((void *)h, hv);
+                _mm512_storeu_si512((void *)l, lv);
             }
         }
     }
@@ -267,7 +252,7 @@ static void amx3_range(const void *p, int64_t p0, int64_t p1, float *scratch) {
     const int64_t s0 = 2 * p0, s1 = 2 * p1 < strips ? 2 * p1 : strips;
     float *sums = (float *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);  /* [group][Mp][16] */
     uint8_t *panels = (uint8_t *)(sums + q3_sums_floats(aa));
-    amx3_configure();
+    amx_configure_square();  /* 0-3 C; 4-7 A and B (amx3_tile_rows2) */
     for (int64_t g0 = s0; g0 < s1; g0 += aa->group) {
         const int64_t g1 = g0 + aa->group < s1 ? g0 + aa->group : s1;
         for (int64_t s = g0; s < g1; s++) amx3_build_panel(a, a->blocks + s * strip_bytes, panels + (s - g0) * nb * 2048);
