@@ -75,8 +75,10 @@ class Engine(EmbeddingMixin):
         """``options``: the runtime fields of EngineConfig (max_model_len, max_num_seqs, ...).
         ``draft``: for speculative="draft", the loaded draft model (else it is loaded from
         draft_model); its tokenizer must be the model's (InvalidParameterError otherwise)."""
+        from .heap import limit_arenas
         from .tokenizer import Tokenizer, load_tokenizer
 
+        limit_arenas()  # before the engine's threads first allocate
         config = EngineConfig.from_options(options, allow_load=False)
         self.tokenizer = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
         if config.speculative_method == "draft" and draft is None:
@@ -108,11 +110,13 @@ class Engine(EmbeddingMixin):
         same load options) is shared, not loaded again.
         """
         from .core.draft import check_draft_width
+        from .heap import limit_arenas
         from .loader import default_model_path, load_model, release_free_heap
         from .models.threads import apply_thread_policy
         from .startup import LoadProgress, check_startup
         from .tokenizer import load_tokenizer
 
+        limit_arenas()  # before the load's threads (the kernels' pool, torch's) first allocate
         if "prefix_cache_dir" not in options and "ipykernel" in sys.modules:  # a notebook: on by default
             from .core.prefix_disk import default_prefix_cache_dir
 
