@@ -13,7 +13,7 @@ from engine import heap
 
 # Threads that each hold malloc'd blocks at once, then glibc's malloc_info counts the heaps.
 _PROBE = r"""
-import ctypes, os, sys, tempfile, threading
+import ctypes, os, shutil, sys, tempfile, threading
 from engine import heap
 if sys.argv[1] == "limit":
     print("limited", heap.limit_arenas())
@@ -31,13 +31,15 @@ def work():
 threads = [threading.Thread(target=work) for _ in range(8)]
 for t in threads: t.start()
 barrier.wait()
-path = os.path.join(tempfile.mkdtemp(), "info.xml")
+folder = tempfile.mkdtemp()
+path = os.path.join(folder, "info.xml")
 stream = libc.fopen(path.encode(), b"w")
 libc.malloc_info(0, stream)
 libc.fclose(stream)
 barrier.wait()
 for t in threads: t.join()
 print("arenas", open(path).read().count("<heap nr="))
+shutil.rmtree(folder)
 """
 
 
