@@ -4,6 +4,7 @@ sampling too), stops and max_tokens cut accepted runs, the draft's KV follows ro
 preemption, and a draft whose tokenizer differs is refused in one line before its weights load."""
 import subprocess
 import sys
+import time
 
 import pytest
 from model_fixtures import qwen_gguf  # noqa: F401 (fixture)
@@ -73,6 +74,42 @@ def test_self_draft_stops_max_tokens_and_seeded_sampling(engines):
     first, again = (generate(fast, PROMPTS[:1], seeded) for _ in range(2))
     assert [c.token_ids for c in first] == [c.token_ids for c in again]
     assert fast.stats()["spec_decode_num_accepted_tokens"] > 0
+
+
+class _SlowDraft:
+    """A draft model whose every forward appears to take SKEW seconds more (the clock is moved)."""
+
+    SKEW = 1000.0
+
+    def __init__(self, model, skew: list):
+        self._model, self._skew = model, skew
+
+    def forward(self, batch, kv_cache):
+        out = self._model.forward(batch, kv_cache)
+        self._skew[0] += self.SKEW
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+
+def test_tick_times_leave_the_draft_models_forwards_out(engines, monkeypatch):
+    """The verify budget prices a draft id by the draft's own forwards (DraftModel.step_seconds,
+    row_seconds); the ticks' times it reads per row count must not count them again: a tick that
+    caught a draft cache up would else price its row count for good."""
+    _plain, fast = engines
+    core = fast._core
+    skew, real = [0.0], time.perf_counter
+    monkeypatch.setattr(time, "perf_counter", lambda: real() + skew[0])
+    monkeypatch.setattr(core.spec.draft, "model", _SlowDraft(core.spec.draft.model, skew))
+    observed = []
+    observe = core.spec.observe_step
+    monkeypatch.setattr(core.spec, "observe_step", lambda rows, seconds, num_seqs=None: (
+        observed.append(seconds), observe(rows, seconds, num_seqs)))
+    generate(fast, PROMPTS[:2], SamplingParams(max_tokens=24, temperature=0))
+    assert skew[0] > 0 and observed  # the draft ran, and ticks were timed
+    assert max(observed) < _SlowDraft.SKEW
+    assert core.spec.draft.step_seconds > _SlowDraft.SKEW / 10  # the draft's own price has them (an average)
 
 
 def test_self_draft_under_preemption_frees_everything():

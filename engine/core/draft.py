@@ -69,6 +69,7 @@ class DraftModel:
         self.epochs = [-1] * max_num_seqs  # the slot's epoch the cache belongs to
         self.fed: list[tuple[int, list[int]]] = [(0, [])] * max_num_seqs  # (position, ids) fed past it
         self.num_forwards = 0
+        self.seconds = 0.0  # in all its forwards (the engine's tick times leave them out: see _tick)
         self.step_seconds = 0.0  # a forward of one id per sequence (running average; 0: not timed)
         self.row_seconds = 0.0  # per id beyond one per sequence in a forward that catches up (average)
 
@@ -182,6 +183,7 @@ class DraftModel:
         start = time.perf_counter()
         logits = self.model.forward(batch, self.kv_cache)
         seconds = time.perf_counter() - start
+        self.seconds += seconds
         if len(positions) == len(rows):  # one id each: the cost of a draft id (the verify budget's)
             old = self.step_seconds
             self.step_seconds = seconds if old == 0 else old + STEP_SMOOTHING * (seconds - old)

@@ -368,6 +368,8 @@ class EngineCore:
     def _tick(self) -> None:
         sched = self.scheduler
         tick_start = time.perf_counter()  # the verify budget's step times count the schedule too
+        draft = self.spec.draft if self.spec is not None else None
+        draft_seconds = draft.seconds if draft is not None else 0.0
         rows = self._tick_rows
         num_reserved = rows.budget(sched) if rows is not None and rows.has_work() else 0
         out = sched.schedule(num_reserved) if sched.has_work() else None
@@ -400,7 +402,13 @@ class EngineCore:
                     # runs' output goes through Python per request, where a plain tick takes the
                     # steady Cython plan and one call for all rows' output (a share of a step that
                     # grows as products get faster: int8 activations, small models)
-                    self.spec.observe_step(num_rows, time.perf_counter() - tick_start, len(out.seqs))
+                    # but not the draft model's forwards, which the budget counts apart (per draft id
+                    # and per id caught up): a tick that caught a prompt up would price its row count
+                    # for good, the budget then never running that many rows again to see it cheaper
+                    seconds = time.perf_counter() - tick_start
+                    if draft is not None:
+                        seconds -= draft.seconds - draft_seconds
+                    self.spec.observe_step(num_rows, seconds, len(out.seqs))
 
     def _tick_with_rows(self, out, part) -> None:
         """A forward with embedding rows after the generation rows (if any): pooled, never sampled."""
