@@ -68,12 +68,12 @@ def test_every_packed_format_is_the_exact_product(kind, threads, monkeypatch):
 
 @needs_amx
 def test_wide_rows_take_k_in_chunks(monkeypatch):
-    """K = 8,448 (264 blocks) at 35 rows: the activations' tiles (1.6 MB) pass the 1 MB of one
+    """K = 8,448 (264 blocks) at 67 rows: the activations' tiles (2.7 MB) pass the 2 MB of one
     chunk, so K runs in chunks with each C tile's sums stored between them; 80 outputs (five
     strips: pairs and a last lone strip)."""
     bias = torch.zeros(80)
     layer = _layer("int4_half", 80, 8448, bias, monkeypatch)
-    x = torch.randn(35, 8448, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(67, 8448, generator=torch.Generator().manual_seed(1))
     _assert_close_to_exact(layer.run(x, "amx3"), x, layer, bias)
 
 
@@ -82,7 +82,7 @@ def test_wide_rows_take_k_in_chunks(monkeypatch):
 def test_rows_do_not_depend_on_the_batch(kind, num_cols, monkeypatch):
     """A row's outputs have the same bits alone, in a pair of row tiles, in a lone tile after
     pairs, or beside padding; at K = 8,448 also whether K ran in one chunk (16 rows: their
-    activations' tiles fit the 1 MB of one) or in chunks with the sums kept between them (70)."""
+    activations' tiles fit the 2 MB of one) or in chunks with the sums kept between them (70)."""
     layer = _layer(kind, 32, num_cols, torch.zeros(32), monkeypatch)
     x = torch.randn(70, num_cols, generator=torch.Generator().manual_seed(2))
     whole = layer.run(x, "amx3")

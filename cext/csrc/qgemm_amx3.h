@@ -27,7 +27,7 @@
 
 #define Q3_TILE 16
 #define Q3_PANEL_BYTES (512 << 10)  /* a group's panels at most (L2), at least two strips */
-#define Q3_ACT_BYTES (1 << 20)    /* activations' tiles up to this: K in one chunk */
+#define Q3_ACT_BYTES (2 << 20)    /* activations' tiles up to this: K in one chunk (an AMX Xeon core's L2) */
 #define Q3_GROUP_BYTES (4 << 20)  /* else a group's panels up to this, */
 #define Q3_CHUNK_BYTES (256 << 10)  /* and K in chunks of panels and activations up to this */
 
