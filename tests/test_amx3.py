@@ -78,6 +78,30 @@ def test_wide_rows_take_k_in_chunks(monkeypatch):
 
 
 @needs_amx
+@pytest.mark.parametrize("threads", [1, 2])
+def test_k_in_chunks_over_items_of_several_pairs(threads, monkeypatch):
+    """Where K runs in chunks the pool's items are a few runs of several pairs of strips (a thread's
+    share in Q3_ITEMS_PER_THREAD items) and each chunk's panels are built for its blocks only: 336
+    outputs (21 strips: ten pairs and a lone one, items of 3 + 3 + 3 + 2 pairs on two threads),
+    K = 8,448 at 67 rows. The exact product, and each row's bits the same as in 16 rows (K in one
+    chunk) or in a 40-row part (in chunks again)."""
+    old_threads, old_threshold = cpu.get_num_threads(), cpu.get_parallel_threshold()
+    cpu.set_num_threads(threads)
+    cpu.set_parallel_threshold(0)
+    try:
+        bias = torch.randn(336, generator=torch.Generator().manual_seed(5))
+        layer = _layer("int4_half", 336, 8448, bias, monkeypatch)
+        x = torch.randn(67, 8448, generator=torch.Generator().manual_seed(6))
+        whole = layer.run(x, "amx3")
+        _assert_close_to_exact(whole, x, layer, bias)
+        for first, count in ((0, 16), (27, 40)):
+            assert torch.equal(layer.run(x[first:first + count], "amx3"), whole[first:first + count]), (first, count)
+    finally:
+        cpu.set_num_threads(old_threads)
+        cpu.set_parallel_threshold(old_threshold)
+
+
+@needs_amx
 @pytest.mark.parametrize(("kind", "num_cols"), [("int5_0", 512), ("q6", 512), ("int4_half", 8448)])
 def test_rows_do_not_depend_on_the_batch(kind, num_cols, monkeypatch):
     """A row's outputs have the same bits alone, in a pair of row tiles, in a lone tile after

@@ -21,15 +21,18 @@
  * strip: per block of 32 inputs a 16 x 64-byte tile of wh, then one of wl, the tiles' pairs order:
  * row p = inputs 2p, 2p + 1 of the 16 outputs), then every 16-row tile of activations runs against
  * the group's strips two at a time (8 tiles: C for two strips, xh and xl, wh and wl of each strip).
- * Where the activations' tiles outgrow L2 (a long K: down products) K runs in chunks, each chunk
- * against the whole group, and the C tiles' float32 sums wait in memory between chunks (stored and
- * loaded as they are: the same bits as one pass). */
+ * Where the activations' tiles outgrow L2 (a long K: down products) K runs in chunks: per chunk the
+ * group's panels are laid out for the chunk's blocks only (so they stay in L2 while the rows pass,
+ * each block still laid out once), the pool's items are a few long runs of strips (each run reads
+ * all the activations once per group), and the C tiles' float32 sums wait in memory between chunks
+ * (stored and loaded as they are: the same bits as one pass). */
 
 #define Q3_TILE 16
 #define Q3_PANEL_BYTES (512 << 10)  /* a group's panels at most (L2), at least two strips */
 #define Q3_ACT_BYTES (2 << 20)    /* activations' tiles up to this: K in one chunk (an AMX Xeon core's L2) */
-#define Q3_GROUP_BYTES (4 << 20)  /* else a group's panels up to this, */
-#define Q3_CHUNK_BYTES (256 << 10)  /* and K in chunks of panels and activations up to this */
+#define Q3_CHUNK_ACT_BYTES (512 << 10)  /* else K in chunks of this much of the activations' tiles, */
+#define Q3_CHUNK_PANEL_BYTES (1 << 20)  /* against groups of strips with this much of panels a chunk, */
+#define Q3_ITEMS_PER_THREAD 2  /* in this many pool items a thread */
 
 typedef struct {
     const QArgs *q;
@@ -39,6 +42,7 @@ typedef struct {
     int64_t padded_rows;
     int64_t group;            /* strips per panel group (even) */
     int64_t chunk;            /* blocks of K per chunk */
+    int64_t pairs_per_item;   /* pairs of strips per pool item */
 } Amx3Args;
 
 /* float32 -> bfloat16 bits (round to nearest even). */
@@ -91,15 +95,16 @@ QG_ALWAYS_INLINE static inline void q3_store_pair(__m512i pair, __m512 d, __m512
     _mm512_store_si512((void *)(wl + 64 * p), lo);
 }
 
-/* One strip -> its panel: per block b, at panel + 2048 b, the wh tile then the wl tile. */
-static void amx3_build_panel(const QArgs *a, const uint8_t *strip, uint8_t *panel) {
+/* Blocks b0 .. b1 - 1 of one strip -> its panel: block b at panel + 2048 (b - b0), the wh tile
+ * then the wl tile. */
+static void amx3_build_panel(const QArgs *a, const uint8_t *strip, uint8_t *panel, int64_t b0, int64_t b1) {
     const int64_t nb = a->num_cols / QK_BLOCK;
     const int packed = a->packed, half = a->half;
     const __m512i mask = _mm512_set1_epi32(0x000F000F), sixteen = _mm512_set1_epi16(16);
     if (packed == PACKED_Q6) {
         const uint8_t *sc = strip + nb * 384, *dd = sc + 2 * nb * 16;
-        for (int64_t b = 0; b < nb; b++) {
-            uint8_t *wh = panel + 2048 * b, *wl = wh + 1024;
+        for (int64_t b = b0; b < b1; b++) {
+            uint8_t *wh = panel + 2048 * (b - b0), *wl = wh + 1024;
             for (int g = 0; g < 2; g++) {  /* d * s per group of 16 inputs (pairs 8 g .. 8 g + 7) */
                 const int64_t group = 2 * b + g;
                 const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dd + (group / 16) * 32)));
@@ -114,9 +119,9 @@ static void amx3_build_panel(const QArgs *a, const uint8_t *strip, uint8_t *pane
     const int mins = packed_mins(packed, a->has_mins);
     const int64_t code_bytes = packed_code_bytes(packed);
     const uint8_t *dsc = strip + nb * code_bytes, *msc = dsc + packed_scale_bytes(nb, half);
-    for (int64_t b = 0; b < nb; b++) {
+    for (int64_t b = b0; b < b1; b++) {
         const uint8_t *codes = strip + b * code_bytes;
-        uint8_t *wh = panel + 2048 * b, *wl = wh + 1024;
+        uint8_t *wh = panel + 2048 * (b - b0), *wl = wh + 1024;
         const __m512 d = packed_block_scales(dsc, b, half);
         const __m512 m = mins ? packed_block_scales(msc, b, half) : _mm512_setzero_ps();
         if (packed == PACKED_Q8) {  /* vector u: pairs 2u (bytes 0, 2 of each lane) and 2u + 1 (1, 3) */
@@ -167,12 +172,12 @@ static inline int64_t q3_sums_floats(const Amx3Args *aa) {
     return aa->chunk >= nb ? 4 * 256 : aa->group * aa->padded_rows * Q3_TILE;
 }
 
-/* One 16-row tile of activations against one or two strips' panels (p1 NULL: one strip) over
- * blocks b0 .. b1 - 1, in the order amx3_tile_rows2 sums each C tile (xh . wl, xh . wh, xl . wh per
+/* One 16-row tile of activations against one or two strips' panels (p1 NULL: one strip; block pb
+ * first in them) over blocks b0 .. b1 - 1, in the order amx3_tile_rows2 sums each C tile (xh . wl, xh . wh, xl . wh per
  * block): the same bits a row. The C tiles start at zero (b0 = 0) or from their sums (s0, s1) and
  * end there, or in y after the last block. */
 static void amx3_tile_rows(const Amx3Args *aa, int64_t i0, int64_t n0, int64_t b0, int64_t b1, const uint8_t *p0,
-                           const uint8_t *p1, float *s0, float *s1) {
+                           const uint8_t *p1, int64_t pb, float *s0, float *s1) {
     const QArgs *a = aa->q;
     const int64_t K = a->num_cols, nb = K / QK_BLOCK;
     const uint16_t *xh = aa->xh + i0 * K, *xl = aa->xl + i0 * K;  /* tile order: block b at b * 512 */
@@ -182,11 +187,11 @@ static void amx3_tile_rows(const Amx3Args *aa, int64_t i0, int64_t n0, int64_t b
         for (int64_t b = b0; b < b1; b++) {
             _tile_loadd(4, xh + b * 512, 64);
             _tile_loadd(5, xl + b * 512, 64);
-            _tile_loadd(6, p0 + 2048 * b + 1024, 64);
-            _tile_loadd(7, p1 + 2048 * b + 1024, 64);
+            _tile_loadd(6, p0 + 2048 * (b - pb) + 1024, 64);
+            _tile_loadd(7, p1 + 2048 * (b - pb) + 1024, 64);
             _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7);
-            _tile_loadd(6, p0 + 2048 * b, 64);
-            _tile_loadd(7, p1 + 2048 * b, 64);
+            _tile_loadd(6, p0 + 2048 * (b - pb), 64);
+            _tile_loadd(7, p1 + 2048 * (b - pb), 64);
             _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7);
             _tile_dpbf16ps(0, 5, 6); _tile_dpbf16ps(1, 5, 7);
         }
@@ -196,8 +201,8 @@ static void amx3_tile_rows(const Amx3Args *aa, int64_t i0, int64_t n0, int64_t b
         for (int64_t b = b0; b < b1; b++) {
             _tile_loadd(4, xh + b * 512, 64);
             _tile_loadd(5, xl + b * 512, 64);
-            _tile_loadd(7, p0 + 2048 * b + 1024, 64);
-            _tile_loadd(6, p0 + 2048 * b, 64);
+            _tile_loadd(7, p0 + 2048 * (b - pb) + 1024, 64);
+            _tile_loadd(6, p0 + 2048 * (b - pb), 64);
             _tile_dpbf16ps(0, 4, 7);
             _tile_dpbf16ps(0, 4, 6);
             _tile_dpbf16ps(0, 5, 6);
@@ -207,12 +212,12 @@ static void amx3_tile_rows(const Amx3Args *aa, int64_t i0, int64_t n0, int64_t b
     if (b1 == nb) amx3_store(a, s0, i0, n0);
 }
 
-/* Two 16-row tiles of activations (rows i0 .. i0 + 31) against two strips' panels over blocks
- * b0 .. b1 - 1: four C tiles, each block's tiles loaded into the four operand registers in an
+/* Two 16-row tiles of activations (rows i0 .. i0 + 31) against two strips' panels (block pb first
+ * in them) over blocks b0 .. b1 - 1: four C tiles, each block's tiles loaded into the four operand registers in an
  * order that keeps each loaded tile for two or four products (8 loads for 12 products): xh . wl,
  * then xh . wh, then xl . wh. Sums of strip 0 at s0 (rows i0 ..), of strip 1 at s1. */
 static void amx3_tile_rows2(const Amx3Args *aa, int64_t i0, int64_t n0, int64_t b0, int64_t b1, const uint8_t *p0,
-                            const uint8_t *p1, float *s0, float *s1) {
+                            const uint8_t *p1, int64_t pb, float *s0, float *s1) {
     const QArgs *a = aa->q;
     const int64_t K = a->num_cols, nb = K / QK_BLOCK;
     const uint16_t *xh0 = aa->xh + i0 * K, *xl0 = aa->xl + i0 * K;
@@ -226,11 +231,11 @@ static void amx3_tile_rows2(const Amx3Args *aa, int64_t i0, int64_t n0, int64_t 
     for (int64_t b = b0; b < b1; b++) {
         _tile_loadd(4, xh0 + b * 512, 64);
         _tile_loadd(5, xh1 + b * 512, 64);
-        _tile_loadd(6, p0 + 2048 * b + 1024, 64);
-        _tile_loadd(7, p1 + 2048 * b + 1024, 64);
+        _tile_loadd(6, p0 + 2048 * (b - pb) + 1024, 64);
+        _tile_loadd(7, p1 + 2048 * (b - pb) + 1024, 64);
         _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7); _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
-        _tile_loadd(6, p0 + 2048 * b, 64);
-        _tile_loadd(7, p1 + 2048 * b, 64);
+        _tile_loadd(6, p0 + 2048 * (b - pb), 64);
+        _tile_loadd(7, p1 + 2048 * (b - pb), 64);
         _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7); _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
         _tile_loadd(4, xl0 + b * 512, 64);
         _tile_loadd(5, xl1 + b * 512, 64);
@@ -241,34 +246,37 @@ static void amx3_tile_rows2(const Amx3Args *aa, int64_t i0, int64_t n0, int64_t 
         for (int t = 0; t < 4; t++) amx3_store(a, c[t], i0 + Q3_TILE * (t / 2), n0 + Q3_TILE * (t % 2));
 }
 
-/* Strip pairs p0 .. p1 - 1 (strips 2 p0 .. min(2 p1, strips) - 1): in groups of aa->group strips,
- * their panels built, then per chunk of aa->chunk blocks of K every pair of strips against every
- * row tile (two at a time), the C tiles' sums kept between chunks in the group's sums buffer. */
+/* Pool items p0 .. p1 - 1 (pairs of strips, aa->pairs_per_item an item; strips 2 p0 .. min(2 p1,
+ * strips) - 1 at one pair an item): in groups of aa->group strips, per chunk of aa->chunk blocks of
+ * K, the group's panels for the chunk's blocks built, then every pair of strips against every row
+ * tile (two at a time), the C tiles' sums kept between chunks in the group's sums buffer. Each
+ * strip's blocks are laid out once per call, and a chunk's panels stay in L2 while the rows pass. */
 static void amx3_range(const void *p, int64_t p0, int64_t p1, float *scratch) {
     const Amx3Args *aa = (const Amx3Args *)p;
     const QArgs *a = aa->q;
     const int64_t nb = a->num_cols / QK_BLOCK, strips = a->num_out / Q3_TILE, Mp = aa->padded_rows;
     const int64_t strip_bytes = packed_strip_bytes(a->packed, nb, a->half, a->has_mins);
-    const int64_t s0 = 2 * p0, s1 = 2 * p1 < strips ? 2 * p1 : strips;
+    const int64_t s0 = 2 * p0 * aa->pairs_per_item, e1 = 2 * p1 * aa->pairs_per_item, s1 = e1 < strips ? e1 : strips;
     float *sums = (float *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);  /* [group][Mp][16] */
-    uint8_t *panels = (uint8_t *)(sums + q3_sums_floats(aa));
+    uint8_t *panels = (uint8_t *)(sums + q3_sums_floats(aa));  /* [group][chunk] blocks of 2 KB */
     amx_configure_square();  /* 0-3 C; 4-7 A and B (amx3_tile_rows2) */
     for (int64_t g0 = s0; g0 < s1; g0 += aa->group) {
         const int64_t g1 = g0 + aa->group < s1 ? g0 + aa->group : s1;
-        for (int64_t s = g0; s < g1; s++) amx3_build_panel(a, a->blocks + s * strip_bytes, panels + (s - g0) * nb * 2048);
         for (int64_t b0 = 0; b0 < nb; b0 += aa->chunk) {
-            const int64_t b1 = b0 + aa->chunk < nb ? b0 + aa->chunk : nb;
+            const int64_t b1 = b0 + aa->chunk < nb ? b0 + aa->chunk : nb, span = (b1 - b0) * 2048;
+            for (int64_t s = g0; s < g1; s++)
+                amx3_build_panel(a, a->blocks + s * strip_bytes, panels + (s - g0) * span, b0, b1);
             for (int64_t i0 = 0; i0 < Mp; i0 += 2 * Q3_TILE) {
                 const int two_tiles = i0 + Q3_TILE < Mp;
                 for (int64_t s = g0; s < g1; s += 2) {
-                    const uint8_t *q0 = panels + (s - g0) * nb * 2048, *q1 = s + 1 < g1 ? q0 + nb * 2048 : NULL;
+                    const uint8_t *q0 = panels + (s - g0) * span, *q1 = s + 1 < g1 ? q0 + span : NULL;
                     float *c0 = q3_sums(aa, sums, s - g0, i0), *c1 = q3_sums(aa, sums, s + 1 - g0, i0);
                     if (two_tiles && q1 != NULL) {
-                        amx3_tile_rows2(aa, i0, s * Q3_TILE, b0, b1, q0, q1, c0, c1);
+                        amx3_tile_rows2(aa, i0, s * Q3_TILE, b0, b1, q0, q1, b0, c0, c1);
                     } else {
-                        amx3_tile_rows(aa, i0, s * Q3_TILE, b0, b1, q0, q1, c0, c1);
+                        amx3_tile_rows(aa, i0, s * Q3_TILE, b0, b1, q0, q1, b0, c0, c1);
                         if (two_tiles)
-                            amx3_tile_rows(aa, i0 + Q3_TILE, s * Q3_TILE, b0, b1, q0, q1, c0 + 256, c1 + 256);
+                            amx3_tile_rows(aa, i0 + Q3_TILE, s * Q3_TILE, b0, b1, q0, q1, b0, c0 + 256, c1 + 256);
                     }
                 }
             }
@@ -300,23 +308,29 @@ static int run_amx3(QArgs *a, const void *x, int64_t x_stride) {
     const int64_t Mp = (M + Q3_TILE - 1) / Q3_TILE * Q3_TILE, strips = a->num_out / Q3_TILE;
     uint16_t *buf = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * 2 * (size_t)(Mp * K));
     if (buf == NULL) return QG_NO_MEMORY;
-    Amx3Args aa = {a, x, x_stride, buf, buf + Mp * K, Mp, 2, nb};
+    Amx3Args aa = {a, x, x_stride, buf, buf + Mp * K, Mp, 2, nb, 1};
     int rc = cpu_parallel_for(amx3_split_range, &aa, Mp / Q3_TILE, Mp * K, 0);
     if (rc == CPU_OK) {
-        int64_t group, chunk = nb;
+        int64_t group, chunk = nb, pairs = (strips + 1) / 2;
         if (Mp * K * 4 <= Q3_ACT_BYTES) {
             group = Q3_PANEL_BYTES / (nb * 2048);
         } else {
-            group = Q3_GROUP_BYTES / (nb * 2048);
-            group = group < 2 ? 2 : group / 2 * 2;
-            chunk = Q3_CHUNK_BYTES / (group * 2048 + Mp * 128);
-            chunk = chunk < 1 ? 1 : chunk;
+            chunk = Q3_CHUNK_ACT_BYTES / (Mp * 128);  /* at least 4 blocks: the C tiles wait in memory between */
+            chunk = chunk < 4 ? 4 : chunk;
+            chunk = chunk > nb ? nb : chunk;
+            group = Q3_CHUNK_PANEL_BYTES / (chunk * 2048);
+            /* a few large items (each reads all the activations once per group), the groups no
+             * larger than an item */
+            const int64_t items = (int64_t)cpu_num_threads() * Q3_ITEMS_PER_THREAD;
+            aa.pairs_per_item = (pairs + items - 1) / items;
+            group = group > 2 * aa.pairs_per_item ? 2 * aa.pairs_per_item : group;
         }
         group = group > strips + 1 ? strips + 1 : group;  /* no more room than the strips take */
         aa.group = group < 2 ? 2 : group / 2 * 2;
         aa.chunk = chunk;
-        const size_t floats = 16 + (size_t)q3_sums_floats(&aa) + (size_t)(aa.group * nb * 2048 / 4);
-        rc = cpu_parallel_for(amx3_range, &aa, (strips + 1) / 2, Mp * a->num_out * K, floats);
+        const size_t floats = 16 + (size_t)q3_sums_floats(&aa) + (size_t)(aa.group * chunk * 2048 / 4);
+        rc = cpu_parallel_for(amx3_range, &aa, (pairs + aa.pairs_per_item - 1) / aa.pairs_per_item,
+                              Mp * a->num_out * K, floats);
     }
     free(buf);
     return rc;
