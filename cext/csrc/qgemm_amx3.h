@@ -173,9 +173,9 @@ static inline int64_t q3_sums_floats(const Amx3Args *aa) {
 }
 
 /* One 16-row tile of activations against one or two strips' panels (p1 NULL: one strip; block pb
- * first in them) over blocks b0 .. b1 - 1, in the order amx3_tile_rows2 sums each C tile (xh . wl, xh . wh, xl . wh per
- * block): the same bits a row. The C tiles start at zero (b0 = 0) or from their sums (s0, s1) and
- * end there, or in y after the last block. */
+ * first in them) over blocks b0 .. b1 - 1, in the order amx3_tile_rows2 sums each C tile (xh . wl,
+ * xh . wh, xl . wh per block): the same bits a row. The C tiles start at zero (b0 = 0) or from
+ * their sums (s0, s1) and end there, or in y after the last block. */
 static void amx3_tile_rows(const Amx3Args *aa, int64_t i0, int64_t n0, int64_t b0, int64_t b1, const uint8_t *p0,
                            const uint8_t *p1, int64_t pb, float *s0, float *s1) {
     const QArgs *a = aa->q;
@@ -213,9 +213,10 @@ static void amx3_tile_rows(const Amx3Args *aa, int64_t i0, int64_t n0, int64_t b
 }
 
 /* Two 16-row tiles of activations (rows i0 .. i0 + 31) against two strips' panels (block pb first
- * in them) over blocks b0 .. b1 - 1: four C tiles, each block's tiles loaded into the four operand registers in an
- * order that keeps each loaded tile for two or four products (8 loads for 12 products): xh . wl,
- * then xh . wh, then xl . wh. Sums of strip 0 at s0 (rows i0 ..), of strip 1 at s1. */
+ * in them) over blocks b0 .. b1 - 1: four C tiles, each block's tiles loaded into the four operand
+ * registers in an order that keeps each loaded tile for two or four products (8 loads for 12
+ * products): xh . wl, then xh . wh, then xl . wh. Sums of strip 0 at s0 (rows i0 ..), of strip 1 at
+ * s1. */
 static void amx3_tile_rows2(const Amx3Args *aa, int64_t i0, int64_t n0, int64_t b0, int64_t b1, const uint8_t *p0,
                             const uint8_t *p1, int64_t pb, float *s0, float *s1) {
     const QArgs *a = aa->q;
