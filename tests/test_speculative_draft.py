@@ -100,6 +100,9 @@ def test_tick_times_leave_the_draft_models_forwards_out(engines, monkeypatch):
     _plain, fast = engines
     core = fast._core
     skew, real = [0.0], time.perf_counter
+    draft = core.spec.draft
+    for name in ("seconds", "step_seconds", "row_seconds"):  # the skewed prices go at teardown
+        monkeypatch.setattr(draft, name, getattr(draft, name))
     monkeypatch.setattr(time, "perf_counter", lambda: real() + skew[0])
     monkeypatch.setattr(core.spec.draft, "model", _SlowDraft(core.spec.draft.model, skew))
     observed = []
