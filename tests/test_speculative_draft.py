@@ -104,7 +104,7 @@ def test_tick_times_leave_the_draft_models_forwards_out(engines, monkeypatch):
     for name in ("seconds", "step_seconds", "row_seconds"):  # the skewed prices go at teardown
         monkeypatch.setattr(draft, name, getattr(draft, name))
     monkeypatch.setattr(time, "perf_counter", lambda: real() + skew[0])
-    monkeypatch.setattr(core.spec.draft, "model", _SlowDraft(core.spec.draft.model, skew))
+    monkeypatch.setattr(draft, "model", _SlowDraft(draft.model, skew))
     observed = []
     observe = core.spec.observe_step
     monkeypatch.setattr(core.spec, "observe_step", lambda rows, seconds, num_seqs=None: (
@@ -112,7 +112,7 @@ def test_tick_times_leave_the_draft_models_forwards_out(engines, monkeypatch):
     generate(fast, PROMPTS[:2], SamplingParams(max_tokens=24, temperature=0))
     assert skew[0] > 0 and observed  # the draft ran, and ticks were timed
     assert max(observed) < _SlowDraft.SKEW
-    assert core.spec.draft.step_seconds > _SlowDraft.SKEW / 10  # the draft's own price has them (an average)
+    assert draft.step_seconds > _SlowDraft.SKEW / 10  # the draft's own price has them (an average)
 
 
 def test_self_draft_under_preemption_frees_everything():
