@@ -2,8 +2,8 @@
 activation codes: vpdpwssd on AVX-512 VNNI, madd on AVX2), their float route (each pass's weight
 rows decoded once to float32, FMAs 16 or 8 lanes wide), strip (int16's integer sums with AVX-512
 VNNI, 16 outputs per vector), packed (strip's sums over weights stored in strips of 16, read in
-place: what Linear builds where the CPU has AVX-512 VNNI), packed_int8 (packed with int8 activation
-codes: activations="int8", vpdpbusd), amx (weights dequantized to bfloat16 per
+place: what Linear builds where the CPU has AVX2; AVX-512 VNNI's kernel or AVX2's), packed_int8 (packed
+with int8 activation codes: activations="int8", vpdpbusd with AVX-512 VNNI), amx (weights dequantized to bfloat16 per
 slice of rows, oneDNN's bfloat16 matmul on AMX tiles) and blas (dequantize to float32 + the BLAS),
 on the real models' layer shapes, interleaved (every repeat runs every route at every row count),
 medians with min-max of GMAC/s (wall time). Routes the CPU lacks are left out and named.
@@ -53,7 +53,7 @@ def run_route(layer: Linear, x: torch.Tensor, route: str, min_seconds: float = 0
 
 def row_and_packed_layers(weight) -> tuple[Linear, Linear | None, Linear | None]:
     """The weight in its row layout (every route but the packed ones), in strips of 16 and in strips
-    with int8 activation codes (None where Linear does not pack: no AVX-512 VNNI)."""
+    with int8 activation codes (None where Linear does not pack: no AVX2)."""
     old = os.environ.get("ENGINE_PACKED")
     os.environ["ENGINE_PACKED"] = "0"
     try:

@@ -28,9 +28,10 @@ DTYPES = ("float32", "bfloat16")
 # quantized (Q4 -> int4, Q5 -> int5, others int8), "int4" makes every projection int4,
 # "bfloat16" / "float32" load everything dense in that dtype.
 QUANTIZATIONS = ("auto", "int4", "bfloat16", "float32")
-# The integer codes quantized products (weights packed in strips: AVX-512 VNNI) round activations
-# to: int16 (relative error < 2^-15, near float32) or int8 (llama.cpp's precision; twice the
-# multiply-adds per instruction: ~1.6x the products of several rows, prompts and verification).
+# The integer codes quantized products (weights packed in strips: AVX2 and up) round activations
+# to: int16 (relative error < 2^-15, near float32) or int8 (llama.cpp's precision; with AVX-512 VNNI
+# twice the multiply-adds per instruction: ~1.6x the products of several rows, prompts and
+# verification; on AVX2 the same bits at int16's speed).
 ACTIVATIONS = ("int16", "int8")
 POOLINGS = ("mean", "cls", "last", "max")  # embeddings (engine/embedding/pooling.py)
 # With no max_model_len anywhere (a model that states none), cap the context here.
@@ -55,7 +56,7 @@ class EngineConfig:
                                 load=True)
     num_threads: int | None = _option(None, "compute threads (default: the engine's measured policy)", load=True)
     activations: str = _option("int16", "activation codes of quantized products: int16 (near float32) | int8 "
-                               "(llama.cpp's precision, faster prompts and batches; AVX-512 VNNI)", load=True)
+                               "(llama.cpp's precision; faster prompts and batches with AVX-512 VNNI)", load=True)
     # -- the scheduler and the KV cache --
     max_model_len: int | None = _option(None, "longest prompt + completion in tokens (default: the model's)")
     max_num_seqs: int = _option(64, "most sequences decoded in one tick")

@@ -97,7 +97,7 @@ def test_qkv_in_two_formats_decodes_the_same_bits_in_one_call(qwen15_gguf):  # n
 
     model = load_model(qwen15_gguf)
     formats = [layer.qkv_proj.format for layer in model.layers]
-    if "avx512_vnni" in cpu.features():
+    if "avx2" in cpu.features():
         assert formats.count("parts") == 14
         parts = next(layer.qkv_proj.parts for layer in model.layers if layer.qkv_proj.parts)
         assert [p.format for p in parts] == ["int4", "q6"] and [p.out_features for p in parts] == [1792, 256]

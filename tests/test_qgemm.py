@@ -659,7 +659,7 @@ def test_measured_routes_are_ones_this_cpu_runs():
     assert len(best) == 2 and set(best) <= set(available)
     assert ("amx" in available) == ("amx_bf16" in cpu.features())
     assert ("amx_int" in available) == ("amx_int8" in cpu.features())
-    assert ("strip" in available) == ("avx512_vnni" in cpu.features())
+    assert ("strip" in available) == ("avx2" in cpu.features())  # over packed strips from AVX2 up
     part = layer.row_slice(40)
     x = torch.randn(3, 128)
     torch.testing.assert_close(part(x), layer(x)[:, :40], atol=0, rtol=0)
@@ -816,9 +816,10 @@ def packed_pair(kind: str, w: torch.Tensor, bias: torch.Tensor, monkeypatch) -> 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("kind", PACKED_KINDS)
 def test_packed_strips_are_the_strip_routes_numbers(isa, threads, kind, monkeypatch):
-    """A packed layer's product (AVX-512 VNNI in place, or the portable kernel below it) is the strip
-    route's over the row layout bit for bit at every row count (1-8-row passes and their tails),
-    float32 and bfloat16 in and out, and the integer definition to float32 rounding."""
+    """A packed layer's product (AVX-512 VNNI in place, AVX2's halves of strips, or the portable kernel)
+    is the strip route's over the row layout bit for bit at every row count (1-8-row passes and their
+    tails), float32 and bfloat16 in and out (without AVX-512 VNNI: the portable kernel's bits), and the
+    integer definition to float32 rounding."""
     old_threads, old_threshold = cpu.get_num_threads(), cpu.get_parallel_threshold()
     cpu.set_num_threads(threads)
     cpu.set_parallel_threshold(0)
@@ -827,7 +828,12 @@ def test_packed_strips_are_the_strip_routes_numbers(isa, threads, kind, monkeypa
             for dtype in (torch.float32, torch.bfloat16):
                 w, x, bias = _inputs(seed, num_rows, 48, 256 if kind == "q4_k" else 192, dtype)
                 rows, packed = packed_pair(kind, w, bias, monkeypatch)
-                reference = rows.run(x, "strip") if "avx512_vnni" in cpu.features() else None
+                if "avx512_vnni" in cpu.features():
+                    reference = rows.run(x, "strip")
+                else:
+                    cpu.set_isa("baseline")
+                    reference = packed.run(x, "strip")
+                    cpu.set_isa("auto")
                 use_isa(isa)
                 y = packed.run(x, "strip")
                 cpu.set_isa("auto")
@@ -835,8 +841,7 @@ def test_packed_strips_are_the_strip_routes_numbers(isa, threads, kind, monkeypa
                 weight = _weights(kind, w)
                 emulated = emulate_int8(x, weight) if kind.startswith("int8") else emulate_int4(x, weight, rows.half)
                 _check(y, emulated + bias.double(), dtype)
-                if reference is not None:
-                    assert torch.equal(y, reference), (num_rows, dtype)
+                assert torch.equal(y, reference), (num_rows, dtype)
     finally:
         cpu.set_isa("auto")
         cpu.set_num_threads(old_threads)
@@ -856,13 +861,24 @@ def test_packed_rows_do_not_depend_on_the_batch(kind, monkeypatch):
             assert torch.equal(packed.run(x[first:first + count], "strip"), whole[first:first + count]), count
 
 
+@pytest.mark.parametrize("isa", ALL_ISAS)
 @pytest.mark.parametrize("kind", PACKED_KINDS)
-def test_packed_strips_dequantize_and_run_blas_like_rows(kind, monkeypatch):
-    """qg_dequantize reads the strips (float32 and bfloat16, any first row) as the row layout's
-    values, so the blas route, the exact product and a lookup (``Linear.rows``) see the same weight."""
+def test_packed_strips_dequantize_and_run_blas_like_rows(isa, kind, monkeypatch):
+    """qg_dequantize reads the strips (float32 and bfloat16, any first row; AVX2's 16 values at a time
+    across the pool, or the portable loop) as the row layout's values, so the blas route, the exact
+    product and a lookup (``Linear.rows``) see the same weight."""
     w = torch.randn(48, 256, generator=torch.Generator().manual_seed(2)) * 0.05
     rows, packed = packed_pair(kind, w, torch.zeros(48), monkeypatch)
-    assert torch.equal(packed.dequantize(), rows.dequantize())
+    expected = rows.dequantize()
+    use_isa(isa)
+    try:
+        _dequantize_like_rows(rows, packed, expected)
+    finally:
+        cpu.set_isa("auto")
+
+
+def _dequantize_like_rows(rows: Linear, packed: Linear, expected: torch.Tensor) -> None:
+    assert torch.equal(packed.dequantize(), expected)
     assert torch.equal(packed.dequantize(13, 37), rows.dequantize(13, 37))
     out = torch.empty(20, 256, dtype=torch.bfloat16)
     qgemm.dequantize(packed.layout, packed._rows.data_ptr(), 0, 11, 20, 256, out.data_ptr(), qgemm.BFLOAT16)
@@ -963,17 +979,23 @@ def test_int8_activations_take_only_packed_layers(monkeypatch):
 
 
 def test_which_layers_are_packed(monkeypatch):
-    """Linear packs a quantized layer (Q4, Q5, Q8) where the CPU has AVX-512 VNNI, unless its outputs are not a multiple
-    of 16, its products are exact, or ENGINE_PACKED=0 / ENGINE_STRIP=0 says not to."""
+    """Linear packs a quantized layer (Q4, Q5, Q8) where the CPU has AVX2 (AVX-512 VNNI's kernel or AVX2's),
+    unless its outputs are not a multiple of 16, its products are exact, the ISA switch is below AVX2, or
+    ENGINE_PACKED=0 / ENGINE_STRIP=0 says not to."""
     w = torch.randn(48, 128, generator=torch.Generator().manual_seed(3)) * 0.05
     monkeypatch.setenv("ENGINE_PACKED", "1")
-    vnni = "avx512_vnni" in cpu.features()
-    assert Linear(_weights("int4", w)).is_packed_strips == vnni
-    assert Linear(_weights("q4_k", torch.randn(32, 256))).is_packed_strips == vnni
+    avx2 = cpu.allows("avx2")
+    cpu.set_isa("baseline")
+    try:
+        assert not Linear(_weights("int4", w)).is_packed_strips
+    finally:
+        cpu.set_isa("auto")
+    assert Linear(_weights("int4", w)).is_packed_strips == avx2
+    assert Linear(_weights("q4_k", torch.randn(32, 256))).is_packed_strips == avx2
     assert not Linear(_weights("int4", w[:40])).is_packed_strips
     assert not Linear(_weights("int4", w), exact=True).is_packed_strips
-    assert Linear(_weights("int8", w)).is_packed_strips == vnni
-    assert Linear(_weights("int5_0", w)).is_packed_strips == vnni
+    assert Linear(_weights("int8", w)).is_packed_strips == avx2
+    assert Linear(_weights("int5_0", w)).is_packed_strips == avx2
     for switch in ("ENGINE_PACKED", "ENGINE_STRIP"):
         monkeypatch.setenv(switch, "0")
         assert not Linear(_weights("int4", w)).is_packed_strips

@@ -129,10 +129,10 @@ def test_qwen_coder_int8_activations_equal_with_speculation(qwen_gguf):  # noqa:
         model = plain.model
         assert model.activations == "int8"
         q6 = sum(layer.down_proj.format == "q6" for layer in model.layers)
-        assert q6 == (12 if "avx512_vnni" in cpu.features() else 0)  # the file's 12 Q6_K tensors
+        assert q6 == (12 if "avx2" in cpu.features() else 0)  # the file's 12 Q6_K tensors
         parts = sum(len(layer.qkv_proj.parts or [None]) - 1 for layer in model.layers)  # q/k beside v: two
         layers = 4 * model.config.num_layers + 1 + parts  # qkv (or its parts), o, gate_up, down and the head
-        assert model.int8_layers == (layers if "avx512_vnni" in cpu.features() else 0)
+        assert model.int8_layers == (layers if "avx2" in cpu.features() else 0)
     with engine.Engine.from_pretrained(str(qwen_gguf), activations="int8", speculative="ngram") as fast:
         fast._core.spec.budgeted = False  # every proposal verified: many multi-row products
         got = generate(fast, EDITS, params)

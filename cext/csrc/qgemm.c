@@ -234,6 +234,23 @@ static inline int64_t packed_code_bytes(int packed) {
     return packed == PACKED_Q8 ? 512 : packed == PACKED_Q6 ? 384 : packed == PACKED_Q5 || packed == PACKED_Q5I8 ? 320 : 256;
 }
 
+#define QS_TILE 16  /* outputs per strip */
+#define QS_ROWS 8   /* the most activation rows one pass over a strip (or a panel) takes */
+#define QS_PASSES(X) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8)
+/* M rows in ceil(M / QS_ROWS) passes of near-equal counts (rows i0 .. i0 + rows - 1 each): 9
+ * rows as 4 + 5, not 8 + 1 (a lone row re-reads the strip at a decode row's cost). Every count
+ * sums the same integers in the same float32 order, so a row's outputs do not depend on it. */
+#define QS_SPLIT(M, CALL)                                                                               \
+    {                                                                                                   \
+        const int64_t num_ = (M);                                                                       \
+        int64_t i0 = 0;                                                                                 \
+        for (int64_t p_ = (num_ + QS_ROWS - 1) / QS_ROWS; p_ > 0; p_--) {                               \
+            const int64_t rows = (num_ - i0) / p_;                                                      \
+            CALL;                                                                                       \
+            i0 += rows;                                                                                 \
+        }                                                                                               \
+    }
+
 /* Whether a packed strip holds mins after its scales (Q4, and Q5 with mins). */
 static inline int packed_mins(int packed, int has_mins) { return packed != PACKED_Q8 && packed != PACKED_Q6 && has_mins; }
 
@@ -478,6 +495,18 @@ void qg_set_prefetch_spread(int on) { (void)on; }
 #define QG_ALWAYS_INLINE __attribute__((always_inline))
 #define QG_LOAD16(p) _mm256_loadu_si256((const __m256i *)(p))
 
+/* Block step b of a pass over a strip: the next strip's share of it (its bytes per block, codes and
+ * scales alike), one strip ahead, into qg_prefetch_level's cache (l2). */
+QG_ALWAYS_INLINE static inline void packed_prefetch_block(const uint8_t *strip, int64_t strip_bytes, int64_t per_block,
+                                                          int64_t b, int l2) {
+    const char *pf = (const char *)(strip + strip_bytes + b * per_block);
+    if (l2) {
+        for (int64_t l = 0; l < per_block; l += 64) _mm_prefetch(pf + l, _MM_HINT_T1);
+    } else {
+        for (int64_t l = 0; l < per_block; l += 64) _mm_prefetch(pf + l, _MM_HINT_T0);
+    }
+}
+
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 #define QG_SUFFIX avx2
@@ -489,6 +518,7 @@ void qg_set_prefetch_spread(int on) { (void)on; }
 #define QG_FFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
 #define QG_FHSUM(v) hsum_avx2(v)
 #include "qgemm_x86.h"
+#include "qgemm_packed_avx2.h"
 #undef QG_SUFFIX
 #undef QG_DOT2
 #undef QG_FVEC
@@ -562,6 +592,9 @@ static int run_packed(QArgs *a, const void *x, int64_t x_stride) {
             strip_quantize_rows(x, x_stride, M, K, a->dtype, qx, dx, sx);
         }
         fn = packed_range_avx512;
+    } else if (cpu_isa() >= CPU_ISA_AVX2) {
+        packed_quantize_rows_avx2(x, x_stride, M, K, a->dtype, qx, dx, sx, a->int8);
+        fn = packed_range_avx2;
     } else
 #endif
         quantize_rows(x, x_stride, M, K, a->dtype, qx, dx, sx, 1, a->int8);
@@ -661,14 +694,28 @@ int qg_matmul(int layout, const void *x, int64_t x_stride, int64_t num_rows, int
     return run(&a, x, x_stride, 1, layout & QG_ROUTE_MASK);
 }
 
+/* dequantize_packed's values: from AVX2 up the strips across the pool, 16 values at a time. */
+static int dequantize_packed_rows(int packed, const uint8_t *w, int half, int has_mins, int64_t first, int64_t count,
+                                  int64_t num_cols, void *out, int out_dtype) {
+#ifdef QG_HAVE_X86
+    if (cpu_isa() >= CPU_ISA_AVX2 && count > 0) {
+        PackedDqArgs args = {packed, half, has_mins, w, first, count, num_cols, out, out_dtype};
+        const int64_t strips = (first + count - 1) / 16 - first / 16 + 1;
+        return cpu_parallel_for(dequantize_packed_range_avx2, &args, strips, count * num_cols, 1) == CPU_OK
+                   ? QG_OK : QG_NO_MEMORY;
+    }
+#endif
+    dequantize_packed(packed, w, half, has_mins, first, count, num_cols, out, out_dtype);
+    return QG_OK;
+}
+
 int qg_dequantize(int layout, const void *w, const void *scales, int64_t first, int64_t count,
                   int64_t num_cols, void *out, int out_dtype) {
     const int format = layout & QG_FORMAT_MASK, half = layout_scales(layout);
     if (format == QG_Q6) {
         if (!(layout & QG_PACKED) || (layout & (QG_HALF | QG_SUPER | QG_NO_MINS))) return QG_BAD_LAYOUT;
         if (num_cols <= 0 || num_cols % (8 * QK_BLOCK) != 0) return QG_BAD_LENGTH;
-        dequantize_packed(PACKED_Q6, (const uint8_t *)w, 0, 0, first, count, num_cols, out, out_dtype);
-        return QG_OK;
+        return dequantize_packed_rows(PACKED_Q6, (const uint8_t *)w, 0, 0, first, count, num_cols, out, out_dtype);
     }
     if ((layout & QG_SUPER) && (format != QG_Q4 || (layout & QG_HALF))) return QG_BAD_LAYOUT;
     if ((layout & QG_SUPER) && num_cols % (8 * QK_BLOCK) != 0) return QG_BAD_LENGTH;
@@ -677,9 +724,8 @@ int qg_dequantize(int layout, const void *w, const void *scales, int64_t first, 
     const int high = format == QG_Q5, has_mins = !(layout & QG_NO_MINS);
     if (layout & QG_PACKED) {
         const int q5 = (layout & QG_INT8) ? PACKED_Q5I8 : PACKED_Q5;
-        dequantize_packed(format == QG_Q8 ? PACKED_Q8 : format == QG_Q5 ? q5 : PACKED_Q4, (const uint8_t *)w,
-                          half, has_mins, first, count, num_cols, out, out_dtype);
-        return QG_OK;
+        return dequantize_packed_rows(format == QG_Q8 ? PACKED_Q8 : format == QG_Q5 ? q5 : PACKED_Q4,
+                                      (const uint8_t *)w, half, has_mins, first, count, num_cols, out, out_dtype);
     }
 #ifdef QG_HAVE_X86
     if (cpu_isa() >= CPU_ISA_AVX2) {  /* the same values, 16 at a time, rows across the pool */

@@ -106,8 +106,9 @@ enum { QG_Q4 = 0, QG_Q5 = 1, QG_Q8 = 2, QG_Q6 = 3 };
 #define QG_ROUTE_STRIP 256
 #define QG_ROUTE_MASK (QG_ROUTE_INT | QG_ROUTE_FLOAT | QG_ROUTE_AMX | QG_ROUTE_STRIP)
 /* Rows in strips of 16 (the layout above): with no route or QG_ROUTE_STRIP (else QG_BAD_LAYOUT); N a
- * multiple of 16. Without AVX-512 VNNI (or with the switch below AVX-512) a portable kernel computes the
- * same numbers, bit for bit. With QG_ROUTE_AMX (where the CPU has AMX-BF16, not with QG_INT8) the amx3
+ * multiple of 16. Without AVX-512 VNNI (or with the switch below AVX-512) AVX2's kernel (qgemm_packed_avx2.h:
+ * madd_epi16 over half a strip at a time), and below AVX2 a portable one, compute the same numbers, bit for
+ * bit; qg_dequantize reads the strips 16 values at a time from AVX2 up. With QG_ROUTE_AMX (where the CPU has AMX-BF16, not with QG_INT8) the amx3
  * route (qgemm_amx3.h): each weight as qg_dequantize gives it and each activation split into two
  * bfloat16, three bfloat16 products on AMX tiles with float32 sums over the whole of K. */
 #define QG_PACKED 512
@@ -120,7 +121,8 @@ enum { QG_Q4 = 0, QG_Q5 = 1, QG_Q8 = 2, QG_Q6 = 3 };
  * sum(q), where int16 codes take the exact sum of x: the product is then W x' for the dequantized x',
  * whose errors meet the weights centred (with the exact sum they met d * q, biased by the min: on
  * SmolLM2's down_proj 3x the error). Every row count still sums the same integers in the same float32
- * order, and the portable kernel computes the same bits. The precision is llama.cpp's (its Q8_0
+ * order, and AVX2's kernel (madd_epi16 over the int8 codes as int16: the same integers, int16's speed) and
+ * the portable one compute the same bits. The precision is llama.cpp's (its Q8_0
  * activations): an opt-in, engine option activations="int8". */
 #define QG_INT8 1024
 

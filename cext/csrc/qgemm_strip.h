@@ -18,23 +18,6 @@
  * Work: strips of 16 outputs across cpu.h's pool (needs N a multiple of 16); per strip its panel
  * is built once, then every activation row runs against it, up to QS_ROWS rows at a time. */
 
-#define QS_TILE 16  /* outputs per strip */
-#define QS_ROWS 8   /* the most activation rows one pass over a strip (or a panel) takes */
-#define QS_PASSES(X) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8)
-/* M rows in ceil(M / QS_ROWS) passes of near-equal counts (rows i0 .. i0 + rows - 1 each): 9
- * rows as 4 + 5, not 8 + 1 (a lone row re-reads the strip at a decode row's cost). Every count
- * sums the same integers in the same float32 order, so a row's outputs do not depend on it. */
-#define QS_SPLIT(M, CALL)                                                                               \
-    {                                                                                                   \
-        const int64_t num_ = (M);                                                                       \
-        int64_t i0 = 0;                                                                                 \
-        for (int64_t p_ = (num_ + QS_ROWS - 1) / QS_ROWS; p_ > 0; p_--) {                               \
-            const int64_t rows = (num_ - i0) / p_;                                                      \
-            CALL;                                                                                       \
-            i0 += rows;                                                                                 \
-        }                                                                                               \
-    }
-
 typedef struct {
     const QArgs *q;
     int is_q4;
@@ -289,18 +272,6 @@ static int run_strip(QArgs *a, const void *x, int64_t x_stride, int is_q4) {
  * it (into qg_prefetch_level's cache): one strip ahead, measured on Zen 4 (one row, a weight
  * beyond L3, one thread) at 21.5 GB/s against 10.5 with 1 KB ahead into L1 and 14.6 for the int16
  * route. */
-
-/* Block step b of a pass over a strip: the next strip's share of it (its bytes per block, codes and
- * scales alike), one strip ahead, into qg_prefetch_level's cache (l2). */
-QG_ALWAYS_INLINE static inline void packed_prefetch_block(const uint8_t *strip, int64_t strip_bytes, int64_t per_block,
-                                                          int64_t b, int l2) {
-    const char *pf = (const char *)(strip + strip_bytes + b * per_block);
-    if (l2) {
-        for (int64_t l = 0; l < per_block; l += 64) _mm_prefetch(pf + l, _MM_HINT_T1);
-    } else {
-        for (int64_t l = 0; l < per_block; l += 64) _mm_prefetch(pf + l, _MM_HINT_T0);
-    }
-}
 
 /* Block b's 16 scales (or mins) of a strip's scale region sc (packed_scale's values). */
 QG_ALWAYS_INLINE static inline __m512 packed_block_scales(const uint8_t *sc, int64_t b, int half) {

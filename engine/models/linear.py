@@ -7,12 +7,13 @@ layout, made once at load (``mkldnn._reorder_linear_weight``), was faster at eve
 we measured. These are the ops torch's CPU compiler uses for frozen linear layers; where they
 are missing or fail the layer keeps the plain weight and ``F.linear``.
 
-Quantized: where the CPU has AVX-512 VNNI the weights are packed at load into strips of 16 rows
-(``should_pack``; cext/csrc/qgemm.h's QG_PACKED) and every product runs the strip route over them
-in place. Otherwise products of up to KERNEL_MAX_ROWS rows run in C, the weights read once per call in
-their codes (below ``qgemm.get_float_rows()`` rows with int16 activation codes and integer dot
-products, from there float32 FMAs over weights decoded per pass). Larger products (long prompt
-chunks) dequantize the weight to float32 a slice of rows at a time and use the BLAS.
+Quantized: where the CPU has AVX2 (or AVX-512 VNNI) the weights are packed at load into strips of 16
+rows (``should_pack``; cext/csrc/qgemm.h's QG_PACKED) and every product runs the strip route over
+them in place (or amx3, or blas through their dequantization). Otherwise products of up to
+KERNEL_MAX_ROWS rows run in C, the weights read once per call in their codes (below
+``qgemm.get_float_rows()`` rows with int16 activation codes and integer dot products, from there
+float32 FMAs over weights decoded per pass). Larger products (long prompt chunks) dequantize the
+weight to float32 a slice of rows at a time and use the BLAS.
 ``exact=True`` makes every product the float32 product of the dequantized weight (tests,
 benchmarks/quant_accuracy.py). Optionally a quantized layer keeps a dense copy for products of
 more than ``dense_above_rows`` rows (whole prompts), where oneDNN's dense float32 product wins.
@@ -437,7 +438,7 @@ class Linear:
             return True
         if self.layout is None or qgemm is None:
             return False
-        if self.is_packed_strips:  # strip at any ISA (below AVX-512 VNNI a portable kernel, same bits)
+        if self.is_packed_strips:  # strip at any ISA (AVX-512 VNNI's, AVX2's or the portable kernel: same bits)
             if route == "amx3":  # not over int8 strips (their Q5 sign masks are the int8 kernel's)
                 return cpu.allows("amx_bf16") and not self.int8_activations
             return route == "strip" or (route == "amx" and cpu.allows("amx_bf16"))
@@ -586,12 +587,13 @@ def _into(out: torch.Tensor | None, y: torch.Tensor) -> torch.Tensor:
 
 def packs(num_out: int, exact: bool = False) -> bool:
     """Whether a quantized layer of num_out outputs is packed into strips of 16 (``Linear._pack``): its
-    outputs are a multiple of 16, its products are not ``exact``, the CPU has AVX-512 VNNI and neither
-    ``ENGINE_STRIP=0`` nor ``ENGINE_PACKED=0`` is set. The strip route then serves every row count: one
-    activation row at the rate the caches give (1.5-2.5x int16's on Zen 4, benchmarks/qgemm_rows.py),
-    and a decode step's products round alike at any batch size."""
+    outputs are a multiple of 16, its products are not ``exact``, the CPU has AVX2 (AVX-512 VNNI's
+    kernel or AVX2's, the same bits) and neither ``ENGINE_STRIP=0`` nor ``ENGINE_PACKED=0`` is set. The
+    strip route then serves every row count: one activation row at the rate the caches give (1.5-2.5x
+    int16's on Zen 4 with AVX-512, 1.1-1.6x on Zen 3 with AVX2; benchmarks/qgemm_rows.py), and a decode
+    step's products round alike at any batch size and on every ISA."""
     return (qgemm is not None and not exact and num_out % 16 == 0
-            and cpu.allows("avx512_vnni") and os.environ.get("ENGINE_STRIP", "1") != "0"
+            and cpu.allows("avx2") and os.environ.get("ENGINE_STRIP", "1") != "0"
             and os.environ.get("ENGINE_PACKED", "1") != "0")
 
 

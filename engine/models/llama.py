@@ -251,8 +251,9 @@ class LlamaModel(nn.Module):
         ``product_routes``. Never for the architectures in EXACT_ONLY_ARCHITECTURES (Gemma 3):
         True raises ValueError, ``ENGINE_AMX=1`` logs and keeps them exact.
         activations: "int16" (the default) or "int8": the integer codes the
-        packed (AVX-512 VNNI) projections and head quantize their activations to (engine.config's
-        ACTIVATIONS; int8 is llama.cpp's precision at about 1.6x the multi-row products' speed);
+        packed (AVX2 and up) projections and head quantize their activations to (engine.config's
+        ACTIVATIONS; int8 is llama.cpp's precision at about 1.6x the multi-row products' speed with
+        AVX-512 VNNI, int16's speed on AVX2);
         ``int8_layers`` counts the layers that took int8."""
         super().__init__()
         self.config = config

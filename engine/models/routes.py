@@ -14,9 +14,11 @@ A quantized layer's product of M rows can run as:
   vpdpwssd against broadcast activation codes, the block's scale applied in float32 once per
   block and output): exact as int16 is, where the CPU has AVX-512 VNNI and the layer's outputs
   are a multiple of 16;
-- a layer whose weights Linear packed into strips of 16 rows (qgemm.h's QG_PACKED: Q4, Q5 and Q8
-  where the CPU has AVX-512 VNNI) runs ``strip`` over them in place at every row count (one row at
-  1.5-2.5x int16's rate), or ``amx3`` over them, or ``blas``/``amx`` through their dequantization;
+- a layer whose weights Linear packed into strips of 16 rows (qgemm.h's QG_PACKED: Q4, Q5, Q6 and Q8
+  where the CPU has AVX2) runs ``strip`` over them in place at every row count (AVX-512 VNNI's
+  kernel, or AVX2's over half a strip at a time: the same bits; one row at 1.5-2.5x int16's rate on
+  Zen 4, 1.1-1.6x on Zen 3, 2-16 rows 1.2-1.9x), or ``amx3`` over them, or ``blas``/``amx`` through
+  their dequantization;
   the table times only those, and its one-row route is strip, so its decode batches round alike at
   any size up to where amx3 (with AMX bf16) takes over;
 - ``amx3`` (packed strips, where the CPU has AMX-BF16; cext/csrc/qgemm_amx3.h): each weight as the
@@ -63,25 +65,27 @@ ROW_GRID = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 # into two bfloat16), float32 sums
 EXACT_ROUTES = ("int16", "float", "amx_int", "strip", "amx3", "blas")
 APPROXIMATE = ("amx",)  # bfloat16 weights and activations: 8 mantissa bits
-CACHE_VERSION = 14  # 7: routes the whole layer can run (6 gave amx_int to outputs not in 16s); 8: L2 prefetch
+CACHE_VERSION = 15  # 7: routes the whole layer can run (6 gave amx_int to outputs not in 16s); 8: L2 prefetch
 # on AMD; 9: decode steps spread their weight prefetch over each pass; 10: int16 products of 3-5 rows
 # read their codes in place; 11: the strip route; 12: Q4 layers in strips of 16 (QG_PACKED); 13: amx3
-# 14: amx3 splits across the threads and runs a long K in chunks
+# 14: amx3 splits across the threads and runs a long K in chunks; 15: packed strips on AVX2 (its kernel,
+# and their dequantization for blas vectorized)
 PROXY_ROWS = 256  # fewest output rows a shape is timed on
 PROXY_MACS = 1 << 23  # and enough rows for this many multiply-adds (a decode row: whole layers)
 MIN_TIMED_SECONDS = 0.002  # a timing repeats its call until it lasts this long
 
 
 def available_routes(allow_approximate: bool) -> tuple[str, ...]:
-    """The routes this CPU and build can run (strip: the CPU has AVX-512 VNNI and the switch allows
-    it; amx_int: the CPU has AMX-INT8; amx3: AMX-BF16, packed strips; amx: AMX bf16 and torch's
-    oneDNN)."""
+    """The routes this CPU and build can run (strip: the CPU has AVX2 and the switch allows it, over
+    row layouts only with AVX-512 VNNI; amx_int: the CPU has AMX-INT8; amx3: AMX-BF16, packed strips;
+    amx: AMX bf16 and torch's oneDNN)."""
     try:
         from cext import cpu
     except ImportError:
         return ("blas",)
     routes = ["int16"] + (["float"] if cpu.get_isa() != "baseline" else []) + ["blas"]
-    if cpu.allows("avx512_vnni") and os.environ.get("ENGINE_STRIP", "1") != "0":
+    # strip: over row layouts with AVX-512 VNNI; over packed strips (linear.packs) from AVX2 up
+    if cpu.allows("avx2") and os.environ.get("ENGINE_STRIP", "1") != "0":
         routes.append("strip")
     if cpu.allows("amx_int8") and os.environ.get("ENGINE_AMX_INT", "1") != "0":
         routes.append("amx_int")
