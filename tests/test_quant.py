@@ -192,7 +192,7 @@ def test_qwen_tensors_q4_k_and_q5_0_exact_and_others_int8(qwen_gguf):  # noqa: F
 
 @pytest.mark.parametrize("ggml_type", [8, 14])  # Q8_0 (its own codes) and Q6_K (re-quantized)
 def test_int8_head_packed_a_chunk_at_a_time_is_the_int8_head(qwen_gguf, ggml_type, monkeypatch):  # noqa: F811
-    """Where the kernels take strips (AVX-512 VNNI) the loader packs an int8 head chunk by chunk
+    """Where the kernels take strips (AVX2 and up) the loader packs an int8 head chunk by chunk
     (PackedInt8Weight: the int8 rows never whole beside their strips): the same weights, lookups and
     products as the Int8Weight it makes otherwise, packed by Linear."""
     from cext import cpu

@@ -119,7 +119,7 @@ def test_qwen_coder_code_edits_equal_and_mostly_accepted(qwen_gguf):  # noqa: F8
 
 def test_qwen_coder_int8_activations_equal_with_speculation(qwen_gguf):  # noqa: F811
     """activations="int8" (packed Q4/Q5/Q6/Q8 products on int8 codes): every projection and the head take
-    them where the CPU has AVX-512 VNNI (the Q6_K down projections in their own codes too), and
+    them where the CPU has AVX2 (the Q6_K down projections in their own codes too), and
     speculation stays lossless over them (each row's sums do not depend on the rows beside it)."""
     from cext import cpu
 
