@@ -65,6 +65,23 @@ QG_ALWAYS_INLINE static inline __m256i packed8_q5i8_offsets(uint32_t bits, int t
     return _mm256_sub_epi16(plus, _mm256_set1_epi16(16));
 }
 
+/* Pair 4v + t of a Q4 / Q5 / Q5I8 block's half h (codes: the block's bytes, c: its vector v's 32 bytes):
+ * the nibbles (c >> 4t) & 0x000F000F, Q5's minus 16 where its sign mask is set, Q5I8's plus 16 * bit - 16. */
+QG_ALWAYS_INLINE static inline __m256i packed8_nibble_pair(const uint8_t *codes, __m256i c, int v, int t, int h,
+                                                           const int FMT) {
+    __m256i w = _mm256_and_si256(t ? _mm256_srli_epi32(c, 4 * t) : c, _mm256_set1_epi32(0x000F000F));
+    if (FMT == PACKED_Q5) {
+        uint32_t sign;
+        memcpy(&sign, codes + 256 + 4 * (4 * v + t), 4);
+        w = _mm256_sub_epi16(w, packed8_sixteens(sign >> (16 * h)));
+    } else if (FMT == PACKED_Q5I8) {
+        uint32_t plus;  /* half h's 32 bits of the vector's uint64 for t's parity */
+        memcpy(&plus, codes + 256 + 16 * v + 8 * (t % 2) + 4 * h, 4);
+        w = _mm256_add_epi16(w, packed8_q5i8_offsets(plus, t / 2));
+    }
+    return w;
+}
+
 /* Activation rows i0 .. i0 + TR - 1 against half h of one strip: y [i, n0 + 8h .. n0 + 8h + 7]. One row
  * sums into four accumulators, 2-3 rows into two each (add_epi32 chains), added exactly at the block's
  * end. FMT: PACKED_Q4, PACKED_Q5, PACKED_Q5I8 or PACKED_Q8 (qgemm_strip.h's packed_rows). */
@@ -77,7 +94,6 @@ QG_ALWAYS_INLINE static inline void packed8_rows(const QArgs *a, const uint8_t *
     const uint8_t *dsc = strip + nb * code_bytes, *msc = dsc + packed_scale_bytes(nb, half);
     const int64_t strip_bytes = packed_strip_bytes(FMT, nb, half, MINS), per_block = strip_bytes / nb;
     const int l2 = qg_prefetch_level() == QG_PREFETCH_L2;
-    const __m256i mask = _mm256_set1_epi32(0x000F000F);
     __m256 acc[QS_ROWS];
     const int32_t *x[QS_ROWS];
     for (int r = 0; r < TR; r++) {
@@ -107,16 +123,7 @@ QG_ALWAYS_INLINE static inline void packed8_rows(const QArgs *a, const uint8_t *
             for (int v = 0; v < 4; v++) {
                 const __m256i c = _mm256_loadu_si256((const __m256i *)(codes + 64 * v + 32 * h));
                 __m256i w[4];
-                for (int t = 0; t < 4; t++) w[t] = _mm256_and_si256(t ? _mm256_srli_epi32(c, 4 * t) : c, mask);
-                if (FMT == PACKED_Q5) {
-                    const uint32_t *sign = (const uint32_t *)(codes + 256) + 4 * v;
-                    for (int t = 0; t < 4; t++) w[t] = _mm256_sub_epi16(w[t], packed8_sixteens(sign[t] >> (16 * h)));
-                } else if (FMT == PACKED_Q5I8) {
-                    uint32_t plus[2];  /* half h's 32 bits of each of the vector's two uint64 */
-                    memcpy(plus, codes + 256 + 16 * v + 4 * h, 4);
-                    memcpy(plus + 1, codes + 256 + 16 * v + 8 + 4 * h, 4);
-                    for (int t = 0; t < 4; t++) w[t] = _mm256_add_epi16(w[t], packed8_q5i8_offsets(plus[t % 2], t / 2));
-                }
+                for (int t = 0; t < 4; t++) w[t] = packed8_nibble_pair(codes, c, v, t, h, FMT);
                 const int k = NA == 4 ? v : NA == 2 ? v % 2 : 0;
                 for (int r = 0; r < TR; r++) {
                     const int32_t *xp = x[r] + b * (QK_BLOCK / 2) + 4 * v;
@@ -320,22 +327,9 @@ static void packed8_block_pairs(const uint8_t *strip, int64_t b, int h, int FMT,
         }
         return;
     }
-    const __m256i mask = _mm256_set1_epi32(0x000F000F);
     for (int v = 0; v < 4; v++) {
         const __m256i c = _mm256_loadu_si256((const __m256i *)(codes + 64 * v + 32 * h));
-        for (int t = 0; t < 4; t++) {
-            __m256i w = _mm256_and_si256(t ? _mm256_srli_epi32(c, 4 * t) : c, mask);
-            if (FMT == PACKED_Q5) {
-                uint32_t sign;
-                memcpy(&sign, codes + 256 + 4 * (4 * v + t), 4);
-                w = _mm256_sub_epi16(w, packed8_sixteens(sign >> (16 * h)));
-            } else if (FMT == PACKED_Q5I8) {
-                uint32_t plus;
-                memcpy(&plus, codes + 256 + 16 * v + 8 * (t % 2) + 4 * h, 4);
-                w = _mm256_add_epi16(w, packed8_q5i8_offsets(plus, t / 2));
-            }
-            pairs[4 * v + t] = w;
-        }
+        for (int t = 0; t < 4; t++) pairs[4 * v + t] = packed8_nibble_pair(codes, c, v, t, h, FMT);
     }
 }
 
