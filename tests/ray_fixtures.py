@@ -2,9 +2,25 @@
 a replica builds its own engine, so the factory and its arguments must be importable and picklable)."""
 from __future__ import annotations
 
+import socket
 import time
 
 from tests.server_fixtures import SCRIPT_TEXT, scripted_engine
+
+# Ports a local Ray binds by default without asking the OS (the dashboard agent's HTTP port is 52365, in the
+# ephemeral range: an OS-picked free port collided with it in CI, and Serve then failed to bind).
+RAY_DEFAULT_PORTS = frozenset({6379, 8000, 8076, 8265, 10001, 52365})
+
+
+def serve_port() -> int:
+    """A free local port for Serve's proxy. Call it after ``ray.init``: Ray's own ports are taken by then,
+    and its default ones are never returned even if an agent has not bound yet."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in RAY_DEFAULT_PORTS:
+            return port
 
 
 class PacedModel:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import faulthandler
 import os
-import socket
 
 import httpx
 import numpy as np
@@ -16,6 +15,7 @@ from embedding_fixtures import minilm_path  # noqa: E402
 from ray import serve  # noqa: E402
 
 from engine import Engine  # noqa: E402
+from tests.ray_fixtures import serve_port  # noqa: E402
 from tests.server_fixtures import LiveServer  # noqa: E402
 from webapp.ray_serve import EngineSpec, deploy  # noqa: E402
 
@@ -24,19 +24,13 @@ WATCHDOG_S = 420
 TEXTS = ["The quick brown fox.", "東京は日本の首都です。", "emoji 🚀✅"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ray_url():
     faulthandler.dump_traceback_later(WATCHDOG_S, exit=True)
     old_path = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = REPO + (os.pathsep + old_path if old_path else "")  # replicas import this tree
-    port = _free_port()
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    port = serve_port()
     try:
         deploy(
             EngineSpec(kwargs={"model": str(minilm_path())}, model_name="minilm"),

@@ -10,7 +10,6 @@ import faulthandler
 import json
 import os
 import re
-import socket
 import threading
 
 import httpx
@@ -19,6 +18,7 @@ import pytest
 import ray  # noqa: E402  (ray[serve]: requirements-ray.txt)
 from ray import serve  # noqa: E402
 
+from tests.ray_fixtures import serve_port  # noqa: E402
 from tests.server_fixtures import LiveServer, parse_sse, scripted_engine, wait_until  # noqa: E402
 from webapp.ray_serve import DeployError, EngineSpec, deploy  # noqa: E402
 
@@ -33,19 +33,13 @@ SYSTEM = ("You are a careful assistant for a shipping company. Answer in two sen
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hello."}]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ray_url():
     faulthandler.dump_traceback_later(WATCHDOG_S, exit=True)
     old_path = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = REPO + (os.pathsep + old_path if old_path else "")  # replicas import this tree
-    port = _free_port()
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    port = serve_port()
     try:
         spec = EngineSpec("tests.ray_fixtures:scripted_replica_engine",
                           {"seconds_per_tick": SECONDS_PER_TICK, "max_num_seqs": MAX_NUM_SEQS,
