@@ -334,12 +334,15 @@ class Engine(EmbeddingMixin):
         ended: queue.SimpleQueue = queue.SimpleQueue()  # each request's index as it ends
         streams: list[RequestStream] = []
         try:
+            made = []
             for index, (prompt, p) in enumerate(pairs):
                 prompt_ids = self._prompt_ids(prompt)
                 request = self._core.make_request(prompt_ids, p)
                 request.group.ended, request.group.end_key = ended, index
-                self._core.submit(request)
-                streams.append(RequestStream(self._core, request, prompt_ids, owner=self))
+                made.append((request, prompt_ids))
+            # All at once: the engine's first tick meets every prompt, in every run alike.
+            self._core.submit_many([request for request, _ in made])
+            streams = [RequestStream(self._core, request, prompt_ids, owner=self) for request, prompt_ids in made]
             # Wait for the ends only (no wake-up per token), then fold what queued.
             if progress:
                 from tqdm.auto import tqdm

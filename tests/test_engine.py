@@ -383,3 +383,36 @@ def test_forwards_trim_the_heap_at_most_once_an_interval(tok, monkeypatch):
         monkeypatch.setattr(runtime, "TRIM_HEAP_INTERVAL_S", 3600.0)
         eng.generate([[8] * 1000], params)
         assert len(trims) == 24  # the last trim was under an hour ago
+
+
+class _CountingModel(ScriptedModel):
+    """Records how many sequences each forward carries."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.sequences_per_forward = []
+
+    def forward(self, batch, kv_cache):
+        self.sequences_per_forward.append(len(batch.array("query_starts")) - 1)
+        return super().forward(batch, kv_cache)
+
+
+def test_generate_hands_every_prompt_to_the_first_tick(tok):
+    """generate submits its prompts at once: the first forward prefills all of them, in every run
+    (one at a time, the engine thread woke on the first and could prefill it alone while the
+    others were tokenized: other row counts, other rounding, other greedy ids on a real model).
+    A list the engine cannot take whole is refused whole, before anything runs."""
+    script = tok.encode("the same reply", add_special_tokens=False)
+    params = SamplingParams(max_tokens=len(script), temperature=0)
+    prompts = [TEXTS[i % len(TEXTS)] * 2 for i in range(6)]  # strings: tokenized on this thread, in turn
+    model = _CountingModel(script, tok.vocab_size)
+    with engine.Engine(model, tok, max_model_len=1024, max_waiting=6, max_num_batched_tokens=4096) as eng:
+        for _ in range(5):
+            model.sequences_per_forward.clear()
+            done = eng.generate(prompts, params)
+            assert [c.token_ids for c in done] == [script] * len(prompts)
+            assert model.sequences_per_forward[0] == len(prompts), model.sequences_per_forward
+        with pytest.raises(engine.EngineOverloaded):
+            eng.generate(prompts + prompts[:1], params)
+        assert eng.stats()["num_waiting"] == 0 and eng.stats()["num_running"] == 0
+        assert [c.token_ids for c in eng.generate(prompts[:2], params)] == [script] * 2

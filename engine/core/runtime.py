@@ -218,18 +218,30 @@ class EngineCore:
     def submit(self, request: Request | RequestGroup) -> None:
         """Hand a request (all choices of its group) to the engine thread. Raises EngineDead, or
         EngineOverloaded when ``max_waiting`` requests already wait (the ones not yet picked up count too)."""
-        group = request if isinstance(request, RequestGroup) else request.group
+        self.submit_many([request])
+
+    def submit_many(self, requests) -> None:
+        """Hand several requests to the engine thread at once: its next tick meets all of them or
+        none (one at a time, a tick could start between two and prefill the first alone: other row
+        counts, other rounding, so ``Engine.generate``'s output would depend on thread timing).
+        All or nothing: raises as ``submit`` does, before any is handed over, for the first request
+        that would be refused (a request id in use, twice in the list, or past ``max_waiting``)."""
+        groups = [r if isinstance(r, RequestGroup) else r.group for r in requests]
         with self._submit_lock:
             if not self.is_alive():
                 raise EngineDead(self.dead_message)
-            if group.request_id in self._live_ids:
-                raise InvalidParameterError(
-                    f"request_id {group.request_id!r} is already in use by a running request", "request_id")
             num_waiting = self.num_waiting
-            if num_waiting >= self.config.max_waiting:
-                raise EngineOverloaded(f"too many waiting requests ({num_waiting}); retry later")
-            self._live_ids.add(group.request_id)
-            self._new.append(group)
+            ids = set()
+            for group in groups:
+                if group.request_id in self._live_ids or group.request_id in ids:
+                    raise InvalidParameterError(
+                        f"request_id {group.request_id!r} is already in use by a running request", "request_id")
+                if num_waiting >= self.config.max_waiting:
+                    raise EngineOverloaded(f"too many waiting requests ({num_waiting}); retry later")
+                ids.add(group.request_id)
+                num_waiting += len(group.requests)
+            self._live_ids.update(ids)
+            self._new.extend(groups)  # one C call under the GIL: the engine thread's drain sees all or none
         self._wake.set()
 
     def submit_job(self, job) -> None:
