@@ -961,6 +961,38 @@ def test_int8_activations_are_their_definition_on_every_isa(isa, kind, monkeypat
         cpu.set_parallel_threshold(old_threshold)
 
 
+@pytest.mark.parametrize("isa", ALL_ISAS)
+@pytest.mark.parametrize("kind", ["int4", "int5"])
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_int8_activations_sum_extreme_codes_exactly(isa, kind, sign):
+    """The largest sums the int8 kernels meet: every weight code at its top (Q4 15, Q5 31: the strips'
+    unsigned bytes) against activations constant per row (every code +-127). AVX2 adds a block's
+    byte products in int16 before widening them (Q4's eight pairs of vectors reach 30480, Q5's four
+    31496): a sum that wrapped would move every output. Each ISA's kernel gives the emulated sums
+    and the portable kernel's bits."""
+    num_out, num_cols = 32, 256
+    gen = torch.Generator().manual_seed(3)
+    codes = torch.full((num_out, num_cols), 15 if kind == "int4" else 31, dtype=torch.uint8)
+    scales = (torch.rand(num_out, num_cols // GROUP_SIZE, generator=gen) * 0.01 + 0.001).half().float()
+    mins = (-8 * scales if kind == "int4" else -16 * scales).half().float()
+    weight = (Int4Weight if kind == "int4" else Int5Weight).from_codes(codes, scales, mins)
+    layer = Linear(weight)
+    layer._pack()
+    assert layer.use_int8_activations()
+    x = torch.full((3, num_cols), sign * 0.5)
+    x[1] *= 3.0
+    x[2, :GROUP_SIZE] = 0  # one block of zeros: codes 0, sum 0
+    expected = emulate_int4(x, weight, layer.half, 127.0)
+    cpu.set_isa("baseline")
+    try:
+        portable = layer.run(x, "strip")
+        _check(portable, expected, torch.float32)
+        use_isa(isa)
+        assert torch.equal(layer.run(x, "strip"), portable)
+    finally:
+        cpu.set_isa("auto")
+
+
 def test_int8_activations_take_only_packed_layers(monkeypatch):
     """Row layouts, exact and dense layers keep their products (use_int8_activations says no); the C
     entry refuses QG_INT8 on rows, naming the layout."""

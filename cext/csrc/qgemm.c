@@ -565,7 +565,8 @@ int64_t qg_get_float_rows(void) { return qg_float_rows; }
 /* A QG_PACKED product (the strip route's sums; qg_matmul checked the layout): the activations
  * quantized as the strip route quantizes them, then strips across the pool. With QG_INT8 the
  * portable kernel reads the int8 codes as int16 in input order, the AVX-512 one as bytes in its
- * own order (strip_quantize_rows8; its qx8 and isx after the int16 codes' room in the buffer). */
+ * own order (strip_quantize_rows8; its qx8 and isx after the int16 codes' room in the buffer), and
+ * the AVX2 one as bytes in that order for Q4 and Q5 strips (maddubs_epi16), as int16 for Q8 and Q6. */
 static int run_packed(QArgs *a, const void *x, int64_t x_stride) {
     const int64_t M = a->num_rows, K = a->num_cols;
     int16_t *qx;
@@ -593,7 +594,14 @@ static int run_packed(QArgs *a, const void *x, int64_t x_stride) {
         }
         fn = packed_range_avx512;
     } else if (cpu_isa() >= CPU_ISA_AVX2) {
-        packed_quantize_rows_avx2(x, x_stride, M, K, a->dtype, qx, dx, sx, a->int8);
+        if (a->int8 && (a->packed == PACKED_Q4 || a->packed == PACKED_Q5I8)) {  /* bytes, maddubs_epi16 */
+            int8_t *qx8 = (int8_t *)qx;
+            int32_t *isx = (int32_t *)(qx8 + M * K);
+            packed_quantize_rows_avx2(x, x_stride, M, K, a->dtype, NULL, dx, sx, 1, qx8, isx);
+            a->qx8 = qx8; a->isx = isx;
+        } else {
+            packed_quantize_rows_avx2(x, x_stride, M, K, a->dtype, qx, dx, sx, a->int8, NULL, NULL);
+        }
         fn = packed_range_avx2;
     } else
 #endif

@@ -148,6 +148,77 @@ QG_ALWAYS_INLINE static inline void packed8_rows(const QArgs *a, const uint8_t *
     packed8_store(a, n0 + 8 * h, i0, TR, acc);
 }
 
+/* PACKED_Q5I8's masks of one half (bit 4j + k: byte k of row j's lane) -> 16 in each byte whose bit is set. */
+QG_ALWAYS_INLINE static inline __m256i packed8_plus16(uint32_t bits) {
+    const __m256i which = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                           2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    const __m256i m = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), which), bit);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(m, bit), _mm256_set1_epi8(16));
+}
+
+/* QG_INT8 on AVX2 for Q4 and PACKED_Q5I8 strips: the AVX-512 kernel's unsigned weight bytes (the nibbles
+ * & 0x0F0F0F0F, then >> 4; Q5I8's plus 16 where the code is not negative) against four activation bytes
+ * (qx8 in strip_quantize_rows8's order) by maddubs_epi16, vpdpbusd's products in int16 pairs: a pair is
+ * at most 2 * 31 * 127 = 7874, so Q4's eight per block (30480) and Q5I8's four (31496) add up in int16
+ * before one madd_epi16 by ones widens them. Exact integers, so the AVX-512 kernel's sums and bits (the
+ * Q5I8 offset 16 times the block's code sum taken off the same way), with 9-10 multiplies per block
+ * and row where the int16 codes take 16. */
+QG_ALWAYS_INLINE static inline void packed8_rows_i8(const QArgs *a, const uint8_t *strip, int64_t n0, int h,
+                                                    int64_t i0, const int TR, const int MINS, const int FMT) {
+    const int64_t K = a->num_cols, nb = K / QK_BLOCK;
+    const int half = a->half;
+    const int64_t code_bytes = packed_code_bytes(FMT);
+    const uint8_t *dsc = strip + nb * code_bytes, *msc = dsc + packed_scale_bytes(nb, half);
+    const int64_t strip_bytes = packed_strip_bytes(FMT, nb, half, MINS), per_block = strip_bytes / nb;
+    const int l2 = qg_prefetch_level() == QG_PREFETCH_L2;
+    const __m256i nibbles = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    __m256 acc[QS_ROWS];
+    const int32_t *x[QS_ROWS];
+    for (int r = 0; r < TR; r++) {
+        acc[r] = _mm256_setzero_ps();
+        x[r] = (const int32_t *)(a->qx8 + (i0 + r) * K);  /* four codes a word */
+    }
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *codes = strip + b * code_bytes;
+        if (h == 0) packed_prefetch_block(strip, strip_bytes, per_block, b, l2);
+        __m256i s[QS_ROWS], p[QS_ROWS];
+        for (int r = 0; r < TR; r++) s[r] = p[r] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+        for (int v = 0; v < 4; v++) {
+            const __m256i c = _mm256_loadu_si256((const __m256i *)(codes + 64 * v + 32 * h));
+            __m256i w0 = _mm256_and_si256(c, nibbles), w1 = _mm256_and_si256(_mm256_srli_epi16(c, 4), nibbles);
+            if (FMT == PACKED_Q5I8) {
+                uint64_t plus[2];  /* qg_pack_int8's masks of the vector's 16 rows: half h's 32 bits each */
+                memcpy(plus, codes + 256 + 16 * v, sizeof plus);
+                w0 = _mm256_add_epi8(w0, packed8_plus16((uint32_t)(plus[0] >> (32 * h))));
+                w1 = _mm256_add_epi8(w1, packed8_plus16((uint32_t)(plus[1] >> (32 * h))));
+            }
+            for (int r = 0; r < TR; r++) {
+                const int32_t *xp = x[r] + b * (QK_BLOCK / 4) + 2 * v;
+                p[r] = _mm256_add_epi16(p[r], _mm256_add_epi16(_mm256_maddubs_epi16(w0, _mm256_set1_epi32(xp[0])),
+                                                               _mm256_maddubs_epi16(w1, _mm256_set1_epi32(xp[1]))));
+            }
+            if (v == 3 || (FMT == PACKED_Q5I8 && v == 1)) {  /* Q5I8: four pairs of up to 7874 at most */
+                for (int r = 0; r < TR; r++) {
+                    s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(p[r], ones));
+                    p[r] = _mm256_setzero_si256();
+                }
+            }
+        }
+        const __m256 db = packed8_block_scales(dsc, b, half, h);
+        const __m256 mb = MINS ? packed8_block_scales(msc, b, half, h) : _mm256_setzero_ps();
+        for (int r = 0; r < TR; r++) {
+            __m256i sum = s[r];
+            if (FMT == PACKED_Q5I8) sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(16 * a->isx[(i0 + r) * nb + b]));
+            const __m256 scale = _mm256_mul_ps(db, _mm256_set1_ps(a->dx[(i0 + r) * nb + b]));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), scale, acc[r]);
+            if (MINS) acc[r] = _mm256_fmadd_ps(mb, _mm256_set1_ps(a->sx[(i0 + r) * nb + b]), acc[r]);
+        }
+    }
+    packed8_store(a, n0 + 8 * h, i0, TR, acc);
+}
+
 /* Input pair p (0..15) of a PACKED_Q6 block's six words as signed int16 pairs q - 32 of rows 8h .. 8h + 7
  * (qgemm_strip.h's q6_pair, signed). */
 QG_ALWAYS_INLINE static inline __m256i q6_pair8(const uint8_t *codes, int p, int h) {
@@ -227,10 +298,14 @@ typedef void (*Packed8Pass)(const QArgs *a, const uint8_t *strip, int64_t n0, in
 QS_PACKED8_PASS(packed8_pass_q8, 0, PACKED_Q8)
 QS_PACKED8_PASS(packed8_pass_q5_mins, 1, PACKED_Q5)
 QS_PACKED8_PASS(packed8_pass_q5, 0, PACKED_Q5)
-QS_PACKED8_PASS(packed8_pass_q5i8_mins, 1, PACKED_Q5I8)
-QS_PACKED8_PASS(packed8_pass_q5i8, 0, PACKED_Q5I8)
 QS_PACKED8_PASS(packed8_pass_q4_mins, 1, PACKED_Q4)
 QS_PACKED8_PASS(packed8_pass_q4, 0, PACKED_Q4)
+#undef QS_PACKED8_PASS_CASE
+#define QS_PACKED8_PASS_CASE(TR) case TR: packed8_rows_i8(a, strip, n0, h, i0, TR, R_MINS, R_FMT); break;
+QS_PACKED8_PASS(packed8_pass_q5i8_bytes_mins, 1, PACKED_Q5I8)
+QS_PACKED8_PASS(packed8_pass_q5i8_bytes, 0, PACKED_Q5I8)
+QS_PACKED8_PASS(packed8_pass_q4_bytes_mins, 1, PACKED_Q4)
+QS_PACKED8_PASS(packed8_pass_q4_bytes, 0, PACKED_Q4)
 #undef QS_PACKED8_PASS
 #undef QS_PACKED8_PASS_CASE
 __attribute__((noinline)) static void packed8_pass_q6(const QArgs *a, const uint8_t *strip, int64_t n0, int h,
@@ -253,7 +328,8 @@ static void packed_range_avx2(const void *p, int64_t s0, int64_t s1, float *scra
     if (a->packed == PACKED_Q6) pass = packed8_pass_q6;
     else if (a->packed == PACKED_Q8) pass = packed8_pass_q8;
     else if (a->packed == PACKED_Q5) pass = a->has_mins ? packed8_pass_q5_mins : packed8_pass_q5;
-    else if (a->packed == PACKED_Q5I8) pass = a->has_mins ? packed8_pass_q5i8_mins : packed8_pass_q5i8;
+    else if (a->packed == PACKED_Q5I8) pass = a->has_mins ? packed8_pass_q5i8_bytes_mins : packed8_pass_q5i8_bytes;
+    else if (a->qx8) pass = a->has_mins ? packed8_pass_q4_bytes_mins : packed8_pass_q4_bytes;
     else pass = a->has_mins ? packed8_pass_q4_mins : packed8_pass_q4;
     for (int64_t s = s0; s < s1; s++) {
         const uint8_t *strip = a->blocks + s * strip_bytes;
@@ -263,9 +339,13 @@ static void packed_range_avx2(const void *p, int64_t s0, int64_t s1, float *scra
 
 /* x [M, K] -> qx [M, K] int16, dx, sx [M, K / 32]: quantize_rows' codes and scales with strip_order
  * (codes round half to even through MXCSR, as nearbyintf; sx in strip_order_sum's order, the exact
- * sum; int8: |q| <= 127 and sx = dx * the codes' sum), 8 lanes at a time. */
+ * sum; int8: |q| <= 127 and sx = dx * the codes' sum), 8 lanes at a time. With qx8 (int8 only) the
+ * codes go there as bytes instead, in strip_quantize_rows8's order for Q4 and Q5 strips (per 8 inputs
+ * e0 e4 e1 e5 e2 e6 e3 e7), and each block's code sum to isx. */
 static void packed_quantize_rows_avx2(const void *x, int64_t x_stride, int64_t num_rows, int64_t num_cols, int dtype,
-                                      int16_t *qx, float *dx, float *sx, int int8) {
+                                      int16_t *qx, float *dx, float *sx, int int8, int8_t *qx8, int32_t *isx) {
+    const __m256i order = _mm256_setr_epi8(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15,
+                                           0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
     const int64_t nb = num_cols / QK_BLOCK;
     const float xmax = int8 ? 127.0f : QG_XMAX;
     const __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
@@ -290,16 +370,26 @@ static void packed_quantize_rows_avx2(const void *x, int64_t x_stride, int64_t n
             const __m256 inv = _mm256_set1_ps(amax > 0.0f ? xmax / amax : 0.0f);
             __m256i q[4];
             for (int k = 0; k < 4; k++) q[k] = _mm256_cvtps_epi32(_mm256_mul_ps(v[k], inv));
-            int16_t *codes = qx + i * num_cols + b * QK_BLOCK;  /* packs interleave 128-bit lanes: 0xD8 puts them back */
-            _mm256_storeu_si256((__m256i *)codes, _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xD8));
-            _mm256_storeu_si256((__m256i *)(codes + 16), _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2], q[3]), 0xD8));
+            /* packs interleave 128-bit lanes: 0xD8 puts them back */
+            const __m256i lo = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xD8);
+            const __m256i hi = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2], q[3]), 0xD8);
+            if (qx8) {
+                const __m256i bytes = _mm256_permute4x64_epi64(_mm256_packs_epi16(lo, hi), 0xD8);
+                _mm256_storeu_si256((__m256i *)(qx8 + i * num_cols + b * QK_BLOCK), _mm256_shuffle_epi8(bytes, order));
+            } else {
+                int16_t *codes = qx + i * num_cols + b * QK_BLOCK;
+                _mm256_storeu_si256((__m256i *)codes, lo);
+                _mm256_storeu_si256((__m256i *)(codes + 16), hi);
+            }
             dx[i * nb + b] = d;
             if (int8) {
                 const __m256i s = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
                 __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
                 s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
                 s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
-                sx[i * nb + b] = d * (float)_mm_cvtsi128_si32(s4);
+                const int32_t code_sum = _mm_cvtsi128_si32(s4);
+                if (isx) isx[i * nb + b] = code_sum;
+                sx[i * nb + b] = d * (float)code_sum;
             } else {  /* strip_order_sum: t[i] = v[i] + v[16 + i], then t[8 + i] + t[i], t[4 + i] + t[i], pairs */
                 const __m256 t = _mm256_add_ps(_mm256_add_ps(v[1], v[3]), _mm256_add_ps(v[0], v[2]));
                 const __m128 t4 = _mm_add_ps(_mm256_extractf128_ps(t, 1), _mm256_castps256_ps128(t));
