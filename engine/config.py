@@ -31,7 +31,7 @@ QUANTIZATIONS = ("auto", "int4", "bfloat16", "float32")
 # The integer codes quantized products (weights packed in strips: AVX2 and up) round activations
 # to: int16 (relative error < 2^-15, near float32) or int8 (llama.cpp's precision; with AVX-512 VNNI
 # twice the multiply-adds per instruction: ~1.6x the products of several rows, prompts and
-# verification; on AVX2 the same bits at int16's speed).
+# verification; on AVX2 too for Q4 and Q5 strips, by vpmaddubsw).
 ACTIVATIONS = ("int16", "int8")
 POOLINGS = ("mean", "cls", "last", "max")  # embeddings (engine/embedding/pooling.py)
 # With no max_model_len anywhere (a model that states none), cap the context here.

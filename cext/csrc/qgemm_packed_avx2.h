@@ -8,9 +8,10 @@
  * shifts and masks as the AVX-512 kernel, madd_epi16 against the row's pair of int16 codes (a 32-bit
  * broadcast) and add_epi32 (AVX2 has no vpdpwssd): the integer sum per output of qgemm_strip.h's, exact
  * in any order; then the same float32 operations in the same order (scale = d * dx, acc = sum * scale +
- * acc, acc = m * sx + acc, FMAs), so every ISA and every row count rounds alike. With QG_INT8 the same
- * kernel sums the int8 codes (stored as int16 here): the same integers as vpdpbusd's after its offset
- * is taken off, so int8 activations give the AVX-512 kernel's bits, not its speed.
+ * acc, acc = m * sx + acc, FMAs), so every ISA and every row count rounds alike. With QG_INT8, Q4 and
+ * Q5 strips multiply bytes (packed8_rows_i8: maddubs_epi16, twice the multiply-adds of madd_epi16); Q8
+ * and Q6_K strips sum the int8 codes stored as int16 in this kernel. Both are the same integers as
+ * vpdpbusd's after its offset is taken off, so int8 activations give the AVX-512 kernel's bits.
  *
  * Per block, half and row the route issues 16 madd and 16 add over 256 multiply-adds (the int16 route
  * over row layouts: ~5 instructions per 64, with a cvt and an FMA per 8 lanes of partial sums), and the
