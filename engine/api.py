@@ -327,7 +327,9 @@ class Engine(EmbeddingMixin):
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                  progress: bool = False) -> list[Completion]:
         """Run many prompts batched together; returns completions in prompt order (with n > 1,
-        the n choices of each prompt in a row).
+        the n choices of each prompt in a row). The prompts reach the engine at once (its first tick
+        meets them all, so a run's numbers do not depend on thread timing): a list that would take
+        the waiting requests past ``max_waiting`` raises EngineOverloaded before any runs.
 
         ``progress=True``: a tqdm.auto bar that advances as requests finish (in any order)."""
         pairs = self._generate_pairs(prompts, params)

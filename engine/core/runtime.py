@@ -233,9 +233,11 @@ class EngineCore:
             num_waiting = self.num_waiting
             ids = set()
             for group in groups:
-                if group.request_id in self._live_ids or group.request_id in ids:
+                if group.request_id in self._live_ids:
                     raise InvalidParameterError(
                         f"request_id {group.request_id!r} is already in use by a running request", "request_id")
+                if group.request_id in ids:
+                    raise InvalidParameterError(f"request_id {group.request_id!r} is given twice", "request_id")
                 if num_waiting >= self.config.max_waiting:
                     raise EngineOverloaded(f"too many waiting requests ({num_waiting}); retry later")
                 ids.add(group.request_id)
