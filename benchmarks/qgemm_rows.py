@@ -3,8 +3,9 @@ activation codes: vpdpwssd on AVX-512 VNNI, madd on AVX2), their float route (ea
 rows decoded once to float32, FMAs 16 or 8 lanes wide), strip (int16's integer sums with AVX-512
 VNNI, 16 outputs per vector), packed (strip's sums over weights stored in strips of 16, read in
 place: what Linear builds where the CPU has AVX2; AVX-512 VNNI's kernel or AVX2's), packed_int8 (packed
-with int8 activation codes: activations="int8", vpdpbusd with AVX-512 VNNI, vpmaddubsw on AVX2), amx (weights dequantized to bfloat16 per
-slice of rows, oneDNN's bfloat16 matmul on AMX tiles) and blas (dequantize to float32 + the BLAS),
+with int8 activation codes: activations="int8", vpdpbusd with AVX-512 VNNI, vpmaddubsw on AVX2), amx
+(weights dequantized to bfloat16 per slice of rows, oneDNN's bfloat16 matmul on AMX tiles) and blas
+(dequantize to float32 + the BLAS),
 on the real models' layer shapes, interleaved (every repeat runs every route at every row count),
 medians with min-max of GMAC/s (wall time). Routes the CPU lacks are left out and named.
 

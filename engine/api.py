@@ -439,8 +439,11 @@ class Engine(EmbeddingMixin):
 
     async def agenerate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                         progress: bool = False) -> list[Completion]:
-        """Like generate; cancelling the awaiting task aborts every request still running."""
+        """Like generate (its prompts reach the engine at once too); cancelling the awaiting task
+        aborts every request still running."""
         import asyncio
+
+        from .async_stream import AsyncRequestStream, LoopQueue
 
         pairs = self._generate_pairs(prompts, params)
         streams = []
@@ -453,8 +456,15 @@ class Engine(EmbeddingMixin):
             return completions
 
         try:
+            loop, made = asyncio.get_running_loop(), []
             for prompt, p in pairs:
-                streams.append(self.astream(prompt, p))
+                prompt_ids = self._prompt_ids(prompt)
+                request = self._core.make_request(prompt_ids, p)
+                request.group.outputs = LoopQueue(loop)
+                made.append((request, prompt_ids))
+            self._core.submit_many([request for request, _ in made])
+            streams = [AsyncRequestStream(self._core, request, prompt_ids, request.group.outputs, owner=self)
+                       for request, prompt_ids in made]
             if progress:
                 from tqdm.auto import tqdm
 

@@ -239,3 +239,24 @@ def test_n_choices_async_match_sync(tok, script):
         [(c.index, c.text, c.token_ids) for c in sync_choices] == [(i, TEXT, script) for i in range(3)]
     assert [(c.index, c.text) for c in batch] == [(c.index, c.text) for c in sync_batch]
     assert len(batch) == 6
+
+
+def test_agenerate_hands_every_prompt_to_the_first_tick(tok, script):
+    """As generate: the prompts reach the engine at once, so its first forward prefills all of them
+    in every run (one at a time, a tick could start between two)."""
+    sequences = []
+
+    class Counting(ScriptedModel):
+        def forward(self, batch, kv_cache):
+            sequences.append(len(batch.array("query_starts")) - 1)
+            return super().forward(batch, kv_cache)
+
+    params = SamplingParams(max_tokens=len(script), temperature=0)
+    prompts = [f"prompt number {i}: " + TEXT * 2 for i in range(6)]
+    with engine.Engine(Counting(script, tok.vocab_size), tok, max_model_len=4096,
+                       max_num_batched_tokens=4096) as eng:
+        for _ in range(5):
+            sequences.clear()
+            done = asyncio.run(eng.agenerate(prompts, params))
+            assert [c.text for c in done] == [TEXT] * len(prompts)
+            assert sequences[0] == len(prompts), sequences
