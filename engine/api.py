@@ -336,13 +336,9 @@ class Engine(EmbeddingMixin):
         ended: queue.SimpleQueue = queue.SimpleQueue()  # each request's index as it ends
         streams: list[RequestStream] = []
         try:
-            made = []
-            for index, (prompt, p) in enumerate(pairs):
-                prompt_ids = self._prompt_ids(prompt)
-                request = self._core.make_request(prompt_ids, p)
+            made = self._make_requests(pairs)
+            for index, (request, _) in enumerate(made):
                 request.group.ended, request.group.end_key = ended, index
-                made.append((request, prompt_ids))
-            # All at once: the engine's first tick meets every prompt, in every run alike.
             self._core.submit_many([request for request, _ in made])
             streams = [RequestStream(self._core, request, prompt_ids, owner=self) for request, prompt_ids in made]
             # Wait for the ends only (no wake-up per token), then fold what queued.
@@ -362,6 +358,16 @@ class Engine(EmbeddingMixin):
         finally:
             for stream in streams:
                 stream.close()
+
+    def _make_requests(self, pairs) -> list[tuple]:
+        """(request, prompt ids) per (prompt, params) pair, none submitted yet: generate and agenerate
+        hand them to the engine together (submit_many), so its first tick meets every prompt in every
+        run alike (one at a time, a tick could start between two: other row counts, other rounding)."""
+        made = []
+        for prompt, p in pairs:
+            prompt_ids = self._prompt_ids(prompt)
+            made.append((self._core.make_request(prompt_ids, p), prompt_ids))
+        return made
 
     def _wait_finished(self, finished: queue.SimpleQueue) -> int:
         while True:
@@ -456,12 +462,9 @@ class Engine(EmbeddingMixin):
             return completions
 
         try:
-            loop, made = asyncio.get_running_loop(), []
-            for prompt, p in pairs:
-                prompt_ids = self._prompt_ids(prompt)
-                request = self._core.make_request(prompt_ids, p)
+            loop, made = asyncio.get_running_loop(), self._make_requests(pairs)
+            for request, _ in made:
                 request.group.outputs = LoopQueue(loop)
-                made.append((request, prompt_ids))
             self._core.submit_many([request for request, _ in made])
             streams = [AsyncRequestStream(self._core, request, prompt_ids, request.group.outputs, owner=self)
                        for request, prompt_ids in made]

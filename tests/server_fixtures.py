@@ -33,6 +33,18 @@ def script_ids(text: str = SCRIPT_TEXT, with_eos: bool = True) -> list[int]:
     return ids + [min(tok.eos_token_ids)] if with_eos else ids
 
 
+class CountingModel(ScriptedModel):
+    """ScriptedModel that records how many sequences each forward carries (``sequences_per_forward``)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.sequences_per_forward: list[int] = []
+
+    def forward(self, batch, kv_cache):
+        self.sequences_per_forward.append(len(batch.array("query_starts")) - 1)
+        return super().forward(batch, kv_cache)
+
+
 class GatedModel:
     """A ScriptedModel whose ticks wait for permits: tests decide when generation may go on."""
 

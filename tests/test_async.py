@@ -20,6 +20,7 @@ from engine.errors import EngineDead
 from engine.loader import default_model_path
 from engine.params import SamplingParams
 from engine.testing import ScriptedModel
+from tests.server_fixtures import CountingModel
 
 TEXT = "Async streams: 안녕하세요 👩‍👩‍👧‍👦 done."
 MESSAGES = [{"role": "user", "content": "Hello"}]
@@ -244,19 +245,12 @@ def test_n_choices_async_match_sync(tok, script):
 def test_agenerate_hands_every_prompt_to_the_first_tick(tok, script):
     """As generate: the prompts reach the engine at once, so its first forward prefills all of them
     in every run (one at a time, a tick could start between two)."""
-    sequences = []
-
-    class Counting(ScriptedModel):
-        def forward(self, batch, kv_cache):
-            sequences.append(len(batch.array("query_starts")) - 1)
-            return super().forward(batch, kv_cache)
-
+    model = CountingModel(script, tok.vocab_size)
     params = SamplingParams(max_tokens=len(script), temperature=0)
     prompts = [f"prompt number {i}: " + TEXT * 2 for i in range(6)]
-    with engine.Engine(Counting(script, tok.vocab_size), tok, max_model_len=4096,
-                       max_num_batched_tokens=4096) as eng:
+    with engine.Engine(model, tok, max_model_len=4096, max_num_batched_tokens=4096) as eng:
         for _ in range(5):
-            sequences.clear()
+            model.sequences_per_forward.clear()
             done = asyncio.run(eng.agenerate(prompts, params))
             assert [c.text for c in done] == [TEXT] * len(prompts)
-            assert sequences[0] == len(prompts), sequences
+            assert model.sequences_per_forward[0] == len(prompts), model.sequences_per_forward

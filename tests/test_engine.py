@@ -13,6 +13,7 @@ from engine.errors import EngineDead, EngineError
 from engine.loader import default_model_path
 from engine.params import SamplingParams
 from engine.testing import ScriptedModel
+from tests.server_fixtures import CountingModel
 
 TEXTS = [
     "Hello, world! The quick brown fox jumps over the lazy dog.",
@@ -385,18 +386,6 @@ def test_forwards_trim_the_heap_at_most_once_an_interval(tok, monkeypatch):
         assert len(trims) == 24  # the last trim was under an hour ago
 
 
-class _CountingModel(ScriptedModel):
-    """Records how many sequences each forward carries."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.sequences_per_forward = []
-
-    def forward(self, batch, kv_cache):
-        self.sequences_per_forward.append(len(batch.array("query_starts")) - 1)
-        return super().forward(batch, kv_cache)
-
-
 def test_generate_hands_every_prompt_to_the_first_tick(tok):
     """generate submits its prompts at once: the first forward prefills all of them, in every run
     (one at a time, the engine thread woke on the first and could prefill it alone while the
@@ -405,7 +394,7 @@ def test_generate_hands_every_prompt_to_the_first_tick(tok):
     script = tok.encode("the same reply", add_special_tokens=False)
     params = SamplingParams(max_tokens=len(script), temperature=0)
     prompts = [TEXTS[i % len(TEXTS)] * 2 for i in range(6)]  # strings: tokenized on this thread, in turn
-    model = _CountingModel(script, tok.vocab_size)
+    model = CountingModel(script, tok.vocab_size)
     with engine.Engine(model, tok, max_model_len=1024, max_waiting=6, max_num_batched_tokens=4096) as eng:
         for _ in range(5):
             model.sequences_per_forward.clear()

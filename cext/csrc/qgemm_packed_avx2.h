@@ -85,7 +85,7 @@ QG_ALWAYS_INLINE static inline __m256i packed8_nibble_pair(const uint8_t *codes,
 
 /* Activation rows i0 .. i0 + TR - 1 against half h of one strip: y [i, n0 + 8h .. n0 + 8h + 7]. One row
  * sums into four accumulators, 2-3 rows into two each (add_epi32 chains), added exactly at the block's
- * end. FMT: PACKED_Q4, PACKED_Q5, PACKED_Q5I8 or PACKED_Q8 (qgemm_strip.h's packed_rows). */
+ * end. FMT: PACKED_Q4, PACKED_Q5 or PACKED_Q8 (qgemm_strip.h's packed_rows; PACKED_Q5I8: packed8_rows_i8). */
 QG_ALWAYS_INLINE static inline void packed8_rows(const QArgs *a, const uint8_t *strip, int64_t n0, int h, int64_t i0,
                                                  const int TR, const int MINS, const int FMT) {
     const int64_t K = a->num_cols, nb = K / QK_BLOCK;
