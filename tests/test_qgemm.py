@@ -608,6 +608,27 @@ def test_a_short_measurement_is_judged_over_the_whole_neighbour_window(tmp_path,
     assert len(windows) == 1 and time.perf_counter() - start < routes.NEIGHBOUR_WINDOW
 
 
+def test_a_route_timing_starts_after_an_untimed_call():
+    """The other route's timing left this route's threads asleep: a timed call that wakes them runs
+    mostly on the caller, so _time_call runs the product once before it reads the clock."""
+    from engine.models import routes
+
+    events = []
+
+    class Proxy:
+        def run(self, x, route):
+            events.append(("run", route))
+
+    ticks = iter(range(100))
+
+    def clock():
+        events.append(("clock", None))
+        return next(ticks) * routes.MIN_TIMED_SECONDS
+
+    assert routes._time_call(Proxy(), None, "strip", clock) == routes.MIN_TIMED_SECONDS
+    assert events == [("run", "strip"), ("clock", None), ("run", "strip"), ("clock", None)]
+
+
 def test_neighbours_cpu_time_is_the_machines_minus_ours():
     from engine.models import routes
 

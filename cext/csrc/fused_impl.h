@@ -529,6 +529,48 @@ static void FK_FN(attention_items)(const AttnArgs *a, int64_t begin, int64_t end
     }
 }
 
+#ifdef FK_VEC8
+/* fast_exp on 8 lanes in the scalar code's own operations as this target compiles them (its
+ * round-to-nearest through 1.5 * 2^23 contracted into one FMA, as exp8 does not), so a value's
+ * bits do not depend on whether its lane or the scalar tail took it. */
+static inline __m256 FK_FN(exp8_scalar_ops)(__m256 x) {
+    const __m256 magic = _mm256_set1_ps(12582912.0f);
+    x = _mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f));
+    const __m256 is_tiny = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3365447504f), _CMP_LT_OQ);
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3365447504f));
+    const __m256 n = _mm256_sub_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), magic), magic);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(is_tiny, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+/* dst = act(gate) * up over the first multiple of 8 of n values (the scalar loops' operations, lane
+ * by lane) -> how many were done. GCC left those loops scalar (10 cycles a value). */
+static inline int64_t FK_FN(glu8)(const float *gate, const float *up, float *dst, int64_t n, int act) {
+    const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 g = _mm256_loadu_ps(gate + i);
+        __m256 z = g;
+        if (act == FK_ACT_GELU_TANH) {
+            const __m256 c = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.044715f), g), g);
+            z = _mm256_mul_ps(_mm256_set1_ps(1.5957691216057308f), _mm256_fmadd_ps(c, g, g));
+        }
+        const __m256 e = FK_FN(exp8_scalar_ops)(_mm256_xor_ps(z, sign));
+        _mm256_storeu_ps(dst + i, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), _mm256_loadu_ps(up + i)));
+    }
+    return i;
+}
+#endif
+
 static void FK_FN(silu_mul_rows)(const SiluArgs *a, int64_t begin, int64_t end, float *scratch) {
     const int64_t inter = a->inter;
     const size_t esize = a->dtype == FK_FLOAT32 ? 4 : 2;
@@ -548,17 +590,19 @@ static void FK_FN(silu_mul_rows)(const SiluArgs *a, int64_t begin, int64_t end, 
                 gate = dst = scratch;
                 up = scratch + FK_CHUNK_COLS;
             }
+            int64_t i0 = 0;
+#ifdef FK_VEC8
+            i0 = FK_FN(glu8)(gate, up, dst, n, a->act);
+#endif
             if (a->act == FK_ACT_GELU_TANH) {
                 /* 0.5 g (1 + tanh(u)) = g * sigmoid(2 u), u = sqrt(2 / pi) (g + 0.044715 g^3) */
-#pragma omp simd
-                for (int64_t i = 0; i < n; i++) {
+                for (int64_t i = i0; i < n; i++) {
                     const float g = gate[i];
                     const float u2 = 1.5957691216057308f * (g + 0.044715f * g * g * g);
                     dst[i] = g / (1.0f + FK_FN(fast_exp)(-u2)) * up[i];
                 }
             } else {
-#pragma omp simd
-                for (int64_t i = 0; i < n; i++) dst[i] = gate[i] / (1.0f + FK_FN(fast_exp)(-gate[i])) * up[i];
+                for (int64_t i = i0; i < n; i++) dst[i] = gate[i] / (1.0f + FK_FN(fast_exp)(-gate[i])) * up[i];
             }
             if (a->dtype != FK_FLOAT32) FK_FN(store_row)(out + (size_t)c0 * esize, scratch, n, a->dtype);
         }

@@ -65,12 +65,12 @@ ROW_GRID = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 # into two bfloat16), float32 sums
 EXACT_ROUTES = ("int16", "float", "amx_int", "strip", "amx3", "blas")
 APPROXIMATE = ("amx",)  # bfloat16 weights and activations: 8 mantissa bits
-CACHE_VERSION = 16  # 7: routes the whole layer can run (6 gave amx_int to outputs not in 16s); 8: L2 prefetch
+CACHE_VERSION = 17  # 7: routes the whole layer can run (6 gave amx_int to outputs not in 16s); 8: L2 prefetch
 # on AMD; 9: decode steps spread their weight prefetch over each pass; 10: int16 products of 3-5 rows
 # read their codes in place; 11: the strip route; 12: Q4 layers in strips of 16 (QG_PACKED); 13: amx3
 # 14: amx3 splits across the threads and runs a long K in chunks; 15: packed strips on AVX2 (its kernel,
 # and their dequantization for blas vectorized); 16: int8 strips on AVX2 multiply bytes (tables of 15 timed
-# them at int16 speed)
+# them at int16 speed); 17: a timing starts with its threads awake (_time_call)
 PROXY_ROWS = 256  # fewest output rows a shape is timed on
 PROXY_MACS = 1 << 23  # and enough rows for this many multiply-adds (a decode row: whole layers)
 MIN_TIMED_SECONDS = 0.002  # a timing repeats its call until it lasts this long
@@ -221,7 +221,12 @@ def proxy_rows(layer, num_rows: int) -> int:
 
 
 def _time_call(proxy, x: torch.Tensor, route: str, clock) -> float:
-    """Seconds per product of x through route, over as many calls as fill MIN_TIMED_SECONDS."""
+    """Seconds per product of x through route, over as many calls as fill MIN_TIMED_SECONDS, after
+    one untimed call: the other route's timing left this one's threads asleep (the kernels' pool
+    sleeps after 300 us idle, torch's passive OpenMP team at once), and a call that wakes them runs
+    mostly on the caller alone. Timed cold, a 512-row strip product of two threads took 1.2 or 2.1 ms
+    from round to round, and tables gave prompts to the BLAS at half the strips' speed."""
+    proxy.run(x, route)
     calls, start = 0, clock()
     while True:
         proxy.run(x, route)
