@@ -157,13 +157,15 @@ static inline __m256 FK_FN(load8)(const char *p, const int is_half) {
     return is_half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)) : _mm256_loadu_ps((const float *)p);
 }
 
-/* fast_exp on 8 lanes (the same polynomial and rounding). */
+/* fast_exp on 8 lanes: the scalar code's operations as this target compiles them (its rounding to
+ * nearest through 1.5 * 2^23 contracted into one FMA), so a value's bits do not depend on whether a
+ * lane or a scalar tail took it. */
 static inline __m256 FK_FN(exp8)(__m256 x) {
+    const __m256 magic = _mm256_set1_ps(12582912.0f);
     x = _mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f));
     const __m256 is_tiny = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3365447504f), _CMP_LT_OQ);
     x = _mm256_max_ps(x, _mm256_set1_ps(-87.3365447504f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 n = _mm256_sub_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), magic), magic);
     __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
     r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
     __m256 p = _mm256_set1_ps(1.9875691500e-4f);
@@ -173,7 +175,7 @@ static inline __m256 FK_FN(exp8)(__m256 x) {
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
     p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_andnot_ps(is_tiny, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
 }
 
@@ -530,28 +532,6 @@ static void FK_FN(attention_items)(const AttnArgs *a, int64_t begin, int64_t end
 }
 
 #ifdef FK_VEC8
-/* fast_exp on 8 lanes in the scalar code's own operations as this target compiles them (its
- * round-to-nearest through 1.5 * 2^23 contracted into one FMA, as exp8 does not), so a value's
- * bits do not depend on whether its lane or the scalar tail took it. */
-static inline __m256 FK_FN(exp8_scalar_ops)(__m256 x) {
-    const __m256 magic = _mm256_set1_ps(12582912.0f);
-    x = _mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f));
-    const __m256 is_tiny = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3365447504f), _CMP_LT_OQ);
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3365447504f));
-    const __m256 n = _mm256_sub_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), magic), magic);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_andnot_ps(is_tiny, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
-}
-
 /* dst = act(gate) * up over the first multiple of 8 of n values (the scalar loops' operations, lane
  * by lane) -> how many were done. GCC left those loops scalar (10 cycles a value). */
 static inline int64_t FK_FN(glu8)(const float *gate, const float *up, float *dst, int64_t n, int act) {
@@ -564,7 +544,7 @@ static inline int64_t FK_FN(glu8)(const float *gate, const float *up, float *dst
             const __m256 c = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.044715f), g), g);
             z = _mm256_mul_ps(_mm256_set1_ps(1.5957691216057308f), _mm256_fmadd_ps(c, g, g));
         }
-        const __m256 e = FK_FN(exp8_scalar_ops)(_mm256_xor_ps(z, sign));
+        const __m256 e = FK_FN(exp8)(_mm256_xor_ps(z, sign));
         _mm256_storeu_ps(dst + i, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), _mm256_loadu_ps(up + i)));
     }
     return i;
