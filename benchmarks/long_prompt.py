@@ -18,7 +18,7 @@ the whole-prompt run (issue 29: 256-token chunks <= 1.1x). Timings only; nothing
 tree's engine (this script's measurement either way), interleaved: before/after comparisons.
 
     .venv/bin/python benchmarks/long_prompt.py [--long-tokens 8000] [--repeats 1] [--modes chunked,whole]
-        [--trees /path/to/before,/path/to/after]
+        [--trees /path/to/before,/path/to/after] [--activations int16|int8]
 """
 from __future__ import annotations
 
@@ -158,10 +158,15 @@ def routes() -> dict:
             else "SDPA per sequence"}
 
 
+def model_options(args) -> dict:
+    """load_model's options: none for the default activations (a tree from before the option loads)."""
+    return {} if args.activations == "int16" else {"activations": args.activations}
+
+
 def child_main(args) -> None:
     """One (mode) run in this process; prints its result as one JSON line on stdout."""
     path = default_model_path()
-    model, tok = load_model(path), load_tokenizer(path)
+    model, tok = load_model(path, **model_options(args)), load_tokenizer(path)
     Engine(model, tok).generate(["warm up"], SamplingParams(max_tokens=2, temperature=0))
     r = run_once(model, tok, args.child, args.long_tokens, args.before_seconds, args.short_delay)
     print(json.dumps({**r, "routes": routes()}), flush=True)
@@ -171,7 +176,7 @@ def run_in_tree(tree: str, mode: str, args) -> dict:
     env = dict(os.environ, LONG_PROMPT_TREE=tree, PYTHONPATH=tree)
     argv = [sys.executable, str(Path(__file__).resolve()), "--child", mode, "--long-tokens",
             str(args.long_tokens), "--before-seconds", str(args.before_seconds),
-            "--short-delay", str(args.short_delay)]
+            "--short-delay", str(args.short_delay), "--activations", args.activations]
     done = subprocess.run(argv, env=env, cwd=tree, stdout=subprocess.PIPE, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -192,6 +197,8 @@ def main(argv=None) -> dict:
                         help="comma-separated source trees to compare (child processes)")
     parser.add_argument("--before-seconds", type=float, default=3.0)
     parser.add_argument("--short-delay", type=float, default=1.0, help="seconds after the long prompt")
+    parser.add_argument("--activations", default="int16", choices=["int16", "int8"],
+                        help="the packed products' activation codes (load_model's activations)")
     parser.add_argument("--child", choices=list(MODES), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -205,7 +212,7 @@ def main(argv=None) -> dict:
     load_start = os.getloadavg()
     if trees == [None]:
         path = default_model_path()
-        model, tok = load_model(path), load_tokenizer(path)
+        model, tok = load_model(path, **model_options(args)), load_tokenizer(path)
         Engine(model, tok).generate(["warm up"], SamplingParams(max_tokens=2, temperature=0))
     runs: dict[str, list[dict]] = {}
     for repeat in range(args.repeats):
@@ -244,11 +251,13 @@ def main(argv=None) -> dict:
         row.append(f"{s['ratio_to_whole']:.2f}x")
     env = environment()
     results = {"long_tokens": args.long_tokens, "repeats": args.repeats, "modes": modes, "trees": trees,
+               "activations": args.activations,
                "runs": runs, "summary": summary, "load_average_start": load_start, "environment": env}
     print_table(
         ["run", "gap before p50/p99/max s", "gap during p50/p99/max s", "min stream tokens / ticks during",
          "short TTFT s", "long prefill s", "/ whole"], rows,
-        title=f"{args.long_tokens}-token prompt arriving among 4 decoding streams (default model, medians of "
+        title=f"{args.long_tokens}-token prompt arriving among 4 decoding streams (default model, {args.activations} "
+              f"activations, medians of "
               f"{args.repeats}; min-max in parentheses; interleaved)",
     )
     print(f"routes: {sorted({json.dumps(r['routes']) for rs in runs.values() for r in rs})}")

@@ -576,12 +576,14 @@ static void FK_FN(silu_mul_rows)(const SiluArgs *a, int64_t begin, int64_t end, 
 #endif
             if (a->act == FK_ACT_GELU_TANH) {
                 /* 0.5 g (1 + tanh(u)) = g * sigmoid(2 u), u = sqrt(2 / pi) (g + 0.044715 g^3) */
+#pragma omp simd
                 for (int64_t i = i0; i < n; i++) {
                     const float g = gate[i];
                     const float u2 = 1.5957691216057308f * (g + 0.044715f * g * g * g);
                     dst[i] = g / (1.0f + FK_FN(fast_exp)(-u2)) * up[i];
                 }
             } else {
+#pragma omp simd
                 for (int64_t i = i0; i < n; i++) dst[i] = gate[i] / (1.0f + FK_FN(fast_exp)(-gate[i])) * up[i];
             }
             if (a->dtype != FK_FLOAT32) FK_FN(store_row)(out + (size_t)c0 * esize, scratch, n, a->dtype);
