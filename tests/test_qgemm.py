@@ -629,6 +629,23 @@ def test_a_route_timing_starts_after_an_untimed_call():
     assert events == [("run", "strip"), ("clock", None), ("run", "strip"), ("clock", None)]
 
 
+def test_measure_wakes_the_pool_for_a_kernel_route_timed_after_a_torch_route(monkeypatch):
+    from engine.models import routes
+
+    timed = []
+    monkeypatch.setattr(routes, "_time_call",
+                        lambda proxy, x, route, clock, wake=True: timed.append((route, wake)) or 1.0)
+    layer = Linear(Int4Weight.from_dense(torch.randn(64, 128, generator=torch.Generator().manual_seed(4))))
+    available = routes.available_routes(False)
+    routes.measure(layer, available, grid=(1, 4), rounds=2)
+    assert timed and {route for route, _ in timed} >= {"int16", "blas"}
+    previous = [r for r in available if layer.can_run(r, 1)][-1]  # the warm-up calls' last
+    for route, wake in timed:
+        assert wake == (route not in routes.TORCH_ROUTES and previous in routes.TORCH_ROUTES), (route, previous)
+        previous = route
+    assert any(wake for _, wake in timed) and not all(wake for _, wake in timed)
+
+
 def test_neighbours_cpu_time_is_the_machines_minus_ours():
     from engine.models import routes
 

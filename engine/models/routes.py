@@ -220,13 +220,18 @@ def proxy_rows(layer, num_rows: int) -> int:
     return min(layer.out_features, max(PROXY_ROWS, -(-wanted // 64) * 64))
 
 
-def _time_call(proxy, x: torch.Tensor, route: str, clock) -> float:
-    """Seconds per product of x through route, over as many calls as fill MIN_TIMED_SECONDS, after
-    one untimed call: the other route's timing left this one's threads asleep (the kernels' pool
-    sleeps after 300 us idle, torch's passive OpenMP team at once), and a call that wakes them runs
-    mostly on the caller alone. Timed cold, a 512-row strip product of two threads took 1.2 or 2.1 ms
-    from round to round, and tables gave prompts to the BLAS at half the strips' speed."""
-    proxy.run(x, route)
+TORCH_ROUTES = ("blas", "amx")  # on torch's OpenMP team; the others on the kernels' pool
+
+
+def _time_call(proxy, x: torch.Tensor, route: str, clock, wake: bool = True) -> float:
+    """Seconds per product of x through route, over as many calls as fill MIN_TIMED_SECONDS; with
+    wake, after one untimed call. A timing on torch's team leaves the kernels' pool asleep (it
+    sleeps after 300 us idle), and a call that wakes it runs mostly on the caller alone: timed cold,
+    a 512-row strip product of two threads took 1.2 or 2.1 ms from round to round, and tables gave
+    prompts to the BLAS at half the strips' speed. (torch's passive team sleeps after every call,
+    so its routes gain nothing from a wake-up call.)"""
+    if wake:
+        proxy.run(x, route)
     calls, start = 0, clock()
     while True:
         proxy.run(x, route)
@@ -244,7 +249,8 @@ def measure(layer, routes: tuple[str, ...], grid: tuple[int, ...] = ROW_GRID,
     output rows past that), each route once per round with the rounds interleaved and the
     minimum kept (a busy neighbour only adds time), after one warm-up call (oneDNN builds its
     kernel for a shape on the first); a timing repeats the call until it lasts
-    MIN_TIMED_SECONDS. With one thread the clock is the thread's CPU time, which a neighbour
+    MIN_TIMED_SECONDS, and a kernel route's after a torch route's starts with an untimed call
+    (_time_call's wake). With one thread the clock is the thread's CPU time, which a neighbour
     that preempts us does not inflate (the machine may be shared)."""
     clock = _clock()
     gen = torch.Generator().manual_seed(0)
@@ -258,9 +264,12 @@ def measure(layer, routes: tuple[str, ...], grid: tuple[int, ...] = ROW_GRID,
         times = dict.fromkeys(candidates, float("inf"))
         for route in candidates:
             proxy.run(x, route)
+        previous = candidates[-1] if candidates else None
         for _ in range(rounds):
             for route in candidates:
-                times[route] = min(times[route], _time_call(proxy, x, route, clock))
+                wake = route not in TORCH_ROUTES and previous in TORCH_ROUTES
+                times[route] = min(times[route], _time_call(proxy, x, route, clock, wake))
+                previous = route
         best.append(min(times, key=times.get))
     return best
 
