@@ -107,7 +107,7 @@ INT8 = 1024  # packed products with int8 activation codes (qgemm.h's QG_INT8)
 # strip the same sums with AVX-512 VNNI, 16 outputs per vector; amx3 (packed strips only, the same
 # route bit as amx_int) three bfloat16 products of the split weights and activations on AMX-BF16
 # tiles (cext/csrc/qgemm_amx3.h).
-_KERNEL_ROUTES = {"int16": ROUTE_INT, "float": ROUTE_FLOAT, "amx_int": ROUTE_AMX, "strip": ROUTE_STRIP,
+KERNEL_ROUTES = {"int16": ROUTE_INT, "float": ROUTE_FLOAT, "amx_int": ROUTE_AMX, "strip": ROUTE_STRIP,
                   "amx3": ROUTE_AMX}
 AMX_ROWS = 1024  # output rows dequantized to bfloat16 at once on the amx route (1.8 MB at K = 896)
 # float32 elements of a weight dequantized at once on the blas route (16 MB: all of a SmolLM2
@@ -125,7 +125,7 @@ def route_epoch() -> int:
 
 def is_kernel_route(route: str) -> bool:
     """Whether a route runs in the C kernels (Linear.kernel_layout gives its layout code)."""
-    return route in _KERNEL_ROUTES
+    return route in KERNEL_ROUTES
 
 
 def one_class_route_rows(num_rows: int) -> int | None:
@@ -455,8 +455,8 @@ class Linear:
         return route == "int16"
 
     def kernel_layout(self, route: str) -> int:
-        """The qgemm layout code of a product on one of the C kernel routes (_KERNEL_ROUTES)."""
-        return self.layout | _KERNEL_ROUTES[route]
+        """The qgemm layout code of a product on one of the C kernel routes (KERNEL_ROUTES)."""
+        return self.layout | KERNEL_ROUTES[route]
 
     def run(self, x: torch.Tensor, route: str, out: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, in] -> [T, out] through one route ("int16", "float", "amx_int", "strip", "amx3", "amx" or
@@ -465,7 +465,7 @@ class Linear:
         if self.parts is not None:
             return _into(out, torch.cat([part.run(x, route) for part in self.parts], dim=1))
         num_rows = x.shape[0]
-        if route in _KERNEL_ROUTES:
+        if route in KERNEL_ROUTES:
             code = _DTYPE_CODES.get(x.dtype)
             if code is None:
                 x, code = x.float(), 0

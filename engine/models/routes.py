@@ -58,6 +58,8 @@ from pathlib import Path
 
 import torch
 
+from engine.models.linear import KERNEL_ROUTES
+
 log = logging.getLogger("engine")
 
 ROW_GRID = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -220,7 +222,8 @@ def proxy_rows(layer, num_rows: int) -> int:
     return min(layer.out_features, max(PROXY_ROWS, -(-wanted // 64) * 64))
 
 
-TORCH_ROUTES = ("blas", "amx")  # on torch's OpenMP team; the others on the kernels' pool
+# on torch's OpenMP team: the routes that are not C kernels (linear.KERNEL_ROUTES, on the kernels' pool)
+TORCH_ROUTES = tuple(r for r in (*EXACT_ROUTES, *APPROXIMATE) if r not in KERNEL_ROUTES)
 
 
 def _time_call(proxy, x: torch.Tensor, route: str, clock, wake: bool = True) -> float:
